@@ -1,0 +1,3 @@
+from mirrorgrad.cli import main
+
+raise SystemExit(main())
