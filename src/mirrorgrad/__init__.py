@@ -11,4 +11,27 @@ Public API:
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
+
+# Imported on first use: `import mirrorgrad` stays cheap and a CLI subcommand loads
+# only what it needs.
+_LAZY = {
+    "compile": ("mirrorgrad.compile", "compile"),
+    "backend": ("mirrorgrad.compile", "backend"),
+    "explain": ("mirrorgrad.compile", "explain"),
+    "mark": ("mirrorgrad.mirror.policy", "mark"),
+    "nn": ("mirrorgrad.nn", None),
+    "callbacks": ("mirrorgrad.callbacks", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mirrorgrad' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attr is None else getattr(module, attr)
