@@ -23,3 +23,35 @@ def test_partitioners_take_num_fwd_outputs():
 
 def test_aot_function_takes_partition_fn():
     assert "partition_fn" in inspect.signature(_compat.aot_function).parameters
+
+
+def test_inductor_has_custom_partitioner_config():
+    from torch._inductor import config
+
+    assert hasattr(config, _compat.INDUCTOR_PARTITIONER_CONFIG)
+    assert _compat.inductor_config is config
+
+
+def test_custom_partitioner_fn_interface():
+    abstract = _compat.CustomPartitionerFn.__abstractmethods__
+    assert abstract == {"__call__", "uuid"}, f"torch changed CustomPartitionerFn: {abstract}"
+    assert isinstance(_compat.get_hash_for_files((_compat.__file__,), "x"), bytes)
+
+
+def test_aot_autograd_backend_takes_partition_fn_and_boxed_nop():
+    backend = _compat.aot_autograd(
+        fw_compiler=_compat.boxed_nop, partition_fn=_compat.default_partition
+    )
+    assert backend.kwargs["partition_fn"] is _compat.default_partition
+    assert list(inspect.signature(_compat.boxed_nop).parameters) == ["fx_g", "example_inputs"]
+
+
+def test_graph_reorder_helpers_take_a_graph_module():
+    for fn in (_compat.reordering_to_mimic_autograd_engine, _compat.raise_getitems):
+        assert list(inspect.signature(fn).parameters) == ["gm"], fn.__name__
+
+
+def test_compile_fx_takes_model_and_example_inputs():
+    params = list(inspect.signature(_compat.compile_fx).parameters)
+    assert params[:2] == ["model_", "example_inputs_"]
+

@@ -10,21 +10,60 @@ import torch
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
-# --- AOTAutograd / partitioner (used by graph/, mirror/, compile.py) ---------------
+# --- AOTAutograd, partitioners, torch.compile backends, the Inductor partitioner hook
+# (used by graph/, mirror/, compile.py) ------------------------------------------------
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
 from torch._functorch.aot_autograd import aot_function, aot_module_simplified  # noqa: E402
+from torch._functorch.compile_utils import raise_getitems  # noqa: E402
 from torch._functorch.partitioners import (  # noqa: E402
     _extract_fwd_bwd_modules as extract_fwd_bwd_modules,
 )
 from torch._functorch.partitioners import (  # noqa: E402
     default_partition,
     min_cut_rematerialization_partition,
+    reordering_to_mimic_autograd_engine,
+)
+from torch._inductor import config as inductor_config  # noqa: E402
+from torch._inductor.compile_fx import compile_fx  # noqa: E402
+from torch._inductor.custom_graph_pass import (  # noqa: E402
+    CustomPartitionerFn,
+    get_hash_for_files,
 )
 
+# The Inductor config entry that takes a CustomPartitionerFn in place of min-cut.
+INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
+
+# --- Joint-graph node roles and sizes (used by graph/joint.py) ---------------------------
+from torch._functorch._aot_autograd.utils import _is_primal as is_primal  # noqa: E402
+from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent  # noqa: E402
+from torch._functorch.partitioners import (  # noqa: E402
+    _must_be_in_backward as must_be_in_backward,
+)
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # older torch: the same guard-free size hint under its former name
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
+
 __all__ = [
+    "INDUCTOR_PARTITIONER_CONFIG",
     "TORCH_VERSION",
+    "CustomPartitionerFn",
+    "aot_autograd",
     "aot_function",
     "aot_module_simplified",
+    "boxed_nop",
+    "compile_fx",
     "default_partition",
     "extract_fwd_bwd_modules",
+    "get_hash_for_files",
+    "inductor_config",
+    "is_primal",
+    "is_tangent",
     "min_cut_rematerialization_partition",
+    "must_be_in_backward",
+    "optimization_hint",
+    "raise_getitems",
+    "reordering_to_mimic_autograd_engine",
 ]
