@@ -1,0 +1,717 @@
+"""GPU path of the RNN ops: fused Triton pointwise kernels around cuBLAS GEMMs.
+
+Per layer and direction (time-major, x [T, B, I]):
+
+* forward: one input GEMM ``X @ W_ih^T + b`` over all steps; per step one hidden
+  GEMM accumulated in place (``addmm_``) and one fused pointwise kernel (gate
+  nonlinearities, cell update, state clip, lengths mask; writes y_t, h, c, stash);
+* backward: reverse loop with one fused pointwise kernel (writes the gate gradient
+  dG_t and the direct state gradient) and one ``dG_t @ W_hh`` GEMM per step into a
+  reused buffer; then dW_ih, dW_hh, db as single GEMMs / reductions over all steps.
+
+At small sizes the step loops are captured once per shape in a CUDA Graph and
+replayed with static buffers (the loop is bound by host launches, not by the GPU).
+
+Stash layout (``saved``), pre-activations P per step (biases folded):
+  lstm:     stash (P [T,B,4H], cells [T+1,B,H] fp32)  recompute (cells,)
+  gru:      stash (P [T,B,4H] = r_pre, z_pre, W_in x + b_in, W_hn h + b_hn,)  recompute ()
+  rnn_*:    () in both modes: the activation's derivative is read from y
+``cells[0]`` is c0 and ``cells[t+1]`` is c_t.  ``recompute`` rebuilds P in backward
+from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+_MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK = 512
+# NOTE: graph capture removes ~4 host launches per step; above this many elements in
+# the static buffers the GPU work dominates and the extra copies in and out cost more.
+GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 24))
+_GRAPH_CACHE_SIZE = 16
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    # tanh via sigmoid: exact enough in fp32 and available in the interpreter too.
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _rnn_fwd_kernel(
+    pre_ptr,  # [B, G*H] pre-activations of step t (gru: input side [B, 3H])
+    hh_ptr,  # gru: [B, 3H] hidden side W_hh h + b_hh
+    stash_ptr,  # gru: [B, 4H] stash out
+    h_ptr,  # [B, H] running hidden state, read and written in place
+    cprev_ptr,  # lstm: [B, H] fp32 c_{t-1}
+    cnext_ptr,  # lstm: [B, H] fp32 c_t out
+    y_ptr,  # [B, H] output of step t
+    len_ptr,  # [B] int64
+    t,
+    B,
+    H,
+    clip_lo,
+    clip_hi,
+    MODE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    CLIP: tl.constexpr,
+    WRITE_STASH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
+    mask = idx < B * H
+    b = idx // H
+    j = idx % H
+    valid = t < tl.load(len_ptr + b, mask=mask, other=0) if HAS_LENGTHS else mask
+    h_old = tl.load(h_ptr + idx, mask=mask, other=0.0)
+    if MODE == 0:
+        row = b * 4 * H + j
+        i = _sigmoid(tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32))
+        f = _sigmoid(tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32))
+        g = _tanh(tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32))
+        o = _sigmoid(tl.load(pre_ptr + row + 3 * H, mask=mask, other=0.0).to(tl.float32))
+        c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
+        c = f * c_old + i * g
+        if CLIP:
+            c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
+        h = o * _tanh(c)
+        tl.store(cnext_ptr + idx, tl.where(valid, c, c_old), mask=mask)
+    elif MODE == 1:
+        row = b * 3 * H + j
+        hr = tl.load(hh_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        hz = tl.load(hh_ptr + row + H, mask=mask, other=0.0).to(tl.float32)
+        hn = tl.load(hh_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32)
+        r_pre = tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32) + hr
+        z_pre = tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32) + hz
+        xn = tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32)
+        r = _sigmoid(r_pre)
+        z = _sigmoid(z_pre)
+        n = _tanh(xn + r * hn)
+        h = (1.0 - z) * n + z * h_old.to(tl.float32)
+        if WRITE_STASH:
+            srow = b * 4 * H + j
+            sty = stash_ptr.dtype.element_ty
+            tl.store(stash_ptr + srow, r_pre.to(sty), mask=mask)
+            tl.store(stash_ptr + srow + H, z_pre.to(sty), mask=mask)
+            tl.store(stash_ptr + srow + 2 * H, xn.to(sty), mask=mask)
+            tl.store(stash_ptr + srow + 3 * H, hn.to(sty), mask=mask)
+    elif MODE == 2:
+        h = _tanh(tl.load(pre_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+    else:
+        h = tl.maximum(tl.load(pre_ptr + idx, mask=mask, other=0.0).to(tl.float32), 0.0)
+    h = h.to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + idx, tl.where(valid, h, h_old), mask=mask)
+    tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
+
+
+@triton.jit
+def _rnn_bwd_kernel(
+    pre_ptr,  # [B, P] pre-activations of step t (stash layout)
+    cprev_ptr,  # lstm: [B, H] fp32 c_{t-1}
+    cnext_ptr,  # lstm: [B, H] fp32 c_t
+    hprev_ptr,  # gru: [B, H] h_{t-1}
+    hnext_ptr,  # rnn: [B, H] y_t
+    dy_ptr,  # [B, H] grad of y_t
+    dh_ptr,  # [B, H] in: grad of h_t; out: direct part of grad of h_{t-1}
+    dc_ptr,  # lstm: [B, H] fp32 in: grad of c_t; out: grad of c_{t-1}
+    dg_ptr,  # [B, G*H] out: grad of the input-side pre-activations
+    dgh_ptr,  # gru: [B, 3H] out: grad of the hidden-side pre-activations
+    len_ptr,  # [B] int64
+    t,
+    B,
+    H,
+    clip_lo,
+    clip_hi,
+    MODE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_DY: tl.constexpr,
+    CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
+    mask = idx < B * H
+    b = idx // H
+    j = idx % H
+    valid = t < tl.load(len_ptr + b, mask=mask, other=0) if HAS_LENGTHS else mask
+    dh_in = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    dh = dh_in
+    if HAS_DY:
+        dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    gty = dg_ptr.dtype.element_ty
+    if MODE == 0:
+        row = b * 4 * H + j
+        i = _sigmoid(tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32))
+        f = _sigmoid(tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32))
+        g = _tanh(tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32))
+        o = _sigmoid(tl.load(pre_ptr + row + 3 * H, mask=mask, other=0.0).to(tl.float32))
+        c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
+        c = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
+        dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
+        tc = _tanh(c)
+        dc = dc_in + dh * o * (1.0 - tc * tc)
+        if CLIP:
+            c_pre = f * c_old + i * g
+            dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
+        di = dc * g * i * (1.0 - i)
+        df = dc * c_old * f * (1.0 - f)
+        dgg = dc * i * (1.0 - g * g)
+        do = dh * tc * o * (1.0 - o)
+        tl.store(dg_ptr + row, tl.where(valid, di, 0.0).to(gty), mask=mask)
+        tl.store(dg_ptr + row + H, tl.where(valid, df, 0.0).to(gty), mask=mask)
+        tl.store(dg_ptr + row + 2 * H, tl.where(valid, dgg, 0.0).to(gty), mask=mask)
+        tl.store(dg_ptr + row + 3 * H, tl.where(valid, do, 0.0).to(gty), mask=mask)
+        tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
+        dh_direct = tl.zeros_like(dh)
+    elif MODE == 1:
+        srow = b * 4 * H + j
+        r = _sigmoid(tl.load(pre_ptr + srow, mask=mask, other=0.0).to(tl.float32))
+        z = _sigmoid(tl.load(pre_ptr + srow + H, mask=mask, other=0.0).to(tl.float32))
+        xn = tl.load(pre_ptr + srow + 2 * H, mask=mask, other=0.0).to(tl.float32)
+        hn = tl.load(pre_ptr + srow + 3 * H, mask=mask, other=0.0).to(tl.float32)
+        n = _tanh(xn + r * hn)
+        h_old = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        dn = dh * (1.0 - z) * (1.0 - n * n)
+        dr = dn * hn * r * (1.0 - r)
+        dz = dh * (h_old - n) * z * (1.0 - z)
+        row = b * 3 * H + j
+        dr = tl.where(valid, dr, 0.0).to(gty)
+        dz = tl.where(valid, dz, 0.0).to(gty)
+        tl.store(dg_ptr + row, dr, mask=mask)
+        tl.store(dg_ptr + row + H, dz, mask=mask)
+        tl.store(dg_ptr + row + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
+        tl.store(dgh_ptr + row, dr, mask=mask)
+        tl.store(dgh_ptr + row + H, dz, mask=mask)
+        tl.store(dgh_ptr + row + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
+        dh_direct = dh * z
+    else:
+        # The activation's derivative comes from its output: nothing stashed.
+        h = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
+        tl.store(dg_ptr + idx, tl.where(valid, dp, 0.0).to(gty), mask=mask)
+        dh_direct = tl.zeros_like(dh)
+    # Rows past their length pass the state gradient through unchanged.
+    tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_kernel(x_ptr, out_ptr, n, p, seed, offset, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
+    mask = idx < n
+    x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+    keep = tl.rand(seed, offset + idx) >= p
+    out = tl.where(keep, x.to(tl.float32) / (1.0 - p), 0.0)
+    tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def saved_layout(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor in ``saved`` from ``layer_forward`` (module docstring)."""
+    cell_dtype = torch.float32
+    if mode == "lstm":
+        cells = ((T + 1, B, H), cell_dtype)
+        return [((T, B, 4 * H), dtype), cells] if memory == "stash" else [cells]
+    if mode == "gru" and memory == "stash":
+        return [((T, B, 4 * H), dtype)]
+    return []
+
+
+def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether this GPU path runs ``mode`` for these tensors (no projection: reference path)."""
+    device = torch.device(device)
+    on_device = device.type == "cuda" or (device.type == "cpu" and _interpreting())
+    return mode in MODES and not proj and dtype in _DTYPES and on_device
+
+
+def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
+    """Inverted dropout with a Philox mask drawn in-kernel from (seed, offset + index).
+
+    The mask is never stored: the backward is ``dropout(grad, p, seed, offset)``.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability has to be in [0, 1), got {p}")
+    if p == 0.0:
+        return x.clone()
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    n = src.numel()
+    _dropout_kernel[(triton.cdiv(n, _BLOCK),)](
+        src, out, n, float(p), int(seed), int(offset), BLOCK=_BLOCK
+    )
+    return out
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _Spec:
+    """Everything a captured step loop depends on besides tensor values."""
+
+    mode: str
+    T: int
+    B: int
+    H: int
+    dtype: torch.dtype
+    device: torch.device
+    has_lengths: bool
+    clip: tuple[float, float] | None
+    memory: str
+    has_bias: bool
+
+    @property
+    def gh(self) -> int:
+        return _GATES[self.mode] * self.H
+
+    @property
+    def stash_width(self) -> int:
+        return 4 * self.H if self.mode == "gru" else self.gh
+
+    def empty(self, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
+        return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
+
+
+def _launch_grid(spec: _Spec) -> tuple[int]:
+    return (triton.cdiv(spec.B * spec.H, _BLOCK),)
+
+
+def _clip_args(spec: _Spec) -> tuple[float, float]:
+    return (float(spec.clip[0]), float(spec.clip[1])) if spec.clip is not None else (0.0, 0.0)
+
+
+@dataclass(kw_only=True, slots=True)
+class _FwdBuffers:
+    pre: Tensor  # [T, B, G*H] input-side pre-activations; lstm/rnn: hidden GEMM adds in place
+    hh: Tensor | None  # gru: [B, 3H] hidden side of the current step
+    stash: Tensor | None  # gru stash: [T, B, 4H]
+    h: Tensor  # [B, H]
+    cells: Tensor | None  # lstm: [T+1, B, H] fp32
+    y: Tensor  # [T, B, H]
+    lengths: Tensor | None
+    w_hh: Tensor
+    b_hh: Tensor | None  # gru only: b_hh stays on the hidden side (r gates W_hn h + b_hn)
+
+
+def _fwd_buffers(
+    spec: _Spec, w_hh: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+) -> _FwdBuffers:
+    gru, lstm = spec.mode == "gru", spec.mode == "lstm"
+    return _FwdBuffers(
+        pre=spec.empty(spec.T, spec.B, spec.gh),
+        hh=spec.empty(spec.B, spec.gh) if gru else None,
+        stash=spec.empty(spec.T, spec.B, 4 * spec.H) if gru and spec.memory == "stash" else None,
+        h=spec.empty(spec.B, spec.H),
+        cells=spec.empty(spec.T + 1, spec.B, spec.H, dtype=torch.float32) if lstm else None,
+        y=spec.empty(spec.T, spec.B, spec.H),
+        lengths=lengths,
+        w_hh=w_hh,
+        b_hh=b_hh if gru else None,
+    )
+
+
+def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
+    """The sequential part of the forward: per step one GEMM and one fused kernel."""
+    lo, hi = _clip_args(spec)
+    w_t = buf.w_hh.t()
+    dummy = buf.y
+    for t in range(spec.T):
+        if spec.mode == "gru":
+            if buf.b_hh is not None:
+                torch.addmm(buf.b_hh, buf.h, w_t, out=buf.hh)
+            else:
+                torch.mm(buf.h, w_t, out=buf.hh)
+        else:
+            buf.pre[t].addmm_(buf.h, w_t)
+        cells = buf.cells
+        _rnn_fwd_kernel[_launch_grid(spec)](
+            buf.pre[t],
+            buf.hh if buf.hh is not None else dummy,
+            buf.stash[t] if buf.stash is not None else dummy,
+            buf.h,
+            cells[t] if cells is not None else dummy,
+            cells[t + 1] if cells is not None else dummy,
+            buf.y[t],
+            buf.lengths if buf.lengths is not None else dummy,
+            t,
+            spec.B,
+            spec.H,
+            lo,
+            hi,
+            MODE=_MODE_ID[spec.mode],
+            HAS_LENGTHS=buf.lengths is not None,
+            CLIP=spec.clip is not None,
+            WRITE_STASH=buf.stash is not None,
+            BLOCK=_BLOCK,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class _BwdBuffers:
+    pre: Tensor | None  # [T, B, P] stash layout (rnn: None)
+    cells: Tensor | None  # lstm: [T+1, B, H] fp32
+    h0: Tensor | None  # gru: [B, H]
+    y: Tensor | None  # gru: [T, B, H]
+    dy: Tensor | None  # [T, B, H]
+    dh: Tensor  # [B, H] running grad of h
+    dc: Tensor | None  # lstm: [B, H] fp32 running grad of c
+    dg: Tensor  # [T, B, G*H]
+    dgh: Tensor | None  # gru: [T, B, 3H]
+    lengths: Tensor | None
+    w_hh: Tensor
+
+
+def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
+    """The sequential part of the backward: per step one fused kernel and one GEMM."""
+    lo, hi = _clip_args(spec)
+    dummy = buf.dh
+    for t in reversed(range(spec.T)):
+        cells = buf.cells
+        dgh = buf.dgh[t] if buf.dgh is not None else None
+        _rnn_bwd_kernel[_launch_grid(spec)](
+            buf.pre[t] if buf.pre is not None else dummy,
+            cells[t] if cells is not None else dummy,
+            cells[t + 1] if cells is not None else dummy,
+            (buf.y[t - 1] if t > 0 else buf.h0) if spec.mode == "gru" else dummy,
+            buf.y[t] if spec.mode.startswith("rnn") else dummy,
+            buf.dy[t] if buf.dy is not None else dummy,
+            buf.dh,
+            buf.dc if buf.dc is not None else dummy,
+            buf.dg[t],
+            dgh if dgh is not None else dummy,
+            buf.lengths if buf.lengths is not None else dummy,
+            t,
+            spec.B,
+            spec.H,
+            lo,
+            hi,
+            MODE=_MODE_ID[spec.mode],
+            HAS_LENGTHS=buf.lengths is not None,
+            HAS_DY=buf.dy is not None,
+            CLIP=spec.clip is not None,
+            BLOCK=_BLOCK,
+        )
+        buf.dh.addmm_(dgh if dgh is not None else buf.dg[t], buf.w_hh)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    buffers: _FwdBuffers | _BwdBuffers
+
+
+_GRAPHS: OrderedDict[tuple, _Captured] = OrderedDict()
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _use_graph(spec: _Spec, use_graph: bool | None) -> bool:
+    if spec.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    if use_graph is not None:
+        return use_graph
+    return spec.T * spec.B * spec.stash_width <= GRAPH_MAX_ELEMENTS
+
+
+def _captured(key: tuple, make_buffers, loop) -> _Captured:
+    """Capture ``loop(buffers)`` once per key; later calls replay it."""
+    hit = _GRAPHS.get(key)
+    if hit is not None:
+        _GRAPHS.move_to_end(key)
+        return hit
+    buffers = make_buffers()
+    device = key[0].device
+    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        loop(buffers)
+    hit = _Captured(graph=graph, buffers=buffers)
+    _GRAPHS[key] = hit
+    if len(_GRAPHS) > _GRAPH_CACHE_SIZE:
+        _GRAPHS.popitem(last=False)
+    return hit
+
+
+def clear_graphs() -> None:
+    """Drop every captured step loop and its static buffers."""
+    _GRAPHS.clear()
+
+
+def _input_bias(mode: str, b_ih: Tensor | None, b_hh: Tensor | None) -> Tensor | None:
+    """Bias folded into the input GEMM: gru keeps b_hh on the hidden side."""
+    if mode == "gru" or b_hh is None:
+        return b_ih
+    return b_hh if b_ih is None else b_ih + b_hh
+
+
+def _input_gemm(x2d: Tensor, w_ih: Tensor, bias: Tensor | None, out: Tensor) -> None:
+    if bias is None:
+        torch.mm(x2d, w_ih.t(), out=out)
+    else:
+        torch.addmm(bias, x2d, w_ih.t(), out=out)
+
+
+def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown RNN mode {mode!r}; expected one of {MODES}")
+    if memory not in ("stash", "recompute"):
+        raise ValueError(f"memory must be 'stash' or 'recompute', got {memory!r}")
+    if w_hr is not None:
+        raise NotImplementedError(
+            "rnn_triton has no projection (proj_size > 0): use the reference path"
+        )
+    if x.dtype not in _DTYPES:
+        raise TypeError(
+            f"rnn_triton supports {_DTYPES}, got {x.dtype}; cast or use the reference path"
+        )
+    if state_clip is not None and mode != "lstm":
+        raise ValueError("state_clip applies to mode='lstm' only")
+
+
+def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> _Spec:
+    T, B, _ = x.shape
+    return _Spec(
+        mode=mode,
+        T=T,
+        B=B,
+        H=w_hh.shape[1],
+        dtype=x.dtype,
+        device=x.device,
+        has_lengths=lengths is not None,
+        clip=tuple(float(v) for v in state_clip) if state_clip is not None else None,
+        memory=memory,
+        has_bias=b_ih is not None or b_hh is not None,
+    )
+
+
+def layer_forward(
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    *,
+    lengths: Tensor | None = None,
+    memory: str = "stash",
+    state_clip: tuple[float, float] | None = None,
+    use_graph: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """One layer, one direction: returns ``(y [T,B,H], h_n, c_n, saved)``.
+
+    ``use_graph``: capture the step loop in a CUDA Graph (None: by size).
+    """
+    _check(mode, x, w_hr, memory, state_clip)
+    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    T, B = spec.T, spec.B
+    lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
+    bias = _input_bias(mode, b_ih, b_hh)
+    x2d = x.reshape(T * B, x.shape[2])
+    if _use_graph(spec, use_graph):
+        key = (spec, "fwd")
+        cap = _captured(
+            key,
+            lambda: _fwd_buffers(
+                spec,
+                w_hh.clone(),
+                b_hh.clone() if b_hh is not None else None,
+                lengths.clone() if lengths is not None else None,
+            ),
+            lambda buf: _fwd_loop(spec, buf),
+        )
+        buf = cap.buffers
+        buf.w_hh.copy_(w_hh)
+        if buf.b_hh is not None:
+            buf.b_hh.copy_(b_hh)
+        if buf.lengths is not None:
+            buf.lengths.copy_(lengths)
+    else:
+        cap = None
+        buf = _fwd_buffers(spec, w_hh, b_hh, lengths)
+    _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, spec.gh))
+    buf.h.copy_(h0)
+    if buf.cells is not None:
+        buf.cells[0].copy_(c0)
+    if cap is not None:
+        cap.graph.replay()
+        # The static buffers are overwritten by the next replay: hand out copies.
+        buf = _FwdBuffers(
+            pre=buf.pre.clone() if memory == "stash" and mode == "lstm" else buf.pre,
+            hh=None,
+            stash=buf.stash.clone() if buf.stash is not None else None,
+            h=buf.h.clone(),
+            cells=buf.cells.clone() if buf.cells is not None else None,
+            y=buf.y.clone(),
+            lengths=lengths,
+            w_hh=w_hh,
+            b_hh=b_hh,
+        )
+    else:
+        _fwd_loop(spec, buf)
+    c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
+    if mode == "lstm":
+        saved = (buf.pre, buf.cells) if memory == "stash" else (buf.cells,)
+    else:
+        saved = (buf.stash,) if buf.stash is not None else ()
+    return buf.y, buf.h, c_n, saved
+
+
+def _recompute_pre(
+    spec: _Spec, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh
+) -> Tensor:
+    """All pre-activations at once from x and h_{t-1} (= h0, then y): no sequential step."""
+    T, B, H = spec.T, spec.B, spec.H
+    n = T * B
+    hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
+    if spec.mode != "gru":
+        pre = spec.empty(n, spec.gh)
+        _input_gemm(x2d, w_ih, _input_bias(spec.mode, b_ih, b_hh), pre)
+        pre.addmm_(hprev, w_hh.t())
+        return pre.view(T, B, spec.gh)
+    gi = spec.empty(n, 3 * H)
+    gh = spec.empty(n, 3 * H)
+    _input_gemm(x2d, w_ih, b_ih, gi)
+    _input_gemm(hprev, w_hh, b_hh, gh)
+    pre = spec.empty(n, 4 * H)
+    torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
+    pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
+    pre[:, 3 * H :] = gh[:, 2 * H :]
+    return pre.view(T, B, 4 * H)
+
+
+def _bwd_buffers(spec: _Spec, *, pre, cells, h0, y, dy, w_hh, lengths) -> _BwdBuffers:
+    return _BwdBuffers(
+        pre=pre,
+        cells=cells,
+        h0=h0,
+        y=y,
+        dy=dy,
+        dh=spec.empty(spec.B, spec.H),
+        dc=spec.empty(spec.B, spec.H, dtype=torch.float32) if spec.mode == "lstm" else None,
+        dg=spec.empty(spec.T, spec.B, spec.gh),
+        dgh=spec.empty(spec.T, spec.B, spec.gh) if spec.mode == "gru" else None,
+        lengths=lengths,
+        w_hh=w_hh,
+    )
+
+
+def layer_backward(
+    mode: str,
+    saved: tuple[Tensor, ...],
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    y: Tensor,
+    grad_y: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    *,
+    lengths: Tensor | None = None,
+    memory: str = "stash",
+    state_clip: tuple[float, float] | None = None,
+    needs_input_grad: tuple[bool, ...] = (True,) * 8,
+    use_graph: bool | None = None,
+) -> tuple[Tensor | None, ...]:
+    """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed)."""
+    _check(mode, x, w_hr, memory, state_clip)
+    need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
+    need_c0 = need_c0 and c0 is not None
+    need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
+    if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
+        return (None,) * 8
+    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    T, B, H = spec.T, spec.B, spec.H
+    lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
+    x2d = x.reshape(T * B, x.shape[2])
+    y = y.contiguous()
+    if mode.startswith("rnn"):
+        pre = None
+    elif memory == "stash":
+        pre = saved[0]
+    else:
+        pre = _recompute_pre(spec, x2d, h0, y, w_ih, w_hh, b_ih, b_hh)
+    cells = saved[-1] if mode == "lstm" else None
+    dy = grad_y.contiguous() if grad_y is not None else None
+    # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
+    fields = dict(
+        pre=pre,
+        cells=cells,
+        h0=h0 if mode == "gru" else None,
+        y=y if mode != "lstm" else None,
+        dy=dy,
+        w_hh=w_hh,
+        lengths=lengths,
+    )
+    if _use_graph(spec, use_graph):
+        key = (spec, "bwd", dy is not None)
+
+        def make():
+            static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
+            return _bwd_buffers(spec, **static)
+
+        cap = _captured(key, make, lambda buf: _bwd_loop(spec, buf))
+        buf = cap.buffers
+        for name, value in fields.items():
+            if value is not None:
+                getattr(buf, name).copy_(value)
+    else:
+        cap = None
+        buf = _bwd_buffers(spec, **fields)
+    _init_grad(buf.dh, grad_hn)
+    if buf.dc is not None:
+        _init_grad(buf.dc, grad_cn)
+    if cap is not None:
+        cap.graph.replay()
+    else:
+        _bwd_loop(spec, buf)
+
+    dg = buf.dg.view(T * B, spec.gh)
+    dgh = buf.dgh if buf.dgh is not None else buf.dg
+    grad_x = (dg @ w_ih).view(T, B, -1) if need_x else None
+    grad_wih = dg.t() @ x2d if need_wih else None
+    grad_whh = None
+    if need_whh:
+        grad_whh = dgh[0].t() @ h0
+        if T > 1:
+            grad_whh.addmm_(
+                dgh[1:].reshape((T - 1) * B, spec.gh).t(), y[:-1].reshape((T - 1) * B, H)
+            )
+    grad_bih = dg.sum(0) if need_bih else None
+    grad_bhh = dgh.reshape(T * B, -1).sum(0) if need_bhh else None
+    grad_h0 = buf.dh.clone() if need_h0 else None
+    grad_c0 = buf.dc.to(x.dtype, copy=True) if need_c0 else None
+    return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
+
+
+def _init_grad(buffer: Tensor, grad: Tensor | None) -> None:
+    if grad is None:
+        buffer.zero_()
+    else:
+        buffer.copy_(grad)

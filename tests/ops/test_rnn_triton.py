@@ -1,0 +1,238 @@
+"""Triton RNN kernels (interpreted on CPU in CI) against a float64 autograd-through-loop oracle."""
+
+import pytest
+import torch
+
+from mirrorgrad.ops.rnn import rnn_triton
+
+T, B, IN, H = 4, 3, 5, 6
+GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _oracle(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, clip):
+    """Plain PyTorch loop; autograd gives the reference gradients."""
+    h, c, ys = h0, c0, []
+    for t in range(x.shape[0]):
+        gi = x[t] @ w_ih.T + (b_ih if b_ih is not None else 0)
+        gh = h @ w_hh.T + (b_hh if b_hh is not None else 0)
+        c_new = c
+        if mode == "lstm":
+            i, f, g, o = (gi + gh).chunk(4, 1)
+            c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            if clip is not None:
+                c_new = c_new.clamp(*clip)
+            h_new = torch.sigmoid(o) * torch.tanh(c_new)
+        elif mode == "gru":
+            ir, iz, in_ = gi.chunk(3, 1)
+            hr, hz, hn = gh.chunk(3, 1)
+            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+            n = torch.tanh(in_ + r * hn)
+            h_new = (1 - z) * n + z * h
+        elif mode == "rnn_tanh":
+            h_new = torch.tanh(gi + gh)
+        else:
+            h_new = torch.relu(gi + gh)
+        if lengths is None:
+            h, c, y = h_new, c_new, h_new
+        else:
+            valid = (t < lengths).unsqueeze(1)
+            h = torch.where(valid, h_new, h)
+            c = torch.where(valid, c_new, c) if c is not None else None
+            y = torch.where(valid, h_new, torch.zeros_like(h_new))
+        ys.append(y)
+    return torch.stack(ys), h, c
+
+
+def _inputs(mode, *, bias=True, t=T):
+    g = GATES[mode]
+    scale = 0.6
+    tensors = {
+        "x": torch.randn(t, B, IN),
+        "h0": torch.randn(B, H) * 0.5,
+        "c0": torch.randn(B, H) if mode == "lstm" else None,
+        "w_ih": torch.randn(g * H, IN) * scale,
+        "w_hh": torch.randn(g * H, H) * scale,
+        "b_ih": torch.randn(g * H) * scale if bias else None,
+        "b_hh": torch.randn(g * H) * scale if bias else None,
+    }
+    return {k: (v.to(DEVICE) if v is not None else None) for k, v in tensors.items()}
+
+
+NAMES = ("x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh")
+
+
+def f32(v):
+    return v.float() if v is not None else None
+
+
+def _check_layer(
+    mode, *, memory, lengths=None, clip=None, bias=True, with_grad_y=True, use_graph=None
+):
+    inp = _inputs(mode, bias=bias)
+    if lengths is not None:
+        lengths = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    ref_in = {k: (v.double().requires_grad_() if v is not None else None) for k, v in inp.items()}
+    y_ref, hn_ref, cn_ref = _oracle(mode, *ref_in.values(), lengths, clip)
+    gy = torch.randn_like(y_ref) if with_grad_y else None
+    ghn, gcn = torch.randn_like(hn_ref), (torch.randn_like(cn_ref) if cn_ref is not None else None)
+    loss = (hn_ref * ghn).sum()
+    loss = (
+        loss
+        + ((y_ref * gy).sum() if gy is not None else 0)
+        + ((cn_ref * gcn).sum() if gcn is not None else 0)
+    )
+    params = [v for v in ref_in.values() if v is not None]
+    ref_grads = dict(
+        zip([k for k, v in ref_in.items() if v is not None], torch.autograd.grad(loss, params))
+    )
+
+    y, hn, cn, saved = rnn_triton.layer_forward(
+        mode,
+        *inp.values(),
+        None,
+        lengths=lengths,
+        memory=memory,
+        state_clip=clip,
+        use_graph=use_graph,
+    )
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(hn.double(), hn_ref, atol=1e-5, rtol=1e-4)
+    if mode == "lstm":
+        torch.testing.assert_close(cn.double(), cn_ref, atol=1e-5, rtol=1e-4)
+    else:
+        assert cn is None
+    grads = rnn_triton.layer_backward(
+        mode,
+        saved,
+        *inp.values(),
+        None,
+        y,
+        f32(gy),
+        f32(ghn),
+        f32(gcn),
+        lengths=lengths,
+        memory=memory,
+        state_clip=clip,
+        use_graph=use_graph,
+    )
+    assert grads[7] is None
+    for name, grad in zip(NAMES, grads[:7]):
+        if name not in ref_grads:
+            assert grad is None, name
+            continue
+        torch.testing.assert_close(
+            grad.double(),
+            ref_grads[name],
+            atol=1e-4,
+            rtol=1e-4,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_layer_matches_oracle(mode, memory):
+    _check_layer(mode, memory=memory)
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_layer_with_unsorted_lengths(mode, memory):
+    _check_layer(mode, memory=memory, lengths=[2, 4, 1])
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+def test_lstm_state_clip(memory):
+    # Tight bounds so that some cells clip and some do not.
+    _check_layer("lstm", memory=memory, clip=(-0.3, 0.4), lengths=[4, 3, 2])
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_no_bias_no_grad_y(mode):
+    _check_layer(mode, memory="stash", bias=False, with_grad_y=False)
+
+
+def test_state_clip_actually_clips():
+    inp = _inputs("lstm")
+    inp["c0"] = inp["c0"] * 4
+    _, _, cn, _ = rnn_triton.layer_forward("lstm", *inp.values(), None, state_clip=(-0.5, 0.5))
+    assert cn.abs().max() <= 0.5 + 1e-6
+    assert (cn.abs() > 0.5 - 1e-6).any()
+
+
+def test_needs_input_grad_skips_and_missing_grads():
+    inp = _inputs("lstm")
+    y, _, _, saved = rnn_triton.layer_forward("lstm", *inp.values(), None)
+    gy = torch.randn_like(y)
+    grads = rnn_triton.layer_backward(
+        "lstm",
+        saved,
+        *inp.values(),
+        None,
+        y,
+        gy,
+        None,
+        None,
+        needs_input_grad=(True,) + (False,) * 7,
+    )
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+    none = rnn_triton.layer_backward(
+        "lstm", saved, *inp.values(), None, y, gy, None, None, needs_input_grad=(False,) * 8
+    )
+    assert none == (None,) * 8
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_saved_layout_matches_saved(mode, memory):
+    inp = _inputs(mode)
+    saved = rnn_triton.layer_forward(mode, *inp.values(), None, memory=memory)[3]
+    layout = rnn_triton.saved_layout(mode, memory, T, B, H, torch.float32)
+    assert [(tuple(s.shape), s.dtype) for s in saved] == layout
+    expected = {("lstm", "stash"): 2, ("lstm", "recompute"): 1, ("gru", "stash"): 1}
+    assert len(saved) == expected.get((mode, memory), 0)
+
+
+def test_bad_arguments():
+    inp = _inputs("lstm")
+    with pytest.raises(ValueError, match="memory"):
+        rnn_triton.layer_forward("lstm", *inp.values(), None, memory="none")
+    with pytest.raises(ValueError, match="mode"):
+        rnn_triton.layer_forward("lstmx", *inp.values(), None)
+    with pytest.raises(NotImplementedError, match="reference"):
+        rnn_triton.layer_forward("lstm", *inp.values(), torch.randn(H, H))
+    with pytest.raises(ValueError, match="state_clip"):
+        inp = _inputs("gru")
+        rnn_triton.layer_forward("gru", *inp.values(), None, state_clip=(-1.0, 1.0))
+
+
+def test_supports():
+    assert not rnn_triton.supports("lstm", proj=True, dtype=torch.float32, device="cuda")
+    assert not rnn_triton.supports("lstm", proj=False, dtype=torch.float64, device="cuda")
+    assert rnn_triton.supports("gru", proj=False, dtype=torch.bfloat16, device="cuda")
+    assert not rnn_triton.supports("rnn_gelu", proj=False, dtype=torch.float32, device="cuda")
+
+
+def test_dropout_mask_deterministic_and_scaled():
+    x = torch.randn(64, 257, device=DEVICE)
+    a = rnn_triton.dropout(x, 0.3, seed=7, offset=11)
+    b = rnn_triton.dropout(x, 0.3, seed=7, offset=11)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    c = rnn_triton.dropout(x, 0.3, seed=8, offset=11)
+    assert not torch.equal(a, c)
+    keep = a != 0
+    assert abs(keep.float().mean().item() - 0.7) < 0.02
+    torch.testing.assert_close(a[keep], x[keep] / 0.7)
+    # Backward regenerates the same mask from (seed, offset).
+    grad = rnn_triton.dropout(torch.ones_like(x), 0.3, seed=7, offset=11)
+    assert torch.equal(grad != 0, keep)
+    with pytest.raises(ValueError, match="probability"):
+        rnn_triton.dropout(x, 1.0, seed=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_graph_replay_matches_eager(mode):
+    for _ in range(2):  # second call replays the captured loop with new values
+        _check_layer(mode, memory="stash", lengths=[2, 4, 1], use_graph=True)
