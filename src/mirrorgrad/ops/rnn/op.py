@@ -1,0 +1,516 @@
+"""The whole RNN stack (layers x directions) as two torch.library ops.
+
+``mirrorgrad::rnn_forward`` / ``mirrorgrad::rnn_backward`` take the flat weight list in
+torch.nn's order (per layer and direction: w_ih, w_hh, [b_ih, b_hh], [w_hr]) and run
+one of the per-layer implementations (``reference`` on any device, ``triton`` on CUDA)
+for every layer and direction. Fake kernels, an autograd formula and FLOP formulas
+make ``torch.compile`` capture the recurrence as one node.
+
+``rnn(...)`` is the public entry: it resolves ``impl`` and ``memory``, and runs torch's
+own RNN (cuDNN on CUDA) for ``impl="cudnn"`` outside the custom ops, since cuDNN's
+backward needs its private reserve space that a fake kernel cannot size.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.utils.flop_counter import register_flop_formula
+
+from mirrorgrad import _compat
+from mirrorgrad.ops.rnn import reference
+from mirrorgrad.ops.rnn.reference import GATES, MODES
+
+IMPLS = ("auto", "triton", "reference", "cudnn")
+MEMORY = ("auto", "stash", "recompute")
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    try:
+        from mirrorgrad.ops.rnn import rnn_triton
+    except ImportError:
+        return None
+    return rnn_triton
+
+
+def _kernels(impl: str) -> ModuleType:
+    if impl == "reference":
+        return reference
+    module = _triton_module()
+    if module is None:
+        raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.rnn_triton")
+    return module
+
+
+def _weights_per_layer(has_biases: bool, proj_size: int) -> int:
+    return 2 + 2 * has_biases + (proj_size > 0)
+
+
+def _layer_weights(weights: Sequence[Tensor], index: int, has_biases: bool, proj_size: int):
+    """(w_ih, w_hh, b_ih, b_hh, w_hr) of layer-direction ``index`` (None where absent)."""
+    n = _weights_per_layer(has_biases, proj_size)
+    w = list(weights[index * n : (index + 1) * n])
+    w_ih, w_hh = w[0], w[1]
+    b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
+    w_hr = w[-1] if proj_size > 0 else None
+    return w_ih, w_hh, b_ih, b_hh, w_hr
+
+
+def reverse_within_lengths(x: Tensor, lengths: Tensor | None) -> Tensor:
+    """Reverse time [T,B,...] of each row within its own length; padding stays put."""
+    if lengths is None:
+        return x.flip(0)
+    steps = torch.arange(x.shape[0], device=x.device)[:, None]
+    index = torch.where(steps < lengths[None, :], lengths[None, :] - 1 - steps, steps)
+    return x.gather(0, index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
+    return None if state_clip is None else (state_clip[0], state_clip[1])
+
+
+def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
+    """How many tensors one layer-direction saves (shapes do not matter here)."""
+    return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
+
+
+@torch.library.custom_op("mirrorgrad::rnn_forward", mutates_args=())
+def rnn_forward(
+    x: Tensor,
+    weights: list[Tensor],
+    hx: Tensor,
+    cx: Tensor | None,
+    lengths: Tensor | None,
+    seed: Tensor,
+    mode: str,
+    num_layers: int,
+    bidirectional: bool,
+    has_biases: bool,
+    proj_size: int,
+    dropout: float,
+    memory: str,
+    state_clip: list[float] | None,
+    impl: str,
+    need_saved: bool,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
+    kernels = _kernels(impl)
+    num_dirs = 2 if bidirectional else 1
+    seed_value = int(seed.item())
+    saved: list[Tensor] = []
+    h_n, c_n = [], []
+    layer_out = x
+    for layer in range(num_layers):
+        layer_in = layer_out
+        if layer > 0 and dropout > 0:
+            layer_in = kernels.dropout(layer_out, dropout, seed_value, layer)
+        outs = []
+        for direction in range(num_dirs):
+            index = layer * num_dirs + direction
+            w = _layer_weights(weights, index, has_biases, proj_size)
+            xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
+            y, h, c, layer_saved = kernels.layer_forward(
+                mode, xin.contiguous(), hx[index], None if cx is None else cx[index], *w,
+                lengths=lengths, memory=memory, state_clip=_clip(state_clip),
+            )  # fmt: skip
+            outs.append(y if direction == 0 else reverse_within_lengths(y, lengths))
+            h_n.append(h)
+            c_n.append(c)
+            if need_saved:
+                saved.extend(layer_saved)
+        layer_out = outs[0] if num_dirs == 1 else torch.cat(outs, -1)
+        if need_saved and layer < num_layers - 1:
+            saved.append(layer_out)
+    c_out = torch.stack(c_n) if mode == "lstm" else x.new_empty(0)
+    return layer_out, torch.stack(h_n), c_out, saved
+
+
+@rnn_forward.register_fake
+def _rnn_forward_fake(
+    x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional, has_biases, proj_size,
+    dropout, memory, state_clip, impl, need_saved,
+):  # fmt: skip
+    T, B, _ = x.shape
+    num_dirs = 2 if bidirectional else 1
+    H = weights[1].shape[0] // GATES[mode]
+    Hr = hx.shape[-1]
+    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, x.dtype)
+    saved = []
+    if need_saved:
+        for layer in range(num_layers):
+            for _ in range(num_dirs):
+                saved.extend(x.new_empty(shape, dtype=dtype) for shape, dtype in layout)
+            if layer < num_layers - 1:
+                saved.append(x.new_empty(T, B, num_dirs * Hr))
+    c_n = x.new_empty(num_layers * num_dirs, B, H) if mode == "lstm" else x.new_empty(0)
+    return x.new_empty(T, B, num_dirs * Hr), x.new_empty(hx.shape), c_n, saved
+
+
+@torch.library.custom_op("mirrorgrad::rnn_backward", mutates_args=())
+def rnn_backward(
+    grad_y: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    x: Tensor,
+    weights: list[Tensor],
+    hx: Tensor,
+    cx: Tensor | None,
+    lengths: Tensor | None,
+    seed: Tensor,
+    y: Tensor,
+    saved: list[Tensor],
+    mode: str,
+    num_layers: int,
+    bidirectional: bool,
+    has_biases: bool,
+    proj_size: int,
+    dropout: float,
+    memory: str,
+    state_clip: list[float] | None,
+    impl: str,
+    needs_input_grad: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """Gradients of (x, hx, cx, weights); an empty tensor where needs_input_grad is False.
+
+    needs_input_grad: [x, hx, cx, *weights].
+    """
+    kernels = _kernels(impl)
+    num_dirs = 2 if bidirectional else 1
+    n_w = _weights_per_layer(has_biases, proj_size)
+    need_x, need_hx, need_cx = needs_input_grad[:3]
+    need_w = needs_input_grad[3:]
+    seed_value = int(seed.item())
+    Hr = hx.shape[-1]
+    if mode != "lstm":
+        grad_cn = None
+    # Unpack the saved list: per layer its directions' tensors, then its output (not the last).
+    k = _saved_per_layer(impl, mode, memory)
+    layer_saved, layer_outputs, pos = [], [], 0
+    for layer in range(num_layers):
+        for _ in range(num_dirs):
+            layer_saved.append(tuple(saved[pos : pos + k]))
+            pos += k
+        if layer < num_layers - 1:
+            layer_outputs.append(saved[pos])
+            pos += 1
+    layer_outputs.append(y)
+
+    grad_hx = [None] * (num_layers * num_dirs)
+    grad_cx = [None] * (num_layers * num_dirs)
+    grad_w: list[Tensor | None] = [None] * len(weights)
+    grad_out = grad_y
+    for layer in reversed(range(num_layers)):
+        # The input gradient of this layer is needed if anything below it needs a gradient.
+        below = need_x or need_hx or need_cx or any(need_w[: layer * num_dirs * n_w])
+        layer_in = x
+        if layer > 0:
+            layer_in = layer_outputs[layer - 1]
+            if dropout > 0:
+                layer_in = kernels.dropout(layer_in, dropout, seed_value, layer)
+        grad_in = None
+        for direction in range(num_dirs):
+            index = layer * num_dirs + direction
+            w = _layer_weights(weights, index, has_biases, proj_size)
+            cols = slice(direction * Hr, (direction + 1) * Hr)
+            y_d = layer_outputs[layer][..., cols]
+            g_d = None if grad_out is None else grad_out[..., cols]
+            xin = layer_in
+            if direction == 1:
+                xin = reverse_within_lengths(xin, lengths)
+                y_d = reverse_within_lengths(y_d, lengths)
+                g_d = None if g_d is None else reverse_within_lengths(g_d, lengths)
+            wanted = need_w[index * n_w : (index + 1) * n_w]
+            w_needs = (wanted[0], wanted[1], *(wanted[2:4] if has_biases else (False, False)))
+            w_needs += (bool(proj_size) and wanted[-1],)
+            grads = kernels.layer_backward(
+                mode, layer_saved[index], xin.contiguous(), hx[index],
+                None if cx is None else cx[index], *w, y_d.contiguous(),
+                None if g_d is None else g_d.contiguous(),
+                None if grad_hn is None else grad_hn[index],
+                None if grad_cn is None else grad_cn[index],
+                lengths=lengths, memory=memory, state_clip=_clip(state_clip),
+                needs_input_grad=(below if layer > 0 else need_x, need_hx, need_cx, *w_needs),
+            )  # fmt: skip
+            gx, grad_hx[index], grad_cx[index] = grads[:3]
+            present = [g for g, wt in zip(grads[3:], w) if wt is not None]
+            for k, g in enumerate(present):
+                grad_w[index * n_w + k] = g
+            if gx is not None:
+                gx = gx if direction == 0 else reverse_within_lengths(gx, lengths)
+                grad_in = gx if grad_in is None else grad_in + gx
+        grad_out = grad_in
+        if layer > 0 and dropout > 0 and grad_out is not None:
+            grad_out = kernels.dropout(grad_out, dropout, seed_value, layer)
+
+    def stacked(grads: list[Tensor | None]) -> Tensor:
+        return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
+
+    return (
+        grad_out if need_x and grad_out is not None else x.new_empty(0),
+        stacked(grad_hx) if need_hx else x.new_empty(0),
+        stacked(grad_cx) if need_cx else x.new_empty(0),
+        [x.new_empty(0) if g is None else g for g in grad_w],
+    )
+
+
+@rnn_backward.register_fake
+def _rnn_backward_fake(
+    grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved, mode, num_layers,
+    bidirectional, has_biases, proj_size, dropout, memory, state_clip, impl, needs_input_grad,
+):  # fmt: skip
+    need_x, need_hx, need_cx = needs_input_grad[:3]
+    return (
+        torch.empty_like(x) if need_x else x.new_empty(0),
+        torch.empty_like(hx) if need_hx else x.new_empty(0),
+        torch.empty_like(cx) if need_cx and cx is not None else x.new_empty(0),
+        [
+            torch.empty_like(w) if n else x.new_empty(0)
+            for w, n in zip(weights, needs_input_grad[3:])
+        ],
+    )
+
+
+_FORWARD_ARGS = (
+    "x", "weights", "hx", "cx", "lengths", "seed", "mode", "num_layers", "bidirectional",
+    "has_biases", "proj_size", "dropout", "memory", "state_clip", "impl",
+)  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_FORWARD_ARGS, inputs))
+    y, _, _, saved = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*saved)
+    ctx.config = {k: args[k] for k in _FORWARD_ARGS[6:]}
+    ctx.n_weights = len(args["weights"])
+    ctx.n_saved = len(saved)
+    ctx.has_lengths = args["lengths"] is not None
+    ctx.has_cx = args["cx"] is not None
+    tensors = [args["x"], args["hx"], args["seed"], y, *args["weights"], *saved]
+    if ctx.has_cx:
+        tensors.append(args["cx"])
+    if ctx.has_lengths:
+        tensors.append(args["lengths"])
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):
+    x, hx, seed, y, *rest = ctx.saved_tensors
+    weights = rest[: ctx.n_weights]
+    saved = rest[ctx.n_weights : ctx.n_weights + ctx.n_saved]
+    extra = rest[ctx.n_weights + ctx.n_saved :]
+    cx = extra.pop(0) if ctx.has_cx else None
+    lengths = extra.pop(0) if ctx.has_lengths else None
+    need_x, need_w, need_hx, need_cx = (
+        ctx.needs_input_grad[0],
+        list(ctx.needs_input_grad[1]),
+        ctx.needs_input_grad[2],
+        ctx.needs_input_grad[3],
+    )
+    cfg = ctx.config
+    grad_x, grad_hx, grad_cx, grad_w = torch.ops.mirrorgrad.rnn_backward(
+        grad_y, grad_hn, grad_cn, x, list(weights), hx, cx, lengths, seed, y, list(saved),
+        cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
+        cfg["proj_size"], cfg["dropout"], cfg["memory"], cfg["state_clip"], cfg["impl"],
+        [need_x, need_hx, need_cx, *need_w],
+    )  # fmt: skip
+    return (
+        grad_x if need_x else None,
+        [g if n else None for g, n in zip(grad_w, need_w)],
+        grad_hx if need_hx else None,
+        grad_cx if need_cx else None,
+        *([None] * (len(_FORWARD_ARGS) - 4 + 1)),
+    )
+
+
+rnn_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _layer_flops(mode, T, B, n_in, H, Hr, proj) -> int:
+    """One layer-direction forward: input and hidden GEMMs (+ projection)."""
+    flops = 2 * T * B * GATES[mode] * H * (n_in + Hr)
+    return flops + (2 * T * B * H * Hr if proj else 0)
+
+
+def _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size):
+    T, B, _ = x.shape
+    n_w = _weights_per_layer(has_biases, proj_size)
+    num_dirs = 2 if bidirectional else 1
+    H = weights[1].shape[0] // GATES[mode]
+    total = 0
+    for index in range(num_layers * num_dirs):
+        n_in = weights[index * n_w].shape[1]
+        total += _layer_flops(mode, T, B, n_in, H, hx.shape[-1], proj_size > 0)
+    return total
+
+
+@register_flop_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_flops(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                       has_biases, proj_size, *args, out_val=None, **kwargs) -> int:  # fmt: skip
+    return _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
+
+
+@register_flop_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
+                        mode, num_layers, bidirectional, has_biases, proj_size, dropout, memory,
+                        *args, out_val=None, **kwargs) -> int:  # fmt: skip
+    """Data and weight gradients: twice the forward; recompute adds one forward's GEMMs."""
+    forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
+    recomputes = memory == "recompute" and mode in ("lstm", "gru")
+    return 2 * forward + (forward if recomputes else 0)
+
+
+def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_biases,
+           dropout, training):  # fmt: skip
+    """torch's own RNN (cuDNN on CUDA, aten elsewhere), autograd by torch."""
+    vf = _compat.vf_rnn(mode)
+    state = (hx, cx) if mode == "lstm" else hx
+    if lengths is None:
+        out = vf(x, state, weights, has_biases, num_layers, dropout, training, bidirectional, False)
+        return out[0], out[1], out[2] if mode == "lstm" else None
+    packed = pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)
+    order, unorder = packed.sorted_indices, packed.unsorted_indices
+    state = (hx[:, order], cx[:, order]) if mode == "lstm" else hx[:, order]
+    out = vf(packed.data, packed.batch_sizes, state, weights, has_biases, num_layers, dropout,
+             training, bidirectional)  # fmt: skip
+    y = PackedSequence(out[0], packed.batch_sizes, order, unorder)
+    y = pad_packed_sequence(y, total_length=x.shape[0])[0]
+    return y, out[1][:, unorder], out[2][:, unorder] if mode == "lstm" else None
+
+
+# (mode, device, dtype, T, B, I, H, Hr, layers, bidirectional, varlen) -> chosen impl
+_AUTO_CHOICE: dict[tuple, str] = {}
+
+
+def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
+    fn()  # warm-up: compiles kernels, fills caches
+    times = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _choose_auto(key: tuple, candidates: dict[str, Callable[[], None]]) -> str:
+    """Time each candidate's forward+backward once per shape key; cache the fastest."""
+    if key not in _AUTO_CHOICE:
+        if len(candidates) == 1 or torch.compiler.is_compiling():
+            _AUTO_CHOICE[key] = next(iter(candidates))
+        else:
+            _AUTO_CHOICE[key] = min(candidates, key=lambda name: _time_ms(candidates[name]))
+    return _AUTO_CHOICE[key]
+
+
+def _triton_supports(mode: str, proj: bool, x: Tensor) -> bool:
+    module = _triton_module()
+    return module is not None and module.supports(mode, proj=proj, dtype=x.dtype, device=x.device)
+
+
+def rnn(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    hx: Tensor,
+    cx: Tensor | None = None,
+    *,
+    mode: str,
+    num_layers: int = 1,
+    bidirectional: bool = False,
+    has_biases: bool = True,
+    proj_size: int = 0,
+    dropout: float = 0.0,
+    training: bool = False,
+    lengths: Tensor | None = None,
+    memory: str = "auto",
+    state_clip: tuple[float, float] | None = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Multi-layer (bi)directional RNN, time-major: x [T,B,I] -> (y, h_n, c_n or None).
+
+    weights: torch.nn's flat order; hx [L*D,B,Hr]; cx [L*D,B,H] (lstm); lengths int64 [B]
+    (any order) for padded variable-length batches. Dropout (p=``dropout``) applies
+    between layers when ``training``. ``memory="auto"`` is "recompute" for an LSTM whose
+    gradients are needed (its stash is then cells only) and "stash" otherwise.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if memory not in MEMORY:
+        raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if state_clip is not None and mode != "lstm":
+        raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
+    p = float(dropout) if training and num_layers > 1 else 0.0
+    tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
+    grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
+    need_saved = bool(grad_inputs)
+    if memory == "auto":
+        memory = "recompute" if mode == "lstm" and need_saved else "stash"
+    if lengths is not None:
+        lengths = lengths.to(device=x.device, dtype=torch.int64)
+
+    def custom(chosen: str) -> Callable[[], tuple]:
+        def call():
+            # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
+            seed = (
+                torch.randint(0, 2**62, (), dtype=torch.int64)
+                if p > 0
+                else torch.zeros((), dtype=torch.int64)
+            )
+            y, h_n, c_n, _ = torch.ops.mirrorgrad.rnn_forward(
+                x, list(weights), hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                has_biases, proj_size, p, memory, None if state_clip is None else list(state_clip),
+                chosen, need_saved,
+            )  # fmt: skip
+            return y, h_n, c_n if mode == "lstm" else None
+
+        return call
+
+    def cudnn() -> tuple:
+        return _cudnn(x, list(weights), hx, cx, lengths, mode=mode, num_layers=num_layers,
+                      bidirectional=bidirectional, has_biases=has_biases, dropout=p,
+                      training=training)  # fmt: skip
+
+    proj = proj_size > 0
+    if impl == "auto":
+        if x.device.type != "cuda":
+            impl = "reference"
+        else:
+            # A custom op comes first: it is the pick while torch.compile traces (no timing).
+            fused = "triton" if _triton_supports(mode, proj, x) else "reference"
+            candidates = {fused: _timed_step(custom(fused), grad_inputs)}
+            if state_clip is None:
+                candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
+            key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
+                   num_layers, bidirectional, lengths is not None, need_saved)  # fmt: skip
+            impl = _choose_auto(key, candidates)
+    elif impl == "triton" and not _triton_supports(mode, proj, x):
+        raise ValueError(
+            f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
+            f"{x.device}: use impl='auto' or impl='reference'"
+        )
+    elif impl == "cudnn" and state_clip is not None:
+        raise ValueError("impl='cudnn' cannot clip the cell state: use impl='auto'")
+    return cudnn() if impl == "cudnn" else custom(impl)()
+
+
+def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:
+    """Forward, and backward of a scalar loss when some input needs a gradient."""
+
+    def step() -> None:
+        y, h_n, _ = call()
+        if grad_inputs:
+            torch.autograd.grad(y.float().square().mean() + h_n.float().mean(), grad_inputs)
+
+    return step
