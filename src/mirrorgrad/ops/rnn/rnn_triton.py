@@ -503,6 +503,7 @@ def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> _Spec:
     )
 
 
+@torch.no_grad()
 def layer_forward(
     mode: str,
     x: Tensor,
@@ -617,6 +618,7 @@ def _bwd_buffers(spec: _Spec, *, pre, cells, h0, y, dy, w_hh, lengths) -> _BwdBu
     )
 
 
+@torch.no_grad()
 def layer_backward(
     mode: str,
     saved: tuple[Tensor, ...],

@@ -1,0 +1,520 @@
+"""GPU benchmark of the fused RNN kernels against cuDNN (plain and CUDA-Graph-captured).
+
+    python -m mirrorgrad.bench.rnn_kernels --dtype fp32|bf16 --out DIR
+
+For every (mode, config) of issue 3's table: correctness against float64 first, then
+forward+backward median time, stash bytes (allocated after forward minus before) and
+peak bytes of forward+backward, for
+
+* ``cudnn``         torch.nn.LSTM / GRU / RNN;
+* ``cudnn-graph``   the same forward+backward captured whole in one CUDA Graph;
+* ``triton``        rnn_triton step loops launched from the host (no graph);
+* ``triton-auto``   rnn_triton with its own per-layer graph capture at small sizes;
+* ``recompute``     triton-auto with memory="recompute";
+* ``triton-graph``  the whole forward+backward captured in one CUDA Graph (like cudnn-graph);
+* ``module``        mirrorgrad.nn.<Mode>(impl="triton") end to end, when it imports.
+
+Writes ``DIR/rnn_kernels_<dtype>.json`` and ``.md``; prints the markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mirrorgrad.ops.rnn import rnn_triton
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
+METHODS = ("cudnn", "cudnn-graph", "triton", "triton-auto", "recompute", "triton-graph", "module")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Config:
+    layers: int
+    input: int
+    hidden: int
+    batch: int
+    T: int
+    bidirectional: bool = False
+
+    @property
+    def name(self) -> str:
+        bi = " bi" if self.bidirectional else ""
+        return f"L{self.layers} I{self.input} H{self.hidden} B{self.batch} T{self.T}{bi}"
+
+
+# Issue 3's table: (layers, input, hidden, batch, T) [, bidirectional].
+CONFIGS = (
+    Config(layers=2, input=650, hidden=650, batch=20, T=35),
+    Config(layers=2, input=1500, hidden=1500, batch=20, T=35),
+    Config(layers=2, input=1024, hidden=1024, batch=64, T=50),
+    Config(layers=4, input=1024, hidden=1024, batch=128, T=50),
+    Config(layers=1, input=512, hidden=512, batch=16, T=100),
+    Config(layers=2, input=512, hidden=512, batch=256, T=35),
+    Config(layers=2, input=1024, hidden=1024, batch=64, T=50, bidirectional=True),
+)
+
+
+def _torch_rnn(mode: str, cfg: Config, dtype: torch.dtype) -> torch.nn.RNNBase:
+    cls = getattr(torch.nn, TORCH_MODULES[mode])
+    kwargs = {"nonlinearity": mode[4:]} if mode.startswith("rnn") else {}
+    return cls(cfg.input, cfg.hidden, cfg.layers, bidirectional=cfg.bidirectional, **kwargs).to(
+        "cuda", dtype
+    )
+
+
+def _layer_params(rnn: torch.nn.RNNBase, layer: int, direction: int) -> list[Tensor]:
+    sfx = f"_l{layer}" + ("_reverse" if direction else "")
+    return [
+        getattr(rnn, f"{name}{sfx}") for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    ]
+
+
+def _stack_forward_backward(
+    mode: str,
+    rnn: torch.nn.RNNBase,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    grad_y: Tensor,
+    **opts,
+) -> tuple[Tensor, list[Tensor], Tensor, list[Tensor]]:
+    """Layers x directions of rnn_triton's contract, as the op composes them (no dropout).
+
+    Returns (y, [h_n, c_n], grad_x, parameter grads in rnn.parameters() order).
+    """
+    D = 2 if rnn.bidirectional else 1
+    inp, record, h_n, c_n = x, [], [], []
+    for layer in range(rnn.num_layers):
+        outs = []
+        for d in range(D):
+            k = layer * D + d
+            w_ih, w_hh, b_ih, b_hh = _layer_params(rnn, layer, d)
+            xin = inp.flip(0) if d else inp
+            c = c0[k] if c0 is not None else None
+            y, hn, cn, saved = rnn_triton.layer_forward(
+                mode, xin, h0[k], c, w_ih, w_hh, b_ih, b_hh, None, **opts
+            )
+            record.append((xin, h0[k], c, (w_ih, w_hh, b_ih, b_hh), y, saved))
+            outs.append(y.flip(0) if d else y)
+            h_n.append(hn)
+            c_n.append(cn)
+        inp = torch.cat(outs, -1) if D == 2 else outs[0]
+    y_out = inp
+    grads: dict[int, list[Tensor]] = {}
+    g = grad_y
+    for layer in reversed(range(rnn.num_layers)):
+        g_in = None
+        for d in range(D):
+            k = layer * D + d
+            xin, h0k, c, weights, y, saved = record[k]
+            gy = g[..., d * rnn.hidden_size : (d + 1) * rnn.hidden_size]
+            gy = gy.flip(0) if d else gy
+            out = rnn_triton.layer_backward(
+                mode, saved, xin, h0k, c, *weights, None, y, gy, None, None, **opts
+            )
+            gx = out[0].flip(0) if d else out[0]
+            g_in = gx if g_in is None else g_in + gx
+            grads[k] = list(out[3:7])
+        g = g_in
+    flat = [t for k in range(rnn.num_layers * D) for t in grads[k]]
+    return y_out, h_n + [c for c in c_n if c is not None], g, flat
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check(mode: str, dtype: torch.dtype) -> dict[str, float]:
+    """Relative error of cuDNN and of rnn_triton against float64, on one mid-size shape."""
+    cfg = Config(layers=2, input=96, hidden=128, batch=8, T=12, bidirectional=True)
+    torch.manual_seed(0)
+    rnn = _torch_rnn(mode, cfg, dtype)
+    ref = _torch_rnn(mode, cfg, torch.float64).cpu()
+    ref.load_state_dict({k: v.double().cpu() for k, v in rnn.state_dict().items()})
+    x = torch.randn(cfg.T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
+    gy = torch.randn(cfg.T, cfg.batch, 2 * cfg.hidden, device="cuda", dtype=dtype)
+    D = 2
+    h0 = torch.zeros(cfg.layers * D, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
+    c0 = torch.zeros_like(h0) if mode == "lstm" else None
+
+    xr = x.double().cpu().requires_grad_()
+    yr, _ = ref(xr)
+    ref_grads = torch.autograd.grad(yr, [xr, *ref.parameters()], gy.double().cpu())
+
+    xc = x.clone().requires_grad_()
+    yc, _ = rnn(xc)
+    cu_grads = torch.autograd.grad(yc, [xc, *rnn.parameters()], gy)
+
+    results = {}
+    for memory in ("stash", "recompute"):
+        yt, _, gx, pg = _stack_forward_backward(mode, rnn, x, h0, c0, gy, memory=memory)
+        err = max(
+            [_rel(yt, yr), _rel(gx, ref_grads[0])] + [_rel(a, b) for a, b in zip(pg, ref_grads[1:])]
+        )
+        results[f"triton-{memory}"] = err
+    results["cudnn"] = max([_rel(yc, yr)] + [_rel(a, b) for a, b in zip(cu_grads, ref_grads)])
+    return results
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    """Median milliseconds of ``fn`` by CUDA events, after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _memory(fwd: Callable[[], object], bwd: Callable[[object], object]) -> tuple[int, int]:
+    """(stash bytes: allocated after forward minus before, peak bytes of forward+backward)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    state = fwd()
+    torch.cuda.synchronize()
+    stash = torch.cuda.memory_allocated() - before
+    out = bwd(state)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del state, out
+    return stash, peak
+
+
+def _graphed(step: Callable[[], object]) -> Callable[[], None]:
+    """Capture ``step`` (static inputs) in one CUDA Graph; return its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _module_rnn(mode: str, rnn: torch.nn.RNNBase) -> torch.nn.Module | None:
+    try:
+        from mirrorgrad import nn as mgnn
+
+        cls = getattr(mgnn, TORCH_MODULES[mode])
+        kwargs = {"nonlinearity": mode[4:]} if mode.startswith("rnn") else {}
+        mod = cls(
+            rnn.input_size,
+            rnn.hidden_size,
+            rnn.num_layers,
+            bidirectional=rnn.bidirectional,
+            impl="triton",
+            **kwargs,
+        )
+        mod = mod.to("cuda", rnn.weight_ih_l0.dtype)
+        mod.load_state_dict(rnn.state_dict())
+        return mod
+    except Exception as err:  # the module is optional here: report, do not fail the run
+        print(f"module column skipped: {type(err).__name__}: {err}", file=sys.stderr)
+        return None
+
+
+def bench_config(mode: str, cfg: Config, dtype: torch.dtype, reps: int) -> dict:
+    torch.manual_seed(0)
+    rnn = _torch_rnn(mode, cfg, dtype)
+    D = 2 if cfg.bidirectional else 1
+    x = torch.randn(cfg.T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
+    gy = torch.randn(cfg.T, cfg.batch, D * cfg.hidden, device="cuda", dtype=dtype)
+    h0 = torch.randn(cfg.layers * D, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
+    c0 = torch.randn_like(h0) if mode == "lstm" else None
+    hx = (h0, c0) if mode == "lstm" else h0
+    params = list(rnn.parameters())
+    xg = x.clone().requires_grad_()
+
+    def cudnn_fwd():
+        return rnn(xg, hx)[0]
+
+    def cudnn_bwd(y):
+        return torch.autograd.grad(y, [xg, *params], gy)
+
+    def cudnn_step():
+        return cudnn_bwd(cudnn_fwd())
+
+    def ours(memory: str, use_graph: bool | None):
+        return lambda: _stack_forward_backward(
+            mode, rnn, x, h0, c0, gy, memory=memory, use_graph=use_graph
+        )
+
+    row: dict = {"mode": mode, "config": asdict(cfg), "ms": {}, "stash_bytes": {}, "peak_bytes": {}}
+    steps = {
+        "cudnn": cudnn_step,
+        "cudnn-graph": _graphed(cudnn_step),
+        "triton": ours("stash", False),
+        "triton-auto": ours("stash", None),
+        "recompute": ours("recompute", None),
+        "triton-graph": _graphed(ours("stash", False)),
+    }
+    module = _module_rnn(mode, rnn)
+    if module is not None:
+        mparams = list(module.parameters())
+        steps["module"] = lambda: torch.autograd.grad(module(xg, hx)[0], [xg, *mparams], gy)
+    for name, step in steps.items():
+        try:
+            row["ms"][name] = _time(step, reps)
+        except Exception as err:  # one failing method must not hide the others
+            row["ms"][name] = None
+            print(f"{mode} {cfg.name} {name}: {type(err).__name__}: {err}", file=sys.stderr)
+    del steps
+    row["stash_bytes"]["cudnn"], row["peak_bytes"]["cudnn"] = _memory(cudnn_fwd, cudnn_bwd)
+    for name, memory in (("triton-auto", "stash"), ("recompute", "recompute")):
+        row["stash_bytes"][name], row["peak_bytes"][name] = _memory(
+            *_split_ours(mode, rnn, x, h0, c0, gy, memory)
+        )
+    return row
+
+
+def _split_ours(mode, rnn, x, h0, c0, gy, memory):
+    """Forward and backward of one layer stack as two calls, for the memory probe."""
+    D = 2 if rnn.bidirectional else 1
+
+    def fwd():
+        inp, record = x, []
+        for layer in range(rnn.num_layers):
+            outs = []
+            for d in range(D):
+                k = layer * D + d
+                weights = _layer_params(rnn, layer, d)
+                xin = inp.flip(0) if d else inp
+                c = c0[k] if c0 is not None else None
+                y, _, _, saved = rnn_triton.layer_forward(
+                    mode, xin, h0[k], c, *weights, None, memory=memory
+                )
+                record.append((xin, c, weights, y, saved))
+                outs.append(y.flip(0) if d else y)
+            inp = torch.cat(outs, -1) if D == 2 else outs[0]
+        return record
+
+    def bwd(record):
+        g = gy
+        for layer in reversed(range(rnn.num_layers)):
+            g_in = None
+            for d in range(D):
+                k = layer * D + d
+                xin, c, weights, y, saved = record[k]
+                gyk = g[..., d * rnn.hidden_size : (d + 1) * rnn.hidden_size]
+                out = rnn_triton.layer_backward(
+                    mode,
+                    saved,
+                    xin,
+                    h0[k],
+                    c,
+                    *weights,
+                    None,
+                    y,
+                    gyk.flip(0) if d else gyk,
+                    None,
+                    None,
+                    memory=memory,
+                )
+                gx = out[0].flip(0) if d else out[0]
+                g_in = gx if g_in is None else g_in + gx
+            g = g_in
+        return g
+
+    return fwd, bwd
+
+
+def backward_memory_vs_T(mode: str, dtype: torch.dtype) -> list[dict]:
+    """Peak minus stash (backward's extra memory) at T and 4T: it should not grow with T."""
+    rows = []
+    for T in (35, 140):
+        cfg = Config(layers=2, input=650, hidden=650, batch=20, T=T)
+        rnn = _torch_rnn(mode, cfg, dtype)
+        x = torch.randn(T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
+        gy = torch.randn(T, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
+        h0 = torch.randn(cfg.layers, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
+        c0 = torch.randn_like(h0) if mode == "lstm" else None
+        for memory in ("stash", "recompute"):
+            stash, peak = _memory(*_split_ours(mode, rnn, x, h0, c0, gy, memory))
+            rows.append(
+                {"mode": mode, "T": T, "memory": memory, "stash_bytes": stash, "peak_bytes": peak}
+            )
+    return rows
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _mb(d: dict) -> str:
+    return " / ".join(f"{d[k] / 2**20:.1f}" for k in ("cudnn", "triton-auto", "recompute"))
+
+
+def markdown(result: dict) -> str:
+    r0 = result
+    lines = [
+        f"GPU: {r0['gpu']}; torch {r0['torch']}, triton {r0['triton']}, dtype {r0['dtype']}, "
+        f"matmul.allow_tf32={r0['allow_tf32']}, cudnn.allow_tf32={r0['cudnn_allow_tf32']}, "
+        f"commit {r0['commit']}",
+        f"Command: `{r0['command']}`",
+        "",
+        "Correctness (max relative error vs float64 over y and every gradient): "
+        + "; ".join(
+            f"{m}: " + ", ".join(f"{k} {v:.1e}" for k, v in c.items())
+            for m, c in r0["check"].items()
+        ),
+        "",
+    ]
+    cols = [m for m in METHODS if any(r["ms"].get(m) is not None for r in r0["rows"])]
+    head = ["mode", "config", *(f"{c} ms" for c in cols), "best triton vs cudnn", "vs cudnn-graph"]
+    head += ["stash MB cudnn / stash / recompute", "peak MB cudnn / stash / recompute"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for r in r0["rows"]:
+        ms, sb, pb = r["ms"], r["stash_bytes"], r["peak_bytes"]
+        ours = [ms[m] for m in ("triton", "triton-auto", "recompute") if ms.get(m) is not None]
+        best = min(ours) if ours else None
+        vs = best and ms.get("cudnn") and ms["cudnn"] / best
+        vsg = best and ms.get("cudnn-graph") and ms["cudnn-graph"] / best
+        per = ratios.setdefault(r["mode"], {"cudnn": [], "graph": [], "rstash": [], "rtime": []})
+        if vs:
+            per["cudnn"].append(vs)
+        if vsg:
+            per["graph"].append(vsg)
+        if sb.get("cudnn"):
+            per["rstash"].append(sb["recompute"] / sb["cudnn"])
+        if ms.get("recompute") and ms.get("triton-auto"):
+            per["rtime"].append(ms["recompute"] / ms["triton-auto"])
+        cells = [r["mode"], Config(**r["config"]).name, *(_fmt(ms.get(c)) for c in cols)]
+        cells += [f"{_fmt(vs)}x", f"{_fmt(vsg)}x", _mb(sb), _mb(pb)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for mode, per in ratios.items():
+        lines.append(
+            f"- {mode}: geomean speedup of best triton over cudnn {_geomean(per['cudnn']):.2f}x, "
+            f"over cudnn-graph {_geomean(per['graph']):.2f}x; recompute stash / cudnn stash "
+            f"{_geomean(per['rstash']):.2f}; recompute / stash time {_geomean(per['rtime']):.2f}"
+        )
+    if r0.get("backward_memory"):
+        lines += ["", "Backward extra memory (peak - stash) vs T, L2 H650 B20:"]
+        for b in r0["backward_memory"]:
+            stash, extra = b["stash_bytes"] / 2**20, (b["peak_bytes"] - b["stash_bytes"]) / 2**20
+            head = f"- {b['mode']} {b['memory']} T={b['T']}"
+            lines.append(f"{head}: stash {stash:.1f} MB, extra {extra:.1f} MB")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("MIRRORGRAD_COMMIT", "unknown")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--modes", default="lstm,gru,rnn_tanh", help="comma-separated of " + ",".join(TORCH_MODULES)
+    )
+    parser.add_argument(
+        "--configs", default="all", help="'all' or comma-separated indices into the table (0-6)"
+    )
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--tf32", action="store_true", help="set torch.backends.cuda.matmul.allow_tf32"
+    )
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU")
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in TORCH_MODULES:
+            parser.error(f"unknown mode {mode!r}; choose from {','.join(TORCH_MODULES)}")
+    configs = (
+        CONFIGS
+        if args.configs == "all"
+        else tuple(CONFIGS[int(i)] for i in args.configs.split(","))
+    )
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dtype = DTYPES[args.dtype]
+    import triton
+
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "dtype": args.dtype,
+        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "commit": _commit(),
+        "command": "python -m mirrorgrad.bench.rnn_kernels "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "check": {},
+        "rows": [],
+    }
+    for mode in modes:
+        result["check"][mode] = check(mode, dtype)
+        print(mode, "check", result["check"][mode], flush=True)
+    # A wrong kernel's speed is not reported.
+    tol = 1e-2 if dtype == torch.float32 else 5e-2
+    bad = {
+        m: c
+        for m, c in result["check"].items()
+        if max(c["triton-stash"], c["triton-recompute"]) > max(tol, 5 * c["cudnn"])
+    }
+    if bad:
+        print(f"correctness check failed, no timings: {bad}", file=sys.stderr)
+    for mode in (m for m in modes if m not in bad):
+        for cfg in configs:
+            row = bench_config(mode, cfg, dtype, args.reps)
+            result["rows"].append(row)
+            print(mode, cfg.name, {k: _fmt(v) for k, v in row["ms"].items()}, flush=True)
+            rnn_triton.clear_graphs()
+            torch.cuda.empty_cache()
+    if "lstm" in modes and "lstm" not in bad:
+        result["backward_memory"] = backward_memory_vs_T("lstm", dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rnn_kernels_{args.dtype}.json").write_text(
+        json.dumps(result, indent=1, default=str)
+    )
+    table = markdown(result)
+    (args.out / f"rnn_kernels_{args.dtype}.md").write_text(table)
+    print(table)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
