@@ -1,0 +1,141 @@
+"""Configuration of `mirrorgrad train lm`: model presets and the resolved run settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Preset:
+    """A model size with the training defaults that suit it."""
+
+    embedding: int
+    hidden: int
+    layers: int
+    dropout: float
+    bptt: int
+    batch_size: int
+    lr: float
+    clip: float
+    epochs: int
+    max_steps: int | None
+    vocab_size: int
+
+
+PRESETS = {
+    # Small enough for a CPU in a few minutes: 300 steps of 32 x 35 tokens (about a
+    # quarter of an epoch of the default corpus), then valid and test.
+    "tiny": Preset(
+        embedding=128, hidden=128, layers=1, dropout=0.1, bptt=35, batch_size=32,
+        lr=20.0, clip=0.25, epochs=1, max_steps=300, vocab_size=5000,
+    ),
+    # Zaremba et al. (2014) medium and large sizes, with the SGD schedule of PyTorch's
+    # word_language_model example (lr 20, clip 0.25, lr / 4 when valid stalls).
+    "medium": Preset(
+        embedding=650, hidden=650, layers=2, dropout=0.5, bptt=35, batch_size=20,
+        lr=20.0, clip=0.25, epochs=39, max_steps=None, vocab_size=10000,
+    ),
+    "large": Preset(
+        embedding=1500, hidden=1500, layers=2, dropout=0.65, bptt=35, batch_size=20,
+        lr=20.0, clip=0.25, epochs=55, max_steps=None, vocab_size=10000,
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Mirror:
+    """--mirror balance | budget:FRACTION | off."""
+
+    mode: str
+    budget: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Mirror:
+        mode, _, fraction = text.partition(":")
+        if mode in ("balance", "off") and not fraction:
+            return cls(mode=mode)
+        if mode == "budget":
+            try:
+                budget = float(fraction)
+            except ValueError:
+                budget = -1.0
+            if 0.0 < budget <= 1.0:
+                return cls(mode=mode, budget=budget)
+        raise ValueError(
+            f"--mirror {text!r}: use balance, off, or budget:FRACTION with 0 < FRACTION <= 1 "
+            "(e.g. budget:0.5 keeps the peak at half of the unmirrored one)"
+        )
+
+    def __str__(self) -> str:
+        return self.mode if self.budget is None else f"{self.mode}:{self.budget:g}"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    """Everything a run needs; the CLI fills it from its options and the preset."""
+
+    data: Path | None = None  # None: the default corpus
+    model: str = "tiny"
+    device: str = "auto"
+    mirror: Mirror = Mirror(mode="balance")
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 20
+    eval_batch_size: int = 10
+    bptt: int = 35
+    lr: float = 20.0
+    clip: float = 0.25
+    seed: int = 1234
+    logdir: Path | None = Path("runs/lm")
+    ckpt_dir: Path | None = None  # None: <logdir>/checkpoints
+    resume: Path | None = None
+    tie_weights: bool = False
+    char: bool = False
+    vocab_size: int | None = 10000
+    log_freq: int = 50
+    ckpt_every: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")
+        for name in ("epochs", "batch_size", "eval_batch_size", "bptt", "log_freq", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("--max-steps must be >= 1")
+        if self.vocab_size is not None and self.vocab_size < 3:
+            raise ValueError("--vocab-size must be >= 3 (<unk>, <eos> and one word)")
+        if self.lr <= 0 or self.clip <= 0:
+            raise ValueError("--lr and --clip must be > 0")
+
+    @property
+    def preset(self) -> Preset:
+        return PRESETS[self.model]
+
+    @property
+    def checkpoint_dir(self) -> Path | None:
+        if self.ckpt_dir is not None:
+            return self.ckpt_dir
+        return None if self.logdir is None else self.logdir / "checkpoints"
+
+    @classmethod
+    def from_preset(cls, model: str = "tiny", **overrides) -> TrainConfig:
+        """The preset's defaults, with every override that is not None applied.
+
+        A preset's step cap applies only while the number of epochs is its own.
+        """
+        if model not in PRESETS:
+            raise ValueError(f"--model {model!r}: choose one of {', '.join(PRESETS)}")
+        p = PRESETS[model]
+        values = dict(
+            epochs=p.epochs, max_steps=p.max_steps, batch_size=p.batch_size, bptt=p.bptt,
+            lr=p.lr, clip=p.clip, vocab_size=p.vocab_size,
+        )  # fmt: skip
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if "epochs" in overrides and "max_steps" not in overrides:
+            values["max_steps"] = None
+        values.update(overrides)
+        return cls(model=model, **values)
