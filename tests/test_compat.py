@@ -55,3 +55,25 @@ def test_compile_fx_takes_model_and_example_inputs():
     params = list(inspect.signature(_compat.compile_fx).parameters)
     assert params[:2] == ["model_", "example_inputs_"]
 
+
+def test_joint_graph_role_helpers():
+    import torch.fx
+
+    g = torch.fx.Graph()
+    primal, tangent = g.placeholder("primals_1"), g.placeholder("tangents_1")
+    assert _compat.is_primal(primal) and not _compat.is_primal(tangent)
+    assert _compat.is_tangent(tangent) and not _compat.is_tangent(primal)
+    assert _compat.must_be_in_backward(primal) is False
+
+
+def test_optimization_hint_on_plain_int():
+    assert _compat.optimization_hint(7, fallback=4096) == 7
+
+
+def test_op_schema_shows_view_aliasing():
+    import torch
+
+    (ret,) = _compat.op_schema(torch.ops.aten.t.default).returns
+    assert ret.alias_info is not None and not ret.alias_info.is_write
+    assert isinstance(torch.ops.aten.t.default, _compat.OpOverload)
+    assert isinstance(torch.ops.aten.t, _compat.OpOverloadPacket)

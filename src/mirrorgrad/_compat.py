@@ -41,13 +41,22 @@ from torch._functorch.partitioners import (  # noqa: E402
     _must_be_in_backward as must_be_in_backward,
 )
 
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
+
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # older torch: the same guard-free size hint under its former name
     from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of an ATen overload (argument and return alias annotations)."""
+    return op._schema
+
 __all__ = [
     "INDUCTOR_PARTITIONER_CONFIG",
+    "OpOverload",
+    "OpOverloadPacket",
     "TORCH_VERSION",
     "CustomPartitionerFn",
     "aot_autograd",
@@ -63,6 +72,7 @@ __all__ = [
     "is_tangent",
     "min_cut_rematerialization_partition",
     "must_be_in_backward",
+    "op_schema",
     "optimization_hint",
     "raise_getitems",
     "reordering_to_mimic_autograd_engine",

@@ -1,0 +1,196 @@
+"""Allocation timeline of a partitioned training step -> its peak bytes.
+
+The step runs the forward module, then the backward module, as AOTAutograd does:
+
+- primals (parameters and inputs) are alive throughout; so are the forward outputs
+  (the caller holds them until backward is done);
+- forward values are allocated at their producer and freed after their last
+  reader, except the saved ones, which live until their last backward reader;
+- backward starts with the tangents; recomputed (mirrored) nodes run just before
+  their first use, in the order ``reordering_to_mimic_autograd_engine`` gives;
+- gradients (backward outputs) stay until the end of the step;
+- views share the storage of their base: a storage is freed when the last value
+  aliasing it dies; an op holds its inputs and its outputs at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch.fx import Node
+
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Event:
+    phase: str  # "forward" or "backward"
+    node: str
+    live_bytes: int  # bytes alive while the node runs (its inputs and outputs included)
+
+
+@dataclass(kw_only=True, slots=True)
+class Liveness:
+    peak: int
+    peak_phase: str
+    peak_node: str
+    turn_bytes: int  # alive between forward and backward (primals, saved, outputs)
+    timeline: list[Event]
+
+
+def forward_schedule(joint: JointGraph, saved: Iterable[Node]) -> list[Node]:
+    """Forward nodes the forward module runs: those its outputs and saved values need."""
+    roots = [n for n in (*joint.fwd_outputs, *saved) if n in joint.forward_set]
+    return joint.sorted(_closure(roots, joint.forward_set))
+
+
+def backward_schedule(
+    joint: JointGraph, saved: Iterable[Node], mirrored: Iterable[Node]
+) -> list[Node]:
+    """Backward-module nodes in execution order, recomputation just before first use."""
+    available = set(saved) | set(joint.tangents)
+    allowed = (set(joint.backward) | set(mirrored)) - available
+    roots = [n for n in joint.bwd_outputs if n not in available]
+    needed = _closure(roots, allowed)
+    for n in needed:
+        for a in n.all_input_nodes:
+            if a not in needed and a not in available:
+                raise JointGraphError(
+                    f"backward node {n.name} reads {a.name}, which is neither saved nor recomputed"
+                )
+    return _autograd_order(joint, needed)
+
+
+def simulate(joint: JointGraph, saved: Iterable[Node], mirrored: Iterable[Node]) -> Liveness:
+    """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward."""
+    saved = list(saved)
+    mirrored = list(mirrored)
+    fwd = forward_schedule(joint, saved)
+    bwd = backward_schedule(joint, saved, mirrored)
+    sim = _Simulator(joint)
+    for p in joint.primals:
+        sim.hold(p)
+    kept_after_forward = set(saved) | set(joint.fwd_outputs) | set(joint.primals)
+    sim.run("forward", fwd, keep=kept_after_forward)
+    turn = sim.live_bytes
+    sim.release_unread(saved, bwd)
+    for t in joint.tangents:
+        sim.hold(t)
+    kept_to_end = set(joint.bwd_outputs) | set(joint.fwd_outputs) | set(joint.primals)
+    sim.run("backward", bwd, keep=kept_to_end)
+    peak_event = max(sim.timeline, key=lambda e: e.live_bytes, default=None)
+    if peak_event is None:
+        return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn, timeline=[])
+    return Liveness(
+        peak=max(peak_event.live_bytes, turn),
+        peak_phase=peak_event.phase,
+        peak_node=peak_event.node,
+        turn_bytes=turn,
+        timeline=sim.timeline,
+    )
+
+
+class _Simulator:
+    """Reference-counted storages: a value holds its storage while it is alive."""
+
+    def __init__(self, joint: JointGraph) -> None:
+        self.joint = joint
+        self.refs: dict[Node, int] = {}  # storage -> number of live values on it
+        self.alive: set[Node] = set()
+        self.live_bytes = 0
+        self.timeline: list[Event] = []
+
+    def storage(self, value: Node) -> Node:
+        while is_view(value):
+            bases = [a for a in value.all_input_nodes if a.meta.get("val") is not None]
+            if not bases:
+                break
+            value = bases[0]
+        return value
+
+    def hold(self, value: Node) -> None:
+        if value in self.alive:
+            return
+        self.alive.add(value)
+        s = self.storage(value)
+        self.refs[s] = self.refs.get(s, 0) + 1
+        if self.refs[s] == 1:
+            self.live_bytes += self.joint.nbytes(s)
+
+    def drop(self, value: Node) -> None:
+        if value not in self.alive:
+            return
+        self.alive.remove(value)
+        s = self.storage(value)
+        self.refs[s] -= 1
+        if self.refs[s] == 0:
+            self.live_bytes -= self.joint.nbytes(s)
+
+    def release_unread(self, saved: list[Node], bwd: list[Node]) -> None:
+        read = {a for n in bwd for a in n.all_input_nodes}
+        kept = set(self.joint.fwd_outputs) | set(self.joint.primals)
+        for s in saved:
+            if s not in read and s not in kept:
+                self.drop(s)
+
+    def run(self, phase: str, schedule: list[Node], keep: set[Node]) -> None:
+        last_use: dict[Node, int] = {}
+        for i, n in enumerate(schedule):
+            for a in n.all_input_nodes:
+                last_use[a] = i
+        scheduled = set(schedule)
+        for i, n in enumerate(schedule):
+            transient = 0
+            if _is_tuple(n):
+                # A multi-output op allocates all its outputs; those nobody reads die at once.
+                produced = [u for u in n.users if is_getitem(u) and u in scheduled]
+                for g in produced:
+                    self.hold(g)
+                transient = self.joint.nbytes(n) - sum(self.joint.nbytes(g) for g in produced)
+            else:
+                self.hold(n)
+            self.timeline.append(
+                Event(phase=phase, node=n.name, live_bytes=self.live_bytes + max(transient, 0))
+            )
+            for a in n.all_input_nodes:
+                if last_use.get(a) == i and a not in keep:
+                    self.drop(a)
+            if n not in last_use and n not in keep and not _is_tuple(n):
+                self.drop(n)
+
+
+def _is_tuple(node: Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _closure(roots: list[Node], allowed: set[Node] | frozenset[Node]) -> set[Node]:
+    seen: set[Node] = set()
+    stack = [r for r in roots if r in allowed]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in allowed and a not in seen)
+    return seen
+
+
+def _autograd_order(joint: JointGraph, nodes: set[Node]) -> list[Node]:
+    """Mimic ``reordering_to_mimic_autograd_engine``: walk the nodes from the first
+    tangent reader in graph order; before each, run its not-yet-run inputs."""
+    ordered = joint.sorted(nodes)
+    tangents = set(joint.tangents)
+    first = next((i for i, n in enumerate(ordered) if tangents & set(n.all_input_nodes)), None)
+    if first is None:
+        return ordered
+    done: set[Node] = set()
+    schedule: list[Node] = []
+    for n in ordered[first:]:
+        if n in done:
+            continue
+        deps = _closure([n], nodes) - done
+        for d in joint.sorted(deps):
+            done.add(d)
+            schedule.append(d)
+    return schedule

@@ -1,0 +1,335 @@
+"""Peak-aware planning: what to stash, what to mirror, judged by the step's peak.
+
+- ``off``: no mirroring; every forward value the backward reads is stashed.
+- ``balance``: the storage-balance decision (echo.py), then the cap: if its added
+  time exceeds ``max_overhead`` of the step, un-mirror the costliest ops (by time
+  saved per stash byte added) until it fits. A plan whose peak is not below the
+  unmirrored peak is dropped for no mirroring: time spent for nothing.
+- ``budget``: the least added time that meets a peak budget: starting from no
+  mirroring, mirror one op at a time, best bytes freed per added second first,
+  keeping a step only if the simulated peak does not rise, until the peak meets
+  the budget. The sequence of steps does not depend on the budget, so a lower
+  budget never gives a higher peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch.fx import Node
+
+from mirrorgrad.graph import liveness
+from mirrorgrad.graph.cost import H100, DeviceRates, op_cost
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
+from mirrorgrad.mirror.echo import UnitGraph, storage_balance
+from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
+
+Mode = Literal["balance", "budget", "off"]
+MODES = ("balance", "budget", "off")
+
+
+class PlanError(RuntimeError):
+    """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanOptions:
+    mode: Mode = "balance"
+    # Peak budget in bytes, or (<= 1.0) a fraction of the unmirrored peak. Budget mode only.
+    budget: float | int | None = None
+    # Balance mode: most added time allowed, as a fraction of the estimated step time.
+    max_overhead: float = 0.05
+    policy: MirrorPolicy | None = None
+    device: DeviceRates | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "budget" and self.budget is None:
+            raise ValueError("mode='budget' needs budget= (bytes, or a fraction <= 1.0)")
+        if self.budget is not None and not self.budget > 0:
+            raise ValueError(f"budget must be > 0 (bytes, or a fraction <= 1.0), got {self.budget}")
+        if not self.max_overhead >= 0:
+            raise ValueError(f"max_overhead must be >= 0, got {self.max_overhead}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    saved: list[Node]
+    saved_sym: list[Node]
+    mirrored: list[Node]
+    stash_bytes_before: int
+    stash_bytes_after: int
+    peak_before: int
+    peak_after: int
+    added_flops: int
+    added_time_s: float
+    step_time_s: float
+    mode: str
+    budget_bytes: int | None = None
+    sizes: dict[Node, int] = field(default_factory=dict, repr=False)
+
+    def _stashed(self) -> list[Node]:
+        """Saved values other than primals (those are the caller's anyway)."""
+        return [n for n in self.saved if n.op != "placeholder"]
+
+    def to_dict(self) -> dict:
+        def row(n: Node) -> dict:
+            return {"name": n.name, "op": op_name(n), "shape": _shape(n), "bytes": self.sizes[n]}
+
+        return {
+            "mode": self.mode,
+            "budget_bytes": self.budget_bytes,
+            "stashed": [row(n) for n in self._stashed()],
+            "mirrored": [row(n) for n in self.mirrored if not is_getitem(n)],
+            "saved_sym": [n.name for n in self.saved_sym],
+            "stash_bytes_before": self.stash_bytes_before,
+            "stash_bytes_after": self.stash_bytes_after,
+            "peak_before": self.peak_before,
+            "peak_after": self.peak_after,
+            "added_flops": self.added_flops,
+            "added_time_s": self.added_time_s,
+            "step_time_s": self.step_time_s,
+        }
+
+    def __str__(self) -> str:
+        lines = [f"mirrorgrad plan (mode={self.mode})", ""]
+        header = f"{'':9}{'value':<28}{'op':<36}{'shape':<22}{'bytes':>14}"
+        lines.append(header)
+        for kind, nodes in (("stash", self._stashed()), ("mirror", self.mirrored)):
+            for n in nodes:
+                if kind == "mirror" and is_getitem(n):
+                    continue
+                lines.append(
+                    f"{kind:<9}{n.name:<28}{op_name(n):<36}{_shape(n)!s:<22}"
+                    f"{_fmt(self.sizes[n]):>14}"
+                )
+        overhead = self.added_time_s / self.step_time_s if self.step_time_s else 0.0
+        lines += [
+            "",
+            f"stash bytes:    {_fmt(self.stash_bytes_before)} -> {_fmt(self.stash_bytes_after)}",
+            f"estimated peak: {_fmt(self.peak_before)} -> {_fmt(self.peak_after)}",
+            f"added FLOPs:    {self.added_flops:,}",
+            f"added time:     {self.added_time_s * 1e6:.1f} us "
+            f"({overhead:.1%} of an estimated {self.step_time_s * 1e6:.1f} us step)",
+        ]
+        if self.budget_bytes is not None:
+            met = "met" if self.peak_after <= self.budget_bytes else "NOT met"
+            lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
+        return "\n".join(lines)
+
+
+def _shape(n: Node) -> list[int] | None:
+    val = n.meta.get("val")
+    return (
+        [int(s) if isinstance(s, int) else str(s) for s in val.shape]
+        if hasattr(val, "shape")
+        else None
+    )
+
+
+def _fmt(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclass(kw_only=True, slots=True)
+class Partition:
+    """What a set of mirrored units means for the partition."""
+
+    saved: list[Node]
+    saved_sym: list[Node]
+    mirrored: list[Node]
+
+
+def partition_for(joint: JointGraph, graph: UnitGraph, mirror_units: set[Node]) -> Partition:
+    """Saved values and recomputed nodes when ``mirror_units`` are recomputed in backward.
+
+    Walks back from what the backward nodes read: a value of a mirrored unit is
+    recomputed (and what it reads is needed in turn); any other forward value, and
+    every primal, is saved. Forward outputs are always saved: they are alive anyway.
+    """
+    saved, saved_sym, mirrored = set(), set(), set()
+    stack = [a for n in joint.backward for a in n.all_input_nodes if _is_fwd_value(joint, a)]
+    while stack:
+        v = stack.pop()
+        if v in saved or v in saved_sym or v in mirrored:
+            continue
+        if is_sym(v):
+            saved_sym.add(v)
+            continue
+        unit = graph.producer(graph.root(v))
+        if v.op == "placeholder" or v in graph.fwd_outputs or unit not in mirror_units:
+            if isinstance(v.meta.get("val"), (tuple, list)):
+                raise PlanError(f"cannot save the tuple-valued node {v.name}")
+            saved.add(v)
+            continue
+        mirrored.add(v)
+        if is_getitem(v):
+            stack.append(v.args[0])
+        stack.extend(a for a in v.all_input_nodes if a not in mirrored)
+    return Partition(
+        saved=joint.sorted(saved),
+        saved_sym=joint.sorted(saved_sym),
+        mirrored=joint.sorted(mirrored),
+    )
+
+
+def _is_fwd_value(joint: JointGraph, node: Node) -> bool:
+    return (node.op == "placeholder" and node not in joint.tangents) or node in joint.forward_set
+
+
+def stash_sizes(joint: JointGraph, graph: UnitGraph, saved: list[Node]) -> dict[Node, int]:
+    """Bytes each saved value adds to the step, counting a shared storage once.
+
+    Values alive anyway (primals, forward outputs, their views) add nothing; a saved
+    view of an intermediate keeps its whole base alive.
+    """
+    sizes: dict[Node, int] = {}
+    seen: set[Node] = set()
+    for v in saved:
+        root = graph.root(v)
+        sizes[v] = 0 if graph.is_free(v) or root in seen else joint.nbytes(root)
+        seen.add(root)
+    return sizes
+
+
+def plan(joint: JointGraph, options: PlanOptions) -> Plan:
+    """Decide what the forward pass stashes and what the backward pass recomputes."""
+    policy = options.policy if options.policy is not None else MirrorPolicy()
+    rates = options.device if options.device is not None else H100
+    graph = UnitGraph(joint, policy)
+    planner = _Planner(joint, graph, rates)
+    before = planner.evaluate(set())
+    budget_bytes = None
+    if options.mode == "off" or not policy.enabled:
+        chosen = before
+    elif options.mode == "balance":
+        chosen = planner.balance(options.max_overhead, before)
+    else:
+        budget_bytes = int(
+            options.budget * before.peak if options.budget <= 1.0 else options.budget
+        )
+        chosen = planner.meet_budget(budget_bytes, before)
+    _check(joint, chosen.partition)
+    sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
+    sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
+    sizes |= stash_sizes(joint, graph, chosen.partition.saved)
+    return Plan(
+        saved=chosen.partition.saved,
+        saved_sym=chosen.partition.saved_sym,
+        mirrored=chosen.partition.mirrored,
+        stash_bytes_before=sum(stash_sizes(joint, graph, before.partition.saved).values()),
+        stash_bytes_after=sum(sizes[n] for n in chosen.partition.saved),
+        peak_before=before.peak,
+        peak_after=chosen.peak,
+        added_flops=chosen.added_flops,
+        added_time_s=chosen.added_time_s,
+        step_time_s=planner.step_time_s,
+        mode=options.mode,
+        budget_bytes=budget_bytes,
+        sizes=sizes,
+    )
+
+
+def _check(joint: JointGraph, partition: Partition) -> None:
+    for n in partition.mirrored:
+        if is_random(n):
+            raise PlanError(f"random op {n.name} would be recomputed with a fresh draw")
+        if n not in joint.forward_set:
+            raise PlanError(f"mirrored node {n.name} is not a forward node")
+    liveness.backward_schedule(joint, partition.saved + partition.saved_sym, partition.mirrored)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Candidate:
+    units: frozenset[Node]
+    partition: Partition
+    peak: int
+    added_flops: int
+    added_time_s: float
+
+
+class _Planner:
+    def __init__(self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates) -> None:
+        self.joint, self.graph, self.rates = joint, graph, rates
+        self.costs = {n: op_cost(n, rates) for n in joint.gm.graph.nodes if n.op == "call_function"}
+        self.step_time_s = sum(c.seconds for c in self.costs.values())
+
+    def evaluate(self, units: set[Node]) -> _Candidate:
+        partition = partition_for(self.joint, self.graph, units)
+        available = partition.saved + partition.saved_sym
+        try:
+            sim = liveness.simulate(self.joint, available, partition.mirrored)
+        except JointGraphError as e:
+            raise PlanError(f"inconsistent partition: {e}") from e
+        recomputed = [self.costs[n] for n in partition.mirrored]
+        return _Candidate(
+            units=frozenset(units),
+            partition=partition,
+            peak=sim.peak,
+            added_flops=sum(c.flops for c in recomputed),
+            added_time_s=sum(c.seconds for c in recomputed),
+        )
+
+    def balance(self, max_overhead: float, before: _Candidate) -> _Candidate:
+        units = storage_balance(self.graph)
+        chosen = self.evaluate(units)
+        cap = max_overhead * self.step_time_s
+        while chosen.added_time_s > cap and chosen.units:
+            drop = self._costliest(chosen)
+            chosen = self.evaluate(set(chosen.units) - {drop})
+        if chosen.peak >= before.peak:
+            return before
+        return chosen
+
+    def _costliest(self, current: _Candidate) -> Node:
+        """The mirrored unit whose recomputation costs most time per stash byte it saves."""
+        recomputed = set(current.partition.mirrored)
+        best, best_score = None, -1.0
+        for u in self.joint.sorted(current.units):
+            if u not in recomputed:
+                continue
+            seconds = self.costs[u].seconds
+            stash = sum(self.graph.cost(v) for v in self.graph.outputs(u)) or 1
+            score = seconds / stash
+            if score > best_score:
+                best, best_score = u, score
+        if best is None:  # mirrored units that nothing recomputes cost no time
+            return self.joint.sorted(current.units)[0]
+        return best
+
+    def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
+        current = before
+        rejected: set[Node] = set()  # each unit is tried at most once: O(units) simulations
+        while current.peak > budget_bytes:
+            ranked = self._ranked_additions(current, rejected)
+            if not ranked:
+                break
+            trial = self.evaluate(set(current.units) | {ranked[0]})
+            if trial.peak <= current.peak:
+                current = trial
+            else:
+                rejected.add(ranked[0])
+        return current
+
+    def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
+        """Mirrorable stashed units, best bytes freed per added second first."""
+        saved = set(current.partition.saved)
+        g = self.graph
+        scored = []
+        for u in g.units:
+            if u in current.units or u in rejected or not g.mirrorable[u]:
+                continue
+            outs = [v for v in g.outputs(u) if v in saved]
+            if not outs:
+                continue
+            freed = sum(g.cost(v) for v in outs)
+            newly = sum(g.cost(v) for v in g.inputs(u) if v not in saved)
+            seconds = self.costs[u].seconds or 1e-12
+            scored.append(((freed - newly) / seconds, -self.joint.order[u], u))
+        scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        return [u for *_, u in scored]

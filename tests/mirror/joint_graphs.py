@@ -1,0 +1,136 @@
+"""Build AOTAutograd joint graphs of small models for planner tests.
+
+``joint_of(model, *inputs)`` traces through ``aot_function`` (no Dynamo: fast, but
+no ``nn_module_stack``); ``joint_of_compiled`` goes through ``torch.compile`` so
+nodes carry their module paths (what ``mirrorgrad.mark`` needs). Both capture the
+joint graph with a partition_fn and then partition it PyTorch's default way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mirrorgrad import _compat
+from mirrorgrad.graph.joint import JointGraph
+
+MiB = 2**20  # a 512x512 fp32 tensor
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.joints: list[JointGraph] = []
+
+    def partition(self, gm, joint_inputs, *, num_fwd_outputs, **kwargs):
+        self.joints.append(JointGraph.from_fx(gm, num_fwd_outputs))
+        return _compat.default_partition(
+            gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+        )
+
+
+def _nop(gm, _example_inputs):
+    return _compat.boxed_nop(gm, _example_inputs)
+
+
+def joint_of(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
+    """The joint graph of ``model(*inputs).sum()``'s forward and backward."""
+    capture = _Capture()
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+
+    def fn(params, *args):
+        return torch.func.functional_call(model, {**params, **buffers}, args)
+
+    compiled = _compat.aot_function(
+        fn, fw_compiler=_nop, bw_compiler=_nop, partition_fn=capture.partition
+    )
+    out = compiled(params, *inputs)
+    del out
+    (joint,) = capture.joints
+    return joint
+
+
+def joint_of_compiled(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
+    """Like ``joint_of`` but traced by Dynamo: nodes carry ``nn_module_stack``."""
+    capture = _Capture()
+
+    def backend(gm, example_inputs):
+        return _compat.aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=_nop,
+            bw_compiler=_nop,
+            partition_fn=capture.partition,
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled(*inputs)
+    (joint,) = capture.joints
+    return joint
+
+
+class LayerNormGeluLinear(nn.Module):
+    def __init__(self, d: int, out: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(d, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.norm(x)))
+
+
+class LSTMCellStep(nn.Module):
+    """One nn.LSTMCell step returning (h, c)."""
+
+    def __init__(self, n_in: int, hidden: int) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(n_in, hidden)
+
+    def forward(self, x, h, c):
+        return self.cell(x, (h, c))
+
+
+class BahdanauDecoder(nn.Module):
+    """MLP attention over encoder keys for ``steps`` decoder queries.
+
+    score[b, t, s] = v . tanh(W q[b, t] + U k[b, s]); ``U k`` is computed once, the
+    large tanh intermediate [B, S, A] once per decoder step.
+    """
+
+    def __init__(self, d: int, attn: int) -> None:
+        super().__init__()
+        self.W = nn.Linear(d, attn, bias=False)
+        self.U = nn.Linear(d, attn, bias=False)
+        self.v = nn.Linear(attn, 1, bias=False)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        uk = self.U(keys)  # [B, S, A]
+        contexts = []
+        for t in range(queries.shape[1]):
+            hidden = torch.tanh(self.W(queries[:, t]).unsqueeze(1) + uk)  # [B, S, A]
+            alpha = torch.softmax(self.v(hidden).squeeze(-1), dim=-1)  # [B, S]
+            contexts.append(torch.bmm(alpha.unsqueeze(1), keys).squeeze(1))  # [B, D]
+        return torch.stack(contexts, dim=1)
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + x)
+
+
+def resnet152_shaped(channels: int = 16, width: int = 4) -> nn.Sequential:
+    """ResNet-152's bottleneck stages (3, 8, 36, 3 blocks) at tiny widths, no downsampling."""
+    return nn.Sequential(*(Bottleneck(channels, width) for _ in range(3 + 8 + 36 + 3)))
