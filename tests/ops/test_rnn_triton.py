@@ -67,7 +67,15 @@ def f32(v):
 
 
 def _check_layer(
-    mode, *, memory, lengths=None, clip=None, bias=True, with_grad_y=True, use_graph=None
+    mode,
+    *,
+    memory,
+    lengths=None,
+    clip=None,
+    bias=True,
+    with_grad_y=True,
+    use_graph=None,
+    fused=False,
 ):
     inp = _inputs(mode, bias=bias)
     if lengths is not None:
@@ -95,6 +103,7 @@ def _check_layer(
         memory=memory,
         state_clip=clip,
         use_graph=use_graph,
+        fused=fused,
     )
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(hn.double(), hn_ref, atol=1e-5, rtol=1e-4)
@@ -115,6 +124,7 @@ def _check_layer(
         memory=memory,
         state_clip=clip,
         use_graph=use_graph,
+        fused=fused,
     )
     assert grads[7] is None
     for name, grad in zip(NAMES, grads[:7]):
@@ -130,27 +140,34 @@ def _check_layer(
         )
 
 
+KERNELS = pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+
+
+@KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
-def test_layer_matches_oracle(mode, memory):
-    _check_layer(mode, memory=memory)
+def test_layer_matches_oracle(mode, memory, fused):
+    _check_layer(mode, memory=memory, fused=fused)
 
 
+@KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
-def test_layer_with_unsorted_lengths(mode, memory):
-    _check_layer(mode, memory=memory, lengths=[2, 4, 1])
+def test_layer_with_unsorted_lengths(mode, memory, fused):
+    _check_layer(mode, memory=memory, lengths=[2, 4, 1], fused=fused)
 
 
+@KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
-def test_lstm_state_clip(memory):
+def test_lstm_state_clip(memory, fused):
     # Tight bounds so that some cells clip and some do not.
-    _check_layer("lstm", memory=memory, clip=(-0.3, 0.4), lengths=[4, 3, 2])
+    _check_layer("lstm", memory=memory, clip=(-0.3, 0.4), lengths=[4, 3, 2], fused=fused)
 
 
+@KERNELS
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_no_bias_no_grad_y(mode):
-    _check_layer(mode, memory="stash", bias=False, with_grad_y=False)
+def test_no_bias_no_grad_y(mode, fused):
+    _check_layer(mode, memory="stash", bias=False, with_grad_y=False, fused=fused)
 
 
 def test_state_clip_actually_clips():
@@ -232,7 +249,8 @@ def test_dropout_mask_deterministic_and_scaled():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@KERNELS
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_graph_replay_matches_eager(mode):
+def test_graph_replay_matches_eager(mode, fused):
     for _ in range(2):  # second call replays the captured loop with new values
-        _check_layer(mode, memory="stash", lengths=[2, 4, 1], use_graph=True)
+        _check_layer(mode, memory="stash", lengths=[2, 4, 1], use_graph=True, fused=fused)

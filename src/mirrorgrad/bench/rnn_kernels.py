@@ -8,10 +8,12 @@ peak bytes of forward+backward, for
 
 * ``cudnn``         torch.nn.LSTM / GRU / RNN;
 * ``cudnn-graph``   the same forward+backward captured whole in one CUDA Graph;
-* ``triton``        rnn_triton step loops launched from the host (no graph);
-* ``triton-auto``   rnn_triton with its own per-layer graph capture at small sizes;
-* ``recompute``     triton-auto with memory="recompute";
-* ``triton-graph``  the whole forward+backward captured in one CUDA Graph (like cudnn-graph);
+* ``split-nograph`` rnn_triton, cuBLAS hidden GEMM + pointwise kernel per step, host launches;
+* ``fused-nograph`` rnn_triton, hidden GEMM inside the step kernel, host launches;
+* ``split``, ``fused`` the same with rnn_triton's per-layer CUDA Graph of the step loop;
+* ``auto``          rnn_triton's defaults (what the op runs), memory="stash";
+* ``recompute``     auto with memory="recompute";
+* ``auto-graph``    auto with the whole forward+backward captured in one CUDA Graph;
 * ``module``        mirrorgrad.nn.<Mode>(impl="triton") end to end, when it imports.
 
 Writes ``DIR/rnn_kernels_<dtype>.json`` and ``.md``; prints the markdown table last.
@@ -38,7 +40,19 @@ from mirrorgrad.ops.rnn import rnn_triton
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
-METHODS = ("cudnn", "cudnn-graph", "triton", "triton-auto", "recompute", "triton-graph", "module")
+METHODS = (
+    "cudnn",
+    "cudnn-graph",
+    "split-nograph",
+    "fused-nograph",
+    "split",
+    "fused",
+    "auto",
+    "recompute",
+    "auto-graph",
+    "module",
+)
+OURS = ("split-nograph", "fused-nograph", "split", "fused", "auto", "recompute")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -162,11 +176,13 @@ def check(mode: str, dtype: torch.dtype) -> dict[str, float]:
 
     results = {}
     for memory in ("stash", "recompute"):
-        yt, _, gx, pg = _stack_forward_backward(mode, rnn, x, h0, c0, gy, memory=memory)
-        err = max(
-            [_rel(yt, yr), _rel(gx, ref_grads[0])] + [_rel(a, b) for a, b in zip(pg, ref_grads[1:])]
-        )
-        results[f"triton-{memory}"] = err
+        for fused in (False, True):
+            yt, _, gx, pg = _stack_forward_backward(
+                mode, rnn, x, h0, c0, gy, memory=memory, fused=fused
+            )
+            errs = [_rel(yt, yr), _rel(gx, ref_grads[0])]
+            errs += [_rel(a, b) for a, b in zip(pg, ref_grads[1:])]
+            results[f"{'fused' if fused else 'split'}-{memory}"] = max(errs)
     results["cudnn"] = max([_rel(yc, yr)] + [_rel(a, b) for a, b in zip(cu_grads, ref_grads)])
     return results
 
@@ -259,19 +275,22 @@ def bench_config(mode: str, cfg: Config, dtype: torch.dtype, reps: int) -> dict:
     def cudnn_step():
         return cudnn_bwd(cudnn_fwd())
 
-    def ours(memory: str, use_graph: bool | None):
+    def ours(memory: str = "stash", use_graph: bool | None = None, fused: bool | None = None):
         return lambda: _stack_forward_backward(
-            mode, rnn, x, h0, c0, gy, memory=memory, use_graph=use_graph
+            mode, rnn, x, h0, c0, gy, memory=memory, use_graph=use_graph, fused=fused
         )
 
     row: dict = {"mode": mode, "config": asdict(cfg), "ms": {}, "stash_bytes": {}, "peak_bytes": {}}
     steps = {
         "cudnn": cudnn_step,
         "cudnn-graph": _graphed(cudnn_step),
-        "triton": ours("stash", False),
-        "triton-auto": ours("stash", None),
-        "recompute": ours("recompute", None),
-        "triton-graph": _graphed(ours("stash", False)),
+        "split-nograph": ours(use_graph=False, fused=False),
+        "fused-nograph": ours(use_graph=False, fused=True),
+        "split": ours(use_graph=True, fused=False),
+        "fused": ours(use_graph=True, fused=True),
+        "auto": ours(),
+        "recompute": ours("recompute"),
+        "auto-graph": _graphed(ours(use_graph=False)),
     }
     module = _module_rnn(mode, rnn)
     if module is not None:
@@ -285,7 +304,7 @@ def bench_config(mode: str, cfg: Config, dtype: torch.dtype, reps: int) -> dict:
             print(f"{mode} {cfg.name} {name}: {type(err).__name__}: {err}", file=sys.stderr)
     del steps
     row["stash_bytes"]["cudnn"], row["peak_bytes"]["cudnn"] = _memory(cudnn_fwd, cudnn_bwd)
-    for name, memory in (("triton-auto", "stash"), ("recompute", "recompute")):
+    for name, memory in (("auto", "stash"), ("recompute", "recompute")):
         row["stash_bytes"][name], row["peak_bytes"][name] = _memory(
             *_split_ours(mode, rnn, x, h0, c0, gy, memory)
         )
@@ -370,7 +389,7 @@ def _fmt(v: float | None) -> str:
 
 
 def _mb(d: dict) -> str:
-    return " / ".join(f"{d[k] / 2**20:.1f}" for k in ("cudnn", "triton-auto", "recompute"))
+    return " / ".join(f"{d[k] / 2**20:.1f}" for k in ("cudnn", "auto", "recompute"))
 
 
 def markdown(result: dict) -> str:
@@ -389,33 +408,40 @@ def markdown(result: dict) -> str:
         "",
     ]
     cols = [m for m in METHODS if any(r["ms"].get(m) is not None for r in r0["rows"])]
-    head = ["mode", "config", *(f"{c} ms" for c in cols), "best triton vs cudnn", "vs cudnn-graph"]
+    head = ["mode", "config", *(f"{c} ms" for c in cols), "auto vs cudnn", "vs cudnn-graph"]
+    head += ["best triton vs cudnn", "auto-graph vs cudnn-graph"]
     head += ["stash MB cudnn / stash / recompute", "peak MB cudnn / stash / recompute"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ratios: dict[str, dict[str, list[float]]] = {}
     for r in r0["rows"]:
         ms, sb, pb = r["ms"], r["stash_bytes"], r["peak_bytes"]
-        ours = [ms[m] for m in ("triton", "triton-auto", "recompute") if ms.get(m) is not None]
+        ours = [ms[m] for m in OURS if ms.get(m) is not None]
         best = min(ours) if ours else None
-        vs = best and ms.get("cudnn") and ms["cudnn"] / best
-        vsg = best and ms.get("cudnn-graph") and ms["cudnn-graph"] / best
-        per = ratios.setdefault(r["mode"], {"cudnn": [], "graph": [], "rstash": [], "rtime": []})
-        if vs:
-            per["cudnn"].append(vs)
-        if vsg:
-            per["graph"].append(vsg)
+        auto, cu, cug = ms.get("auto"), ms.get("cudnn"), ms.get("cudnn-graph")
+        vs = auto and cu and cu / auto
+        vsg = auto and cug and cug / auto
+        vbest = best and cu and cu / best
+        vgg = ms.get("auto-graph") and cug and cug / ms["auto-graph"]
+        per = ratios.setdefault(
+            r["mode"], {"cudnn": [], "graph": [], "best": [], "gg": [], "rstash": [], "rtime": []}
+        )
+        for key, v in (("cudnn", vs), ("graph", vsg), ("best", vbest), ("gg", vgg)):
+            if v:
+                per[key].append(v)
         if sb.get("cudnn"):
             per["rstash"].append(sb["recompute"] / sb["cudnn"])
-        if ms.get("recompute") and ms.get("triton-auto"):
-            per["rtime"].append(ms["recompute"] / ms["triton-auto"])
+        if ms.get("recompute") and auto:
+            per["rtime"].append(ms["recompute"] / auto)
         cells = [r["mode"], Config(**r["config"]).name, *(_fmt(ms.get(c)) for c in cols)]
-        cells += [f"{_fmt(vs)}x", f"{_fmt(vsg)}x", _mb(sb), _mb(pb)]
+        cells += [f"{_fmt(v)}x" for v in (vs, vsg, vbest, vgg)] + [_mb(sb), _mb(pb)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for mode, per in ratios.items():
         lines.append(
-            f"- {mode}: geomean speedup of best triton over cudnn {_geomean(per['cudnn']):.2f}x, "
-            f"over cudnn-graph {_geomean(per['graph']):.2f}x; recompute stash / cudnn stash "
+            f"- {mode}: geomean speedup of auto over cudnn {_geomean(per['cudnn']):.2f}x, "
+            f"over cudnn-graph {_geomean(per['graph']):.2f}x; best triton over cudnn "
+            f"{_geomean(per['best']):.2f}x; auto-graph / cudnn-graph {_geomean(per['gg']):.2f}x; "
+            "recompute stash / cudnn stash "
             f"{_geomean(per['rstash']):.2f}; recompute / stash time {_geomean(per['rtime']):.2f}"
         )
     if r0.get("backward_memory"):
@@ -451,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
-        "--tf32", action="store_true", help="set torch.backends.cuda.matmul.allow_tf32"
+        "--tf32",
+        choices=("match-cudnn", "on", "off"),
+        default="match-cudnn",
+        help="torch.backends.cuda.matmul.allow_tf32; match-cudnn: as cudnn.allow_tf32, so that "
+        "both sides do the same fp32 arithmetic (cuDNN's RNN uses TF32 by default)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -465,8 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.configs == "all"
         else tuple(CONFIGS[int(i)] for i in args.configs.split(","))
     )
-    if args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    tf32 = {"on": True, "off": False, "match-cudnn": torch.backends.cudnn.allow_tf32}[args.tf32]
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if args.tf32 == "off":
+        torch.backends.cudnn.allow_tf32 = False
     dtype = DTYPES[args.dtype]
     import triton
 
@@ -493,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = {
         m: c
         for m, c in result["check"].items()
-        if max(c["triton-stash"], c["triton-recompute"]) > max(tol, 5 * c["cudnn"])
+        if max(v for k, v in c.items() if k != "cudnn") > max(tol, 5 * c["cudnn"])
     }
     if bad:
         print(f"correctness check failed, no timings: {bad}", file=sys.stderr)

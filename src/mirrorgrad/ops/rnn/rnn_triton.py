@@ -40,6 +40,7 @@ _BLOCK = 512
 # the static buffers the GPU work dominates and the extra copies in and out cost more.
 GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 24))
 _GRAPH_CACHE_SIZE = 16
+FUSED_MAX_BATCH = int(os.environ.get("MIRRORGRAD_RNN_FUSED_MAX_BATCH", 64))
 
 
 @triton.jit
@@ -54,69 +55,128 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile(ptr, rows, cols, mask, width, offset):
+    """fp32 tile ``ptr[rows, offset + cols]`` of a row-major matrix ``width`` wide."""
+    return tl.load(ptr + rows[:, None] * width + offset + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
 def _rnn_fwd_kernel(
-    pre_ptr,  # [B, G*H] pre-activations of step t (gru: input side [B, 3H])
-    hh_ptr,  # gru: [B, 3H] hidden side W_hh h + b_hh
-    stash_ptr,  # gru: [B, 4H] stash out
-    h_ptr,  # [B, H] running hidden state, read and written in place
+    pre_ptr,  # [B, G*H] input-side pre-activations of step t (split lstm/rnn: hidden part added)
+    hh_ptr,  # split gru: [B, 3H] hidden side W_hh h + b_hh
+    stash_ptr,  # [B, P] stash out (gru: 4H; fused lstm: pre_ptr itself)
+    hin_ptr,  # [B, H] h_{t-1}
+    hout_ptr,  # [B, H] h_t (split: hin_ptr itself; fused: the other ping-pong buffer)
+    w_ptr,  # fused: W_hh^T [H, G*H] row-major
+    bhh_ptr,  # fused gru: b_hh [3H]
     cprev_ptr,  # lstm: [B, H] fp32 c_{t-1}
     cnext_ptr,  # lstm: [B, H] fp32 c_t out
     y_ptr,  # [B, H] output of step t
     len_ptr,  # [B] int64
     t,
     B,
-    H,
+    H: tl.constexpr,  # constant per model: lets the GEMM loop bounds be static
     clip_lo,
     clip_hi,
-    MODE: tl.constexpr,
+    MODE: tl.constexpr,  # 0 lstm, 1 gru, 2 rnn_tanh, 3 rnn_relu
+    G: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
     CLIP: tl.constexpr,
     WRITE_STASH: tl.constexpr,
-    BLOCK: tl.constexpr,
+    FUSED: tl.constexpr,  # the hidden GEMM h_{t-1} @ W_hh^T runs in this kernel
+    HAS_HB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
-    mask = idx < B * H
-    b = idx // H
-    j = idx % H
-    valid = t < tl.load(len_ptr + b, mask=mask, other=0) if HAS_LENGTHS else mask
-    h_old = tl.load(h_ptr + idx, mask=mask, other=0.0)
+    rb = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB).to(tl.int64)  # [BB]
+    rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)  # [BN]
+    mb = rb < B
+    mask = mb[:, None] & (rn < H)[None, :]  # [BB, BN]
+    GH = G * H
+    acc0 = tl.zeros([BB, BN], dtype=tl.float32)
+    acc1 = tl.zeros([BB, BN], dtype=tl.float32)
+    acc2 = tl.zeros([BB, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BB, BN], dtype=tl.float32)
+    if FUSED:
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK).to(tl.int64)  # [BK]
+            mk = rk < H
+            hk = tl.load(
+                hin_ptr + rb[:, None] * H + rk[None, :], mask=mb[:, None] & mk[None, :], other=0.0
+            )
+            wp = w_ptr + rk[:, None] * GH + rn[None, :]  # [BK, BN] of gate 0
+            wm = mk[:, None] & (rn < H)[None, :]
+            acc0 += tl.dot(
+                hk, tl.load(wp, mask=wm, other=0.0), input_precision=DOT_PRECISION
+            )  # [BB, BK] @ [BK, BN]
+            if G >= 3:
+                acc1 += tl.dot(
+                    hk, tl.load(wp + H, mask=wm, other=0.0), input_precision=DOT_PRECISION
+                )
+                acc2 += tl.dot(
+                    hk, tl.load(wp + 2 * H, mask=wm, other=0.0), input_precision=DOT_PRECISION
+                )
+            if G == 4:
+                acc3 += tl.dot(
+                    hk, tl.load(wp + 3 * H, mask=wm, other=0.0), input_precision=DOT_PRECISION
+                )
+    valid = mask
+    if HAS_LENGTHS:
+        valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    idx = rb[:, None] * H + rn[None, :]  # [BB, BN]
+    h_old = tl.load(hin_ptr + idx, mask=mask, other=0.0)
+    sty = stash_ptr.dtype.element_ty
     if MODE == 0:
-        row = b * 4 * H + j
-        i = _sigmoid(tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32))
-        f = _sigmoid(tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32))
-        g = _tanh(tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32))
-        o = _sigmoid(tl.load(pre_ptr + row + 3 * H, mask=mask, other=0.0).to(tl.float32))
+        p_i = _tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
+        p_f = _tile(pre_ptr, rb, rn, mask, GH, H) + acc1
+        p_g = _tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
+        p_o = _tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
+        if WRITE_STASH:
+            srow = stash_ptr + rb[:, None] * GH + rn[None, :]
+            tl.store(srow, p_i.to(sty), mask=mask)
+            tl.store(srow + H, p_f.to(sty), mask=mask)
+            tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
+            tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = f * c_old + i * g
+        c = _sigmoid(p_f) * c_old + _sigmoid(p_i) * _tanh(p_g)
         if CLIP:
             c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
-        h = o * _tanh(c)
+        h = _sigmoid(p_o) * _tanh(c)
         tl.store(cnext_ptr + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
-        row = b * 3 * H + j
-        hr = tl.load(hh_ptr + row, mask=mask, other=0.0).to(tl.float32)
-        hz = tl.load(hh_ptr + row + H, mask=mask, other=0.0).to(tl.float32)
-        hn = tl.load(hh_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32)
-        r_pre = tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32) + hr
-        z_pre = tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32) + hz
-        xn = tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32)
+        if FUSED:
+            hr, hz, hn = acc0, acc1, acc2
+            if HAS_HB:
+                hr += tl.load(bhh_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
+                hz += tl.load(bhh_ptr + H + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
+                hn += tl.load(bhh_ptr + 2 * H + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
+        else:
+            hr = _tile(hh_ptr, rb, rn, mask, GH, 0)
+            hz = _tile(hh_ptr, rb, rn, mask, GH, H)
+            hn = _tile(hh_ptr, rb, rn, mask, GH, 2 * H)
+        r_pre = _tile(pre_ptr, rb, rn, mask, GH, 0) + hr
+        z_pre = _tile(pre_ptr, rb, rn, mask, GH, H) + hz
+        xn = _tile(pre_ptr, rb, rn, mask, GH, 2 * H)
         r = _sigmoid(r_pre)
         z = _sigmoid(z_pre)
         n = _tanh(xn + r * hn)
         h = (1.0 - z) * n + z * h_old.to(tl.float32)
         if WRITE_STASH:
-            srow = b * 4 * H + j
-            sty = stash_ptr.dtype.element_ty
-            tl.store(stash_ptr + srow, r_pre.to(sty), mask=mask)
-            tl.store(stash_ptr + srow + H, z_pre.to(sty), mask=mask)
-            tl.store(stash_ptr + srow + 2 * H, xn.to(sty), mask=mask)
-            tl.store(stash_ptr + srow + 3 * H, hn.to(sty), mask=mask)
+            srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
+            tl.store(srow, r_pre.to(sty), mask=mask)
+            tl.store(srow + H, z_pre.to(sty), mask=mask)
+            tl.store(srow + 2 * H, xn.to(sty), mask=mask)
+            tl.store(srow + 3 * H, hn.to(sty), mask=mask)
     elif MODE == 2:
-        h = _tanh(tl.load(pre_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+        h = _tanh(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
     else:
-        h = tl.maximum(tl.load(pre_ptr + idx, mask=mask, other=0.0).to(tl.float32), 0.0)
-    h = h.to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + idx, tl.where(valid, h, h_old), mask=mask)
+        h = tl.maximum(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
+    h = h.to(hout_ptr.dtype.element_ty)
+    tl.store(hout_ptr + idx, tl.where(valid, h, h_old), mask=mask)
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
 
 
@@ -128,38 +188,66 @@ def _rnn_bwd_kernel(
     hprev_ptr,  # gru: [B, H] h_{t-1}
     hnext_ptr,  # rnn: [B, H] y_t
     dy_ptr,  # [B, H] grad of y_t
-    dh_ptr,  # [B, H] in: grad of h_t; out: direct part of grad of h_{t-1}
+    dh_ptr,  # [B, H] in: grad of h_t (fused: its direct part); out: direct part of grad of h_{t-1}
     dc_ptr,  # lstm: [B, H] fp32 in: grad of c_t; out: grad of c_{t-1}
     dg_ptr,  # [B, G*H] out: grad of the input-side pre-activations
     dgh_ptr,  # gru: [B, 3H] out: grad of the hidden-side pre-activations
+    dgnext_ptr,  # fused: [B, G*H] hidden-side gate grads of step t+1
+    w_ptr,  # fused: W_hh [G*H, H] row-major
     len_ptr,  # [B] int64
     t,
     B,
-    H,
+    H: tl.constexpr,  # constant per model: lets the GEMM loop bounds be static
     clip_lo,
     clip_hi,
     MODE: tl.constexpr,
+    G: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
     HAS_DY: tl.constexpr,
     CLIP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    FUSED: tl.constexpr,  # the GEMM dG_{t+1} @ W_hh runs in this kernel
+    HAS_NEXT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
-    mask = idx < B * H
-    b = idx // H
-    j = idx % H
-    valid = t < tl.load(len_ptr + b, mask=mask, other=0) if HAS_LENGTHS else mask
-    dh_in = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    rb = tl.program_id(0).to(tl.int64) * BB + tl.arange(0, BB).to(tl.int64)  # [BB]
+    rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)  # [BN]
+    mb = rb < B
+    mask = mb[:, None] & (rn < H)[None, :]  # [BB, BN]
+    GH = G * H
+    acc = tl.zeros([BB, BN], dtype=tl.float32)
+    if FUSED and HAS_NEXT:
+        for gk in tl.static_range(0, G * H, H):
+            for k0 in range(0, H, BK):
+                rk = gk + k0 + tl.arange(0, BK).to(tl.int64)  # [BK]
+                mk = rk < gk + H
+                dgk = tl.load(
+                    dgnext_ptr + rb[:, None] * GH + rk[None, :],
+                    mask=mb[:, None] & mk[None, :],
+                    other=0.0,
+                )
+                wk = tl.load(
+                    w_ptr + rk[:, None] * H + rn[None, :],
+                    mask=mk[:, None] & (rn < H)[None, :],
+                    other=0.0,
+                )
+                acc += tl.dot(dgk, wk, input_precision=DOT_PRECISION)  # [BB, BK] @ [BK, BN]
+    valid = mask
+    if HAS_LENGTHS:
+        valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    idx = rb[:, None] * H + rn[None, :]  # [BB, BN]
+    dh_in = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32) + acc
     dh = dh_in
     if HAS_DY:
         dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     gty = dg_ptr.dtype.element_ty
     if MODE == 0:
-        row = b * 4 * H + j
-        i = _sigmoid(tl.load(pre_ptr + row, mask=mask, other=0.0).to(tl.float32))
-        f = _sigmoid(tl.load(pre_ptr + row + H, mask=mask, other=0.0).to(tl.float32))
-        g = _tanh(tl.load(pre_ptr + row + 2 * H, mask=mask, other=0.0).to(tl.float32))
-        o = _sigmoid(tl.load(pre_ptr + row + 3 * H, mask=mask, other=0.0).to(tl.float32))
+        i = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, 0))
+        f = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, H))
+        g = _tanh(_tile(pre_ptr, rb, rn, mask, GH, 2 * H))
+        o = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, 3 * H))
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
         c = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
         dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
@@ -168,36 +256,31 @@ def _rnn_bwd_kernel(
         if CLIP:
             c_pre = f * c_old + i * g
             dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        di = dc * g * i * (1.0 - i)
-        df = dc * c_old * f * (1.0 - f)
-        dgg = dc * i * (1.0 - g * g)
-        do = dh * tc * o * (1.0 - o)
-        tl.store(dg_ptr + row, tl.where(valid, di, 0.0).to(gty), mask=mask)
-        tl.store(dg_ptr + row + H, tl.where(valid, df, 0.0).to(gty), mask=mask)
-        tl.store(dg_ptr + row + 2 * H, tl.where(valid, dgg, 0.0).to(gty), mask=mask)
-        tl.store(dg_ptr + row + 3 * H, tl.where(valid, do, 0.0).to(gty), mask=mask)
+        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
+        tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
+        tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
+        tl.store(drow + 3 * H, tl.where(valid, dh * tc * o * (1.0 - o), 0.0).to(gty), mask=mask)
         tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
         dh_direct = tl.zeros_like(dh)
     elif MODE == 1:
-        srow = b * 4 * H + j
-        r = _sigmoid(tl.load(pre_ptr + srow, mask=mask, other=0.0).to(tl.float32))
-        z = _sigmoid(tl.load(pre_ptr + srow + H, mask=mask, other=0.0).to(tl.float32))
-        xn = tl.load(pre_ptr + srow + 2 * H, mask=mask, other=0.0).to(tl.float32)
-        hn = tl.load(pre_ptr + srow + 3 * H, mask=mask, other=0.0).to(tl.float32)
+        r = _sigmoid(_tile(pre_ptr, rb, rn, mask, 4 * H, 0))
+        z = _sigmoid(_tile(pre_ptr, rb, rn, mask, 4 * H, H))
+        xn = _tile(pre_ptr, rb, rn, mask, 4 * H, 2 * H)
+        hn = _tile(pre_ptr, rb, rn, mask, 4 * H, 3 * H)
         n = _tanh(xn + r * hn)
         h_old = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         dn = dh * (1.0 - z) * (1.0 - n * n)
-        dr = dn * hn * r * (1.0 - r)
-        dz = dh * (h_old - n) * z * (1.0 - z)
-        row = b * 3 * H + j
-        dr = tl.where(valid, dr, 0.0).to(gty)
-        dz = tl.where(valid, dz, 0.0).to(gty)
-        tl.store(dg_ptr + row, dr, mask=mask)
-        tl.store(dg_ptr + row + H, dz, mask=mask)
-        tl.store(dg_ptr + row + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
-        tl.store(dgh_ptr + row, dr, mask=mask)
-        tl.store(dgh_ptr + row + H, dz, mask=mask)
-        tl.store(dgh_ptr + row + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
+        dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
+        dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
+        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
+        tl.store(drow, dr, mask=mask)
+        tl.store(drow + H, dz, mask=mask)
+        tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
+        tl.store(hrow, dr, mask=mask)
+        tl.store(hrow + H, dz, mask=mask)
+        tl.store(hrow + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
         dh_direct = dh * z
     else:
         # The activation's derivative comes from its output: nothing stashed.
@@ -275,6 +358,8 @@ class _Spec:
     clip: tuple[float, float] | None
     memory: str
     has_bias: bool
+    fused: bool  # hidden GEMM inside the step kernel (else cuBLAS per step)
+    precision: str  # tl.dot input precision: "tf32" as torch.backends.cuda.matmul allows
 
     @property
     def gh(self) -> int:
@@ -288,8 +373,17 @@ class _Spec:
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
 
 
-def _launch_grid(spec: _Spec) -> tuple[int]:
-    return (triton.cdiv(spec.B * spec.H, _BLOCK),)
+def _tiles(spec: _Spec) -> tuple[int, int, int]:
+    """(BB, BN, BK): rows of the batch, hidden columns and GEMM depth per program."""
+    if spec.fused:
+        # NOTE: small column tiles give more programs to stream W_hh at small batch.
+        return min(64, max(16, triton.next_power_of_2(spec.B))), 16 if spec.B <= 32 else 32, 64
+    return min(4, triton.next_power_of_2(spec.B)), 128, 16
+
+
+def _grid(spec: _Spec) -> tuple[int, int]:
+    bb, bn, _ = _tiles(spec)
+    return (triton.cdiv(spec.B, bb), triton.cdiv(spec.H, bn))
 
 
 def _clip_args(spec: _Spec) -> tuple[float, float]:
@@ -298,53 +392,69 @@ def _clip_args(spec: _Spec) -> tuple[float, float]:
 
 @dataclass(kw_only=True, slots=True)
 class _FwdBuffers:
-    pre: Tensor  # [T, B, G*H] input-side pre-activations; lstm/rnn: hidden GEMM adds in place
-    hh: Tensor | None  # gru: [B, 3H] hidden side of the current step
+    pre: Tensor  # [T, B, G*H] input-side pre-activations; split lstm/rnn: hidden GEMM adds in place
+    hh: Tensor | None  # split gru: [B, 3H] hidden side of the current step
     stash: Tensor | None  # gru stash: [T, B, 4H]
-    h: Tensor  # [B, H]
+    h: Tensor  # [2, B, H] ping-pong (split: only h[0], updated in place)
     cells: Tensor | None  # lstm: [T+1, B, H] fp32
     y: Tensor  # [T, B, H]
     lengths: Tensor | None
-    w_hh: Tensor
+    w: Tensor  # split: W_hh [G*H, H]; fused: W_hh^T [H, G*H] contiguous
     b_hh: Tensor | None  # gru only: b_hh stays on the hidden side (r gates W_hn h + b_hn)
 
 
 def _fwd_buffers(
-    spec: _Spec, w_hh: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+    spec: _Spec, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
 ) -> _FwdBuffers:
     gru, lstm = spec.mode == "gru", spec.mode == "lstm"
     return _FwdBuffers(
         pre=spec.empty(spec.T, spec.B, spec.gh),
-        hh=spec.empty(spec.B, spec.gh) if gru else None,
+        hh=spec.empty(spec.B, spec.gh) if gru and not spec.fused else None,
         stash=spec.empty(spec.T, spec.B, 4 * spec.H) if gru and spec.memory == "stash" else None,
-        h=spec.empty(spec.B, spec.H),
+        h=spec.empty(2, spec.B, spec.H),
         cells=spec.empty(spec.T + 1, spec.B, spec.H, dtype=torch.float32) if lstm else None,
         y=spec.empty(spec.T, spec.B, spec.H),
         lengths=lengths,
-        w_hh=w_hh,
+        w=w,
         b_hh=b_hh if gru else None,
     )
 
 
+def _final_h(spec: _Spec, buf: _FwdBuffers) -> Tensor:
+    return buf.h[spec.T % 2] if spec.fused else buf.h[0]
+
+
 def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
-    """The sequential part of the forward: per step one GEMM and one fused kernel."""
+    """The sequential part of the forward: per step one fused kernel (split: plus one GEMM)."""
     lo, hi = _clip_args(spec)
-    w_t = buf.w_hh.t()
+    bb, bn, bk = _tiles(spec)
     dummy = buf.y
+    lstm_stash = spec.mode == "lstm" and spec.memory == "stash"
     for t in range(spec.T):
-        if spec.mode == "gru":
-            if buf.b_hh is not None:
-                torch.addmm(buf.b_hh, buf.h, w_t, out=buf.hh)
-            else:
-                torch.mm(buf.h, w_t, out=buf.hh)
+        if spec.fused:
+            h_in, h_out = buf.h[t % 2], buf.h[(t + 1) % 2]
         else:
-            buf.pre[t].addmm_(buf.h, w_t)
+            h_in = h_out = buf.h[0]
+            if spec.mode != "gru":
+                buf.pre[t].addmm_(h_in, buf.w.t())
+            elif buf.b_hh is not None:
+                torch.addmm(buf.b_hh, h_in, buf.w.t(), out=buf.hh)
+            else:
+                torch.mm(h_in, buf.w.t(), out=buf.hh)
         cells = buf.cells
-        _rnn_fwd_kernel[_launch_grid(spec)](
+        stash = (
+            buf.stash[t]
+            if buf.stash is not None
+            else (buf.pre[t] if spec.fused and lstm_stash else None)
+        )
+        _rnn_fwd_kernel[_grid(spec)](
             buf.pre[t],
             buf.hh if buf.hh is not None else dummy,
-            buf.stash[t] if buf.stash is not None else dummy,
-            buf.h,
+            stash if stash is not None else dummy,
+            h_in,
+            h_out,
+            buf.w,
+            buf.b_hh if buf.b_hh is not None else dummy,
             cells[t] if cells is not None else dummy,
             cells[t + 1] if cells is not None else dummy,
             buf.y[t],
@@ -355,10 +465,16 @@ def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
             lo,
             hi,
             MODE=_MODE_ID[spec.mode],
+            G=_GATES[spec.mode],
             HAS_LENGTHS=buf.lengths is not None,
             CLIP=spec.clip is not None,
-            WRITE_STASH=buf.stash is not None,
-            BLOCK=_BLOCK,
+            WRITE_STASH=stash is not None,
+            FUSED=spec.fused,
+            HAS_HB=buf.b_hh is not None,
+            DOT_PRECISION=spec.precision,
+            BB=bb,
+            BN=bn,
+            BK=bk,
         )
 
 
@@ -367,9 +483,9 @@ class _BwdBuffers:
     pre: Tensor | None  # [T, B, P] stash layout (rnn: None)
     cells: Tensor | None  # lstm: [T+1, B, H] fp32
     h0: Tensor | None  # gru: [B, H]
-    y: Tensor | None  # gru: [T, B, H]
+    y: Tensor | None  # gru, rnn: [T, B, H]
     dy: Tensor | None  # [T, B, H]
-    dh: Tensor  # [B, H] running grad of h
+    dh: Tensor  # [B, H] running grad of h (fused: its direct part)
     dc: Tensor | None  # lstm: [B, H] fp32 running grad of c
     dg: Tensor  # [T, B, G*H]
     dgh: Tensor | None  # gru: [T, B, 3H]
@@ -378,13 +494,15 @@ class _BwdBuffers:
 
 
 def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
-    """The sequential part of the backward: per step one fused kernel and one GEMM."""
+    """The sequential part of the backward: per step one fused kernel (split: plus one GEMM)."""
     lo, hi = _clip_args(spec)
+    bb, bn, bk = _tiles(spec)
     dummy = buf.dh
+    dg_hidden = buf.dgh if buf.dgh is not None else buf.dg  # what flows through W_hh
     for t in reversed(range(spec.T)):
         cells = buf.cells
-        dgh = buf.dgh[t] if buf.dgh is not None else None
-        _rnn_bwd_kernel[_launch_grid(spec)](
+        has_next = spec.fused and t + 1 < spec.T
+        _rnn_bwd_kernel[_grid(spec)](
             buf.pre[t] if buf.pre is not None else dummy,
             cells[t] if cells is not None else dummy,
             cells[t + 1] if cells is not None else dummy,
@@ -394,7 +512,9 @@ def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
             buf.dh,
             buf.dc if buf.dc is not None else dummy,
             buf.dg[t],
-            dgh if dgh is not None else dummy,
+            buf.dgh[t] if buf.dgh is not None else dummy,
+            dg_hidden[t + 1] if has_next else dummy,
+            buf.w_hh,
             buf.lengths if buf.lengths is not None else dummy,
             t,
             spec.B,
@@ -402,12 +522,19 @@ def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
             lo,
             hi,
             MODE=_MODE_ID[spec.mode],
+            G=_GATES[spec.mode],
             HAS_LENGTHS=buf.lengths is not None,
             HAS_DY=buf.dy is not None,
             CLIP=spec.clip is not None,
-            BLOCK=_BLOCK,
+            FUSED=spec.fused,
+            HAS_NEXT=has_next,
+            DOT_PRECISION=spec.precision,
+            BB=bb,
+            BN=bn,
+            BK=bk,
         )
-        buf.dh.addmm_(dgh if dgh is not None else buf.dg[t], buf.w_hh)
+        if not spec.fused or t == 0:
+            buf.dh.addmm_(dg_hidden[t], buf.w_hh)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -487,8 +614,14 @@ def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -
         raise ValueError("state_clip applies to mode='lstm' only")
 
 
-def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> _Spec:
+def _default_fused(B: int) -> bool:
+    # NOTE: set from the H200 benchmark in docs/notes/rnn-gpu.md.
+    return B <= FUSED_MAX_BATCH
+
+
+def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> _Spec:
     T, B, _ = x.shape
+    tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     return _Spec(
         mode=mode,
         T=T,
@@ -500,6 +633,8 @@ def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> _Spec:
         clip=tuple(float(v) for v in state_clip) if state_clip is not None else None,
         memory=memory,
         has_bias=b_ih is not None or b_hh is not None,
+        fused=_default_fused(B) if fused is None else fused,
+        precision="tf32" if tf32 else "ieee",
     )
 
 
@@ -519,13 +654,16 @@ def layer_forward(
     memory: str = "stash",
     state_clip: tuple[float, float] | None = None,
     use_graph: bool | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """One layer, one direction: returns ``(y [T,B,H], h_n, c_n, saved)``.
 
     ``use_graph``: capture the step loop in a CUDA Graph (None: by size).
+    ``fused``: run the hidden GEMM inside the step kernel (None: by batch size).
     """
     _check(mode, x, w_hr, memory, state_clip)
-    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    w = w_hh.t().contiguous() if spec.fused else w_hh
     T, B = spec.T, spec.B
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     bias = _input_bias(mode, b_ih, b_hh)
@@ -536,23 +674,23 @@ def layer_forward(
             key,
             lambda: _fwd_buffers(
                 spec,
-                w_hh.clone(),
+                w.clone(),
                 b_hh.clone() if b_hh is not None else None,
                 lengths.clone() if lengths is not None else None,
             ),
             lambda buf: _fwd_loop(spec, buf),
         )
         buf = cap.buffers
-        buf.w_hh.copy_(w_hh)
+        buf.w.copy_(w)
         if buf.b_hh is not None:
             buf.b_hh.copy_(b_hh)
         if buf.lengths is not None:
             buf.lengths.copy_(lengths)
     else:
         cap = None
-        buf = _fwd_buffers(spec, w_hh, b_hh, lengths)
+        buf = _fwd_buffers(spec, w, b_hh, lengths)
     _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, spec.gh))
-    buf.h.copy_(h0)
+    buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
     if cap is not None:
@@ -562,15 +700,16 @@ def layer_forward(
             pre=buf.pre.clone() if memory == "stash" and mode == "lstm" else buf.pre,
             hh=None,
             stash=buf.stash.clone() if buf.stash is not None else None,
-            h=buf.h.clone(),
+            h=_final_h(spec, buf).clone(),
             cells=buf.cells.clone() if buf.cells is not None else None,
             y=buf.y.clone(),
             lengths=lengths,
-            w_hh=w_hh,
+            w=w,
             b_hh=b_hh,
         )
     else:
         _fwd_loop(spec, buf)
+        buf.h = _final_h(spec, buf)
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
     if mode == "lstm":
         saved = (buf.pre, buf.cells) if memory == "stash" else (buf.cells,)
@@ -640,6 +779,7 @@ def layer_backward(
     state_clip: tuple[float, float] | None = None,
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
     use_graph: bool | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed)."""
     _check(mode, x, w_hr, memory, state_clip)
@@ -648,7 +788,7 @@ def layer_backward(
     need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
-    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
     T, B, H = spec.T, spec.B, spec.H
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
