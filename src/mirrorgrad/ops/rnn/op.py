@@ -339,15 +339,17 @@ def _layer_flops(mode, T, B, n_in, H, Hr, proj) -> int:
     return flops + (2 * T * B * H * Hr if proj else 0)
 
 
-def _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size):
-    T, B, _ = x.shape
+def _stack_flops(x_shape, weight_shapes, hx_shape, mode, num_layers, bidirectional, has_biases,
+                 proj_size) -> int:  # fmt: skip
+    """Forward FLOPs of the stack; flop formulas receive shapes in place of tensors."""
+    T, B, _ = x_shape
     n_w = _weights_per_layer(has_biases, proj_size)
     num_dirs = 2 if bidirectional else 1
-    H = weights[1].shape[0] // GATES[mode]
+    H = weight_shapes[1][0] // GATES[mode]
     total = 0
     for index in range(num_layers * num_dirs):
-        n_in = weights[index * n_w].shape[1]
-        total += _layer_flops(mode, T, B, n_in, H, hx.shape[-1], proj_size > 0)
+        n_in = weight_shapes[index * n_w][1]
+        total += _layer_flops(mode, T, B, n_in, H, hx_shape[-1], proj_size > 0)
     return total
 
 

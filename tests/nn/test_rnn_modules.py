@@ -1,0 +1,360 @@
+"""mirrorgrad.nn.LSTM / GRU / RNN against torch.nn in float64 on CPU (reference path)."""
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import mirrorgrad.nn as mnn
+
+DT = torch.float64
+
+# (name, mirrorgrad class, torch class, fixed constructor kwargs)
+KINDS = [
+    ("lstm", mnn.LSTM, torch.nn.LSTM, {}),
+    ("gru", mnn.GRU, torch.nn.GRU, {}),
+    ("rnn_tanh", mnn.RNN, torch.nn.RNN, {"nonlinearity": "tanh"}),
+    ("rnn_relu", mnn.RNN, torch.nn.RNN, {"nonlinearity": "relu"}),
+]
+
+# (id, constructor kwargs, T, B, input_size, hidden_size)
+CONFIGS = [
+    ("1layer", {}, 5, 3, 4, 6),
+    ("3layers", {"num_layers": 3}, 4, 2, 3, 5),
+    ("bidir-2layers", {"num_layers": 2, "bidirectional": True}, 5, 3, 4, 6),
+    ("batch_first", {"batch_first": True, "num_layers": 2}, 4, 3, 4, 5),
+    ("no-bias", {"bias": False}, 4, 2, 3, 5),
+    ("T1", {"num_layers": 2}, 1, 3, 4, 5),
+    ("T63", {}, 63, 2, 3, 4),
+    ("hidden1", {"num_layers": 2, "bidirectional": True}, 4, 2, 3, 1),
+    ("hidden500", {}, 3, 2, 4, 500),
+]
+LSTM_ONLY_CONFIGS = [
+    ("proj", {"proj_size": 3, "num_layers": 2}, 4, 3, 4, 6),
+    ("proj-bidir", {"proj_size": 2, "bidirectional": True}, 4, 2, 3, 5),
+]
+
+
+def make_pair(kind, kwargs, input_size, hidden_size, **ours):
+    _, ours_cls, torch_cls, fixed = kind
+    ref = torch_cls(input_size, hidden_size, dtype=DT, **fixed, **kwargs)
+    mod = ours_cls(input_size, hidden_size, dtype=DT, **fixed, **kwargs, **ours)
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+def states(h):
+    return list(h) if isinstance(h, tuple) else [h]
+
+
+def weighted_loss(y, h, weights):
+    """A loss that weighs every output element differently (not just .sum())."""
+    outs = [y, *states(h)]
+    return sum((o * w).sum() for o, w in zip(outs, weights))
+
+
+def random_weights(y, h):
+    return [torch.randn_like(o) for o in [y, *states(h)]]
+
+
+def check_against_torch(ref, mod, x, hx=None, y_of=lambda y: y, atol=1e-10, x_leaf=None):
+    """Outputs, final states and the gradient of every input and parameter agree.
+
+    x_leaf: the tensor x was made from (the padded batch of a PackedSequence)."""
+    y_ref, h_ref = ref(x, hx)
+    y_mod, h_mod = mod(x, hx)
+    y_ref, y_mod = y_of(y_ref), y_of(y_mod)
+    torch.testing.assert_close(y_mod, y_ref, atol=atol, rtol=0)
+    for a, b in zip(states(h_mod), states(h_ref)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    weights = random_weights(y_ref, h_ref)
+    x_leaf = x if x_leaf is None else x_leaf
+    leaves = [t for t in [x_leaf, *(states(hx) if hx is not None else [])] if t.requires_grad]
+    trained = [n for n, p in ref.named_parameters() if p.requires_grad]
+    ref_params = [getattr(ref, n) for n in trained]
+    mod_params = [getattr(mod, n) for n in trained]
+    # retain_graph: a PackedSequence's pack step is shared by both calls.
+    loss_ref = weighted_loss(y_ref, h_ref, weights)
+    g_ref = torch.autograd.grad(loss_ref, [*leaves, *ref_params], retain_graph=True)
+    g_mod = torch.autograd.grad(weighted_loss(y_mod, h_mod, weights), [*leaves, *mod_params])
+    names = [f"input{i}" for i in range(len(leaves))] + trained
+    for name, a, b in zip(names, g_mod, g_ref):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def initial_states(kind_name, mod, batch, *, unbatched=False):
+    num = mod.num_layers * (2 if mod.bidirectional else 1)
+    hidden = mod.proj_size or mod.hidden_size
+    shape_h = (num, hidden) if unbatched else (num, batch, hidden)
+    h0 = torch.randn(shape_h, dtype=DT, requires_grad=True)
+    if kind_name != "lstm":
+        return h0
+    shape_c = (num, mod.hidden_size) if unbatched else (num, batch, mod.hidden_size)
+    return h0, torch.randn(shape_c, dtype=DT, requires_grad=True)
+
+
+def all_cases():
+    for kind in KINDS:
+        configs = CONFIGS + (LSTM_ONLY_CONFIGS if kind[0] == "lstm" else [])
+        for config in configs:
+            for memory in ("stash", "recompute"):
+                yield pytest.param(kind, config, memory, id=f"{kind[0]}-{config[0]}-{memory}")
+
+
+@pytest.mark.parametrize(("kind", "config", "memory"), list(all_cases()))
+def test_matches_torch_nn(kind, config, memory):
+    _, kwargs, T, B, input_size, hidden_size = config
+    ref, mod = make_pair(kind, kwargs, input_size, hidden_size, memory=memory)
+    shape = (B, T, input_size) if kwargs.get("batch_first") else (T, B, input_size)
+    x = torch.randn(shape, dtype=DT, requires_grad=True)
+    check_against_torch(ref, mod, x, initial_states(kind[0], mod, B))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_default_zero_initial_state(kind):
+    ref, mod = make_pair(kind, {"num_layers": 2}, 3, 4)
+    check_against_torch(ref, mod, torch.randn(5, 2, 3, dtype=DT, requires_grad=True))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_unbatched_input(kind):
+    ref, mod = make_pair(kind, {"num_layers": 2, "bidirectional": True}, 3, 4)
+    x = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    check_against_torch(ref, mod, x, initial_states(kind[0], mod, 1, unbatched=True))
+
+
+PACKED = [(kind, bidir) for kind in KINDS for bidir in (False, True)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "bidirectional"),
+    PACKED,
+    ids=[f"{k[0]}-{'bidir' if b else 'unidir'}" for k, b in PACKED],
+)
+def test_packed_unsorted_lengths(kind, bidirectional):
+    extra = {"proj_size": 2} if kind[0] == "lstm" and bidirectional else {}
+    ref, mod = make_pair(kind, {"num_layers": 2, "bidirectional": bidirectional, **extra}, 3, 4)
+    lengths = torch.tensor([3, 6, 1, 6, 4])
+    padded = torch.randn(6, 5, 3, dtype=DT, requires_grad=True)
+    packed = pack_padded_sequence(padded, lengths, enforce_sorted=False)
+    h0 = initial_states(kind[0], mod, 5)
+    y_ref, _ = ref(packed, h0)
+    y_mod, _ = mod(packed, h0)
+    assert torch.equal(y_mod.batch_sizes, y_ref.batch_sizes)
+    assert torch.equal(y_mod.sorted_indices, y_ref.sorted_indices)
+    assert torch.equal(y_mod.unsorted_indices, y_ref.unsorted_indices)
+    check_against_torch(ref, mod, packed, h0, y_of=lambda y: y.data, x_leaf=padded)
+
+
+def test_packed_sorted_input():
+    ref, mod = make_pair(KINDS[0], {"bidirectional": True}, 3, 4)
+    padded = torch.randn(4, 3, 3, dtype=DT, requires_grad=True)
+    packed = pack_padded_sequence(padded, torch.tensor([4, 2, 1]))
+    check_against_torch(ref, mod, packed, y_of=lambda y: y.data, x_leaf=padded)
+
+
+def plain_clipped_lstm(x, h0, c0, layers, clip):
+    """Unidirectional multi-layer LSTM as a plain loop with torch.clamp on the cell."""
+    hs, cs = [], []
+    for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(layers):
+        h, c, ys = h0[layer], c0[layer], []
+        for t in range(x.shape[0]):
+            i, f, g, o = (x[t] @ w_ih.T + b_ih + h @ w_hh.T + b_hh).chunk(4, -1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            c = c.clamp(*clip)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            ys.append(h)
+        x = torch.stack(ys)
+        hs.append(h)
+        cs.append(c)
+    return x, (torch.stack(hs), torch.stack(cs))
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+def test_state_clip_matches_plain_loop(memory):
+    clip = (-0.4, 0.5)
+    mod = mnn.LSTM(3, 5, num_layers=2, dtype=DT, memory=memory, state_clip=clip)
+    with torch.no_grad():  # large weights so that the clamp is active often
+        for p in mod.parameters():
+            p.mul_(4)
+    x = torch.randn(6, 2, 3, dtype=DT, requires_grad=True)
+    h0, c0 = initial_states("lstm", mod, 2)
+    layers = [[getattr(mod, f"{n}_l{k}") for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")]
+              for k in range(2)]  # fmt: skip
+    y_ref, h_ref = plain_clipped_lstm(x, h0, c0, layers, clip)
+    y_mod, h_mod = mod(x, (h0, c0))
+    cells = h_mod[1]
+    assert ((cells == clip[0]) | (cells == clip[1])).any(), "clip never active: weak test"
+    torch.testing.assert_close(y_mod, y_ref, atol=1e-10, rtol=0)
+    weights = random_weights(y_ref, h_ref)
+    leaves = [x, h0, c0, *mod.parameters()]
+    g_ref = torch.autograd.grad(weighted_loss(y_ref, h_ref, weights), leaves)
+    g_mod = torch.autograd.grad(weighted_loss(y_mod, h_mod, weights), leaves)
+    for a, b in zip(g_mod, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def dropout_run(seed, kind=KINDS[0]):
+    torch.manual_seed(123)
+    mod = kind[1](3, 4, num_layers=3, dropout=0.5, dtype=DT, **kind[3])
+    x = torch.randn(5, 2, 3, dtype=DT, requires_grad=True)
+    torch.manual_seed(seed)
+    y, _ = mod(x)
+    weights = torch.randn_like(y)
+    grads = torch.autograd.grad((y * weights).sum(), [x, *mod.parameters()])
+    return y, grads
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_dropout_same_seed_same_outputs_and_grads(kind):
+    y1, g1 = dropout_run(7, kind)
+    y2, g2 = dropout_run(7, kind)
+    y3, _ = dropout_run(8, kind)
+    assert torch.equal(y1, y2)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert not torch.equal(y1, y3), "another seed must give another mask"
+
+
+def test_dropout_off_in_eval_mode():
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2, "dropout": 0.5}, 3, 4)
+    ref.eval()
+    mod.eval()
+    check_against_torch(ref, mod, torch.randn(4, 2, 3, dtype=DT, requires_grad=True))
+
+
+def test_frozen_weights_and_input_without_grad_get_no_gradient():
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2, "bidirectional": True}, 3, 4)
+    for m in (ref, mod):
+        m.weight_ih_l0.requires_grad_(False)
+        m.bias_hh_l1_reverse.requires_grad_(False)
+    x = torch.randn(5, 2, 3, dtype=DT)  # no gradient wanted
+    check_against_torch(ref, mod, x)
+    y, _ = mod(x)
+    y.sum().backward()
+    assert mod.weight_ih_l0.grad is None
+    assert mod.bias_hh_l1_reverse.grad is None
+    assert mod.weight_hh_l0.grad is not None
+
+
+def test_no_grad_forward_returns_plain_tensors():
+    mod = mnn.LSTM(3, 4, num_layers=2, dtype=DT)
+    with torch.no_grad():
+        y, (h, c) = mod(torch.randn(5, 2, 3, dtype=DT))
+    assert not y.requires_grad and y.shape == (5, 2, 4)
+    assert h.shape == c.shape == (2, 2, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_state_dict_round_trip_both_ways(kind):
+    ref, mod = make_pair(kind, {"num_layers": 2, "bidirectional": True}, 3, 4)
+    assert mod.state_dict().keys() == ref.state_dict().keys()
+    fresh_torch = kind[2](3, 4, num_layers=2, bidirectional=True, dtype=DT, **kind[3])
+    fresh_torch.load_state_dict(mod.state_dict())
+    for (name, a), b in zip(fresh_torch.state_dict().items(), mod.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_same_initialisation_as_torch_nn():
+    torch.manual_seed(3)
+    ref = torch.nn.LSTM(3, 4, num_layers=2, proj_size=2)
+    torch.manual_seed(3)
+    mod = mnn.LSTM(3, 4, num_layers=2, proj_size=2)
+    for a, b in zip(ref.state_dict().values(), mod.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 3)
+        self.lstm = torch.nn.LSTM(3, 4, num_layers=2)
+        self.head = torch.nn.Sequential(torch.nn.GRU(4, 5), torch.nn.RNN(5, 2, nonlinearity="relu"))
+
+    def forward(self, tokens):
+        y, _ = self.lstm(self.embed(tokens))
+        y, _ = self.head[0](y)
+        return self.head[1](y)[0]
+
+
+def test_convert_swaps_every_rnn_in_place():
+    model = _Model().double()
+    tokens = torch.randint(0, 10, (5, 2))
+    expected = model(tokens)
+    converted = mnn.convert(model, memory="stash")
+    assert converted is model
+    assert type(model.lstm) is mnn.LSTM and model.lstm.memory == "stash"
+    assert type(model.head[0]) is mnn.GRU
+    assert type(model.head[1]) is mnn.RNN and model.head[1].nonlinearity == "relu"
+    torch.testing.assert_close(model(tokens), expected, atol=1e-12, rtol=0)
+
+
+def test_convert_of_a_bare_module_returns_the_replacement():
+    lstm = torch.nn.LSTM(3, 4, proj_size=2).double().eval()
+    new = mnn.convert(lstm, state_clip=(-1.0, 1.0))
+    assert type(new) is mnn.LSTM and new.state_clip == (-1.0, 1.0) and not new.training
+    x = torch.randn(3, 2, 3, dtype=DT)
+    torch.testing.assert_close(new(x)[0], lstm(x)[0])
+
+
+def test_autocast_runs_in_the_autocast_dtype_like_torch_nn():
+    ref, mod = make_pair(KINDS[0], {}, 3, 4)
+    ref.float()
+    mod.float()
+    x = torch.randn(5, 2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, (h_ref, _) = ref(x)
+        y_mod, (h_mod, _) = mod(x)
+    assert y_mod.dtype == y_ref.dtype == torch.bfloat16
+    assert h_mod.dtype == h_ref.dtype
+    torch.testing.assert_close(y_mod.float(), y_ref.float(), atol=3e-2, rtol=0)
+
+
+# Each bad call goes to torch.nn.LSTM and to ours: same exception type, ours names a fix.
+BAD_CALLS = [
+    ("4d-input", lambda: (torch.randn(3, 2, 4, 1), None), "2D or 3D"),
+    ("wrong-input-size", lambda: (torch.randn(3, 2, 3), None), "input_size"),
+    ("wrong-dtype", lambda: (torch.randn(3, 2, 4, dtype=torch.float64), None), "input.to"),
+    ("wrong-device", lambda: (torch.randn(3, 2, 4, device="meta"), None), ".to("),
+    ("hx-batch", lambda: (torch.randn(3, 2, 4), (torch.zeros(1, 3, 5), torch.zeros(1, 2, 5))),
+     "Expected hidden[0] size"),
+    ("cx-size", lambda: (torch.randn(3, 2, 4), (torch.zeros(1, 2, 5), torch.zeros(1, 2, 4))),
+     "Expected hidden[1] size"),
+    ("hx-dims", lambda: (torch.randn(3, 2, 4), (torch.zeros(2, 5), torch.zeros(2, 5))), "3-D"),
+    ("unbatched-hx-dims", lambda: (torch.randn(3, 4), (torch.zeros(1, 1, 5),) * 2), "2-D"),
+    ("hx-device", lambda: (torch.randn(3, 2, 4), (torch.zeros(1, 2, 5, device="meta"),) * 2),
+     "hx.to"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("call", "hint"), [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS]
+)
+def test_bad_input_raises_like_torch_nn(call, hint):
+    ref, mod = torch.nn.LSTM(4, 5), mnn.LSTM(4, 5)
+    x, hx = call()
+    with pytest.raises(Exception) as torch_error:
+        ref(x, hx)
+    with pytest.raises(torch_error.type, match=hint.replace("[", r"\[").replace("(", r"\(")):
+        mod(x, hx)
+
+
+def test_hx_dtype_mismatch_raises_runtime_error_with_fix():
+    mod = mnn.GRU(4, 5)
+    with pytest.raises(RuntimeError, match=r"hx.to\(torch.float32\)"):
+        mod(torch.randn(3, 2, 4), torch.zeros(1, 2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: mnn.LSTM(3, 4, memory="none"), ValueError),
+        (lambda: mnn.GRU(3, 4, impl="cuda"), ValueError),
+        (lambda: mnn.RNN(3, 4, nonlinearity="gelu"), ValueError),
+        (lambda: mnn.LSTM(3, 4, state_clip=(1.0, -1.0)), ValueError),
+        (lambda: mnn.LSTM(3, 4, proj_size=4), ValueError),
+    ],
+    ids=["memory", "impl", "nonlinearity", "state_clip-order", "proj-too-large"],
+)
+def test_bad_constructor_arguments(make, error):
+    with pytest.raises(error):
+        make()

@@ -1,0 +1,284 @@
+"""The mirrorgrad::rnn_forward / rnn_backward ops: registration, gradients, compile capture."""
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.utils.flop_counter import FlopCounterMode
+
+import mirrorgrad.nn as mnn
+from mirrorgrad.ops.rnn import op, reference, reverse_within_lengths, rnn
+
+DT = torch.float64
+MODES = reference.MODES
+
+
+def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, proj=0, bias=True):
+    """Random inputs of rnn_forward in torch.nn's weight order (float64, requiring grad)."""
+    G = reference.GATES[mode]
+    D = 2 if bidirectional else 1
+    Hr = proj or H
+    weights = []
+    for layer in range(layers):
+        for _ in range(D):
+            layer_in = n_in if layer == 0 else D * Hr
+            shapes = [(G * H, layer_in), (G * H, Hr)] + ([(G * H,), (G * H,)] if bias else [])
+            shapes += [(Hr, H)] if proj else []
+            weights += [torch.randn(s, dtype=DT).mul_(0.5).requires_grad_() for s in shapes]
+    x = torch.randn(T, B, n_in, dtype=DT, requires_grad=True)
+    hx = torch.randn(layers * D, B, Hr, dtype=DT, requires_grad=True)
+    cx = torch.randn(layers * D, B, H, dtype=DT, requires_grad=True) if mode == "lstm" else None
+    return x, weights, hx, cx
+
+
+def forward_args(mode, x, weights, hx, cx, *, layers=2, bidirectional=True, proj=0, lengths=None,
+                 dropout=0.0, seed=5, memory="stash", clip=None, need_saved=True):  # fmt: skip
+    return (
+        x, weights, hx, cx, lengths, torch.tensor(seed), mode, layers, bidirectional, True, proj,
+        dropout, memory, clip, "reference", need_saved,
+    )  # fmt: skip
+
+
+GRADCHECK = [
+    pytest.param(mode, memory, id=f"{mode}-{memory}")
+    for mode in MODES
+    for memory in ("stash", "recompute")
+]
+
+
+@pytest.mark.parametrize(("mode", "memory"), GRADCHECK)
+def test_gradcheck_bidir_varlen_dropout(mode, memory):
+    """Finite differences through the whole op: 2 layers, both directions, unsorted
+    lengths, dropout between layers (mask regenerated from the seed in backward)."""
+    x, weights, hx, cx = stack_inputs(mode, T=3, B=3)
+    lengths = torch.tensor([2, 3, 1])
+    clip = [-0.5, 0.6] if mode == "lstm" else None
+
+    def f(x, hx, cx, *weights):
+        args = forward_args(mode, x, list(weights), hx, cx, lengths=lengths, dropout=0.4,
+                            memory=memory, clip=clip)  # fmt: skip
+        y, h_n, c_n, _ = torch.ops.mirrorgrad.rnn_forward(*args)
+        return y, h_n, c_n
+
+    if cx is None:
+        assert torch.autograd.gradcheck(lambda x, hx, *w: f(x, hx, None, *w)[:2], (x, hx, *weights))
+    else:
+        assert torch.autograd.gradcheck(f, (x, hx, cx, *weights))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck_forward(mode):
+    """torch.library.opcheck: schema, fake kernel, autograd registration agree with eager."""
+    proj = 1 if mode == "lstm" else 0
+    x, weights, hx, cx = stack_inputs(mode, proj=proj)
+    args = forward_args(mode, x, weights, hx, cx, proj=proj, lengths=torch.tensor([4, 2, 3]),
+                        dropout=0.3)  # fmt: skip
+    torch.library.opcheck(torch.ops.mirrorgrad.rnn_forward.default, args)
+
+
+def test_fake_kernel_matches_real_shapes_for_every_memory_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for mode in MODES:
+        for memory in ("stash", "recompute"):
+            x, weights, hx, cx = (
+                t.detach() if isinstance(t, torch.Tensor) else t for t in stack_inputs(mode)
+            )
+            weights = [w.detach() for w in weights]
+            args = forward_args(mode, x, weights, hx, cx, memory=memory)
+            real = torch.ops.mirrorgrad.rnn_forward(*args)
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+                fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                             for a in args]  # fmt: skip
+                fake_args[1] = [fake_mode.from_tensor(w) for w in weights]
+                fake = torch.ops.mirrorgrad.rnn_forward(*fake_args)
+            flat_real = [*real[:3], *real[3]]
+            flat_fake = [*fake[:3], *fake[3]]
+            assert [(t.shape, t.dtype) for t in flat_real] == [
+                (t.shape, t.dtype) for t in flat_fake
+            ]
+
+
+def test_flop_formulas():
+    T, B, n_in, H = 2, 3, 4, 5
+    mod = mnn.LSTM(n_in, H, dtype=DT, memory="recompute")
+    x = torch.randn(T, B, n_in, dtype=DT, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        mod(x)[0].sum().backward()
+    forward = 2 * T * B * 4 * H * (n_in + H)
+    flops = counter.get_flop_counts()["Global"]
+    assert flops[torch.ops.mirrorgrad.rnn_forward] == forward
+    assert flops[torch.ops.mirrorgrad.rnn_backward] == 3 * forward  # 2x + recomputed gates
+
+
+def test_reverse_within_lengths_flips_each_sequence_and_is_an_involution():
+    x = torch.arange(12.0).view(4, 3, 1)
+    lengths = torch.tensor([4, 1, 3])
+    r = reverse_within_lengths(x, lengths)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(r[:n, b], x[:n, b].flip(0))
+        assert torch.equal(r[n:, b], x[n:, b])
+    assert torch.equal(reverse_within_lengths(r, lengths), x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_variable_lengths_equal_per_sequence_runs(mode):
+    """A padded batch with lengths gives, row by row, what each sequence gives alone."""
+    x, weights, hx, cx = stack_inputs(mode, T=5, B=3)
+    lengths = torch.tensor([5, 2, 4])
+    kw = {"mode": mode, "num_layers": 2, "bidirectional": True}
+    with torch.no_grad():
+        y, h_n, c_n = rnn(x, weights, hx, cx, lengths=lengths, **kw)
+        for b, n in enumerate(lengths.tolist()):
+            cx_b = None if cx is None else cx[:, b : b + 1]
+            y_b, h_b, c_b = rnn(x[:n, b : b + 1], weights, hx[:, b : b + 1], cx_b, **kw)
+            torch.testing.assert_close(y[:n, b : b + 1], y_b)
+            assert torch.all(y[n:, b] == 0)
+            torch.testing.assert_close(h_n[:, b : b + 1], h_b)
+            if c_n is not None:
+                torch.testing.assert_close(c_n[:, b : b + 1], c_b)
+
+
+def test_backward_skips_gradients_nobody_needs(monkeypatch):
+    """Frozen weights and an input without grad reach layer_backward as 'not needed'."""
+    seen = []
+    original = reference.layer_backward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["needs_input_grad"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(op.reference, "layer_backward", spy)
+    mod = mnn.LSTM(3, 4, num_layers=2, dtype=DT)
+    for name in ("weight_ih_l0", "bias_ih_l0", "bias_hh_l0"):
+        getattr(mod, name).requires_grad_(False)
+    mod(torch.randn(3, 2, 3, dtype=DT))[0].sum().backward()
+    top, bottom = seen  # layers run top-down in backward
+    # order: x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr
+    assert top == (True, False, False, True, True, True, True, False)
+    assert bottom == (False, False, False, False, True, False, False, False)
+
+
+def test_memory_auto_recomputes_lstm_only_when_training(monkeypatch):
+    memories = []
+    original = reference.layer_forward
+
+    def spy(*args, **kwargs):
+        memories.append(kwargs["memory"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(op.reference, "layer_forward", spy)
+    lstm, gru = mnn.LSTM(3, 4), mnn.GRU(3, 4)
+    x = torch.randn(2, 1, 3)
+    lstm(x)
+    gru(x)
+    with torch.no_grad():
+        lstm(x)
+    assert memories == ["recompute", "stash", "stash"]
+
+
+def test_dropout_mask_is_deterministic_with_mean_near_keep_probability():
+    x = torch.ones(200, 500, dtype=DT)
+    a = reference.dropout(x, 0.3, seed=11, offset=1)
+    assert torch.equal(a, reference.dropout(x, 0.3, seed=11, offset=1))
+    assert not torch.equal(a, reference.dropout(x, 0.3, seed=11, offset=2))
+    assert not torch.equal(a, reference.dropout(x, 0.3, seed=12, offset=1))
+    kept = (a != 0).double().mean().item()
+    assert abs(kept - 0.7) < 0.01
+    torch.testing.assert_close(a.mean().item(), 1.0, atol=0.02, rtol=0)  # inverted scaling
+
+
+class _Tagger(torch.nn.Module):
+    def __init__(self, mode_cls, **kw):
+        super().__init__()
+        self.rnn = mode_cls(3, 4, num_layers=2, dropout=0.2, **kw)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0]).square().mean()
+
+
+@pytest.mark.parametrize("mode_cls", [mnn.LSTM, mnn.GRU, mnn.RNN], ids=["lstm", "gru", "rnn"])
+def test_compile_fullgraph_captures_one_node(mode_cls):
+    """No graph break and no per-step ops: one rnn_forward, one rnn_backward node."""
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    torch._dynamo.reset()
+    model = _Tagger(mode_cls).double()
+    x = torch.randn(6, 2, 3, dtype=DT)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    torch.manual_seed(0)
+    loss = compiled(x)
+    loss.backward()
+
+    def targets(gm):
+        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+    fw, bw = targets(graphs["fw"]), targets(graphs["bw"])
+    assert fw.count(torch.ops.mirrorgrad.rnn_forward.default) == 1
+    assert bw.count(torch.ops.mirrorgrad.rnn_backward.default) == 1
+    per_step = {torch.ops.aten.sigmoid.default, torch.ops.aten.tanh.default,
+                torch.ops.aten.relu.default}  # fmt: skip
+    assert not per_step & set(fw + bw)
+    # Only the Linear head adds GEMMs: the recurrence has none outside the op.
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    assert sum(t in gemms for t in fw) == 1
+    # Same numbers as eager with the same dropout seed.
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch.manual_seed(0)
+    eager = model(x)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_bad_functional_arguments():
+    x, weights, hx, _ = stack_inputs("gru", layers=1, bidirectional=False)
+    with pytest.raises(ValueError, match="mode"):
+        rnn(x, weights, hx, mode="lstmm")
+    with pytest.raises(ValueError, match="LSTM only"):
+        rnn(x, weights, hx, mode="gru", state_clip=(-1.0, 1.0))
+    with pytest.raises(ValueError, match="memory"):
+        rnn(x, weights, hx, mode="gru", memory="some")
+
+
+def test_cudnn_impl_is_torch_own_rnn():
+    """impl="cudnn" runs torch._VF (cuDNN on CUDA, aten here) with torch's autograd."""
+    ref = torch.nn.GRU(3, 4, num_layers=2, bidirectional=True).double()
+    mod = mnn.GRU(3, 4, num_layers=2, bidirectional=True, dtype=DT, impl="cudnn")
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, 3, dtype=DT)
+    torch.testing.assert_close(mod(x)[0], ref(x)[0])
+
+
+@pytest.mark.skipif(op._triton_module() is None, reason="triton not installed")
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_impl_through_the_op_matches_reference(mode):
+    """The op composes R2's Triton layer (interpreted on CPU) like the reference layer."""
+    if not op._triton_module().supports(mode, proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    torch.manual_seed(0)
+    ref = mnn.LSTM if mode == "lstm" else mnn.GRU if mode == "gru" else mnn.RNN
+    kw = {} if mode in ("lstm", "gru") else {"nonlinearity": mode.split("_")[1]}
+    a = ref(3, 4, num_layers=2, bidirectional=True, impl="reference", **kw)
+    b = ref(3, 4, num_layers=2, bidirectional=True, impl="triton", **kw)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(3, 2, 3, requires_grad=True)
+    ya, yb = a(x)[0], b(x)[0]
+    torch.testing.assert_close(yb, ya, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(ya)
+    ga = torch.autograd.grad((ya * w).sum(), [x, *a.parameters()])
+    gb = torch.autograd.grad((yb * w).sum(), [x, *b.parameters()])
+    for u, v in zip(gb, ga):
+        torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-4)
