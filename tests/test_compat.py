@@ -77,3 +77,18 @@ def test_op_schema_shows_view_aliasing():
     assert ret.alias_info is not None and not ret.alias_info.is_write
     assert isinstance(torch.ops.aten.t.default, _compat.OpOverload)
     assert isinstance(torch.ops.aten.t, _compat.OpOverloadPacket)
+
+
+def test_vf_rnn_functions_match_torch_nn():
+    import torch
+
+    x, h = torch.randn(3, 2, 4), torch.zeros(1, 2, 5)
+    for mode, module in (("gru", torch.nn.GRU), ("rnn_tanh", torch.nn.RNN)):
+        ref = module(4, 5)
+        weights = list(ref._flat_weights)
+        out = _compat.vf_rnn(mode)(x, h, weights, True, 1, 0.0, False, False, False)
+        torch.testing.assert_close(out[0], ref(x, h)[0])
+    lstm = torch.nn.LSTM(4, 5)
+    lstm_vf = _compat.vf_rnn("lstm")
+    out = lstm_vf(x, (h, h), list(lstm._flat_weights), True, 1, 0.0, False, False, False)
+    torch.testing.assert_close(out[0], lstm(x, (h, h))[0])

@@ -53,6 +53,14 @@ def op_schema(op: OpOverload) -> torch.FunctionSchema:
     """The schema of an ATen overload (argument and return alias annotations)."""
     return op._schema
 
+
+# --- torch's own RNN functions (used by ops/rnn/op.py for impl="cudnn") -------------------
+def vf_rnn(mode: str):
+    """``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: what torch.nn's RNN
+    modules call (cuDNN on CUDA); ``mode`` is mirrorgrad's lower-case mode name."""
+    return getattr(torch._VF, mode)
+
+
 __all__ = [
     "INDUCTOR_PARTITIONER_CONFIG",
     "OpOverload",
@@ -76,4 +84,5 @@ __all__ = [
     "optimization_hint",
     "raise_getitems",
     "reordering_to_mimic_autograd_engine",
+    "vf_rnn",
 ]
