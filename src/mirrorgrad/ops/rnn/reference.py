@@ -214,11 +214,11 @@ def _lstm_backward(saved, x, h_prev, c0, w_ih, w_hh, b_ih, b_hh, w_hr, grad_y, d
         torch.cat([dc_t * d_i[t], dc_t * d_f[t], dc_t * d_g[t], dh_t * d_o[t]], -1, out=dgates[t])
         if active is not None:
             dgates[t] *= active[t]
-            dh = torch.where(active[t], dgates[t] @ w_hh, dh)
-            dc = torch.where(active[t], dc_t * f[t], dc)
+            torch.where(active[t], dgates[t] @ w_hh, dh, out=dh)
+            torch.where(active[t], dc_t * f[t], dc, out=dc)
         else:
-            dh = dgates[t] @ w_hh
-            dc = dc_t * f[t]
+            torch.mm(dgates[t], w_hh, out=dh)
+            torch.mul(dc_t, f[t], out=dc)
     return dgates, dgates, dy_total, o * tanh_c, dh, dc
 
 
@@ -247,9 +247,9 @@ def _gru_backward(saved, x, h_prev, w_ih, w_hh, b_ih, b_hh, grad_y, dh, *, activ
         if active is not None:
             dgi[t] *= active[t]
             dgh[t] *= active[t]
-            dh = torch.where(active[t], dh_t * z[t] + dgh[t] @ w_hh, dh)
+            torch.where(active[t], torch.addcmul(dgh[t] @ w_hh, dh_t, z[t]), dh, out=dh)
         else:
-            dh = dh_t * z[t] + dgh[t] @ w_hh
+            torch.addcmul(dgh[t] @ w_hh, dh_t, z[t], out=dh)
     return dgi, dgh, dh
 
 
@@ -261,9 +261,9 @@ def _rnn_backward(mode, y, w_hh, grad_y, dh, *, active):
         torch.mul(dh + grad_y[t], d_act[t], out=dpre[t])
         if active is not None:
             dpre[t] *= active[t]
-            dh = torch.where(active[t], dpre[t] @ w_hh, dh)
+            torch.where(active[t], dpre[t] @ w_hh, dh, out=dh)
         else:
-            dh = dpre[t] @ w_hh
+            torch.mm(dpre[t], w_hh, out=dh)
     return dpre, dh
 
 
@@ -305,6 +305,7 @@ def layer_backward(
         grad_y = y.new_zeros(y.shape)
     elif active is not None:
         grad_y = grad_y * active
+    # State-gradient buffers, updated in place step to step (no per-step state allocation).
     dh = grad_hn.clone() if grad_hn is not None else h0.new_zeros(h0.shape)
     h_prev = _previous_h(h0, y)
     grad_c0 = grad_w_hr = None
