@@ -90,6 +90,7 @@ class TrainConfig:
     logdir: Path | None = Path("runs/lm")
     ckpt_dir: Path | None = None  # None: <logdir>/checkpoints
     resume: Path | None = None
+    dropout: float | None = None  # None: the preset's
     tie_weights: bool = False
     char: bool = False
     vocab_size: int | None = 10000
@@ -108,12 +109,17 @@ class TrainConfig:
             raise ValueError("--max-steps must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 3:
             raise ValueError("--vocab-size must be >= 3 (<unk>, <eos> and one word)")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError("--dropout must be in [0, 1)")
         if self.lr <= 0 or self.clip <= 0:
             raise ValueError("--lr and --clip must be > 0")
 
     @property
     def preset(self) -> Preset:
-        return PRESETS[self.model]
+        preset = PRESETS[self.model]
+        if self.dropout is None:
+            return preset
+        return dataclasses.replace(preset, dropout=self.dropout)
 
     @property
     def checkpoint_dir(self) -> Path | None:

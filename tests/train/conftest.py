@@ -1,0 +1,27 @@
+import random
+from pathlib import Path
+
+import pytest
+
+_WORDS = [f"word{i}" for i in range(30)]
+
+
+def _sentence(rng: random.Random) -> str:
+    # Runs of consecutive words: learnable, so the loss falls within a few steps.
+    start = rng.randrange(len(_WORDS))
+    return " ".join(_WORDS[(start + k) % len(_WORDS)] for k in range(rng.randint(3, 12)))
+
+
+def write_corpus(folder: Path, *, lines: tuple[int, int, int] = (120, 20, 20), seed: int = 0):
+    """A small PTB-layout corpus of random sentences (deterministic)."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in zip(("train", "valid", "test"), lines):
+        text = "\n".join(_sentence(rng) for _ in range(count))
+        (folder / f"ptb.{split}.txt").write_text(text + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus")

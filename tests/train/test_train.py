@@ -1,0 +1,116 @@
+"""The training loop in-process: resume equality, Ctrl-C, TensorBoard events, errors."""
+
+import dataclasses
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mirrorgrad.callbacks import Callback
+from mirrorgrad.train import checkpoint
+from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+from mirrorgrad.train.loop import train
+from mirrorgrad.train.model import LanguageModel
+
+
+class Recorder(Callback):
+    def __init__(self, interrupt_at: int | None = None) -> None:
+        self.train: dict[int, float] = {}
+        self.valid: dict[int, float] = {}
+        self.interrupt_at = interrupt_at
+        self.closed = False
+
+    def on_train_step(self, step, metrics):
+        self.train[step] = metrics["loss"]
+        if step == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)  # as if the user pressed Ctrl-C
+
+    def on_validation(self, step, metrics):
+        self.valid[step] = metrics["loss"]
+
+    def close(self):
+        self.closed = True
+
+
+def make_config(corpus, logdir, **overrides) -> TrainConfig:
+    # 6 windows per epoch on the fixture corpus.
+    values = dict(
+        data=corpus, batch_size=8, bptt=20, epochs=2, log_freq=1, logdir=logdir, seed=3,
+        mirror=Mirror.parse("balance"),
+    )  # fmt: skip
+    values.update(overrides)
+    return TrainConfig.from_preset("tiny", **values)
+
+
+def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
+    steps = 10  # crosses the epoch boundary: validation, lr schedule, state reset
+    full = Recorder()
+    summary = train(make_config(corpus, tmp_path / "full", max_steps=steps), [full])
+    assert summary.steps == steps and not summary.interrupted
+    assert len(full.valid) == 2 and full.closed  # end of epoch 1, and the end of the run
+
+    first = Recorder(interrupt_at=4)
+    stopped = train(make_config(corpus, tmp_path / "part", max_steps=steps), [first])
+    assert stopped.interrupted and stopped.steps == 4
+    state = checkpoint.load(tmp_path / "part" / "checkpoints")
+    assert state["position"]["step"] == 4
+
+    second = Recorder()
+    resumed = train(
+        make_config(
+            corpus, tmp_path / "part", max_steps=steps, resume=tmp_path / "part" / "checkpoints"
+        ),
+        [second],
+    )
+    assert resumed.steps == steps
+    assert list(first.train) == list(range(1, 5))
+    assert first.train | second.train == full.train  # exactly equal, step by step
+    assert second.valid == full.valid
+    assert resumed.test_perplexity == summary.test_perplexity
+    state = torch.load(tmp_path / "part" / "checkpoints" / "last.pt", weights_only=True)
+    assert state["position"] == {"step": steps, "epoch": 1, "window": 4}
+
+    events = EventAccumulator(str(tmp_path / "full"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/perplexity", "train/lr", "train/samples_per_s"}
+    expected |= {"train/step_time_ms", "validation/loss", "validation/perplexity"}
+    assert expected <= tags
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert logged.keys() == full.train.keys()
+    np.testing.assert_allclose(list(logged.values()), list(full.train.values()), rtol=1e-6)
+
+
+def test_resume_with_other_vocabulary_fails(corpus, tmp_path):
+    train(make_config(corpus, tmp_path, max_steps=2, mirror=Mirror.parse("off")))
+    config = make_config(
+        corpus, tmp_path, max_steps=4, vocab_size=10, resume=tmp_path / "checkpoints"
+    )
+    with pytest.raises(ValueError, match="vocabulary mismatch on resume"):
+        train(config)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_cuda_without_gpu_names_the_fix(corpus, tmp_path):
+    with pytest.raises(RuntimeError, match="--device cpu"):
+        train(make_config(corpus, tmp_path, device="cuda"))
+
+
+def test_rng_state_round_trip():
+    state = checkpoint.rng_state()
+    draws = torch.rand(3), random.random(), np.random.rand()
+    checkpoint.set_rng_state(state)
+    again = torch.rand(3), random.random(), np.random.rand()
+    assert torch.equal(again[0], draws[0]) and again[1:] == draws[1:]
+
+
+def test_tied_weights_share_the_embedding():
+    model = LanguageModel(50, PRESETS["tiny"], tie_weights=True)
+    assert model.decoder.weight is model.encoder.weight
+    narrow = dataclasses.replace(PRESETS["tiny"], hidden=64)
+    with pytest.raises(ValueError, match="--tie-weights"):
+        LanguageModel(50, narrow, tie_weights=True)
