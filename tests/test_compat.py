@@ -79,6 +79,13 @@ def test_op_schema_shows_view_aliasing():
     assert isinstance(torch.ops.aten.t, _compat.OpOverloadPacket)
 
 
+def test_activation_memory_budget_patches_the_functorch_config():
+    assert _compat.functorch_config.activation_memory_budget == 1.0
+    with _compat.activation_memory_budget(0.25):
+        assert _compat.functorch_config.activation_memory_budget == 0.25
+    assert _compat.functorch_config.activation_memory_budget == 1.0
+
+
 def test_vf_rnn_functions_match_torch_nn():
     import torch
 

@@ -54,6 +54,16 @@ def op_schema(op: OpOverload) -> torch.FunctionSchema:
     return op._schema
 
 
+# --- torch.compile's own recompute budget (used by bench/methods.py) ---------------------
+from torch._functorch import config as functorch_config  # noqa: E402
+
+
+def activation_memory_budget(fraction: float):
+    """Context manager: torch.compile's min-cut partitioner saves at most ``fraction``
+    of its default saved bytes (``torch._functorch.config.activation_memory_budget``)."""
+    return functorch_config.patch(activation_memory_budget=fraction)
+
+
 # --- torch's own RNN functions (used by ops/rnn/op.py for impl="cudnn") -------------------
 def vf_rnn(mode: str):
     """``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: what torch.nn's RNN
@@ -67,6 +77,7 @@ __all__ = [
     "OpOverloadPacket",
     "TORCH_VERSION",
     "CustomPartitionerFn",
+    "activation_memory_budget",
     "aot_autograd",
     "aot_function",
     "aot_module_simplified",
@@ -74,6 +85,7 @@ __all__ = [
     "compile_fx",
     "default_partition",
     "extract_fwd_bwd_modules",
+    "functorch_config",
     "get_hash_for_files",
     "inductor_config",
     "is_primal",

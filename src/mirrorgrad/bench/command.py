@@ -1,0 +1,336 @@
+"""`mirrorgrad bench`: every workload x method, one worker process per workload.
+
+Each workload runs in a fresh ``python -m mirrorgrad.bench.runner`` process (clean
+allocator and compile caches); its methods run there in sequence, so ratios compare
+methods measured side by side. A method that fails, hangs past ``--method-timeout``
+or kills its worker is recorded with the reason and the rest go on in a new worker.
+With ``--cap-gb``, the largest batch under the cap is searched per method, each probe
+in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from mirrorgrad.bench import report
+from mirrorgrad.bench.methods import METHODS, default_methods
+from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
+from mirrorgrad.bench.search import guess_batch, search_max_batch
+from mirrorgrad.bench.workloads import WORKLOADS
+
+_QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
+_FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
+# A probe answers "does it fit?": one compiling step and one measured step.
+_PROBE_STEPS = {"steps": 1, "warmup": 1}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workloads", nargs="+", metavar="NAME", help=f"default: all of {', '.join(WORKLOADS)}"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="NAME",
+        help=f"default: all that apply to each workload, of {', '.join(METHODS)}",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument(
+        "--cap-gb", type=float, help="search the largest batch whose step fits in this many GB"
+    )
+    parser.add_argument(
+        "--search-methods", nargs="+", metavar="NAME", help="methods to search (default: all run)"
+    )
+    parser.add_argument("--max-probes", type=int, default=6, help="probes per batch search")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
+    )
+    parser.add_argument("--steps", type=int, help="timed steps per method (default 20; quick 3)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps, the first compiles (default 3)")
+    parser.add_argument(
+        "--backend",
+        choices=["inductor", "eager"],
+        help="code generation for compiling methods (default inductor; quick: eager)",
+    )
+    parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
+    parser.add_argument(
+        "--time-limit", type=float, help="seconds; methods not started by then are skipped"
+    )
+    parser.add_argument(
+        "--method-timeout", type=float, help="seconds one method (or probe) may take"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _names(values: list[str] | None) -> list[str] | None:
+    """Accept both `--methods a b` and `--methods a,b`."""
+    if values is None:
+        return None
+    return [name for value in values for name in value.split(",") if name]
+
+
+def _check(names: list[str] | None, known: dict[str, Any], what: str) -> None:
+    unknown = [n for n in names or [] if n not in known]
+    if unknown:
+        raise SystemExit(
+            f"mirrorgrad bench: unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}"
+        )
+
+
+class _Worker:
+    """One runner process; its result lines arrive on a queue (None when it exits)."""
+
+    def __init__(self, cmd: list[str], log: TextIO) -> None:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.records: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARKER):
+                self.records.put(json.loads(line[len(MARKER) :]))
+        self.records.put(None)
+
+    def next(self, timeout: float | None) -> dict[str, Any] | None:
+        """The next record; None once the worker has exited; queue.Empty on timeout."""
+        return self.records.get(timeout=timeout)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+
+def _not_run(workload: str, method: str, status: str, error: str) -> dict[str, Any]:
+    return {"workload": workload, "method": method, "status": status, "error": error}
+
+
+class _Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        defaults = _QUICK_DEFAULTS if args.quick else _FULL_DEFAULTS
+        self.steps = args.steps or defaults["steps"]
+        self.warmup = args.warmup or defaults["warmup"]
+        self.backend = args.backend or defaults["backend"]
+        self.deadline = time.time() + args.time_limit if args.time_limit else None
+        self.env: dict[str, Any] = {}
+        self.logs = args.out / "logs"
+
+    def worker_cmd(self, workload: str, methods: list[str], **extra: Any) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "mirrorgrad.bench.runner", "--workload", workload]
+        cmd += ["--methods", ",".join(methods), "--dtype", a.dtype, "--backend", self.backend]
+        options = {"steps": self.steps, "warmup": self.warmup, "device": a.device} | extra
+        if self.deadline is not None:
+            options.setdefault("deadline", self.deadline)
+        for key, value in options.items():
+            if value is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(value)]
+        if a.quick:
+            cmd.append("--quick")
+        return cmd
+
+    def run_workload(self, workload: str, methods: list[str], bar: tqdm) -> list[dict[str, Any]]:
+        results: dict[str, dict[str, Any]] = {}
+        pending = list(methods)
+        with open(self.logs / f"{workload}.log", "a") as log:
+            while pending:
+                if self.deadline is not None and time.time() > self.deadline:
+                    for name in pending:
+                        results[name] = _not_run(workload, name, "skipped", "time limit reached")
+                    bar.update(len(pending))
+                    break
+                worker = _Worker(self.worker_cmd(workload, pending), log)
+                try:
+                    error = self._collect(worker, workload, pending, results, bar)
+                finally:
+                    worker.stop()
+                if error is not None:
+                    # The method running when its worker hung or died is lost; the rest
+                    # go on in a new worker.
+                    name = pending.pop(0)
+                    results[name] = _not_run(workload, name, "failed", error)
+                    bar.update(1)
+        return [results[name] for name in methods]
+
+    def _collect(
+        self,
+        worker: _Worker,
+        workload: str,
+        pending: list[str],
+        results: dict[str, dict[str, Any]],
+        bar: tqdm,
+    ) -> str | None:
+        """Move the worker's results from ``pending`` to ``results``; the reason if the
+        worker hung or died with a method unreported, else None."""
+        while pending:
+            bar.set_description(f"{workload} / {pending[0]}")
+            try:
+                record = worker.next(self.args.method_timeout)
+            except queue.Empty:
+                return f"timed out after {self.args.method_timeout:g} s"
+            if record is None:
+                code = worker.stop()
+                if code == FATAL_EXIT:  # it reported the method that broke CUDA
+                    return None
+                return f"worker exited with code {code}; see logs/{workload}.log"
+            if record.pop("kind") == "env":
+                self.env = self.env or record
+                continue
+            results[record["method"]] = record
+            pending.remove(record["method"])
+            bar.update(1)
+        return None
+
+    def probe(self, workload: str, method: str, batch: int, cap_bytes: int) -> tuple[bool, dict]:
+        with open(self.logs / f"{workload}.probes.log", "a") as log:
+            cmd = self.worker_cmd(
+                workload, [method], batch=batch, probe_cap_bytes=cap_bytes, **_PROBE_STEPS
+            )
+            worker = _Worker(cmd, log)
+            try:
+                while (record := worker.next(self.args.method_timeout)) is not None:
+                    if record["kind"] == "probe":
+                        return bool(record["fits"]), record
+            except queue.Empty:
+                return False, {"batch": batch, "fits": False, "error": "probe timed out"}
+            finally:
+                worker.stop()
+        return False, {"batch": batch, "fits": False, "error": "probe worker exited"}
+
+    def search(self, workload: str, result: dict[str, Any], cap_bytes: int) -> dict[str, Any]:
+        details: list[dict] = []
+
+        def fits(batch: int) -> bool:
+            if self.deadline is not None and time.time() > self.deadline:
+                raise TimeoutError
+            ok, record = self.probe(workload, result["method"], batch, cap_bytes)
+            details.append(record)
+            return ok
+
+        guess = guess_batch(
+            batch=result["batch"],
+            peak_bytes=result["peak_bytes"],
+            fixed_bytes=2 * result["param_bytes"],
+            cap_bytes=cap_bytes,
+        )
+        try:
+            found = search_max_batch(fits, guess=guess, max_probes=self.args.max_probes)
+        except TimeoutError:
+            return {"largest_fit": None, "exact": False, "error": "time limit reached"}
+        return found.to_dict() | {"guess": guess, "probe_records": details}
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        status = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return None, None
+    if commit.returncode != 0:
+        return None, None
+    return commit.stdout.strip(), bool(status.stdout.strip())
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["mirrorgrad", "bench"]
+    for key in ("workloads", "methods", "search_methods"):
+        if getattr(args, key):
+            parts += [f"--{key.replace('_', '-')}", *getattr(args, key)]
+    for key in ("dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit"):
+        if getattr(args, key) is not None:
+            parts += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.quick:
+        parts.append("--quick")
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    workloads = _names(args.workloads) or list(WORKLOADS)
+    requested = _names(args.methods)
+    search_methods = _names(args.search_methods)
+    _check(workloads, WORKLOADS, "workload")
+    _check(requested, METHODS, "method")
+    _check(search_methods, METHODS, "method")
+    bench = _Bench(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench.logs.mkdir(exist_ok=True)
+
+    plan = {}
+    for name in workloads:
+        recurrent = WORKLOADS[name].recurrent
+        names = requested or default_methods(recurrent)
+        plan[name] = [n for n in names if recurrent or not METHODS[n].swap_rnn]
+
+    commit, dirty = _git_commit()
+    doc: dict[str, Any] = {
+        "schema": 1,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": _command_line(args),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "options": {
+            "dtype": args.dtype,
+            "steps": bench.steps,
+            "warmup": bench.warmup,
+            "backend": bench.backend,
+            "quick": args.quick,
+            "cap_gb": args.cap_gb,
+        },
+        "env": {},
+        "workloads": {},
+    }
+    total = sum(len(methods) for methods in plan.values())
+    with tqdm(total=total, unit="method", disable=args.no_progress, file=sys.stderr) as bar:
+        for name, methods in plan.items():
+            results = bench.run_workload(name, methods, bar)
+            report.add_ratios(results)
+            doc["workloads"][name] = {
+                "description": WORKLOADS[name].description,
+                "methods": results,
+            }
+    if args.cap_gb:
+        cap_bytes = int(args.cap_gb * 1e9)
+        targets = [
+            (name, m)
+            for name, w in doc["workloads"].items()
+            for m in w["methods"]
+            if m["status"] == "ok" and (search_methods is None or m["method"] in search_methods)
+        ]
+        with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
+            for name, m in bar:
+                bar.set_description(f"max batch {name} / {m['method']}")
+                m["max_batch"] = bench.search(name, m, cap_bytes)
+    doc["env"] = bench.env
+
+    (args.out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=False))
+    table = report.markdown(doc)
+    (args.out / "results.md").write_text(table)
+    pngs = report.plots(doc, args.out)
+    print(report.summary(doc))
+    print(f"\nwrote {args.out / 'results.json'}, results.md and {len(pngs)} plot(s)\n")
+    print(table)
+    return 0

@@ -1,0 +1,67 @@
+"""`mirrorgrad explain WORKLOAD`: print the mirror plan of a named benchmark workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mirrorgrad.bench.runner import DTYPES, default_device
+from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+
+
+def parse_mode(text: str) -> dict[str, Any]:
+    """``balance`` | ``off`` | ``budget:F`` (fraction of the unmirrored peak) | ``budget:NB``
+    (bytes) -> the options of ``mirrorgrad.explain``."""
+    name, _, value = text.partition(":")
+    if name in ("balance", "off") and not value:
+        return {"mode": name}
+    if name == "budget" and value:
+        try:
+            budget = float(value)
+        except ValueError:
+            pass
+        else:
+            if budget > 0:
+                return {"mode": "budget", "budget": budget if budget <= 1 else int(budget)}
+    raise argparse.ArgumentTypeError(
+        f"mode {text!r}: use balance, off, or budget:FRACTION (0-1] / budget:BYTES"
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", choices=list(WORKLOADS))
+    parser.add_argument(
+        "--mode",
+        type=parse_mode,
+        default={"mode": "balance"},
+        help="balance (default), off, or budget:FRACTION|BYTES",
+    )
+    parser.add_argument("--max-overhead", type=float, help="balance mode's time cap (fraction)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, on the CPU")
+    parser.add_argument("--batch", type=int, help="default: the workload's batch")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import mirrorgrad
+
+    workload = get_workload(args.workload)
+    device = args.device or default_device(args.quick)
+    built = workload.build(
+        batch=args.batch, dtype=DTYPES[args.dtype], device=device, quick=args.quick
+    )
+    options = dict(args.mode)
+    if args.max_overhead is not None:
+        options["max_overhead"] = args.max_overhead
+    # Graph breaks (torch.nn RNNs are not traced) give one plan per graph: the
+    # largest is shown.
+    plan = mirrorgrad.explain(built.model, *built.make_batch(), fullgraph=False, **options)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(f"{workload.name}: {workload.description}; batch {built.batch}, {args.dtype}")
+        print(plan)
+    return 0

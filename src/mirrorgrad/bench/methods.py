@@ -1,0 +1,170 @@
+"""Registry of training methods: what wraps a workload's model before the step loop.
+
+Every method turns a model into a callable ``step_fn(*batch) -> loss``. Methods that
+compile do so on the first call; the runner times that call separately.
+``X+mgnn`` is method X after ``mirrorgrad.nn.convert`` swapped the model's
+``torch.nn`` RNN modules for ``mirrorgrad.nn`` ones (recurrent workloads only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+Backend = Literal["inductor", "eager"]
+StepFn = Callable[..., Tensor]
+# (model, checkpoint block names, backend) -> step function
+Wrap = Callable[[nn.Module, tuple[str, ...], Backend], StepFn]
+
+# `--backend eager` runs the same partitioners without code generation (CPU tests):
+# this torch backend decomposes and partitions with min-cut like Inductor does.
+_TORCH_BACKEND = {"inductor": "inductor", "eager": "aot_eager_decomp_partition"}
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Method:
+    name: str
+    description: str
+    wrap: Wrap
+    compiles: bool
+    # mirrorgrad.compile options; the runner asks the planner for its estimated peak.
+    mirror_options: dict[str, Any] | None = None
+    swap_rnn: bool = False
+
+    def prepare(self, model: nn.Module, *, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+        """Return ``step_fn(*batch) -> loss``; may modify ``model`` in place (RNN swap)."""
+        if backend not in _TORCH_BACKEND:
+            raise ValueError(f"backend must be one of {sorted(_TORCH_BACKEND)}, got {backend!r}")
+        if self.swap_rnn:
+            import mirrorgrad.nn
+
+            mirrorgrad.nn.convert(model)
+        return self.wrap(model, blocks, backend)
+
+
+def _eager(model: nn.Module, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+    return model
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpoint(model: nn.Module, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+    if not blocks:
+        raise ValueError("this workload declares no blocks to checkpoint")
+    for name in blocks:
+        module = model.get_submodule(name)
+        # Instance attribute shadows the class's forward; nn.Module.__call__ uses it.
+        module.forward = functools.partial(_checkpointed, module.forward)
+    return model
+
+
+def _torch_compile(model: nn.Module, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+    return torch.compile(model, backend=_TORCH_BACKEND[backend])
+
+
+def _torch_compile_budget(fraction: float) -> Wrap:
+    def wrap(model: nn.Module, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+        from mirrorgrad import _compat  # imports torch._dynamo: only when compiling
+
+        compiled = torch.compile(model, backend=_TORCH_BACKEND[backend])
+
+        # The partitioner reads the budget when it runs (first call, recompiles).
+        def step_fn(*batch: Tensor) -> Tensor:
+            with _compat.activation_memory_budget(fraction):
+                return compiled(*batch)
+
+        return step_fn
+
+    return wrap
+
+
+def _mirror(options: dict[str, Any]) -> Wrap:
+    def wrap(model: nn.Module, blocks: tuple[str, ...], backend: Backend) -> StepFn:
+        import mirrorgrad
+
+        return mirrorgrad.compile(model, backend=backend, **options)
+
+    return wrap
+
+
+def _base_methods() -> list[Method]:
+    methods = [
+        Method(name="eager", description="plain PyTorch", wrap=_eager, compiles=False),
+        Method(
+            name="compile",
+            description="torch.compile, default options",
+            wrap=_torch_compile,
+            compiles=True,
+        ),
+    ]
+    for fraction in (0.5, 0.1):
+        methods.append(
+            Method(
+                name=f"compile-budget-{fraction}",
+                description=f"torch.compile, activation_memory_budget={fraction}",
+                wrap=_torch_compile_budget(fraction),
+                compiles=True,
+            )
+        )
+    methods.append(
+        Method(
+            name="checkpoint",
+            description="torch.utils.checkpoint around each block of the workload",
+            wrap=_checkpoint,
+            compiles=False,
+        )
+    )
+    mirror_modes: list[tuple[str, dict[str, Any]]] = [("mirror-balance", {"mode": "balance"})]
+    mirror_modes += [(f"mirror-budget-{f}", {"mode": "budget", "budget": f}) for f in (0.5, 0.3)]
+    for name, options in mirror_modes:
+        methods.append(
+            Method(
+                name=name,
+                description="mirrorgrad.compile("
+                + ", ".join(f"{k}={v!r}" for k, v in options.items())
+                + ")",
+                wrap=_mirror(options),
+                compiles=True,
+                mirror_options=options,
+            )
+        )
+    return methods
+
+
+# Methods that also run with mirrorgrad.nn RNN modules on recurrent workloads.
+MGNN_BASES = ("eager", "compile", "mirror-balance", "mirror-budget-0.3")
+
+
+def _registry() -> dict[str, Method]:
+    methods = {m.name: m for m in _base_methods()}
+    for base in MGNN_BASES:
+        m = methods[base]
+        name = f"{base}+mgnn"
+        methods[name] = dataclasses.replace(
+            m, name=name, description=m.description + ", mirrorgrad.nn RNNs", swap_rnn=True
+        )
+    return methods
+
+
+METHODS: dict[str, Method] = _registry()
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+
+
+def default_methods(recurrent: bool) -> list[str]:
+    """All methods that apply: the ``+mgnn`` ones only where there are RNNs to swap."""
+    return [name for name, m in METHODS.items() if recurrent or not m.swap_rnn]

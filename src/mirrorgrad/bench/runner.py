@@ -1,0 +1,388 @@
+"""Measure methods on one workload, in this process: the worker behind `mirrorgrad bench`.
+
+`mirrorgrad bench` starts ``python -m mirrorgrad.bench.runner`` once per workload (and
+once per batch-size probe) so every workload starts with fresh allocator state.
+Inside, methods run one after another on a freshly built, identically seeded model,
+with the allocator emptied and its peak reset between them. Each result is printed
+as one ``@@mirrorgrad {json}`` line on stdout as soon as it is known.
+
+A step is ``zero_grad(set_to_none) -> loss = step_fn(*batch) -> backward -> SGD``; SGD
+without momentum keeps no optimizer state, so the measured peak is parameters,
+gradients and activations: what the planner estimates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mirrorgrad.bench.methods import Backend, Method, StepFn, get_method
+from mirrorgrad.bench.workloads import Built, Workload, get_workload
+
+MARKER = "@@mirrorgrad "
+# Exit code after a method left the CUDA context unusable (its result was reported).
+FATAL_EXIT = 3
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_LR = 1e-4
+
+
+@dataclass(kw_only=True, slots=True)
+class RunOptions:
+    dtype: str = "fp32"
+    steps: int = 20
+    warmup: int = 3
+    quick: bool = False
+    backend: Backend = "inductor"
+    device: str = "cpu"
+    batch: int | None = None
+    # Unix time after which methods not yet started are skipped.
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.steps < 1 or self.warmup < 1:
+            raise ValueError("steps and warmup must be >= 1 (the first warm-up step compiles)")
+
+
+@dataclass(kw_only=True, slots=True)
+class MethodResult:
+    workload: str
+    method: str
+    status: str  # "ok" | "failed" | "skipped"
+    error: str | None = None
+    batch: int | None = None
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    samples_per_s: float | None = None
+    # First call (compiles, if the method compiles), and that minus a median step.
+    first_step_s: float | None = None
+    compile_s: float | None = None
+    peak_bytes: int | None = None
+    # "cuda": torch.cuda.max_memory_allocated over the timed steps; "cpu-estimate":
+    # parameters + gradients + tensors saved for backward (no allocator on the CPU).
+    peak_source: str | None = None
+    # The planner's estimated peak of the plan the method uses (mirror-* only).
+    est_peak_bytes: int | None = None
+    est_peak_unmirrored_bytes: int | None = None
+    est_graphs: int = 0  # compiled graphs planned (graph breaks make more than one)
+    est_error: str | None = None
+    param_bytes: int | None = None
+    first_loss: float | None = None
+    step_ms: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Versions and hardware, recorded with every result file."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": device,
+        "host": platform.node(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = props.name
+        env["gpu_memory_bytes"] = props.total_memory
+        env["capability"] = f"{props.major}.{props.minor}"
+        env["cudnn"] = torch.backends.cudnn.version()
+    else:
+        env["gpu"] = None
+    return env
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _fresh_allocator(device: str) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class _SavedBytes:
+    """Bytes of distinct storages saved for backward, parameters excluded (CPU peak)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: dict[int, int] = {}
+
+    @torch.compiler.disable  # a Python hook, not part of the model's graph
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._params:
+            self._seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self._seen.values())
+
+
+def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple) -> Any:
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = step_fn(*batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def _timed_steps(step: Any, n: int, device: str) -> list[float]:
+    if device.startswith("cuda"):
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(n)
+        ]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _cpu_peak(step: Any, model: torch.nn.Module) -> int:
+    saved = _SavedBytes(model)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return params + grads + saved.total
+
+
+def _planner_estimate(
+    method: Method, step_fn: StepFn, built: Built, batch: tuple
+) -> tuple[int | None, int | None, int]:
+    """(estimated peak with the method's plan, without mirroring, graphs planned).
+
+    Uses the plans the compiled model applied; where Inductor's cache served the
+    graphs (no plan made), asks ``mirrorgrad.explain`` for the same options. With
+    graph breaks each graph has its own plan: the one with the largest peak is shown.
+    """
+    if method.mirror_options is None:
+        return None, None, 0
+    plans = list(getattr(step_fn, "_mirrorgrad_plans", None) or [])
+    if not plans:
+        import mirrorgrad
+
+        plans = [mirrorgrad.explain(built.model, *batch, fullgraph=False, **method.mirror_options)]
+    largest = max(plans, key=lambda p: p.peak_before)
+    return int(largest.peak_after), int(largest.peak_before), len(plans)
+
+
+def _short_error(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def _is_fatal(e: BaseException) -> bool:
+    # After these the CUDA context is unusable: later methods need a new process.
+    text = str(e)
+    return "CUDA error" in text or "illegal memory access" in text or "CUBLAS_STATUS" in text
+
+
+def measure(workload: Workload, method: Method, opts: RunOptions) -> MethodResult:
+    """Run warm-up and timed steps of ``method`` on ``workload``; never raises on
+    a method failure (OOM, compile error): the result says ``failed`` and why."""
+    result = MethodResult(workload=workload.name, method=method.name, status="ok")
+    if method.swap_rnn and not workload.recurrent:
+        result.status, result.error = "skipped", "no torch.nn RNN modules to swap"
+        return result
+    if opts.deadline is not None and time.time() > opts.deadline:
+        result.status, result.error = "skipped", "time limit reached before this method"
+        return result
+    device = opts.device
+    _fresh_allocator(device)
+    try:
+        built = workload.build(
+            batch=opts.batch, dtype=DTYPES[opts.dtype], device=device, quick=opts.quick
+        )
+        result.batch = built.batch
+        result.param_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
+        batch = built.make_batch()
+        step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
+        step = _make_step(step_fn, built.model, batch)
+
+        _sync(device)
+        t0 = time.perf_counter()
+        result.first_loss = step().detach().item()
+        _sync(device)
+        result.first_step_s = time.perf_counter() - t0
+        for _ in range(opts.warmup - 1):
+            step()
+        _sync(device)
+
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+        times = _timed_steps(step, opts.steps, device)
+        if device.startswith("cuda"):
+            result.peak_bytes = torch.cuda.max_memory_allocated(device)
+            result.peak_source = "cuda"
+        else:
+            result.peak_bytes = _cpu_peak(step, built.model)
+            result.peak_source = "cpu-estimate"
+
+        p20, median, p80 = np.percentile(times, [20, 50, 80]).tolist()
+        result.step_ms = [round(t, 4) for t in times]
+        result.median_ms, result.p20_ms, result.p80_ms = median, p20, p80
+        result.samples_per_s = built.batch / (median / 1e3)
+        if method.compiles:
+            result.compile_s = max(0.0, result.first_step_s - median / 1e3)
+    except Exception as e:  # a failing method is a result, not the end of the run
+        result.status, result.error = "failed", _short_error(e)
+        if _is_fatal(e):
+            _emit({"kind": "result", **result.to_dict()})
+            raise SystemExit(FATAL_EXIT) from e
+    else:
+        try:
+            (
+                result.est_peak_bytes,
+                result.est_peak_unmirrored_bytes,
+                result.est_graphs,
+            ) = _planner_estimate(method, step_fn, built, batch)
+        except Exception as e:  # the measurement stands without the estimate
+            result.est_error = _short_error(e)
+    finally:
+        built = batch = step_fn = step = None
+        _fresh_allocator(device)
+    return result
+
+
+@dataclass(kw_only=True, slots=True)
+class ProbeResult:
+    batch: int
+    fits: bool
+    peak_bytes: int | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def probe(workload: Workload, method: Method, opts: RunOptions, cap_bytes: int) -> ProbeResult:
+    """Does one step of ``method`` at ``opts.batch`` fit under ``cap_bytes``?
+
+    On a GPU the allocator itself is capped, so the probe fails the way training
+    would; on the CPU the estimated peak stands in for a memory limit.
+    """
+    assert opts.batch is not None
+    device = opts.device
+    if device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    result = measure(workload, method, dataclasses.replace(opts, deadline=None))
+    if result.status != "ok":
+        return ProbeResult(batch=opts.batch, fits=False, error=result.error)
+    assert result.peak_bytes is not None
+    return ProbeResult(
+        batch=opts.batch, fits=result.peak_bytes <= cap_bytes, peak_bytes=result.peak_bytes
+    )
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(MARKER + json.dumps(_finite(record), allow_nan=False), flush=True)
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinity (a diverged loss) as null: strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def default_device(quick: bool) -> str:
+    return "cuda" if torch.cuda.is_available() and not quick else "cpu"
+
+
+def worker_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--methods", required=True, help="comma-separated method names")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--deadline", type=float, default=None)
+    parser.add_argument("--probe-cap-bytes", type=int, default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="mirrorgrad bench worker (one workload)")
+    worker_arguments(parser)
+    args = parser.parse_args(argv)
+    device = args.device or default_device(args.quick)
+    if device.startswith("cuda"):
+        # Same for every method; TF32 GEMMs are what anyone training in fp32 would use.
+        torch.set_float32_matmul_precision("high")
+    opts = RunOptions(
+        dtype=args.dtype,
+        steps=args.steps,
+        warmup=args.warmup,
+        quick=args.quick,
+        backend=args.backend,
+        device=device,
+        batch=args.batch,
+        deadline=args.deadline,
+    )
+    workload = get_workload(args.workload)
+    methods = [get_method(name) for name in args.methods.split(",") if name]
+    _emit({"kind": "env", **environment(device)})
+    if args.probe_cap_bytes is not None:
+        if len(methods) != 1 or args.batch is None:
+            parser.error("a probe takes exactly one method and --batch")
+        _emit(
+            {"kind": "probe", **probe(workload, methods[0], opts, args.probe_cap_bytes).to_dict()}
+        )
+        return 0
+    for method in methods:
+        _emit({"kind": "result", **measure(workload, method, opts).to_dict()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""`mirrorgrad bench --quick` and `mirrorgrad explain --quick` end to end on the CPU."""
+
+import argparse
+import json
+
+import pytest
+
+from mirrorgrad import cli
+from mirrorgrad.bench.command import _Bench
+from mirrorgrad.bench.explain import parse_mode
+
+METHODS = ["eager", "checkpoint", "compile-budget-0.5", "mirror-balance"]
+CAP_GB = 0.00005
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--quick", "--workloads", "mlp", "--methods", *METHODS, "--out", str(out)]
+    argv += ["--cap-gb", str(CAP_GB), "--search-methods", "eager", "--max-probes", "2"]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    return out
+
+
+def test_bench_writes_json_with_every_method(bench_out):
+    doc = json.loads((bench_out / "results.json").read_text())
+    assert doc["env"]["torch"] and doc["env"]["device"] == "cpu"
+    assert doc["options"] | {"quick": True, "steps": 3, "warmup": 2} == doc["options"]
+    methods = doc["workloads"]["mlp"]["methods"]
+    assert [m["method"] for m in methods] == METHODS
+    for m in methods:
+        assert m["status"] == "ok", m
+        assert m["peak_bytes"] > 0 and m["median_ms"] > 0 and m["samples_per_s"] > 0
+        assert m["time_vs_eager"] is not None
+    mirror = methods[-1]
+    assert mirror["est_peak_bytes"] > 0 and mirror["compile_s"] is not None
+
+
+def test_bench_searched_the_largest_batch(bench_out):
+    doc = json.loads((bench_out / "results.json").read_text())
+    for m in doc["workloads"]["mlp"]["methods"]:
+        search = m.get("max_batch")
+        if m["method"] != "eager":
+            assert search is None
+            continue
+        assert len(search["probes"]) == 2
+        for record in search["probe_records"]:
+            # A batch fits exactly when its estimated peak is under the cap.
+            assert record["fits"] == (record["peak_bytes"] <= CAP_GB * 1e9)
+        fits = [b for b, ok in search["probes"] if ok]
+        assert search["largest_fit"] == max(fits, default=None)
+
+
+def test_bench_writes_markdown_and_plots(bench_out):
+    table = (bench_out / "results.md").read_text()
+    for method in METHODS:
+        assert f"| {method} |" in table
+    for name in ("peak_vs_time_mlp.png", "max_batch.png"):
+        assert (bench_out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_names_are_rejected(tmp_path):
+    with pytest.raises(SystemExit, match="unknown method nope"):
+        cli.main(["bench", "--quick", "--methods", "eager,nope", "--out", str(tmp_path)])
+
+
+def test_hung_methods_time_out_and_the_rest_still_run(tmp_path):
+    args = argparse.Namespace(
+        quick=True,
+        steps=None,
+        warmup=None,
+        backend=None,
+        time_limit=None,
+        method_timeout=0.01,
+        out=tmp_path,
+        dtype="fp32",
+        device=None,
+    )
+    bench = _Bench(args)
+    bench.logs.mkdir()
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def set_description(self, text):
+            pass
+
+    results = bench.run_workload("mlp", ["eager", "checkpoint"], Bar())
+    assert [(r["method"], r["status"]) for r in results] == [
+        ("eager", "failed"),
+        ("checkpoint", "failed"),
+    ]
+    assert all("timed out" in r["error"] for r in results)
+
+
+def test_explain_prints_json(capsys):
+    assert cli.main(["explain", "mlp", "--quick", "--json", "--mode", "budget:0.5"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert isinstance(plan, dict) and plan
+
+
+def test_explain_prints_a_table(capsys):
+    assert cli.main(["explain", "nmt-attention", "--quick"]) == 0
+    assert capsys.readouterr().out.startswith("nmt-attention: ")
+
+
+@pytest.mark.parametrize(
+    ("text", "options"),
+    [
+        ("balance", {"mode": "balance"}),
+        ("off", {"mode": "off"}),
+        ("budget:0.5", {"mode": "budget", "budget": 0.5}),
+        ("budget:2e9", {"mode": "budget", "budget": 2_000_000_000}),
+    ],
+)
+def test_parse_mode(text, options):
+    assert parse_mode(text) == options
+
+
+@pytest.mark.parametrize("text", ["budget", "budget:-1", "budget:x", "balance:1", "fast"])
+def test_parse_mode_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="budget:FRACTION"):
+        parse_mode(text)

@@ -1,0 +1,105 @@
+"""The workload and method registries: names, shapes, and that every quick model trains."""
+
+import math
+
+import pytest
+import torch
+
+from mirrorgrad.bench.methods import METHODS, MGNN_BASES, default_methods, get_method
+from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+
+ALL_WORKLOADS = (
+    "lstm-lm-medium",
+    "lstm-lm-large",
+    "nmt-attention",
+    "resnet50",
+    "transformer",
+    "deepspeech2",
+    "mlp",
+)
+BASE_METHODS = (
+    "eager",
+    "compile",
+    "compile-budget-0.5",
+    "compile-budget-0.1",
+    "checkpoint",
+    "mirror-balance",
+    "mirror-budget-0.5",
+    "mirror-budget-0.3",
+)
+
+
+def test_workload_names():
+    assert tuple(WORKLOADS) == ALL_WORKLOADS
+    with pytest.raises(KeyError, match="choose from"):
+        get_workload("resnet18")
+
+
+def test_method_names():
+    assert set(METHODS) == set(BASE_METHODS) | {f"{m}+mgnn" for m in MGNN_BASES}
+    assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in MGNN_BASES)
+    assert default_methods(recurrent=False) == list(BASE_METHODS)
+    assert default_methods(recurrent=True) == [*BASE_METHODS, *(f"{m}+mgnn" for m in MGNN_BASES)]
+    assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}
+    with pytest.raises(KeyError, match="choose from"):
+        get_method("compile-budget-0.2")
+
+
+# The issue's full-size shapes, batch included: (first input's shape, other inputs').
+FULL_SHAPES = {
+    "lstm-lm-medium": [(35, 20), (35, 20)],
+    "lstm-lm-large": [(35, 20), (35, 20)],
+    "nmt-attention": [(50, 80), (30, 80), (30, 80)],
+    "resnet50": [(64, 3, 224, 224), (64,)],
+    "transformer": [(8, 1024), (8, 1024)],
+    "deepspeech2": [(32, 1, 161, 300), (32, 60)],
+    "mlp": [(2048, 1024), (2048,)],
+}
+
+
+@pytest.mark.parametrize("name", ALL_WORKLOADS)
+def test_full_size_batch_shapes(name):
+    workload = WORKLOADS[name]
+    with torch.device("meta"):
+        _, sample, _ = workload.builder(workload.batch, False)
+    batch = sample(torch.Generator().manual_seed(0))
+    assert [tuple(t.shape) for t in batch] == FULL_SHAPES[name]
+
+
+def test_resnet50_has_resnet50_parameter_count():
+    # torchvision's resnet50 (v1.5) has 25,557,032 parameters.
+    with torch.device("meta"):
+        model, _, blocks = WORKLOADS["resnet50"].builder(64, False)
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    assert len(blocks) == 16
+
+
+def test_lstm_lm_large_sizes():
+    with torch.device("meta"):
+        model, _, _ = WORKLOADS["lstm-lm-large"].builder(20, False)
+    assert (model.rnn.hidden_size, model.rnn.num_layers) == (1500, 2)
+    assert model.embed.num_embeddings == 10_000
+
+
+@pytest.mark.parametrize("name", ALL_WORKLOADS)
+def test_quick_workload_trains(name):
+    workload = WORKLOADS[name]
+    built = workload.build(quick=True, dtype=torch.float64)
+    assert built.batch == workload.quick_batch
+    for block in built.blocks:
+        built.model.get_submodule(block)
+    loss = built.model(*built.make_batch())
+    assert loss.dim() == 0 and math.isfinite(loss.item())
+    loss.backward()
+    grads = [p.grad for p in built.model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    # Identical batches on each call: methods are compared on the same data.
+    first, second = built.make_batch(), built.make_batch()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    has_rnn = any(isinstance(m, torch.nn.RNNBase) for m in built.model.modules())
+    assert workload.recurrent == has_rnn
+
+
+def test_build_rejects_bad_batch():
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        WORKLOADS["mlp"].build(batch=-1, quick=True)

@@ -1,0 +1,107 @@
+"""measure(): a failing method is a result, never an exception; the CPU peak estimate."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mirrorgrad.bench import report
+from mirrorgrad.bench.methods import Method, get_method
+from mirrorgrad.bench.runner import RunOptions, measure
+from mirrorgrad.bench.workloads import WORKLOADS
+
+OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
+
+
+def _raising(exc: BaseException) -> Method:
+    def wrap(model, blocks, backend):
+        def step_fn(*batch):
+            raise exc
+
+        return step_fn
+
+    return Method(name="broken", description="raises", wrap=wrap, compiles=False)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [RuntimeError("compile failed\nlong traceback"), torch.OutOfMemoryError("CUDA out of memory")],
+    ids=["compile-error", "oom"],
+)
+def test_failing_method_is_recorded(exc):
+    result = measure(WORKLOADS["mlp"], _raising(exc), OPTS)
+    assert result.status == "failed"
+    assert result.error == f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    assert result.median_ms is None and result.peak_bytes is None
+    # The next method in the same process still runs.
+    assert measure(WORKLOADS["mlp"], get_method("eager"), OPTS).status == "ok"
+
+
+def test_failing_prepare_is_recorded():
+    def wrap(model, blocks, backend):
+        raise ValueError("bad options")
+
+    method = Method(name="bad", description="", wrap=wrap, compiles=True)
+    result = measure(WORKLOADS["mlp"], method, OPTS)
+    assert (result.status, result.error) == ("failed", "ValueError: bad options")
+
+
+def test_mgnn_method_skips_a_workload_without_rnns():
+    result = measure(WORKLOADS["mlp"], get_method("eager+mgnn"), OPTS)
+    assert result.status == "skipped"
+
+
+def test_mgnn_method_swaps_the_rnn_keeping_weights():
+    import mirrorgrad.nn
+
+    built = WORKLOADS["lstm-lm-medium"].build(quick=True)
+    batch = built.make_batch()
+    built.model.eval()  # no dropout: the swapped model must give the same loss
+    expected = built.model(*batch)
+    step_fn = get_method("eager+mgnn").prepare(built.model, blocks=built.blocks, backend="eager")
+    assert isinstance(built.model.rnn, mirrorgrad.nn.LSTM)
+    torch.testing.assert_close(step_fn(*batch), expected)
+    assert measure(WORKLOADS["lstm-lm-medium"], get_method("eager+mgnn"), OPTS).status == "ok"
+
+
+def test_time_limit_skips_methods_not_started():
+    opts = dataclasses.replace(OPTS, deadline=0.0)
+    result = measure(WORKLOADS["mlp"], get_method("eager"), opts)
+    assert (result.status, result.error) == ("skipped", "time limit reached before this method")
+
+
+def test_eager_and_checkpoint_measured_alike():
+    eager = measure(WORKLOADS["transformer"], get_method("eager"), OPTS)
+    ckpt = measure(WORKLOADS["transformer"], get_method("checkpoint"), OPTS)
+    for r in (eager, ckpt):
+        assert r.status == "ok", r.error
+        assert len(r.step_ms) == OPTS.steps
+        assert r.p20_ms <= r.median_ms <= r.p80_ms
+        assert r.peak_source == "cpu-estimate"
+        assert r.compile_s is None
+    # Same seed, same batch, same model: the same first loss.
+    assert ckpt.first_loss == pytest.approx(eager.first_loss, rel=1e-6)
+    # Checkpointed blocks save only their inputs: the estimated peak drops, but never
+    # below parameters + gradients.
+    assert 2 * eager.param_bytes < ckpt.peak_bytes < eager.peak_bytes
+
+
+def test_ratios_and_markdown():
+    methods = [
+        {"method": "eager", "status": "ok", "peak_bytes": 400, "median_ms": 2.0},
+        {"method": "compile", "status": "ok", "peak_bytes": 200, "median_ms": 1.0},
+        {"method": "mirror-balance", "status": "ok", "peak_bytes": 100, "median_ms": 1.5},
+        {"method": "checkpoint", "status": "failed", "error": "OutOfMemoryError: x"},
+    ]
+    report.add_ratios(methods)
+    mirror = methods[2]
+    assert mirror["peak_vs_compile"] == 0.5 and mirror["time_vs_compile"] == 1.5
+    assert mirror["peak_vs_eager"] == 0.25 and mirror["time_vs_eager"] == 0.75
+    assert "peak_vs_compile" not in methods[3]
+    for m in methods[:3]:
+        m.update(batch=4, p20_ms=m["median_ms"], p80_ms=m["median_ms"], samples_per_s=1.0)
+    table = report.workload_table("w", {"description": "d", "methods": methods})
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + len(methods)
+    assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
+    assert "- `checkpoint` failed: OutOfMemoryError: x" in table
