@@ -1,0 +1,230 @@
+"""``mirrorgrad.compile``, ``mirrorgrad.backend`` and ``mirrorgrad.explain``.
+
+``torch.compile`` with the mirror planner as its partitioner: Dynamo captures the
+graph, AOTAutograd builds the joint forward+backward graph, the planner chooses what
+to stash, and either Inductor generates code (``backend="inductor"``) or the two
+graphs run as they are (``backend="eager"``: no code generation).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from mirrorgrad import _compat
+from mirrorgrad.mirror.budget import Plan, PlanOptions
+from mirrorgrad.mirror.partition import MirrorPartitioner, PlanCallback, partition
+from mirrorgrad.mirror.policy import ENV_VAR, policy_for
+
+CODEGENS = ("inductor", "eager")
+
+
+@dataclass(kw_only=True, slots=True)
+class MirrorBackend:
+    """A ``torch.compile`` backend that partitions with the mirror planner.
+
+    ``plans`` collects every plan applied (one per compiled graph, none for a graph
+    Inductor took from its cache); ``on_plan`` is called with each as well.
+    """
+
+    mode: str = "balance"
+    budget: float | None = None
+    max_overhead: float = 0.05
+    codegen: str = "inductor"
+    inductor_options: dict[str, Any] = field(default_factory=dict)
+    root_module: nn.Module | None = None
+    on_plan: PlanCallback | None = None
+    strict: bool = False
+    plans: list[Plan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.codegen not in CODEGENS:
+            raise ValueError(f"backend={self.codegen!r}: choose one of {', '.join(CODEGENS)}")
+        if self.inductor_options and self.codegen != "inductor":
+            raise ValueError("options= are Inductor settings: use them with backend='inductor'")
+        self.plan_options()  # PlanOptions checks mode, budget and max_overhead
+
+    def plan_options(self) -> PlanOptions:
+        # MIRRORGRAD_MIRROR=0 turns mirroring off everywhere; the joint graph still
+        # goes through our partition, stashing everything.
+        mirror_off = os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")
+        return PlanOptions(
+            mode="off" if mirror_off else self.mode,
+            budget=self.budget,
+            max_overhead=self.max_overhead,
+            policy=policy_for(self.root_module),
+        )
+
+    def _record(self, plan: Plan) -> None:
+        self.plans.append(plan)
+        if self.on_plan is not None:
+            self.on_plan(plan)
+
+    def __call__(self, gm: GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+        if self.codegen == "eager":
+            partition_fn = functools.partial(
+                partition,
+                options=self.plan_options(),
+                root_module=self.root_module,
+                on_plan=self._record,
+                strict=self.strict,
+            )
+            functools.update_wrapper(partition_fn, partition)
+            return _compat.aot_autograd(
+                fw_compiler=_compat.boxed_nop,
+                bw_compiler=_compat.boxed_nop,
+                partition_fn=partition_fn,
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
+        partitioner = MirrorPartitioner(
+            self.plan_options(), root_module=self.root_module, on_plan=self._record
+        )
+        # Patched for this compilation only: other torch.compile calls keep min-cut.
+        settings = {**self.inductor_options, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        with _compat.inductor_config.patch(settings):
+            return _compat.compile_fx(gm, example_inputs, **kwargs)
+
+
+def backend(
+    *,
+    mode: str = "balance",
+    budget: float | None = None,
+    max_overhead: float = 0.05,
+    backend: str = "inductor",
+    on_plan: PlanCallback | None = None,
+    root_module: nn.Module | None = None,
+) -> MirrorBackend:
+    """A backend for ``torch.compile(model, backend=mirrorgrad.backend(...))``.
+
+    Options as for :func:`compile`. ``root_module`` (the compiled model) lets the
+    planner see ``mirrorgrad.mark``s; ``on_plan`` receives each plan applied.
+    """
+    return MirrorBackend(
+        mode=mode,
+        budget=budget,
+        max_overhead=max_overhead,
+        codegen=backend,
+        root_module=root_module,
+        on_plan=on_plan,
+    )
+
+
+def compile(
+    model_or_fn: nn.Module | Callable[..., Any],
+    *,
+    mode: str = "balance",
+    budget: float | None = None,
+    max_overhead: float = 0.05,
+    backend: str = "inductor",
+    **torch_compile_kwargs: Any,
+) -> Callable[..., Any]:
+    """``torch.compile`` with the mirror planner choosing what to stash for backward.
+
+    - ``mode="balance"``: the lowest estimated peak within ``max_overhead`` (a fraction
+      of the step time) of added recompute time.
+    - ``mode="budget"``: the least added time whose estimated peak meets ``budget``
+      (bytes, or a fraction <= 1 of the unmirrored peak).
+    - ``mode="off"``: stash every value the backward reads (no mirroring).
+    - ``backend="inductor"`` generates code; ``"eager"`` runs AOTAutograd's graphs
+      without code generation.
+
+    Other keyword arguments go to ``torch.compile`` (``fullgraph``, ``dynamic``;
+    ``options`` are Inductor settings). The result's ``_mirrorgrad_plans`` lists the
+    plans applied, one per compiled graph.
+    """
+    inductor_options = torch_compile_kwargs.pop("options", None) or {}
+    mirror_backend = MirrorBackend(
+        mode=mode,
+        budget=budget,
+        max_overhead=max_overhead,
+        codegen=backend,
+        inductor_options=inductor_options,
+        root_module=model_or_fn if isinstance(model_or_fn, nn.Module) else None,
+    )
+    compiled = torch.compile(model_or_fn, backend=mirror_backend, **torch_compile_kwargs)
+    compiled._mirrorgrad_plans = mirror_backend.plans
+    return compiled
+
+
+def explain(
+    model: nn.Module | Callable[..., Any],
+    *example_inputs: Any,
+    mode: str = "balance",
+    budget: float | None = None,
+    max_overhead: float = 0.05,
+    **torch_compile_kwargs: Any,
+) -> Plan:
+    """The plan the planner makes for ``model`` on ``example_inputs``, without codegen.
+
+    Runs the forward once through AOTAutograd (no backward); parameters, buffers
+    (BatchNorm statistics) and the RNG state are as before afterwards. A planning error
+    is raised, not fallen back from. The model must compile to one graph
+    (``fullgraph=True`` unless overridden).
+    """
+    mirror_backend = MirrorBackend(
+        mode=mode,
+        budget=budget,
+        max_overhead=max_overhead,
+        codegen="eager",
+        root_module=model if isinstance(model, nn.Module) else None,
+        strict=True,
+    )
+    torch_compile_kwargs.setdefault("fullgraph", True)
+    compiled = torch.compile(model, backend=mirror_backend, **torch_compile_kwargs)
+    state = _snapshot(model)
+    devices = sorted(
+        {x.device.index or 0 for x in example_inputs if _is_cuda_tensor(x)}
+        | {t.device.index or 0 for t in state if t.is_cuda}
+    )
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            compiled(*example_inputs)
+    finally:
+        _restore(state)
+    if not mirror_backend.plans:
+        raise ValueError(
+            "explain(): no forward+backward graph was built; make a parameter or an "
+            "input require grad"
+        )
+    # With fullgraph=False a graph break gives several plans: the largest one is shown.
+    return max(mirror_backend.plans, key=lambda p: p.peak_before)
+
+
+def _is_cuda_tensor(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def _snapshot(model: object) -> dict[torch.Tensor, torch.Tensor]:
+    if not isinstance(model, nn.Module):
+        return {}
+    tensors = [*model.parameters(), *model.buffers()]
+    with torch.no_grad():
+        return {t: t.detach().clone() for t in tensors}
+
+
+def _restore(state: dict[torch.Tensor, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for tensor, saved in state.items():
+            tensor.copy_(saved)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing ``mirrorgrad.compile`` (this module) makes the import system set the
+    package attribute ``mirrorgrad.compile`` to the module, hiding the function of that
+    name; calling the module calls the function, so ``mirrorgrad.compile(model)`` works
+    either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        return compile(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

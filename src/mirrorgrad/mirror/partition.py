@@ -1,0 +1,195 @@
+"""A plan -> (forward module, backward module): AOTAutograd's ``partition_fn`` and
+Inductor's partitioner hook.
+
+The planner decides which forward values the backward pass reads from the stash
+(``Plan.saved``); everything else the backward needs is recomputed there. Planning
+must never stop training: any exception becomes one ``MirrorgradFallbackWarning``
+(naming the cause and the file the joint graph was dumped to) and PyTorch's own
+partition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from mirrorgrad import _compat
+from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.mirror.budget import Plan, PlanOptions, plan
+from mirrorgrad.mirror.policy import is_random, policy_for
+
+Partitioner = Callable[..., tuple[GraphModule, GraphModule]]
+PlanCallback = Callable[[Plan], None]
+
+# The planner's sources: a change to any of them must invalidate Inductor's cache.
+_PLANNER_SOURCES = tuple(
+    sorted(
+        str(p)
+        for package in ("graph", "mirror")
+        for p in (Path(__file__).parents[1] / package).glob("*.py")
+    )
+)
+
+
+class MirrorgradFallbackWarning(UserWarning):
+    """The planner failed on a graph; PyTorch's own partition was used for it."""
+
+
+def partition(
+    joint_gm: GraphModule,
+    joint_inputs: Sequence[object],
+    *,
+    num_fwd_outputs: int,
+    options: PlanOptions,
+    root_module: nn.Module | None = None,
+    on_plan: PlanCallback | None = None,
+    fallback: Partitioner = _compat.default_partition,
+    strict: bool = False,
+    static_lifetime_input_indices: list[int] | None = None,
+    **unused: Any,
+) -> tuple[GraphModule, GraphModule]:
+    """Split ``joint_gm`` into forward and backward modules by the mirror planner.
+
+    ``root_module``, when given, supplies the policy (its ``mirrorgrad.mark``s).
+    ``on_plan`` receives each plan that was applied. With ``strict=True`` a planning
+    error is raised instead of falling back to ``fallback``. Other keyword arguments
+    that AOTAutograd or Inductor pass (``compiler=``) are accepted and ignored.
+    """
+    if root_module is not None:
+        options = dataclasses.replace(options, policy=policy_for(root_module))
+    try:
+        the_plan = plan(JointGraph.from_fx(joint_gm, num_fwd_outputs), options)
+        fw_gm, bw_gm = _split(
+            joint_gm, the_plan, num_fwd_outputs, static_lifetime_input_indices or []
+        )
+    except Exception as exc:
+        if strict:
+            raise
+        dump = _dump_joint_graph(joint_gm, exc)
+        warnings.warn(
+            f"mirrorgrad: planning failed ({type(exc).__name__}: {exc}); using PyTorch's "
+            f"{fallback.__name__} for this graph instead. Joint graph and traceback: {dump}",
+            MirrorgradFallbackWarning,
+            stacklevel=2,
+        )
+        return fallback(
+            joint_gm,
+            joint_inputs,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static_lifetime_input_indices,
+        )
+    if on_plan is not None:
+        on_plan(the_plan)
+    return fw_gm, bw_gm
+
+
+def _split(
+    joint_gm: GraphModule, the_plan: Plan, num_fwd_outputs: int, static_indices: list[int]
+) -> tuple[GraphModule, GraphModule]:
+    primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and _compat.is_primal(n)]
+    fw_gm, bw_gm = _compat.extract_fwd_bwd_modules(
+        joint_gm,
+        list(the_plan.saved),
+        list(the_plan.saved_sym),
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes={primals[i] for i in static_indices},
+    )
+    # Recomputed values are placed just before their first backward reader (as the
+    # autograd engine would run them), not all at the start of the backward.
+    bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
+    _check_no_random_recompute(bw_gm)
+    return _compat.raise_getitems(fw_gm), _compat.raise_getitems(bw_gm)
+
+
+def _check_no_random_recompute(bw_gm: GraphModule) -> None:
+    """A random op in the backward would draw a new mask: wrong gradients, silently."""
+    for node in bw_gm.graph.nodes:
+        if node.op == "call_function" and is_random(node):
+            raise RuntimeError(f"the plan recomputes random op {node.name} ({node.target})")
+
+
+def _dump_joint_graph(joint_gm: GraphModule, exc: BaseException) -> str:
+    try:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="mirrorgrad-joint-", suffix=".txt", delete=False
+        ) as f:
+            f.write("".join(traceback.format_exception(exc)))
+            f.write("\n")
+            f.write(joint_gm.print_readable(print_output=False))
+        return f.name
+    except Exception as dump_exc:
+        return f"(not dumped: {dump_exc})"
+
+
+class MirrorPartitioner(_compat.CustomPartitionerFn):
+    """The planner as Inductor's ``custom_partitioner_fn``; min-cut is the fallback."""
+
+    def __init__(
+        self,
+        options: PlanOptions,
+        *,
+        root_module: nn.Module | None = None,
+        on_plan: PlanCallback | None = None,
+    ) -> None:
+        self.options = options
+        self.root_module = root_module
+        self.on_plan = on_plan
+
+    def __call__(
+        self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[GraphModule, GraphModule]:
+        return partition(
+            gm,
+            joint_inputs,
+            options=self.options,
+            root_module=self.root_module,
+            on_plan=self.on_plan,
+            fallback=_compat.min_cut_rematerialization_partition,
+            **kwargs,
+        )
+
+    def uuid(self) -> bytes:
+        """Inductor's cache key: the planner's sources and the options, marks included."""
+        policy = policy_for(self.root_module) if self.root_module is not None else None
+        key = _stable_repr(self.options) + _stable_repr(policy)
+        return _compat.get_hash_for_files(_PLANNER_SOURCES, key)
+
+    # Inductor pickles its config into cache keys and deep-copies it for repro scripts:
+    # the partitioner stands in as its uuid, so the model and callbacks stay out of both.
+    def __reduce__(self) -> tuple[type[PartitionerKey], tuple[bytes]]:
+        return PartitionerKey, (self.uuid(),)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> MirrorPartitioner:
+        return self
+
+
+def _stable_repr(value: object) -> str:
+    """``repr`` with sets sorted: set order follows string hashes, which differ per process."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = (
+            f"{f.name}={_stable_repr(getattr(value, f.name))}" for f in dataclasses.fields(value)
+        )
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable_repr(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        items = sorted(f"{_stable_repr(k)}: {_stable_repr(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_stable_repr(v) for v in value) + "]"
+    return repr(value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PartitionerKey:
+    """What a pickled ``MirrorPartitioner`` becomes: its cache identity, nothing to run."""
+
+    uuid: bytes

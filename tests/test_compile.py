@@ -1,0 +1,237 @@
+"""mirrorgrad.compile / backend / explain: eager's gradients in every mode, on the zoo."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from tests.zoo import ZOO, build, loss_of
+
+import mirrorgrad
+from mirrorgrad import _compat
+from mirrorgrad.mirror import partition as partition_module
+from mirrorgrad.mirror.partition import MirrorgradFallbackWarning
+
+MODES = [
+    pytest.param({"mode": "off"}, id="off"),
+    pytest.param({"mode": "balance"}, id="balance"),
+    pytest.param({"mode": "budget", "budget": 0.5}, id="budget0.5"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Every test compiles zoo models whose forward code objects are shared between
+    # tests; a reset keeps Dynamo's recompile limit from silently running eager.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@contextmanager
+def no_fallback() -> Iterator[None]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert not fallbacks, str(fallbacks[0].message)
+
+
+def step(model, inputs, seed: int = 1) -> torch.Tensor:
+    torch.manual_seed(seed)
+    out = model(*inputs)
+    loss_of(out).backward()
+    return out.detach()
+
+
+def assert_same_training_state(model, reference, *, rtol: float, atol: float) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: gradient where eager has none"
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+    for (name, b), c in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=name)
+
+
+def compiled_twin(name: str, dtype=None, **options):
+    reference, inputs = build(name, dtype)
+    model = copy.deepcopy(reference)
+    return reference, model, mirrorgrad.compile(model, backend="eager", **options), inputs
+
+
+@pytest.mark.parametrize("options", MODES)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_gradients_equal_eager(name, options):
+    reference, model, compiled, inputs = compiled_twin(name, **options)
+    with no_fallback():
+        out = step(compiled, inputs)
+    expected = step(reference, inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+    (plan,) = compiled._mirrorgrad_plans
+    if options["mode"] == "off":
+        assert not plan.mirrored
+    if options["mode"] == "budget":
+        assert plan.mirrored, "a budget of half the peak should mirror something"
+
+
+def test_gradient_accumulation_over_two_backward_calls():
+    reference, model, compiled, inputs = compiled_twin("lstm_lm", mode="balance")
+    other = (torch.randint(0, 11, inputs[0].shape),)
+    with no_fallback():
+        step(compiled, inputs, seed=1)
+        step(compiled, other, seed=2)
+    step(reference, inputs, seed=1)
+    step(reference, other, seed=2)
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_frozen_parameters_get_no_gradient():
+    reference, inputs = build("mlp")
+    for module in (reference.fc1, reference.norm2):
+        module.requires_grad_(False)
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.5, backend="eager")
+    with no_fallback():
+        step(compiled, inputs)
+    step(reference, inputs)
+    assert model.fc1.weight.grad is None and model.norm2.bias.grad is None
+    assert model.fc2.weight.grad is not None
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_batchnorm_running_stats_follow_eager():
+    reference, model, compiled, inputs = compiled_twin("convnet", mode="balance")
+    with no_fallback():
+        step(compiled, inputs)
+        step(compiled, inputs)
+    step(reference, inputs)
+    step(reference, inputs)
+    assert int(model.block1.bn1.num_batches_tracked) == 2
+    assert not torch.equal(
+        model.block1.bn1.running_mean, torch.zeros_like(model.block1.bn1.running_mean)
+    )
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_env_var_turns_mirroring_off(monkeypatch):
+    monkeypatch.setenv("MIRRORGRAD_MIRROR", "0")
+    reference, model, compiled, inputs = compiled_twin(
+        "seq2seq_attention", mode="budget", budget=0.5
+    )
+    with no_fallback():
+        step(compiled, inputs)
+    step(reference, inputs)
+    (plan,) = compiled._mirrorgrad_plans
+    assert not plan.mirrored
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_backend_for_torch_compile():
+    reference, inputs = build("encoder_block")
+    model = copy.deepcopy(reference)
+    plans = []
+    compiled = torch.compile(
+        model, backend=mirrorgrad.backend(mode="balance", backend="eager", on_plan=plans.append)
+    )
+    with no_fallback():
+        step(compiled, inputs)
+    step(reference, inputs)
+    assert len(plans) == 1
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_compile_a_function():
+    weight = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        return torch.tanh(x @ weight).exp().sum(-1)
+
+    x = torch.randn(4, 7, dtype=torch.float64)
+    compiled = mirrorgrad.compile(f, mode="budget", budget=0.5, backend="eager")
+    with no_fallback():
+        (grad,) = torch.autograd.grad(loss_of(compiled(x)), weight)
+    (expected,) = torch.autograd.grad(loss_of(f(x)), weight)
+    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-12)
+    assert len(compiled._mirrorgrad_plans) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mode": "fast"}, "mode"),
+        ({"backend": "tvm"}, "choose one of inductor, eager"),
+        ({"mode": "budget"}, "needs budget="),
+        ({"mode": "budget", "budget": -1}, "budget must be > 0"),
+        ({"max_overhead": -0.1}, "max_overhead"),
+        ({"backend": "eager", "options": {"max_autotune": True}}, "backend='inductor'"),
+    ],
+)
+def test_bad_options_raise_value_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        mirrorgrad.compile(torch.nn.Linear(2, 2), **options)
+
+
+def test_planner_failure_warns_once_and_falls_back(monkeypatch):
+    def broken_plan(joint, options):
+        raise RuntimeError("injected planner failure")
+
+    monkeypatch.setattr(partition_module, "plan", broken_plan)
+    reference, model, compiled, inputs = compiled_twin("mlp", mode="balance")
+    with pytest.warns(MirrorgradFallbackWarning) as record:
+        step(compiled, inputs)
+    step(reference, inputs)
+    fallbacks = [w for w in record if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "injected planner failure" in message and "default_partition" in message
+    dump = message.rsplit(": ", 1)[-1]
+    with open(dump) as f:
+        assert "injected planner failure" in f.read()
+    assert compiled._mirrorgrad_plans == []
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_explain_prints_a_table_and_leaves_the_model_alone():
+    model, inputs = build("convnet")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plan = mirrorgrad.explain(model, *inputs, mode="budget", budget=0.5)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"explain() changed {key}"
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    table = str(plan)
+    assert table.splitlines()[2].split() == ["value", "op", "shape", "bytes"]
+    as_dict = json.loads(json.dumps(plan.to_dict()))
+    assert as_dict["mirrored"] and as_dict["stashed"]
+    rows = table.splitlines()[3:]
+    for kind, values in (("stash", as_dict["stashed"]), ("mirror", as_dict["mirrored"])):
+        for value in values:
+            assert any(r.split()[:1] == [kind] and value["name"] in r for r in rows), value
+    assert as_dict["peak_after"] < as_dict["peak_before"]
+
+
+def test_explain_without_grad_raises():
+    model = torch.nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match="require grad"):
+        mirrorgrad.explain(model, torch.randn(2, 3))
+
+
+def test_inductor_backend_matches_eager_and_leaves_config_alone():
+    reference, inputs = build("mlp", torch.float32)
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.5)
+    with no_fallback():
+        out = step(compiled, inputs)
+    expected = step(reference, inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
+    assert len(compiled._mirrorgrad_plans) == 1
+    assert getattr(_compat.inductor_config, _compat.INDUCTOR_PARTITIONER_CONFIG) is None
