@@ -76,8 +76,9 @@ def _check_layer(
     with_grad_y=True,
     use_graph=None,
     fused=False,
+    t=T,
 ):
-    inp = _inputs(mode, bias=bias)
+    inp = _inputs(mode, bias=bias, t=t)
     if lengths is not None:
         lengths = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
     ref_in = {k: (v.double().requires_grad_() if v is not None else None) for k, v in inp.items()}
@@ -162,6 +163,15 @@ def test_layer_with_unsorted_lengths(mode, memory, fused):
 def test_lstm_state_clip(memory, fused):
     # Tight bounds so that some cells clip and some do not.
     _check_layer("lstm", memory=memory, clip=(-0.3, 0.4), lengths=[4, 3, 2], fused=fused)
+
+
+@KERNELS
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_backward_in_chunks(mode, memory, fused, monkeypatch):
+    # Chunks of 2, 2 and 1 steps: state gradients carried across chunk boundaries.
+    monkeypatch.setattr(rnn_triton, "BWD_CHUNK_ROWS", 2 * B)
+    _check_layer(mode, memory=memory, lengths=[5, 2, 3], fused=fused, t=5)
 
 
 @KERNELS

@@ -254,7 +254,9 @@ def _module_rnn(mode: str, rnn: torch.nn.RNNBase) -> torch.nn.Module | None:
         return None
 
 
-def bench_config(mode: str, cfg: Config, dtype: torch.dtype, reps: int) -> dict:
+def bench_config(
+    mode: str, cfg: Config, dtype: torch.dtype, reps: int, methods: tuple[str, ...] = METHODS
+) -> dict:
     torch.manual_seed(0)
     rnn = _torch_rnn(mode, cfg, dtype)
     D = 2 if cfg.bidirectional else 1
@@ -281,28 +283,35 @@ def bench_config(mode: str, cfg: Config, dtype: torch.dtype, reps: int) -> dict:
         )
 
     row: dict = {"mode": mode, "config": asdict(cfg), "ms": {}, "stash_bytes": {}, "peak_bytes": {}}
-    steps = {
-        "cudnn": cudnn_step,
-        "cudnn-graph": _graphed(cudnn_step),
-        "split-nograph": ours(use_graph=False, fused=False),
-        "fused-nograph": ours(use_graph=False, fused=True),
-        "split": ours(use_graph=True, fused=False),
-        "fused": ours(use_graph=True, fused=True),
-        "auto": ours(),
-        "recompute": ours("recompute"),
-        "auto-graph": _graphed(ours(use_graph=False)),
-    }
-    module = _module_rnn(mode, rnn)
-    if module is not None:
+
+    def module_step():
+        module = _module_rnn(mode, rnn)
+        if module is None:
+            return None
         mparams = list(module.parameters())
-        steps["module"] = lambda: torch.autograd.grad(module(xg, hx)[0], [xg, *mparams], gy)
-    for name, step in steps.items():
+        return lambda: torch.autograd.grad(module(xg, hx)[0], [xg, *mparams], gy)
+
+    # Factories: a graph is captured only for the methods asked for.
+    factories = {
+        "cudnn": lambda: cudnn_step,
+        "cudnn-graph": lambda: _graphed(cudnn_step),
+        "split-nograph": lambda: ours(use_graph=False, fused=False),
+        "fused-nograph": lambda: ours(use_graph=False, fused=True),
+        "split": lambda: ours(use_graph=True, fused=False),
+        "fused": lambda: ours(use_graph=True, fused=True),
+        "auto": ours,
+        "recompute": lambda: ours("recompute"),
+        "auto-graph": lambda: _graphed(ours(use_graph=False)),
+        "module": module_step,
+    }
+    for name in methods:
         try:
-            row["ms"][name] = _time(step, reps)
+            step = factories[name]()
+            row["ms"][name] = _time(step, reps) if step is not None else None
         except Exception as err:  # one failing method must not hide the others
             row["ms"][name] = None
             print(f"{mode} {cfg.name} {name}: {type(err).__name__}: {err}", file=sys.stderr)
-    del steps
+        step = None
     row["stash_bytes"]["cudnn"], row["peak_bytes"]["cudnn"] = _memory(cudnn_fwd, cudnn_bwd)
     for name, memory in (("auto", "stash"), ("recompute", "recompute")):
         row["stash_bytes"][name], row["peak_bytes"][name] = _memory(
@@ -477,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated subset of " + ",".join(METHODS),
+    )
+    parser.add_argument(
         "--tf32",
         choices=("match-cudnn", "on", "off"),
         default="match-cudnn",
@@ -487,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
     modes = args.modes.split(",")
+    methods = tuple(args.methods.split(","))
+    for name in methods:
+        if name not in METHODS:
+            parser.error(f"unknown method {name!r}; choose from {','.join(METHODS)}")
     for mode in modes:
         if mode not in TORCH_MODULES:
             parser.error(f"unknown mode {mode!r}; choose from {','.join(TORCH_MODULES)}")
@@ -531,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"correctness check failed, no timings: {bad}", file=sys.stderr)
     for mode in (m for m in modes if m not in bad):
         for cfg in configs:
-            row = bench_config(mode, cfg, dtype, args.reps)
+            row = bench_config(mode, cfg, dtype, args.reps, methods)
             result["rows"].append(row)
             print(mode, cfg.name, {k: _fmt(v) for k, v in row["ms"].items()}, flush=True)
             rnn_triton.clear_graphs()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -36,11 +36,16 @@ _GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 512
-# NOTE: graph capture removes ~4 host launches per step; above this many elements in
-# the static buffers the GPU work dominates and the extra copies in and out cost more.
-GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 24))
+# NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
+# table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only the memory held by the
+# static buffers of each captured shape bounds it.
+GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
 _GRAPH_CACHE_SIZE = 16
-FUSED_MAX_BATCH = int(os.environ.get("MIRRORGRAD_RNN_FUSED_MAX_BATCH", 64))
+# NOTE: the in-kernel hidden GEMM lost to cuBLAS + pointwise at every size measured
+# (L2 H650 B20 T35 fp32: 3.40 ms against 2.89 ms), so it runs only when asked for.
+FUSED_MAX_BATCH = int(os.environ.get("MIRRORGRAD_RNN_FUSED_MAX_BATCH", 0))
+# Rows (steps x batch) per backward chunk: bounds the dG buffer whatever T is.
+BWD_CHUNK_ROWS = int(os.environ.get("MIRRORGRAD_RNN_BWD_CHUNK_ROWS", 2048))
 
 
 @triton.jit
@@ -615,7 +620,6 @@ def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -
 
 
 def _default_fused(B: int) -> bool:
-    # NOTE: set from the H200 benchmark in docs/notes/rnn-gpu.md.
     return B <= FUSED_MAX_BATCH
 
 
@@ -741,20 +745,60 @@ def _recompute_pre(
     return pre.view(T, B, 4 * H)
 
 
-def _bwd_buffers(spec: _Spec, *, pre, cells, h0, y, dy, w_hh, lengths) -> _BwdBuffers:
+def _bwd_buffers(
+    spec: _Spec, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None
+) -> _BwdBuffers:
+    lstm = spec.mode == "lstm"
     return _BwdBuffers(
         pre=pre,
         cells=cells,
         h0=h0,
         y=y,
         dy=dy,
-        dh=spec.empty(spec.B, spec.H),
-        dc=spec.empty(spec.B, spec.H, dtype=torch.float32) if spec.mode == "lstm" else None,
+        dh=dh if dh is not None else spec.empty(spec.B, spec.H),
+        dc=(dc if dc is not None else spec.empty(spec.B, spec.H, dtype=torch.float32))
+        if lstm
+        else None,
         dg=spec.empty(spec.T, spec.B, spec.gh),
         dgh=spec.empty(spec.T, spec.B, spec.gh) if spec.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
     )
+
+
+def _chunk_steps(T: int, B: int) -> int:
+    """Steps per backward chunk: dG is kept for one chunk only, so memory stays flat in T."""
+    return min(T, max(1, -(-BWD_CHUNK_ROWS // B)))
+
+
+def _bwd_chunk(
+    spec: _Spec, fields: dict, dh: Tensor, dc: Tensor | None, use_graph: bool | None
+) -> tuple[Tensor, Tensor]:
+    """Reverse loop over one chunk; updates dh, dc in place; returns (dG, hidden-side dG)."""
+    if _use_graph(spec, use_graph):
+        key = (spec, "bwd", fields["dy"] is not None)
+
+        def make():
+            static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
+            return _bwd_buffers(spec, **static)
+
+        buf = _captured(key, make, lambda b: _bwd_loop(spec, b))
+        static = buf.buffers
+        for name, value in fields.items():
+            if value is not None:
+                getattr(static, name).copy_(value)
+        static.dh.copy_(dh)
+        if dc is not None:
+            static.dc.copy_(dc)
+        buf.graph.replay()
+        dh.copy_(static.dh)
+        if dc is not None:
+            dc.copy_(static.dc)
+        # Read by the GEMMs below before the next replay overwrites them (stream order).
+        return static.dg, static.dgh if static.dgh is not None else static.dg
+    buf = _bwd_buffers(spec, **fields, dh=dh, dc=dc)
+    _bwd_loop(spec, buf)
+    return buf.dg, buf.dgh if buf.dgh is not None else buf.dg
 
 
 @torch.no_grad()
@@ -781,7 +825,11 @@ def layer_backward(
     use_graph: bool | None = None,
     fused: bool | None = None,
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed)."""
+    """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed).
+
+    Runs in chunks of steps from the end; each chunk's weight gradients are GEMMs over
+    its steps, so backward's extra memory does not grow with T.
+    """
     _check(mode, x, w_hr, memory, state_clip)
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
     need_c0 = need_c0 and c0 is not None
@@ -789,66 +837,65 @@ def layer_backward(
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
     spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
-    T, B, H = spec.T, spec.B, spec.H
+    T, B, H, gh = spec.T, spec.B, spec.H, spec.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
     y = y.contiguous()
-    if mode.startswith("rnn"):
-        pre = None
-    elif memory == "stash":
-        pre = saved[0]
-    else:
-        pre = _recompute_pre(spec, x2d, h0, y, w_ih, w_hh, b_ih, b_hh)
-    cells = saved[-1] if mode == "lstm" else None
     dy = grad_y.contiguous() if grad_y is not None else None
-    # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
-    fields = dict(
-        pre=pre,
-        cells=cells,
-        h0=h0 if mode == "gru" else None,
-        y=y if mode != "lstm" else None,
-        dy=dy,
-        w_hh=w_hh,
-        lengths=lengths,
-    )
-    if _use_graph(spec, use_graph):
-        key = (spec, "bwd", dy is not None)
-
-        def make():
-            static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
-            return _bwd_buffers(spec, **static)
-
-        cap = _captured(key, make, lambda buf: _bwd_loop(spec, buf))
-        buf = cap.buffers
-        for name, value in fields.items():
-            if value is not None:
-                getattr(buf, name).copy_(value)
-    else:
-        cap = None
-        buf = _bwd_buffers(spec, **fields)
-    _init_grad(buf.dh, grad_hn)
-    if buf.dc is not None:
-        _init_grad(buf.dc, grad_cn)
-    if cap is not None:
-        cap.graph.replay()
-    else:
-        _bwd_loop(spec, buf)
-
-    dg = buf.dg.view(T * B, spec.gh)
-    dgh = buf.dgh if buf.dgh is not None else buf.dg
-    grad_x = (dg @ w_ih).view(T, B, -1) if need_x else None
-    grad_wih = dg.t() @ x2d if need_wih else None
-    grad_whh = None
-    if need_whh:
-        grad_whh = dgh[0].t() @ h0
-        if T > 1:
-            grad_whh.addmm_(
-                dgh[1:].reshape((T - 1) * B, spec.gh).t(), y[:-1].reshape((T - 1) * B, H)
-            )
-    grad_bih = dg.sum(0) if need_bih else None
-    grad_bhh = dgh.reshape(T * B, -1).sum(0) if need_bhh else None
-    grad_h0 = buf.dh.clone() if need_h0 else None
-    grad_c0 = buf.dc.to(x.dtype, copy=True) if need_c0 else None
+    cells = saved[-1] if mode == "lstm" else None
+    grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
+    grad_wih = torch.zeros_like(w_ih) if need_wih else None
+    grad_whh = torch.zeros_like(w_hh) if need_whh else None
+    grad_bih = torch.zeros_like(b_ih) if need_bih else None
+    grad_bhh = torch.zeros_like(b_hh) if need_bhh else None
+    dh = spec.empty(B, H)
+    _init_grad(dh, grad_hn)
+    dc = spec.empty(B, H, dtype=torch.float32) if mode == "lstm" else None
+    if dc is not None:
+        _init_grad(dc, grad_cn)
+    steps = _chunk_steps(T, B)
+    for t1 in range(T, 0, -steps):
+        t0 = max(0, t1 - steps)
+        n, rows = t1 - t0, slice(t0 * B, t1 * B)
+        chunk = replace(spec, T=n)
+        h_first = h0 if t0 == 0 else y[t0 - 1]
+        if mode.startswith("rnn"):
+            pre = None
+        elif memory == "stash":
+            pre = saved[0][t0:t1]
+        else:
+            pre = _recompute_pre(chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh)
+        # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
+        fields = dict(
+            pre=pre,
+            cells=cells[t0 : t1 + 1] if cells is not None else None,
+            h0=h_first if mode == "gru" else None,
+            y=y[t0:t1] if mode != "lstm" else None,
+            dy=dy[t0:t1] if dy is not None else None,
+            w_hh=w_hh,
+            lengths=lengths - t0 if lengths is not None else None,
+        )
+        dg, dgh = _bwd_chunk(chunk, fields, dh, dc, use_graph)
+        dg, dgh = dg.view(n * B, gh), dgh.view(n * B, gh)
+        if need_x:
+            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, -1))
+        if need_wih:
+            grad_wih.addmm_(dg.t(), x2d[rows])
+        if need_bih:
+            grad_bih += dg.sum(0)
+        if need_bhh:
+            grad_bhh += dgh.sum(0)
+        if need_whh:
+            # h_{t-1} of the chunk's steps: h0 for step 0, then y.
+            first = 0
+            if t0 == 0:
+                grad_whh.addmm_(dgh[:B].t(), h0)
+                first = B
+            if n * B > first:
+                hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
+                grad_whh.addmm_(dgh[first:].t(), hprev)
+    grad_h0 = dh if need_h0 else None
+    grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
     return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
 
 
