@@ -115,9 +115,11 @@ def test_default_zero_initial_state(kind):
     check_against_torch(ref, mod, torch.randn(5, 2, 3, dtype=DT, requires_grad=True))
 
 
+@pytest.mark.parametrize("batch_first", [False, True], ids=["time_major", "batch_first"])
 @pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
-def test_unbatched_input(kind):
-    ref, mod = make_pair(kind, {"num_layers": 2, "bidirectional": True}, 3, 4)
+def test_unbatched_input(kind, batch_first):
+    kwargs = {"num_layers": 2, "bidirectional": True, "batch_first": batch_first}
+    ref, mod = make_pair(kind, kwargs, 3, 4)
     x = torch.randn(5, 3, dtype=DT, requires_grad=True)
     check_against_torch(ref, mod, x, initial_states(kind[0], mod, 1, unbatched=True))
 

@@ -282,3 +282,26 @@ def test_triton_impl_through_the_op_matches_reference(mode):
     gb = torch.autograd.grad((yb * w).sum(), [x, *b.parameters()])
     for u, v in zip(gb, ga):
         torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
+    monkeypatch.setattr(op, "_AUTO_CHOICE", {})
+    timings = {"triton": 2.0, "cudnn": 3.0}
+    timed = []
+
+    def timer(fn):
+        timed.append(fn())
+        return timings[timed[-1]]
+
+    candidates = {"triton": lambda: "triton", "cudnn": lambda: "cudnn"}
+    assert op._choose_auto(("k", 1), candidates, timer) == "triton"
+    timings["triton"] = 9.0
+    assert op._choose_auto(("k", 1), candidates, timer) == "triton"  # cached
+    assert op._choose_auto(("k", 2), candidates, timer) == "cudnn"  # new shape: timed again
+    assert timed == ["triton", "cudnn", "triton", "cudnn"]
+
+
+def test_triton_impl_refuses_what_it_does_not_support():
+    mod = mnn.LSTM(3, 4, proj_size=2, impl="triton")
+    with pytest.raises(ValueError, match="impl='auto'"):
+        mod(torch.randn(2, 1, 3))

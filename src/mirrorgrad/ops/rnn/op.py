@@ -405,14 +405,25 @@ def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _choose_auto(key: tuple, candidates: dict[str, Callable[[], None]]) -> str:
-    """Time each candidate's forward+backward once per shape key; cache the fastest."""
-    if key not in _AUTO_CHOICE:
-        if len(candidates) == 1 or torch.compiler.is_compiling():
-            _AUTO_CHOICE[key] = next(iter(candidates))
-        else:
-            _AUTO_CHOICE[key] = min(candidates, key=lambda name: _time_ms(candidates[name]))
-    return _AUTO_CHOICE[key]
+def _choose_auto(
+    key: tuple,
+    candidates: dict[str, Callable[[], None]],
+    timer: Callable[[Callable[[], None]], float] = _time_ms,
+) -> str:
+    """Time each candidate's forward+backward once per shape key; cache the fastest.
+
+    While torch.compile traces, an uncached key takes the first candidate (a custom op)
+    untimed and uncached, so a later eager call still measures."""
+    if key in _AUTO_CHOICE:
+        return _AUTO_CHOICE[key]
+    if torch.compiler.is_compiling():
+        return next(iter(candidates))
+    if len(candidates) == 1:
+        choice = next(iter(candidates))
+    else:
+        choice = min(candidates, key=lambda name: timer(candidates[name]))
+    _AUTO_CHOICE[key] = choice
+    return choice
 
 
 def _triton_supports(mode: str, proj: bool, x: Tensor) -> bool:
