@@ -203,19 +203,23 @@ def _time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def _memory(fwd: Callable[[], object], bwd: Callable[[object], object]) -> tuple[int, int]:
-    """(stash bytes: allocated after forward minus before, peak bytes of forward+backward)."""
+def _memory(fwd: Callable[[], object], bwd: Callable[[object], object]) -> tuple[int, int, int]:
+    """(stash: allocated after forward minus before, peak of forward+backward minus before,
+    backward's extra: its peak minus what was allocated when it started), after a warm-up."""
+    bwd(fwd())  # compiles kernels and captures graphs outside the measured window
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     state = fwd()
     torch.cuda.synchronize()
-    stash = torch.cuda.memory_allocated() - before
+    after_fwd = torch.cuda.memory_allocated()
+    fwd_peak = torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     out = bwd(state)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    bwd_peak = torch.cuda.max_memory_allocated()
     del state, out
-    return stash, peak
+    return after_fwd - before, max(fwd_peak, bwd_peak) - before, bwd_peak - after_fwd
 
 
 def _graphed(step: Callable[[], object]) -> Callable[[], None]:
@@ -312,9 +316,9 @@ def bench_config(
             row["ms"][name] = None
             print(f"{mode} {cfg.name} {name}: {type(err).__name__}: {err}", file=sys.stderr)
         step = None
-    row["stash_bytes"]["cudnn"], row["peak_bytes"]["cudnn"] = _memory(cudnn_fwd, cudnn_bwd)
+    row["stash_bytes"]["cudnn"], row["peak_bytes"]["cudnn"], _ = _memory(cudnn_fwd, cudnn_bwd)
     for name, memory in (("auto", "stash"), ("recompute", "recompute")):
-        row["stash_bytes"][name], row["peak_bytes"][name] = _memory(
+        row["stash_bytes"][name], row["peak_bytes"][name], _ = _memory(
             *_split_ours(mode, rnn, x, h0, c0, gy, memory)
         )
     return row
@@ -371,21 +375,41 @@ def _split_ours(mode, rnn, x, h0, c0, gy, memory):
     return fwd, bwd
 
 
+def _cudnn_probe(rnn, xg, hx, gy):
+    """Forward and backward of the torch module as two calls, for the memory probe."""
+    return (
+        lambda: rnn(xg, hx)[0],
+        lambda y: torch.autograd.grad(y, [xg, *rnn.parameters()], gy),
+    )
+
+
 def backward_memory_vs_T(mode: str, dtype: torch.dtype) -> list[dict]:
-    """Peak minus stash (backward's extra memory) at T and 4T: it should not grow with T."""
+    """Backward's extra memory (its peak minus what it started with) as T grows 16x.
+
+    It includes the input gradient (T*B*I elements), as cuDNN's does.
+    """
     rows = []
-    for T in (35, 140):
+    for T in (35, 140, 560):
         cfg = Config(layers=2, input=650, hidden=650, batch=20, T=T)
         rnn = _torch_rnn(mode, cfg, dtype)
         x = torch.randn(T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
         gy = torch.randn(T, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
         h0 = torch.randn(cfg.layers, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
         c0 = torch.randn_like(h0) if mode == "lstm" else None
-        for memory in ("stash", "recompute"):
-            stash, peak = _memory(*_split_ours(mode, rnn, x, h0, c0, gy, memory))
+        xg = x.clone().requires_grad_()
+        hx = (h0, c0) if mode == "lstm" else h0
+        probes = {
+            "cudnn": _cudnn_probe(rnn, xg, hx, gy),
+            "stash": _split_ours(mode, rnn, x, h0, c0, gy, "stash"),
+            "recompute": _split_ours(mode, rnn, x, h0, c0, gy, "recompute"),
+        }
+        for name, (fwd, bwd) in probes.items():
+            stash, peak, extra = _memory(fwd, bwd)
             rows.append(
-                {"mode": mode, "T": T, "memory": memory, "stash_bytes": stash, "peak_bytes": peak}
+                {"mode": mode, "T": T, "method": name, "stash_bytes": stash, "peak_bytes": peak}
+                | {"backward_extra_bytes": extra}
             )
+        rnn_triton.clear_graphs()
     return rows
 
 
@@ -454,11 +478,14 @@ def markdown(result: dict) -> str:
             f"{_geomean(per['rstash']):.2f}; recompute / stash time {_geomean(per['rtime']):.2f}"
         )
     if r0.get("backward_memory"):
-        lines += ["", "Backward extra memory (peak - stash) vs T, L2 H650 B20:"]
+        lines += [
+            "",
+            "Backward's extra memory (its peak minus its start; includes dx), L2 H650 B20:",
+        ]
+        lines += ["", "| method | T | stash MB | backward extra MB |", "|---|---|---|---|"]
         for b in r0["backward_memory"]:
-            stash, extra = b["stash_bytes"] / 2**20, (b["peak_bytes"] - b["stash_bytes"]) / 2**20
-            head = f"- {b['mode']} {b['memory']} T={b['T']}"
-            lines.append(f"{head}: stash {stash:.1f} MB, extra {extra:.1f} MB")
+            stash, extra = b["stash_bytes"] / 2**20, b["backward_extra_bytes"] / 2**20
+            lines.append(f"| {b['method']} | {b['T']} | {stash:.1f} | {extra:.1f} |")
     return "\n".join(lines) + "\n"
 
 
