@@ -489,6 +489,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(out: Path, dtype: str, result: dict) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rnn_kernels_{dtype}.json").write_text(json.dumps(result, indent=1, default=str))
+    table = markdown(result)
+    (out / f"rnn_kernels_{dtype}.md").write_text(table)
+    return table
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(
@@ -512,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         "--configs", default="all", help="'all' or comma-separated indices into the table (0-6)"
     )
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--skip-memory-vs-t", action="store_true", help="skip the backward memory vs T probe"
+    )
     parser.add_argument(
         "--methods",
         default=",".join(METHODS),
@@ -579,16 +590,12 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_config(mode, cfg, dtype, args.reps, methods)
             result["rows"].append(row)
             print(mode, cfg.name, {k: _fmt(v) for k, v in row["ms"].items()}, flush=True)
+            _write(args.out, args.dtype, result)  # partial results survive a time limit
             rnn_triton.clear_graphs()
             torch.cuda.empty_cache()
-    if "lstm" in modes and "lstm" not in bad:
+    if "lstm" in modes and "lstm" not in bad and not args.skip_memory_vs_t:
         result["backward_memory"] = backward_memory_vs_T("lstm", dtype)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rnn_kernels_{args.dtype}.json").write_text(
-        json.dumps(result, indent=1, default=str)
-    )
-    table = markdown(result)
-    (args.out / f"rnn_kernels_{args.dtype}.md").write_text(table)
+    table = _write(args.out, args.dtype, result)
     print(table)
     return 1 if bad else 0
 
