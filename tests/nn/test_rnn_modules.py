@@ -360,3 +360,15 @@ def test_hx_dtype_mismatch_raises_runtime_error_with_fix():
 def test_bad_constructor_arguments(make, error):
     with pytest.raises(error):
         make()
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_chunked_run_with_carried_state_equals_whole_run(kind):
+    mod = kind[1](3, 4, num_layers=2, dtype=DT, **kind[3])
+    x = torch.randn(7, 2, 3, dtype=DT)
+    y_whole, h_whole = mod(x)
+    y_first, h_first = mod(x[:3])
+    y_second, h_second = mod(x[3:], h_first)
+    torch.testing.assert_close(torch.cat([y_first, y_second]), y_whole)
+    for a, b in zip(states(h_second), states(h_whole)):
+        torch.testing.assert_close(a, b)

@@ -412,12 +412,13 @@ def _choose_auto(
 ) -> str:
     """Time each candidate's forward+backward once per shape key; cache the fastest.
 
-    While torch.compile traces, an uncached key takes the first candidate (a custom op)
-    untimed and uncached, so a later eager call still measures."""
-    if key in _AUTO_CHOICE:
-        return _AUTO_CHOICE[key]
+    While torch.compile traces, the first candidate (the fused custom op) is taken
+    untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
+    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13)."""
     if torch.compiler.is_compiling():
         return next(iter(candidates))
+    if key in _AUTO_CHOICE:
+        return _AUTO_CHOICE[key]
     if len(candidates) == 1:
         choice = next(iter(candidates))
     else:
