@@ -387,7 +387,8 @@ def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_
     return y, out[1][:, unorder], out[2][:, unorder] if mode == "lstm" else None
 
 
-# (mode, device, dtype, T, B, I, H, Hr, layers, bidirectional, varlen) -> chosen impl
+# (mode, device, dtype, T, B, I, G*H, Hr, layers, bidirectional, varlen, memory, dropout,
+#  training) -> the chosen impl
 _AUTO_CHOICE: dict[tuple, str] = {}
 
 
@@ -507,7 +508,8 @@ def rnn(
             if state_clip is None:
                 candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
             key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-                   num_layers, bidirectional, lengths is not None, need_saved)  # fmt: skip
+                   num_layers, bidirectional, lengths is not None, memory, p > 0,
+                   need_saved)  # fmt: skip
             impl = _choose_auto(key, candidates)
     elif impl == "triton" and not _triton_supports(mode, proj, x):
         raise ValueError(
