@@ -202,7 +202,8 @@ class _Run:
                     log_freq=config.log_freq,
                     device=device,
                     plan=self.plan,
-                    purge_step=self.position.step if resume is not None else None,
+                    # Drop what an earlier run logged after this checkpoint.
+                    purge_step=self.position.step + 1 if resume is not None else None,
                 )
             )
 
