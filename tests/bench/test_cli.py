@@ -2,11 +2,13 @@
 
 import argparse
 import json
+import time
 
 import pytest
+from tqdm import tqdm
 
 from mirrorgrad import cli
-from mirrorgrad.bench.command import _Bench
+from mirrorgrad.bench.command import _Bench, _Phase
 from mirrorgrad.bench.explain import parse_mode
 
 METHODS = ["eager", "checkpoint", "compile-budget-0.5", "mirror-balance"]
@@ -18,6 +20,7 @@ def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--quick", "--workloads", "mlp", "--methods", *METHODS, "--out", str(out)]
     argv += ["--cap-gb", str(CAP_GB), "--search-methods", "eager", "--max-probes", "2"]
+    argv += ["--precompile-jobs", "2", "--time-limit", "600"]
     assert cli.main([*argv, "--no-progress"]) == 0
     return out
 
@@ -32,8 +35,11 @@ def test_bench_writes_json_with_every_method(bench_out):
         assert m["status"] == "ok", m
         assert m["peak_bytes"] > 0 and m["median_ms"] > 0 and m["samples_per_s"] > 0
         assert m["time_vs_eager"] is not None
+        # Compiling methods were pre-compiled (cold), then timed with warm caches.
+        assert ("cold_compile_s" in m) == (m["method"] in ("compile-budget-0.5", "mirror-balance"))
     mirror = methods[-1]
     assert mirror["est_peak_bytes"] > 0 and mirror["compile_s"] is not None
+    assert mirror["cold_compile_s"] > 0 and mirror["precompile_error"] is None
 
 
 def test_bench_searched_the_largest_batch(bench_out):
@@ -70,28 +76,42 @@ def test_hung_methods_time_out_and_the_rest_still_run(tmp_path):
         steps=None,
         warmup=None,
         backend=None,
-        time_limit=None,
         method_timeout=0.01,
         out=tmp_path,
         dtype="fp32",
         device=None,
+        no_progress=True,
     )
     bench = _Bench(args)
     bench.logs.mkdir()
-
-    class Bar:
-        def update(self, n):
-            pass
-
-        def set_description(self, text):
-            pass
-
-    results = bench.run_workload("mlp", ["eager", "checkpoint"], Bar())
+    phase = _Phase(steps=1, warmup=1, name="run")
+    with tqdm(disable=True) as bar:
+        results = bench.run_workload("mlp", ["eager", "checkpoint"], phase, bar)
     assert [(r["method"], r["status"]) for r in results] == [
         ("eager", "failed"),
         ("checkpoint", "failed"),
     ]
-    assert all("timed out" in r["error"] for r in results)
+    assert all(r["error"] == "timed out after 0.01 s" for r in results)
+
+
+def test_time_limit_stops_a_busy_worker(tmp_path):
+    args = argparse.Namespace(
+        quick=True,
+        steps=None,
+        warmup=None,
+        backend=None,
+        method_timeout=None,
+        out=tmp_path,
+        dtype="fp32",
+        device=None,
+        no_progress=True,
+    )
+    bench = _Bench(args)
+    bench.logs.mkdir()
+    phase = _Phase(steps=1, warmup=1, name="run", kill_at=time.time() + 0.01)
+    with tqdm(disable=True) as bar:
+        (result,) = bench.run_workload("mlp", ["eager"], phase, bar)
+    assert (result["status"], result["error"]) == ("failed", "stopped at the time limit")
 
 
 def test_explain_prints_json(capsys):

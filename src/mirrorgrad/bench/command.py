@@ -11,14 +11,17 @@ in its own process.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
+import os
 import queue
 import shlex
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,13 +30,16 @@ from tqdm import tqdm
 from mirrorgrad.bench import report
 from mirrorgrad.bench.methods import METHODS, default_methods
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
-from mirrorgrad.bench.search import guess_batch, search_max_batch
+from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
 from mirrorgrad.bench.workloads import WORKLOADS
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
 # A probe answers "does it fit?": one compiling step and one measured step.
 _PROBE_STEPS = {"steps": 1, "warmup": 1}
+# Shares of --time-limit: the batch search's, and pre-compiling's of what remains.
+_SEARCH_SHARE = 0.25
+_PRECOMPILE_SHARE = 0.4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method-timeout", type=float, help="seconds one method (or probe) may take"
     )
+    parser.add_argument(
+        "--precompile-jobs",
+        type=int,
+        default=0,
+        help="first compile every compiling method N processes at a time, so the timed "
+        "runs find Inductor's caches warm (their compile times are then warm; the cold "
+        "ones, N-way parallel, go to results.json)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -93,10 +107,10 @@ def _check(names: list[str] | None, known: dict[str, Any], what: str) -> None:
 class _Worker:
     """One runner process; its result lines arrive on a queue (None when it exits)."""
 
-    def __init__(self, cmd: list[str], log: TextIO) -> None:
+    def __init__(self, cmd: list[str], log: TextIO, env: dict[str, str] | None = None) -> None:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         self.records: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -121,6 +135,19 @@ def _not_run(workload: str, method: str, status: str, error: str) -> dict[str, A
     return {"workload": workload, "method": method, "status": status, "error": error}
 
 
+@dataclass(kw_only=True, slots=True)
+class _Phase:
+    """How the workers of one phase run."""
+
+    steps: int
+    warmup: int
+    name: str  # logs/<workload>.<name>.log
+    # Methods not started by `deadline` are skipped; a worker busy at `kill_at` is killed.
+    deadline: float | None = None
+    kill_at: float | None = None
+    env: dict[str, str] | None = None
+
+
 class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -128,37 +155,50 @@ class _Bench:
         self.steps = args.steps or defaults["steps"]
         self.warmup = args.warmup or defaults["warmup"]
         self.backend = args.backend or defaults["backend"]
-        self.deadline = time.time() + args.time_limit if args.time_limit else None
         self.env: dict[str, Any] = {}
         self.logs = args.out / "logs"
 
-    def worker_cmd(self, workload: str, methods: list[str], **extra: Any) -> list[str]:
+    def worker_cmd(
+        self, workload: str, methods: list[str], phase: _Phase, **extra: Any
+    ) -> list[str]:
         a = self.args
         cmd = [sys.executable, "-m", "mirrorgrad.bench.runner", "--workload", workload]
         cmd += ["--methods", ",".join(methods), "--dtype", a.dtype, "--backend", self.backend]
-        options = {"steps": self.steps, "warmup": self.warmup, "device": a.device} | extra
-        if self.deadline is not None:
-            options.setdefault("deadline", self.deadline)
-        for key, value in options.items():
+        options = {
+            "steps": phase.steps,
+            "warmup": phase.warmup,
+            "device": a.device,
+            "deadline": phase.deadline,
+        }
+        for key, value in (options | extra).items():
             if value is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         if a.quick:
             cmd.append("--quick")
         return cmd
 
-    def run_workload(self, workload: str, methods: list[str], bar: tqdm) -> list[dict[str, Any]]:
+    def _timeout(self, phase: _Phase) -> float | None:
+        """Seconds to wait for the next record: the method timeout, or less near kill_at."""
+        limits = [self.args.method_timeout]
+        if phase.kill_at is not None:
+            limits.append(max(0.0, phase.kill_at - time.time()))
+        return min((t for t in limits if t is not None), default=None)
+
+    def run_workload(
+        self, workload: str, methods: list[str], phase: _Phase, bar: tqdm
+    ) -> list[dict[str, Any]]:
         results: dict[str, dict[str, Any]] = {}
         pending = list(methods)
-        with open(self.logs / f"{workload}.log", "a") as log:
+        with open(self.logs / f"{workload}.{phase.name}.log", "a") as log:
             while pending:
-                if self.deadline is not None and time.time() > self.deadline:
+                if phase.deadline is not None and time.time() > phase.deadline:
                     for name in pending:
                         results[name] = _not_run(workload, name, "skipped", "time limit reached")
                     bar.update(len(pending))
                     break
-                worker = _Worker(self.worker_cmd(workload, pending), log)
+                worker = _Worker(self.worker_cmd(workload, pending, phase), log, phase.env)
                 try:
-                    error = self._collect(worker, workload, pending, results, bar)
+                    error = self._collect(worker, workload, pending, results, phase, bar)
                 finally:
                     worker.stop()
                 if error is not None:
@@ -175,6 +215,7 @@ class _Bench:
         workload: str,
         pending: list[str],
         results: dict[str, dict[str, Any]],
+        phase: _Phase,
         bar: tqdm,
     ) -> str | None:
         """Move the worker's results from ``pending`` to ``results``; the reason if the
@@ -182,14 +223,16 @@ class _Bench:
         while pending:
             bar.set_description(f"{workload} / {pending[0]}")
             try:
-                record = worker.next(self.args.method_timeout)
+                record = worker.next(self._timeout(phase))
             except queue.Empty:
+                if phase.kill_at is not None and time.time() >= phase.kill_at:
+                    return "stopped at the time limit"
                 return f"timed out after {self.args.method_timeout:g} s"
             if record is None:
                 code = worker.stop()
                 if code == FATAL_EXIT:  # it reported the method that broke CUDA
                     return None
-                return f"worker exited with code {code}; see logs/{workload}.log"
+                return f"worker exited with code {code}; see logs/{workload}.{phase.name}.log"
             if record.pop("kind") == "env":
                 self.env = self.env or record
                 continue
@@ -198,31 +241,59 @@ class _Bench:
             bar.update(1)
         return None
 
-    def probe(self, workload: str, method: str, batch: int, cap_bytes: int) -> tuple[bool, dict]:
-        with open(self.logs / f"{workload}.probes.log", "a") as log:
-            cmd = self.worker_cmd(
-                workload, [method], batch=batch, probe_cap_bytes=cap_bytes, **_PROBE_STEPS
-            )
-            worker = _Worker(cmd, log)
+    def precompile(
+        self, plan: dict[str, list[str]], jobs: int, deadline: float | None
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        """Compile each (workload, compiling method) once, ``jobs`` processes at a time,
+        so that the timed runs find Inductor's caches warm. Returns those one-step
+        results: their compile times are cold, but measured ``jobs``-way parallel."""
+        todo = [(w, m) for w, ms in plan.items() for m in ms if METHODS[m].compiles]
+        threads = max(1, (os.cpu_count() or 2) // jobs)
+        phase = _Phase(
+            steps=1,
+            warmup=1,
+            name="precompile",
+            deadline=deadline,
+            kill_at=deadline,
+            env=os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(threads)},
+        )
+        bar = tqdm(total=len(todo), unit="compile", disable=self.args.no_progress, file=sys.stderr)
+        with bar, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            futures = {pool.submit(self.run_workload, w, [m], phase, bar): (w, m) for w, m in todo}
+            return {futures[f]: f.result()[0] for f in concurrent.futures.as_completed(futures)}
+
+    def probe(
+        self, workload: str, method: str, batch: int, cap_bytes: int, phase: _Phase
+    ) -> dict[str, Any]:
+        with open(self.logs / f"{workload}.{phase.name}.log", "a") as log:
+            cmd = self.worker_cmd(workload, [method], phase, batch=batch, probe_cap_bytes=cap_bytes)
+            worker = _Worker(cmd, log, phase.env)
             try:
-                while (record := worker.next(self.args.method_timeout)) is not None:
-                    if record["kind"] == "probe":
-                        return bool(record["fits"]), record
+                while (record := worker.next(self._timeout(phase))) is not None:
+                    if record.pop("kind") == "probe":
+                        return record
             except queue.Empty:
-                return False, {"batch": batch, "fits": False, "error": "probe timed out"}
+                if phase.kill_at is not None and time.time() >= phase.kill_at:
+                    raise TimeoutError from None  # unknown, not "does not fit"
+                return {"batch": batch, "fits": False, "error": "probe timed out"}
             finally:
                 worker.stop()
-        return False, {"batch": batch, "fits": False, "error": "probe worker exited"}
+        return {"batch": batch, "fits": False, "error": "probe worker exited"}
 
-    def search(self, workload: str, result: dict[str, Any], cap_bytes: int) -> dict[str, Any]:
-        details: list[dict] = []
+    def search(
+        self, workload: str, result: dict[str, Any], cap_bytes: int, deadline: float | None
+    ) -> dict[str, Any]:
+        """The largest batch of ``result``'s method under ``cap_bytes``, from a guess
+        extrapolated from its measured peak (parameters and gradients held fixed)."""
+        phase = _Phase(name="probes", deadline=None, kill_at=deadline, **_PROBE_STEPS)
+        found = BatchSearch()
+        records: list[dict[str, Any]] = []
 
         def fits(batch: int) -> bool:
-            if self.deadline is not None and time.time() > self.deadline:
+            if deadline is not None and time.time() > deadline:
                 raise TimeoutError
-            ok, record = self.probe(workload, result["method"], batch, cap_bytes)
-            details.append(record)
-            return ok
+            records.append(self.probe(workload, result["method"], batch, cap_bytes, phase))
+            return bool(records[-1]["fits"])
 
         guess = guess_batch(
             batch=result["batch"],
@@ -230,11 +301,15 @@ class _Bench:
             fixed_bytes=2 * result["param_bytes"],
             cap_bytes=cap_bytes,
         )
+        note = None
         try:
             found = search_max_batch(fits, guess=guess, max_probes=self.args.max_probes)
         except TimeoutError:
-            return {"largest_fit": None, "exact": False, "error": "time limit reached"}
-        return found.to_dict() | {"guess": guess, "probe_records": details}
+            # What the probes so far showed still stands.
+            for record in records:
+                found.record(record["batch"], bool(record["fits"]))
+            note = "time limit reached"
+        return found.to_dict() | {"guess": guess, "probe_records": records, "note": note}
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
@@ -260,7 +335,8 @@ def _command_line(args: argparse.Namespace) -> str:
     for key in ("workloads", "methods", "search_methods"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", *getattr(args, key)]
-    for key in ("dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit"):
+    keys = ("dtype", "cap_gb", "max_probes", "steps", "warmup", "backend", "device")
+    for key in (*keys, "time_limit", "method_timeout", "precompile_jobs"):
         if getattr(args, key) is not None:
             parts += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.quick:
@@ -268,7 +344,13 @@ def _command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+def _share(now: float, end: float | None, parts: int) -> float | None:
+    """A fair share of the time left: what earlier parts did not use goes to later ones."""
+    return None if end is None else now + max(0.0, end - now) / parts
+
+
 def run(args: argparse.Namespace) -> int:
+    start = time.time()
     workloads = _names(args.workloads) or list(WORKLOADS)
     requested = _names(args.methods)
     search_methods = _names(args.search_methods)
@@ -285,6 +367,17 @@ def run(args: argparse.Namespace) -> int:
         names = requested or default_methods(recurrent)
         plan[name] = [n for n in names if recurrent or not METHODS[n].swap_rnn]
 
+    # With --time-limit: the batch search keeps the last quarter, pre-compiling may
+    # take up to 40% of the rest, and each workload a fair share of what is left.
+    end = start + args.time_limit if args.time_limit else None
+    timed_end = end
+    if end is not None and args.cap_gb:
+        timed_end = end - _SEARCH_SHARE * args.time_limit
+    cold: dict[tuple[str, str], dict[str, Any]] = {}
+    if args.precompile_jobs:
+        warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
+        cold = bench.precompile(plan, args.precompile_jobs, warm_end)
+
     commit, dirty = _git_commit()
     doc: dict[str, Any] = {
         "schema": 1,
@@ -299,14 +392,27 @@ def run(args: argparse.Namespace) -> int:
             "backend": bench.backend,
             "quick": args.quick,
             "cap_gb": args.cap_gb,
+            "precompile_jobs": args.precompile_jobs,
         },
         "env": {},
         "workloads": {},
     }
     total = sum(len(methods) for methods in plan.values())
     with tqdm(total=total, unit="method", disable=args.no_progress, file=sys.stderr) as bar:
-        for name, methods in plan.items():
-            results = bench.run_workload(name, methods, bar)
+        for i, (name, methods) in enumerate(plan.items()):
+            phase = _Phase(
+                steps=bench.steps,
+                warmup=bench.warmup,
+                name="run",
+                deadline=_share(time.time(), timed_end, len(plan) - i),
+                kill_at=timed_end,
+            )
+            results = bench.run_workload(name, methods, phase, bar)
+            for m in results:
+                warm = cold.get((name, m["method"]))
+                if warm is not None:
+                    m["cold_compile_s"] = warm.get("compile_s")
+                    m["precompile_error"] = warm.get("error")
             report.add_ratios(results)
             doc["workloads"][name] = {
                 "description": WORKLOADS[name].description,
@@ -323,8 +429,9 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
             for name, m in bar:
                 bar.set_description(f"max batch {name} / {m['method']}")
-                m["max_batch"] = bench.search(name, m, cap_bytes)
+                m["max_batch"] = bench.search(name, m, cap_bytes, end)
     doc["env"] = bench.env
+    doc["wall_s"] = round(time.time() - start, 1)
 
     (args.out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=False))
     table = report.markdown(doc)

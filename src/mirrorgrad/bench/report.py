@@ -51,6 +51,15 @@ def _max_batch(m: dict[str, Any]) -> str:
     return f"{search['largest_fit']}" if search["exact"] else f"≥{search['largest_fit']}"
 
 
+def _compile_time(m: dict[str, Any]) -> str:
+    """Seconds of the first call beyond a step; "warm / cold" after --precompile-jobs."""
+    if m.get("compile_s") is None:
+        return "—"
+    if m.get("cold_compile_s") is None:
+        return _num(m["compile_s"], 1)
+    return f"{m['compile_s']:.1f} / {m['cold_compile_s']:.1f}"
+
+
 _COLUMNS = (
     "method",
     "median ms",
@@ -95,7 +104,7 @@ def workload_table(name: str, workload: dict[str, Any]) -> str:
             _ratio(m.get("peak_vs_eager")),
             _ratio(m.get("time_vs_eager")),
             _num(m["samples_per_s"], 0),
-            _num(m.get("compile_s"), 1),
+            _compile_time(m),
             _max_batch(m),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -117,7 +126,13 @@ def markdown(doc: dict[str, Any]) -> str:
         f"dtype {options['dtype']}, {options['warmup']} warm-up + {options['steps']} timed "
         f"steps per method, backend {options['backend']}"
         + (f", batch cap {options['cap_gb']} GB" if options.get("cap_gb") else "")
-        + f". Peak memory: {_peak_source(doc)}.",
+        + f". Peak memory: {_peak_source(doc)}."
+        + (
+            f" compile s: warm / cold; the cold compiles ran {options['precompile_jobs']} at a "
+            "time to warm Inductor's caches before the timed runs."
+            if options.get("precompile_jobs")
+            else ""
+        ),
         "",
         f"Command: `{doc['command']}`",
     ]

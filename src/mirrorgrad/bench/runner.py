@@ -14,6 +14,7 @@ gradients and activations: what the planner estimates.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -372,15 +373,22 @@ def main(argv: list[str] | None = None) -> int:
     workload = get_workload(args.workload)
     methods = [get_method(name) for name in args.methods.split(",") if name]
     _emit({"kind": "env", **environment(device)})
-    if args.probe_cap_bytes is not None:
-        if len(methods) != 1 or args.batch is None:
-            parser.error("a probe takes exactly one method and --batch")
-        _emit(
-            {"kind": "probe", **probe(workload, methods[0], opts, args.probe_cap_bytes).to_dict()}
-        )
-        return 0
-    for method in methods:
-        _emit({"kind": "result", **measure(workload, method, opts).to_dict()})
+    with contextlib.ExitStack() as stack:
+        if any(m.compiles for m in methods):
+            from mirrorgrad import _compat
+
+            # Every compile then partitions (so mirror methods have their plans), and
+            # with warm Inductor caches every method's compile time counts the same
+            # stages: mirrorgrad.compile turns this cache off for its own compiles.
+            stack.enter_context(_compat.without_autograd_cache())
+        if args.probe_cap_bytes is not None:
+            if len(methods) != 1 or args.batch is None:
+                parser.error("a probe takes exactly one method and --batch")
+            found = probe(workload, methods[0], opts, args.probe_cap_bytes)
+            _emit({"kind": "probe", **found.to_dict()})
+            return 0
+        for method in methods:
+            _emit({"kind": "result", **measure(workload, method, opts).to_dict()})
     return 0
 
 

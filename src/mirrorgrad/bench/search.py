@@ -23,6 +23,13 @@ class BatchSearch:
     smallest_fail: int | None = None
     probes: list[tuple[int, bool]] = field(default_factory=list)
 
+    def record(self, batch: int, fits: bool) -> None:
+        self.probes.append((batch, fits))
+        if fits:
+            self.largest_fit = max(batch, self.largest_fit or 0)
+        else:
+            self.smallest_fail = min(batch, self.smallest_fail or batch)
+
     @property
     def exact(self) -> bool:
         """Is ``largest_fit`` the answer, not only a lower bound?"""
@@ -56,12 +63,7 @@ def search_max_batch(
     b = min(max(1, guess), limit)
     step = max(1, round(b * _FIRST_STEP))
     for _ in range(max_probes):
-        ok = fits(b)
-        result.probes.append((b, ok))
-        if ok:
-            result.largest_fit = b
-        else:
-            result.smallest_fail = b
+        result.record(b, fits(b))
         lo, hi = result.largest_fit or 0, result.smallest_fail
         if hi is None:
             if lo >= limit:
