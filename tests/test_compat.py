@@ -99,3 +99,10 @@ def test_vf_rnn_functions_match_torch_nn():
     lstm_vf = _compat.vf_rnn("lstm")
     out = lstm_vf(x, (h, h), list(lstm._flat_weights), True, 1, 0.0, False, False, False)
     torch.testing.assert_close(out[0], lstm(x, (h, h))[0])
+
+
+def test_without_autograd_cache_turns_the_cache_off():
+    from torch._functorch import config
+
+    with _compat.without_autograd_cache():
+        assert config.enable_autograd_cache is False

@@ -235,3 +235,16 @@ def test_inductor_backend_matches_eager_and_leaves_config_alone():
     assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
     assert len(compiled._mirrorgrad_plans) == 1
     assert getattr(_compat.inductor_config, _compat.INDUCTOR_PARTITIONER_CONFIG) is None
+
+
+def test_mark_forbids_mirroring_a_module():
+    reference, model, compiled, inputs = compiled_twin("mlp", mode="budget", budget=0.3)
+    mirrorgrad.mark(model.norm1, mirror=False)
+    with no_fallback():
+        step(compiled, inputs)
+    step(reference, inputs)
+    (plan,) = compiled._mirrorgrad_plans
+    assert plan.mirrored, "the rest of the MLP is still mirrored"
+    from_norm1 = [n for n in plan.mirrored if "norm1" in str(n.meta.get("nn_module_stack"))]
+    assert from_norm1 == []
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)

@@ -40,7 +40,6 @@ from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent  # no
 from torch._functorch.partitioners import (  # noqa: E402
     _must_be_in_backward as must_be_in_backward,
 )
-
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
 
 try:
@@ -71,12 +70,19 @@ def vf_rnn(mode: str):
     return getattr(torch._VF, mode)
 
 
+# --- AOTAutograd's cache (used by compile.py) ------------------------------------------
+def without_autograd_cache():
+    """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
+    hit would skip it, and its plan); Inductor's FX graph cache of the code stays on."""
+    return functorch_config.patch(enable_autograd_cache=False)
+
+
 __all__ = [
     "INDUCTOR_PARTITIONER_CONFIG",
-    "OpOverload",
-    "OpOverloadPacket",
     "TORCH_VERSION",
     "CustomPartitionerFn",
+    "OpOverload",
+    "OpOverloadPacket",
     "activation_memory_budget",
     "aot_autograd",
     "aot_function",
@@ -97,4 +103,5 @@ __all__ = [
     "raise_getitems",
     "reordering_to_mimic_autograd_engine",
     "vf_rnn",
+    "without_autograd_cache",
 ]

@@ -9,7 +9,6 @@ graphs run as they are (``backend="eager"``: no code generation).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from torch.fx import GraphModule
 from mirrorgrad import _compat
 from mirrorgrad.mirror.budget import Plan, PlanOptions
 from mirrorgrad.mirror.partition import MirrorPartitioner, PlanCallback, partition
-from mirrorgrad.mirror.policy import ENV_VAR, policy_for
+from mirrorgrad.mirror.policy import policy_for
 
 CODEGENS = ("inductor", "eager")
 
@@ -32,8 +31,9 @@ CODEGENS = ("inductor", "eager")
 class MirrorBackend:
     """A ``torch.compile`` backend that partitions with the mirror planner.
 
-    ``plans`` collects every plan applied (one per compiled graph, none for a graph
-    Inductor took from its cache); ``on_plan`` is called with each as well.
+    ``plans`` collects every plan applied, one per compiled graph (AOTAutograd's cache,
+    which would skip the partitioner, is off for these compiles); ``on_plan`` is called
+    with each as well.
     """
 
     mode: str = "balance"
@@ -54,14 +54,15 @@ class MirrorBackend:
         self.plan_options()  # PlanOptions checks mode, budget and max_overhead
 
     def plan_options(self) -> PlanOptions:
-        # MIRRORGRAD_MIRROR=0 turns mirroring off everywhere; the joint graph still
-        # goes through our partition, stashing everything.
-        mirror_off = os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no")
+        """Options as of now: ``mark``s and ``MIRRORGRAD_MIRROR`` are read at compile time."""
+        policy = policy_for(self.root_module)
+        # MIRRORGRAD_MIRROR=0 disables the policy: the graph still goes through our
+        # partition, stashing everything, and the plan says mode "off".
         return PlanOptions(
-            mode="off" if mirror_off else self.mode,
+            mode=self.mode if policy.enabled else "off",
             budget=self.budget,
             max_overhead=self.max_overhead,
-            policy=policy_for(self.root_module),
+            policy=policy,
         )
 
     def _record(self, plan: Plan) -> None:
@@ -70,28 +71,31 @@ class MirrorBackend:
             self.on_plan(plan)
 
     def __call__(self, gm: GraphModule, example_inputs: Sequence[object], **kwargs: Any):
-        if self.codegen == "eager":
-            partition_fn = functools.partial(
-                partition,
-                options=self.plan_options(),
-                root_module=self.root_module,
-                on_plan=self._record,
-                strict=self.strict,
-            )
-            functools.update_wrapper(partition_fn, partition)
-            return _compat.aot_autograd(
-                fw_compiler=_compat.boxed_nop,
-                bw_compiler=_compat.boxed_nop,
-                partition_fn=partition_fn,
-                keep_inference_input_mutations=True,
-            )(gm, example_inputs)
-        partitioner = MirrorPartitioner(
-            self.plan_options(), root_module=self.root_module, on_plan=self._record
+        # Without AOTAutograd's cache every compile runs the planner and records its plan.
+        with _compat.without_autograd_cache():
+            if self.codegen == "eager":
+                return self._aot_eager()(gm, example_inputs)
+            partitioner = MirrorPartitioner(self.plan_options(), on_plan=self._record)
+            # Patched for this compilation only: other torch.compile calls keep min-cut.
+            settings = {**self.inductor_options, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+            with _compat.inductor_config.patch(settings):
+                return _compat.compile_fx(gm, example_inputs, **kwargs)
+
+    def _aot_eager(self) -> Callable[..., Any]:
+        """AOTAutograd with our partition and no code generation."""
+        partition_fn = functools.partial(
+            partition,
+            options=self.plan_options(),
+            on_plan=self._record,
+            strict=self.strict,
         )
-        # Patched for this compilation only: other torch.compile calls keep min-cut.
-        settings = {**self.inductor_options, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
-        with _compat.inductor_config.patch(settings):
-            return _compat.compile_fx(gm, example_inputs, **kwargs)
+        functools.update_wrapper(partition_fn, partition)
+        return _compat.aot_autograd(
+            fw_compiler=_compat.boxed_nop,
+            bw_compiler=_compat.boxed_nop,
+            partition_fn=partition_fn,
+            keep_inference_input_mutations=True,
+        )
 
 
 def backend(

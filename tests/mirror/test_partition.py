@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import pickle
 import warnings
 
 import pytest
@@ -13,8 +15,13 @@ from torch import nn
 from mirrorgrad import _compat
 from mirrorgrad.mirror import partition as partition_module
 from mirrorgrad.mirror.budget import PlanOptions
-from mirrorgrad.mirror.partition import MirrorgradFallbackWarning, MirrorPartitioner, partition
-from mirrorgrad.mirror.policy import is_random, mark
+from mirrorgrad.mirror.partition import (
+    MirrorgradFallbackWarning,
+    MirrorPartitioner,
+    PartitionerKey,
+    partition,
+)
+from mirrorgrad.mirror.policy import is_random, mark, policy_for
 
 
 def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -159,15 +166,24 @@ def test_fallback_warning_names_cause_and_dump(monkeypatch):
 
 def test_inductor_partitioner_uuid_follows_options_and_marks():
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    a = MirrorPartitioner(PlanOptions(mode="balance"), root_module=model)
-    same = MirrorPartitioner(PlanOptions(mode="balance"), root_module=model)
-    other_mode = MirrorPartitioner(PlanOptions(mode="off"), root_module=model)
-    assert a.uuid() == same.uuid()
-    assert a.uuid() != other_mode.uuid()
-    before = a.uuid()
+
+    def uuid(mode="balance"):
+        options = PlanOptions(mode=mode, policy=policy_for(model))
+        return MirrorPartitioner(options).uuid()
+
+    assert uuid() == uuid()
+    assert uuid() != uuid("off")
+    before = uuid()
     mark(model[1], mirror=False)
-    assert a.uuid() != before
-    assert isinstance(a, _compat.CustomPartitionerFn)
+    assert uuid() != before
+    assert isinstance(MirrorPartitioner(PlanOptions()), _compat.CustomPartitionerFn)
+
+
+def test_inductor_partitioner_pickles_as_its_uuid():
+    partitioner = MirrorPartitioner(PlanOptions(mode="off"), on_plan=print)
+    restored = pickle.loads(pickle.dumps(partitioner))
+    assert restored == PartitionerKey(partitioner.uuid())
+    assert copy.deepcopy(partitioner) is partitioner
 
 
 def test_inductor_partitioner_accepts_inductor_keywords():
@@ -182,3 +198,30 @@ def test_inductor_partitioner_accepts_inductor_keywords():
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
     assert len(plans) == 1
+
+
+def test_root_module_marks_reach_the_policy():
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = mark(nn.Tanh(), mirror=False)
+
+        def forward(self, x, w):
+            return chain(self.act(x), w)
+
+    model = Chain()
+    plans = []
+    fn = functools.partial(
+        partition, options=PlanOptions(mode="budget", budget=0.3), on_plan=plans.append
+    )
+    torch._dynamo.reset()
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    backend = _compat.aot_autograd(
+        fw_compiler=_compat.boxed_nop,
+        partition_fn=functools.partial(fn, root_module=model),
+    )
+    torch.compile(model, backend=backend)(x, w).sum().backward()
+    (plan,) = plans
+    assert plan.mirrored, "chain's own ops are still mirrored"
+    assert not [n for n in plan.mirrored if "act" in str(n.meta.get("nn_module_stack"))]

@@ -132,15 +132,8 @@ def _dump_joint_graph(joint_gm: GraphModule, exc: BaseException) -> str:
 class MirrorPartitioner(_compat.CustomPartitionerFn):
     """The planner as Inductor's ``custom_partitioner_fn``; min-cut is the fallback."""
 
-    def __init__(
-        self,
-        options: PlanOptions,
-        *,
-        root_module: nn.Module | None = None,
-        on_plan: PlanCallback | None = None,
-    ) -> None:
+    def __init__(self, options: PlanOptions, *, on_plan: PlanCallback | None = None) -> None:
         self.options = options
-        self.root_module = root_module
         self.on_plan = on_plan
 
     def __call__(
@@ -150,17 +143,14 @@ class MirrorPartitioner(_compat.CustomPartitionerFn):
             gm,
             joint_inputs,
             options=self.options,
-            root_module=self.root_module,
             on_plan=self.on_plan,
             fallback=_compat.min_cut_rematerialization_partition,
             **kwargs,
         )
 
     def uuid(self) -> bytes:
-        """Inductor's cache key: the planner's sources and the options, marks included."""
-        policy = policy_for(self.root_module) if self.root_module is not None else None
-        key = _stable_repr(self.options) + _stable_repr(policy)
-        return _compat.get_hash_for_files(_PLANNER_SOURCES, key)
+        """Inductor's cache key: the planner's sources and the options (marks included)."""
+        return _compat.get_hash_for_files(_PLANNER_SOURCES, _stable_repr(self.options))
 
     # Inductor pickles its config into cache keys and deep-copies it for repro scripts:
     # the partitioner stands in as its uuid, so the model and callbacks stay out of both.
