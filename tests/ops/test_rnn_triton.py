@@ -171,7 +171,16 @@ def test_lstm_state_clip(memory, fused):
 def test_backward_in_chunks(mode, memory, fused, monkeypatch):
     # Chunks of 2, 2 and 1 steps: state gradients carried across chunk boundaries.
     monkeypatch.setattr(rnn_triton, "BWD_CHUNK_ROWS", 2 * B)
+    assert rnn_triton._chunk_steps(5, B) == 2
     _check_layer(mode, memory=memory, lengths=[5, 2, 3], fused=fused, t=5)
+
+
+def test_chunk_rows_bounded_whatever_t():
+    for batch in (1, 20, 256):
+        for steps in (1, 35, 409, 410, 411, 5000):
+            chunk = rnn_triton._chunk_steps(steps, batch)
+            assert 1 <= chunk <= steps
+            assert chunk * batch <= rnn_triton.BWD_CHUNK_ROWS + batch
 
 
 @KERNELS

@@ -384,12 +384,13 @@ def _cudnn_probe(rnn, xg, hx, gy):
 
 
 def backward_memory_vs_T(mode: str, dtype: torch.dtype) -> list[dict]:
-    """Backward's extra memory (its peak minus what it started with) as T grows 16x.
+    """Backward's extra memory (its peak minus what it started with) as T grows 64x.
 
     It includes the input gradient (T*B*I elements), as cuDNN's does.
     """
     rows = []
-    for T in (35, 140, 560):
+    # Past T = BWD_CHUNK_ROWS / B (410 here) backward keeps dG for one chunk only.
+    for T in (35, 560, 2240):
         cfg = Config(layers=2, input=650, hidden=650, batch=20, T=T)
         rnn = _torch_rnn(mode, cfg, dtype)
         x = torch.randn(T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
