@@ -305,3 +305,26 @@ def test_triton_impl_refuses_what_it_does_not_support():
     mod = mnn.LSTM(3, 4, proj_size=2, impl="triton")
     with pytest.raises(ValueError, match="impl='auto'"):
         mod(torch.randn(2, 1, 3))
+
+
+def test_expanded_and_transposed_inputs_reach_layers_contiguous(monkeypatch):
+    """h_n.sum() gives a stride-0 gradient and users may pass transposed states: the
+    per-layer implementations (Triton kernels) get contiguous tensors all the same."""
+    original_fw, original_bw = reference.layer_forward, reference.layer_backward
+    seen = []
+
+    def record(fn):
+        def wrapped(*args, **kwargs):
+            seen.extend(a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(op.reference, "layer_forward", record(original_fw))
+    monkeypatch.setattr(op.reference, "layer_backward", record(original_bw))
+    mod = mnn.LSTM(3, 4, num_layers=2, bidirectional=True, dtype=DT)
+    h0 = torch.randn(2, 4, 4, dtype=DT).transpose(0, 1).requires_grad_()  # [4,2,4], strided
+    c0 = torch.randn(4, 2, 4, dtype=DT, requires_grad=True)
+    y, (h_n, c_n) = mod(torch.randn(5, 2, 3, dtype=DT), (h0, c0))
+    (h_n.sum() + c_n.sum() + y.sum()).backward()
+    assert seen and all(seen)

@@ -3,8 +3,9 @@
 ``mirrorgrad::rnn_forward`` / ``mirrorgrad::rnn_backward`` take the flat weight list in
 torch.nn's order (per layer and direction: w_ih, w_hh, [b_ih, b_hh], [w_hr]) and run
 one of the per-layer implementations (``reference`` on any device, ``triton`` on CUDA)
-for every layer and direction. Fake kernels, an autograd formula and FLOP formulas
-make ``torch.compile`` capture the recurrence as one node.
+for every layer and direction (handing them contiguous tensors). Fake kernels, an
+autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as one
+node.
 
 ``rnn(...)`` is the public entry: it resolves ``impl`` and ``memory``, and runs torch's
 own RNN (cuDNN on CUDA) for ``impl="cudnn"`` outside the custom ops, since cuDNN's
@@ -56,7 +57,7 @@ def _weights_per_layer(has_biases: bool, proj_size: int) -> int:
 def _layer_weights(weights: Sequence[Tensor], index: int, has_biases: bool, proj_size: int):
     """(w_ih, w_hh, b_ih, b_hh, w_hr) of layer-direction ``index`` (None where absent)."""
     n = _weights_per_layer(has_biases, proj_size)
-    w = list(weights[index * n : (index + 1) * n])
+    w = [t.contiguous() for t in weights[index * n : (index + 1) * n]]
     w_ih, w_hh = w[0], w[1]
     b_ih, b_hh = (w[2], w[3]) if has_biases else (None, None)
     w_hr = w[-1] if proj_size > 0 else None
@@ -117,7 +118,8 @@ def rnn_forward(
             w = _layer_weights(weights, index, has_biases, proj_size)
             xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
             y, h, c, layer_saved = kernels.layer_forward(
-                mode, xin.contiguous(), hx[index], None if cx is None else cx[index], *w,
+                mode, xin.contiguous(), hx[index].contiguous(),
+                None if cx is None else cx[index].contiguous(), *w,
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
             )  # fmt: skip
             outs.append(y if direction == 0 else reverse_within_lengths(y, lengths))
@@ -230,11 +232,11 @@ def rnn_backward(
             w_needs = (wanted[0], wanted[1], *(wanted[2:4] if has_biases else (False, False)))
             w_needs += (bool(proj_size) and wanted[-1],)
             grads = kernels.layer_backward(
-                mode, layer_saved[index], xin.contiguous(), hx[index],
-                None if cx is None else cx[index], *w, y_d.contiguous(),
+                mode, layer_saved[index], xin.contiguous(), hx[index].contiguous(),
+                None if cx is None else cx[index].contiguous(), *w, y_d.contiguous(),
                 None if g_d is None else g_d.contiguous(),
-                None if grad_hn is None else grad_hn[index],
-                None if grad_cn is None else grad_cn[index],
+                None if grad_hn is None else grad_hn[index].contiguous(),
+                None if grad_cn is None else grad_cn[index].contiguous(),
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
                 needs_input_grad=(below if layer > 0 else need_x, need_hx, need_cx, *w_needs),
             )  # fmt: skip
