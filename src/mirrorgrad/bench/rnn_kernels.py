@@ -375,6 +375,28 @@ def _split_ours(mode, rnn, x, h0, c0, gy, memory):
     return fwd, bwd
 
 
+def profile(mode: str, cfg: Config, dtype: torch.dtype, steps: int = 5) -> str:
+    """GPU time per kernel of rnn_triton's default path after warm-up (torch.profiler)."""
+    torch.manual_seed(0)
+    rnn = _torch_rnn(mode, cfg, dtype)
+    D = 2 if cfg.bidirectional else 1
+    x = torch.randn(cfg.T, cfg.batch, cfg.input, device="cuda", dtype=dtype)
+    gy = torch.randn(cfg.T, cfg.batch, D * cfg.hidden, device="cuda", dtype=dtype)
+    h0 = torch.randn(cfg.layers * D, cfg.batch, cfg.hidden, device="cuda", dtype=dtype)
+    c0 = torch.randn_like(h0) if mode == "lstm" else None
+    for _ in range(3):
+        _stack_forward_backward(mode, rnn, x, h0, c0, gy)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _stack_forward_backward(mode, rnn, x, h0, c0, gy)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=12, max_name_column_width=60
+    )
+    return f"{mode} {cfg.name} {dtype}, {steps} fwd+bwd:\n{table}"
+
+
 def _cudnn_probe(rnn, xg, hx, gy):
     """Forward and backward of the torch module as two calls, for the memory probe."""
     return (
@@ -522,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument(
+        "--profile", action="store_true", help="print a kernel-time profile of auto instead"
+    )
+    parser.add_argument(
         "--skip-memory-vs-t", action="store_true", help="skip the backward memory vs T probe"
     )
     parser.add_argument(
@@ -574,6 +599,11 @@ def main(argv: list[str] | None = None) -> int:
         "check": {},
         "rows": [],
     }
+    if args.profile:
+        for mode in modes:
+            for cfg in configs:
+                print(profile(mode, cfg, dtype))
+        return 0
     for mode in modes:
         result["check"][mode] = check(mode, dtype)
         print(mode, "check", result["check"][mode], flush=True)
