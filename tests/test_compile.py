@@ -248,3 +248,19 @@ def test_mark_forbids_mirroring_a_module():
     from_norm1 = [n for n in plan.mirrored if "norm1" in str(n.meta.get("nn_module_stack"))]
     assert from_norm1 == []
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+
+
+def test_dynamic_shapes_pass_through_and_model_stays_copyable():
+    reference, model, compiled, inputs = compiled_twin(
+        "lstm_lm", mode="budget", budget=0.5, dynamic=True
+    )
+    wider = (torch.randint(0, 11, (7, 5)),)  # another batch size, same length
+    with no_fallback():
+        step(compiled, inputs, seed=1)
+        step(compiled, wider, seed=2)
+    step(reference, inputs, seed=1)
+    step(reference, wider, seed=2)
+    assert len(compiled._mirrorgrad_plans) == 1, "one graph for both shapes"
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+    assert not hasattr(model, "_mirrorgrad_plans")
+    copy.deepcopy(model)

@@ -155,7 +155,9 @@ def compile(
         root_module=model_or_fn if isinstance(model_or_fn, nn.Module) else None,
     )
     compiled = torch.compile(model_or_fn, backend=mirror_backend, **torch_compile_kwargs)
-    compiled._mirrorgrad_plans = mirror_backend.plans
+    # object.__setattr__: an OptimizedModule would forward the attribute to the user's
+    # model, where deepcopy and pickle would then meet the plans' graph nodes.
+    object.__setattr__(compiled, "_mirrorgrad_plans", mirror_backend.plans)
     return compiled
 
 
