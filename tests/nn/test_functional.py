@@ -79,3 +79,19 @@ def test_bad_inputs_raise_like_cross_entropy():
         linear_cross_entropy(hidden, weight[:, :3], b, target)
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(hidden, weight, b, target, chunk_size=0)
+
+
+def test_saves_no_logits_for_backward():
+    n, h, v = 64, 8, 1000
+    hidden, weight, b, target = _inputs(n, h, v)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = linear_cross_entropy(hidden, weight, b, target, chunk_size=16)
+    assert max(saved) < n * v  # nothing of logits size: inputs and one value per row
+    loss.backward()
+    assert hidden.grad.shape == (n, h)

@@ -219,8 +219,13 @@ class _Run:
 
     def _explain(self) -> Any:
         """The mirror plan of one training step: estimated stash and peak, with and without."""
+        mirror = self.config.mirror
+        # With --mirror off, "with mirroring" shows what balance mode would give.
+        options = {"mode": "balance"} if mirror.mode == "off" else {"mode": mirror.mode}
+        if mirror.budget is not None:
+            options["budget"] = mirror.budget
         try:
-            return mirrorgrad.explain(self.model, *self._example_inputs())
+            return mirrorgrad.explain(self.model, *self._example_inputs(), **options)
         except Exception as e:  # an estimate for the log must never stop training
             warnings.warn(f"mirrorgrad.explain failed, no plan in the logs: {e}", stacklevel=2)
             return None
