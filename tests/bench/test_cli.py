@@ -61,8 +61,15 @@ def test_bench_writes_markdown_and_plots(bench_out):
     table = (bench_out / "results.md").read_text()
     for method in METHODS:
         assert f"| {method} |" in table
-    for name in ("peak_vs_time_mlp.png", "max_batch.png"):
+    for name in ("peak_vs_time.png", "max_batch.png"):
         assert (bench_out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_redrawn_from_json(bench_out, tmp_path):
+    argv = ["bench", "--from-json", str(bench_out / "results.json"), "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "results.md").read_text() == (bench_out / "results.md").read_text()
+    assert (tmp_path / "peak_vs_time.png").exists()
 
 
 def test_unknown_names_are_rejected(tmp_path):

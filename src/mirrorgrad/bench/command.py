@@ -37,7 +37,7 @@ _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
 # A probe answers "does it fit?": one compiling step and one measured step.
 _PROBE_STEPS = {"steps": 1, "warmup": 1}
-# Shares of --time-limit: the batch search's, and pre-compiling's of what remains.
+# Shares of --time-limit: the batch search's default, and pre-compiling's of the rest.
 _SEARCH_SHARE = 0.25
 _PRECOMPILE_SHARE = 0.4
 
@@ -60,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--search-methods", nargs="+", metavar="NAME", help="methods to search (default: all run)"
     )
     parser.add_argument("--max-probes", type=int, default=6, help="probes per batch search")
+    parser.add_argument(
+        "--search-time",
+        type=float,
+        help="seconds of --time-limit kept for the batch search (default: a quarter)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
@@ -87,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "ones, N-way parallel, go to results.json)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: redraw the markdown and plots of a results.json into --out",
+    )
 
 
 def _names(values: list[str] | None) -> list[str] | None:
@@ -335,9 +346,11 @@ def _command_line(args: argparse.Namespace) -> str:
     for key in ("workloads", "methods", "search_methods"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", *getattr(args, key)]
-    keys = ("dtype", "cap_gb", "max_probes", "steps", "warmup", "backend", "device")
-    for key in (*keys, "time_limit", "method_timeout", "precompile_jobs"):
-        if getattr(args, key) is not None:
+    keys = ("dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit")
+    if args.cap_gb:
+        keys += ("max_probes", "search_time")
+    for key in (*keys, "method_timeout", "precompile_jobs"):
+        if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.quick:
         parts.append("--quick")
@@ -349,7 +362,21 @@ def _share(now: float, end: float | None, parts: int) -> float | None:
     return None if end is None else now + max(0.0, end - now) / parts
 
 
+def _write_report(doc: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=False))
+    table = report.markdown(doc)
+    (out / "results.md").write_text(table)
+    pngs = report.plots(doc, out)
+    print(report.summary(doc))
+    print(f"\nwrote {out / 'results.json'}, results.md and {len(pngs)} plot(s)\n")
+    print(table)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.from_json is not None:
+        _write_report(json.loads(args.from_json.read_text()), args.out)
+        return 0
     start = time.time()
     workloads = _names(args.workloads) or list(WORKLOADS)
     requested = _names(args.methods)
@@ -367,12 +394,12 @@ def run(args: argparse.Namespace) -> int:
         names = requested or default_methods(recurrent)
         plan[name] = [n for n in names if recurrent or not METHODS[n].swap_rnn]
 
-    # With --time-limit: the batch search keeps the last quarter, pre-compiling may
+    # With --time-limit: the batch search keeps --search-time, pre-compiling may
     # take up to 40% of the rest, and each workload a fair share of what is left.
     end = start + args.time_limit if args.time_limit else None
     timed_end = end
     if end is not None and args.cap_gb:
-        timed_end = end - _SEARCH_SHARE * args.time_limit
+        timed_end = end - (args.search_time or _SEARCH_SHARE * args.time_limit)
     cold: dict[tuple[str, str], dict[str, Any]] = {}
     if args.precompile_jobs:
         warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
@@ -433,11 +460,5 @@ def run(args: argparse.Namespace) -> int:
     doc["env"] = bench.env
     doc["wall_s"] = round(time.time() - start, 1)
 
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=False))
-    table = report.markdown(doc)
-    (args.out / "results.md").write_text(table)
-    pngs = report.plots(doc, args.out)
-    print(report.summary(doc))
-    print(f"\nwrote {args.out / 'results.json'}, results.md and {len(pngs)} plot(s)\n")
-    print(table)
+    _write_report(doc, args.out)
     return 0

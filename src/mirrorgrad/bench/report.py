@@ -173,7 +173,8 @@ def summary(doc: dict[str, Any]) -> str:
 
 
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Peak memory against step time per workload; the largest batch per method."""
+    """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
+    labelled point per method; ``max_batch.png``: the largest batch per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,22 +182,32 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
     written = []
     device = doc["env"].get("gpu") or "CPU"
-    for name, w in doc["workloads"].items():
-        ok = [m for m in w["methods"] if m["status"] == "ok"]
-        if not ok:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 5))
-        for m in ok:
-            x, y = m["median_ms"], m["peak_bytes"] / MIB
-            ax.scatter([x], [y], s=30)
-            ax.annotate(m["method"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        ax.set_xlabel("median step time (ms)")
-        ax.set_ylabel("peak memory (MiB)")
-        ax.set_title(f"{name} ({device}): lower left is better")
-        ax.grid(True, alpha=0.3)
+    measured = {
+        name: [m for m in w["methods"] if m["status"] == "ok"]
+        for name, w in doc["workloads"].items()
+    }
+    measured = {name: ms for name, ms in measured.items() if ms}
+    if measured:
+        cols = min(3, len(measured))
+        rows = -(-len(measured) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+        for ax in axes.flat[len(measured) :]:
+            ax.set_visible(False)
+        for ax, (name, ms) in zip(axes.flat, measured.items()):
+            for m in ms:
+                x, y = m["median_ms"], m["peak_bytes"] / MIB
+                ax.scatter([x], [y], s=30)
+                ax.annotate(
+                    m["method"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
+            ax.set_xlabel("median step time (ms)")
+            ax.set_ylabel("peak memory (MiB)")
+            ax.set_title(name, fontsize=10)
+            ax.grid(True, alpha=0.3)
+        fig.suptitle(f"peak memory vs step time on {device} (lower left is better)")
         fig.tight_layout()
-        path = out_dir / f"peak_vs_time_{name}.png"
-        fig.savefig(path, dpi=120)
+        path = out_dir / "peak_vs_time.png"
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
 
@@ -211,12 +222,12 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             labels = [m["method"] for m in ms]
             values = [m["max_batch"]["largest_fit"] for m in ms]
             ax.bar(labels, values)
-            ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB")
+            ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
             ax.set_ylabel("batch")
             ax.tick_params(axis="x", rotation=30, labelsize=8)
         fig.tight_layout()
         path = out_dir / "max_batch.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
     return written
