@@ -85,13 +85,18 @@ def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
     np.testing.assert_allclose(list(logged.values()), list(full.train.values()), rtol=1e-6)
 
 
-def test_resume_with_other_vocabulary_fails(corpus, tmp_path):
+def test_resume_with_other_vocabulary_or_world_size_fails(corpus, tmp_path):
     train(make_config(corpus, tmp_path, max_steps=2, mirror=Mirror.parse("off")))
     config = make_config(
         corpus, tmp_path, max_steps=4, vocab_size=10, resume=tmp_path / "checkpoints"
     )
     with pytest.raises(ValueError, match="vocabulary mismatch on resume"):
         train(config)
+    path = tmp_path / "checkpoints" / "last.pt"
+    state = checkpoint.load(path)
+    checkpoint.save({**state, "world_size": 2}, path)
+    with pytest.raises(ValueError, match="same --nproc_per_node"):
+        train(dataclasses.replace(config, vocab_size=None))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -56,12 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lm.add_argument(
         "--max-steps", type=int, help="stop after this many optimizer steps (tiny: 300)"
     )
-    lm.add_argument("--batch-size", type=int, help="global batch (split over processes)")
+    lm.add_argument(
+        "--batch-size", type=int, help="global batch, split over processes (tiny 32, else 20)"
+    )
     lm.add_argument("--bptt", type=int, help="truncated-BPTT window length (default 35)")
     lm.add_argument("--lr", type=float, help="SGD learning rate (default 20, / 4 on plateau)")
     lm.add_argument("--clip", type=float, help="gradient-norm clip (default 0.25)")
     lm.add_argument("--seed", type=int, default=1234)
-    lm.add_argument("--logdir", type=Path, default=Path("runs/lm"), help="TensorBoard logs")
+    lm.add_argument(
+        "--logdir", type=Path, default=Path("runs/lm"), help="TensorBoard logs (default runs/lm)"
+    )
     lm.add_argument(
         "--ckpt-dir", type=Path, default=None, help="checkpoints (default: <logdir>/checkpoints)"
     )
@@ -78,7 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tie-weights", action="store_true", help="share embedding and decoder weights"
     )
     lm.add_argument("--char", action="store_true", help="character level instead of words")
-    lm.add_argument("--vocab-size", type=int, help="keep the most frequent words (default 10000)")
+    lm.add_argument(
+        "--vocab-size",
+        type=int,
+        help="keep the most frequent words (default: tiny 5000, medium and large 10000)",
+    )
     lm.add_argument("--log-freq", type=int, default=50, help="log every N steps")
     lm.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps")
     lm.set_defaults(make_config=config_from_args)
