@@ -259,6 +259,8 @@ class _Bench:
         so that the timed runs find Inductor's caches warm. Returns those one-step
         results: their compile times are cold, but measured ``jobs``-way parallel."""
         todo = [(w, m) for w, ms in plan.items() for m in ms if METHODS[m].compiles]
+        # Longest first: the slowest compiles do not start last and hold up the phase.
+        todo.sort(key=lambda job: -WORKLOADS[job[0]].compile_weight)
         threads = max(1, (os.cpu_count() or 2) // jobs)
         phase = _Phase(
             steps=1,

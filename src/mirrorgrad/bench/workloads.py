@@ -41,6 +41,8 @@ class Workload:
     quick_batch: int
     # Has torch.nn RNN modules that `+mgnn` methods swap for mirrorgrad.nn ones.
     recurrent: bool
+    # Rough relative cost of one cold compile: `--precompile-jobs` starts costly ones first.
+    compile_weight: int
     builder: Builder
 
     def build(
@@ -164,6 +166,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=20,
             quick_batch=3,
             recurrent=True,
+            compile_weight=1,
             builder=_lstm_lm(650, 0.5),
         ),
         Workload(
@@ -172,6 +175,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=20,
             quick_batch=3,
             recurrent=True,
+            compile_weight=1,
             builder=_lstm_lm(1500, 0.65),
         ),
         Workload(
@@ -181,6 +185,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=80,
             quick_batch=3,
             recurrent=True,
+            compile_weight=5,
             builder=_nmt,
         ),
         Workload(
@@ -189,6 +194,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=64,
             quick_batch=2,
             recurrent=False,
+            compile_weight=4,
             builder=_resnet50,
         ),
         Workload(
@@ -197,6 +203,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=8,
             quick_batch=2,
             recurrent=False,
+            compile_weight=4,
             builder=_transformer,
         ),
         Workload(
@@ -205,6 +212,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=32,
             quick_batch=2,
             recurrent=True,
+            compile_weight=2,
             builder=_deepspeech2,
         ),
         Workload(
@@ -213,6 +221,7 @@ WORKLOADS: dict[str, Workload] = {
             batch=2048,
             quick_batch=4,
             recurrent=False,
+            compile_weight=1,
             builder=_mlp,
         ),
     )

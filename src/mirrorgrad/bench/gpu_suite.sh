@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The full `mirrorgrad bench` suite on one GPU, in two parts that each fit one
+# 10-minute device command (each part stops itself by ~9 minutes; what did not fit is
+# recorded as skipped, never silently dropped):
+#
+#   bash src/mirrorgrad/bench/gpu_suite.sh 1   # planner zoo: mlp, lstm-lm-medium,
+#                                              # transformer, resnet50, nmt-attention
+#   bash src/mirrorgrad/bench/gpu_suite.sh 2   # recurrent workloads with mirrorgrad.nn
+#                                              # RNNs, and the largest batch under 4 GB
+#
+# Results go to $OUT/partN (results.json, results.md, peak_vs_time.png, max_batch.png,
+# logs.tar.gz); the markdown tables are printed last. Redraw a report elsewhere with
+# `mirrorgrad bench --from-json results.json --out DIR`.
+#
+# Time budget per part: every compiling method is first compiled 8 processes at a
+# time (cold Inductor compiles take 10-90 s each on big graphs; in parallel they cost
+# ~1/6 of the wall time), then the timed runs go one workload at a time, one process
+# per workload, with the caches warm. Each workload gets a fair share of the time left.
+set -euo pipefail
+part=${1:?usage: gpu_suite.sh 1|2}
+cd "$(dirname "$0")/../../.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+out=${OUT:-bench-results}/part$part
+work=$(mktemp -d)
+mkdir -p "$out"
+
+common=(--no-progress --precompile-jobs 8 --method-timeout 300 --steps 20 --warmup 3)
+bench() { "$py" -m mirrorgrad bench "${common[@]}" "$@"; }
+
+case "$part" in
+1)
+    # Issue 2's measurement: every torch.compile budget and every mirror mode, on the
+    # planner zoo, cheap workloads first (time they leave goes to the later ones).
+    bench --time-limit 510 --out "$work/zoo" \
+        --workloads mlp lstm-lm-medium transformer resnet50 nmt-attention \
+        --methods eager compile mirror-balance compile-budget-0.5 mirror-budget-0.5 \
+        compile-budget-0.1 mirror-budget-0.3 checkpoint
+    runs=(zoo)
+    ;;
+2)
+    # Recurrent workloads, torch.nn RNNs against mirrorgrad.nn ones (+mgnn); the batch
+    # search probes only methods that do not compile (a probe is a fresh process, and
+    # a compiling probe a cold compile at a new shape).
+    bench --time-limit 300 --out "$work/rnn" --workloads lstm-lm-large deepspeech2 \
+        --methods eager compile eager+mgnn compile+mgnn mirror-balance mirror-balance+mgnn \
+        compile-budget-0.5 mirror-budget-0.3 mirror-budget-0.3+mgnn checkpoint \
+        --cap-gb 4 --search-time 130 --max-probes 3 \
+        --search-methods eager checkpoint eager+mgnn
+    bench --time-limit 210 --out "$work/rnn-zoo" --workloads lstm-lm-medium nmt-attention \
+        --methods eager compile eager+mgnn compile+mgnn mirror-balance+mgnn \
+        mirror-budget-0.3+mgnn
+    runs=(rnn rnn-zoo)
+    ;;
+*)
+    echo "usage: gpu_suite.sh 1|2" >&2
+    exit 2
+    ;;
+esac
+
+# At most 8 files come back from a device command: results, one figure each, logs.
+for run in "${runs[@]}"; do
+    for f in results.json results.md peak_vs_time.png max_batch.png; do
+        if [ -f "$work/$run/$f" ]; then cp "$work/$run/$f" "$out/$run.$f"; fi
+    done
+done
+tar -czf "$out/logs.tar.gz" -C "$work" .
+for run in "${runs[@]}"; do
+    echo
+    cat "$work/$run/results.md"
+done
