@@ -38,13 +38,13 @@ def joint_of(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
 
-    def fn(params, *args):
+    def fn(params, buffers, *args):
         return torch.func.functional_call(model, {**params, **buffers}, args)
 
     compiled = _compat.aot_function(
         fn, fw_compiler=_nop, bw_compiler=_nop, partition_fn=capture.partition
     )
-    out = compiled(params, *inputs)
+    out = compiled(params, buffers, *inputs)
     del out
     (joint,) = capture.joints
     return joint

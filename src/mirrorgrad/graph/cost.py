@@ -4,6 +4,11 @@ FLOPs come from ``torch.utils.flop_counter``'s formula registry where it has one
 (mm, addmm, bmm, convolution, attention, and any op registered with
 ``register_flop_formula`` such as our RNN ops), else one FLOP per output element.
 Bytes moved are the op's tensor inputs plus outputs; views move nothing.
+
+A recomputed op costs the same, except under a fusing compiler (Inductor): a
+recomputed pointwise op runs inside the kernel of its backward consumer, which
+then reads the op's inputs from the stash instead of its output. It adds its
+arithmetic, not its memory traffic; other recomputed ops skip their output write.
 """
 
 from __future__ import annotations
@@ -102,3 +107,21 @@ def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:
         flops, rate = _numel(out), rates.vector_flops_per_s
     seconds = max(flops / rate, moved / rates.bytes_per_s)
     return OpCost(flops=flops, bytes=moved, seconds=seconds)
+
+
+def recompute_cost(node: Node, rates: DeviceRates = H100, *, fused: bool = True) -> OpCost:
+    """Estimated cost of recomputing ``node`` in the backward pass."""
+    cost = op_cost(node, rates)
+    if not fused or cost.seconds == 0.0:
+        return cost
+    target = node.target
+    if isinstance(target, _compat.OpOverload) and torch.Tag.pointwise in target.tags:
+        return OpCost(flops=cost.flops, bytes=0, seconds=cost.flops / rates.vector_flops_per_s)
+    moved = cost.bytes - value_nbytes(node.meta.get("val"))
+    rate = (
+        rates.matmul_flops_per_s
+        if registered_flops(node) is not None
+        else (rates.vector_flops_per_s)
+    )
+    seconds = max(cost.flops / rate, moved / rates.bytes_per_s)
+    return OpCost(flops=cost.flops, bytes=moved, seconds=seconds)

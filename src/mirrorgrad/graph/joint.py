@@ -9,6 +9,7 @@ through ``getitem`` nodes; a getitem belongs to the pass of the op it reads.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -38,7 +39,11 @@ def op_name(node: Node) -> str:
 
 def is_view(node: Node) -> bool:
     """The op returns an alias of its input: it allocates no storage."""
-    target = node.target
+    return node.op == "call_function" and _is_view_op(node.target)
+
+
+@functools.cache
+def _is_view_op(target: object) -> bool:
     if not isinstance(target, _compat.OpOverload):
         return False
     if target.overloadpacket in (torch.ops.aten._unsafe_view, torch.ops.aten.alias):
@@ -79,6 +84,7 @@ class JointGraph:
     bwd_outputs: list[Node]
     forward_set: frozenset[Node] = field(repr=False)
     order: dict[Node, int] = field(repr=False)
+    _nbytes: dict[Node, int] = field(init=False, repr=False, default_factory=dict)
 
     @classmethod
     def from_fx(cls, gm: GraphModule, num_fwd_outputs: int) -> JointGraph:
@@ -141,7 +147,10 @@ class JointGraph:
 
     def nbytes(self, node: Node) -> int:
         """Bytes of ``node``'s value (fake tensors; tuples summed; symbolic scalars 0)."""
-        return value_nbytes(node.meta.get("val"))
+        size = self._nbytes.get(node)
+        if size is None:
+            size = self._nbytes[node] = value_nbytes(node.meta.get("val"))
+        return size
 
     def sorted(self, nodes) -> list[Node]:
         """``nodes`` in graph order (the deterministic order used everywhere)."""

@@ -16,7 +16,7 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.fx import Node
 
@@ -37,6 +37,8 @@ class Liveness:
     peak_node: str
     turn_bytes: int  # alive between forward and backward (primals, saved, outputs)
     timeline: list[Event]
+    peak_index: int = -1  # position of the peak event in the timeline
+    live_values: list[Node] = field(default_factory=list)  # alive at event ``live_at``
 
 
 def forward_schedule(joint: JointGraph, saved: Iterable[Node]) -> list[Node]:
@@ -62,13 +64,23 @@ def backward_schedule(
     return _autograd_order(joint, needed)
 
 
-def simulate(joint: JointGraph, saved: Iterable[Node], mirrored: Iterable[Node]) -> Liveness:
-    """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward."""
+def simulate(
+    joint: JointGraph,
+    saved: Iterable[Node],
+    mirrored: Iterable[Node],
+    *,
+    live_at: int | None = None,
+) -> Liveness:
+    """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward.
+
+    With ``live_at`` (a timeline position, e.g. a previous run's ``peak_index``), the
+    result also lists the values alive at that event.
+    """
     saved = list(saved)
     mirrored = list(mirrored)
     fwd = forward_schedule(joint, saved)
     bwd = backward_schedule(joint, saved, mirrored)
-    sim = _Simulator(joint)
+    sim = _Simulator(joint, live_at)
     for p in joint.primals:
         sim.hold(p)
     kept_after_forward = set(saved) | set(joint.fwd_outputs) | set(joint.primals)
@@ -79,23 +91,28 @@ def simulate(joint: JointGraph, saved: Iterable[Node], mirrored: Iterable[Node])
         sim.hold(t)
     kept_to_end = set(joint.bwd_outputs) | set(joint.fwd_outputs) | set(joint.primals)
     sim.run("backward", bwd, keep=kept_to_end)
-    peak_event = max(sim.timeline, key=lambda e: e.live_bytes, default=None)
-    if peak_event is None:
+    if not sim.timeline:
         return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn, timeline=[])
+    index = max(range(len(sim.timeline)), key=lambda i: sim.timeline[i].live_bytes)
+    peak_event = sim.timeline[index]
     return Liveness(
         peak=max(peak_event.live_bytes, turn),
         peak_phase=peak_event.phase,
         peak_node=peak_event.node,
         turn_bytes=turn,
         timeline=sim.timeline,
+        peak_index=index,
+        live_values=sim.snapshot,
     )
 
 
 class _Simulator:
     """Reference-counted storages: a value holds its storage while it is alive."""
 
-    def __init__(self, joint: JointGraph) -> None:
+    def __init__(self, joint: JointGraph, live_at: int | None = None) -> None:
         self.joint = joint
+        self.live_at = live_at
+        self.snapshot: list[Node] = []
         self.refs: dict[Node, int] = {}  # storage -> number of live values on it
         self.alive: set[Node] = set()
         self.live_bytes = 0
@@ -153,6 +170,8 @@ class _Simulator:
             self.timeline.append(
                 Event(phase=phase, node=n.name, live_bytes=self.live_bytes + max(transient, 0))
             )
+            if len(self.timeline) - 1 == self.live_at:
+                self.snapshot = self.joint.sorted(self.alive)
             for a in n.all_input_nodes:
                 if last_use.get(a) == i and a not in keep:
                     self.drop(a)
@@ -189,7 +208,14 @@ def _autograd_order(joint: JointGraph, nodes: set[Node]) -> list[Node]:
     for n in ordered[first:]:
         if n in done:
             continue
-        deps = _closure([n], nodes) - done
+        deps: set[Node] = set()
+        stack = [n]
+        while stack:
+            d = stack.pop()
+            if d in deps or d in done:
+                continue
+            deps.add(d)
+            stack.extend(a for a in d.all_input_nodes if a in nodes)
         for d in joint.sorted(deps):
             done.add(d)
             schedule.append(d)

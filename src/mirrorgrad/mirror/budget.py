@@ -20,12 +20,16 @@ from typing import Literal
 from torch.fx import Node
 
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import H100, DeviceRates, op_cost
+from mirrorgrad.graph.cost import H100, DeviceRates, op_cost, recompute_cost
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.echo import UnitGraph, storage_balance
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
 
 Mode = Literal["balance", "budget", "off"]
+# The lifetime repair stashes at most this many recomputed values, trying at most
+# REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
+MAX_REPAIR_TRIALS = 256
+REPAIR_CANDIDATES = 4
 MODES = ("balance", "budget", "off")
 
 
@@ -42,6 +46,9 @@ class PlanOptions:
     max_overhead: float = 0.05
     policy: MirrorPolicy | None = None
     device: DeviceRates | None = None
+    # Inductor fuses recomputed pointwise ops into their backward consumers (cheaper
+    # recomputation); set False for backends that run each op on its own (eager).
+    fused_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -202,7 +209,7 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
     policy = options.policy if options.policy is not None else MirrorPolicy()
     rates = options.device if options.device is not None else H100
     graph = UnitGraph(joint, policy)
-    planner = _Planner(joint, graph, rates)
+    planner = _Planner(joint, graph, rates, fused=options.fused_recompute)
     before = planner.evaluate(set())
     budget_bytes = None
     if options.mode == "off" or not policy.enabled:
@@ -249,15 +256,22 @@ class _Candidate:
     units: frozenset[Node]
     partition: Partition
     peak: int
+    peak_index: int
     added_flops: int
     added_time_s: float
 
 
 class _Planner:
-    def __init__(self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates) -> None:
+    def __init__(
+        self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates, *, fused: bool
+    ) -> None:
         self.joint, self.graph, self.rates = joint, graph, rates
-        self.costs = {n: op_cost(n, rates) for n in joint.gm.graph.nodes if n.op == "call_function"}
-        self.step_time_s = sum(c.seconds for c in self.costs.values())
+        compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
+        self.step_time_s = sum(op_cost(n, rates).seconds for n in compute)
+        self.recompute = {n: recompute_cost(n, rates, fused=fused) for n in joint.forward}
+
+    def added_time_s(self, partition: Partition) -> float:
+        return sum(self.recompute[n].seconds for n in partition.mirrored)
 
     def evaluate(self, units: set[Node]) -> _Candidate:
         partition = partition_for(self.joint, self.graph, units)
@@ -266,54 +280,101 @@ class _Planner:
             sim = liveness.simulate(self.joint, available, partition.mirrored)
         except JointGraphError as e:
             raise PlanError(f"inconsistent partition: {e}") from e
-        recomputed = [self.costs[n] for n in partition.mirrored]
         return _Candidate(
             units=frozenset(units),
             partition=partition,
             peak=sim.peak,
-            added_flops=sum(c.flops for c in recomputed),
-            added_time_s=sum(c.seconds for c in recomputed),
+            peak_index=sim.peak_index,
+            added_flops=sum(self.recompute[n].flops for n in partition.mirrored),
+            added_time_s=self.added_time_s(partition),
         )
 
     def balance(self, max_overhead: float, before: _Candidate) -> _Candidate:
-        units = storage_balance(self.graph)
-        chosen = self.evaluate(units)
+        chosen = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        units = set(chosen.units)
         cap = max_overhead * self.step_time_s
-        while chosen.added_time_s > cap and chosen.units:
-            drop = self._costliest(chosen)
-            chosen = self.evaluate(set(chosen.units) - {drop})
-        if chosen.peak >= before.peak:
-            return before
-        return chosen
+        while units:
+            partition = partition_for(self.joint, self.graph, units)
+            if self.added_time_s(partition) <= cap:
+                break
+            units.discard(self._costliest(units, set(partition.mirrored)))
+        if units != chosen.units:
+            chosen = self.evaluate(units)
+        return chosen if chosen.peak < before.peak else before
 
-    def _costliest(self, current: _Candidate) -> Node:
+    def shorten_recompute_lifetimes(self, current: _Candidate) -> _Candidate:
+        """Stash instead of mirror where that lowers the simulated peak.
+
+        Storage balance judges each subgraph by its stash alone. A recomputed value
+        the backward needs early and late (a residual stream: each block's output
+        feeds the next block and, through the skip connection, every block after
+        it) is alive across the backward like a stash, and recomputing it drags its
+        whole producer chain along. So: while the peak is in the backward, stash
+        the largest recomputed value alive at the peak (latest first on ties), if
+        that lowers the peak.
+        """
+        for _ in range(MAX_REPAIR_TRIALS):
+            p = current.partition
+            sim = liveness.simulate(
+                self.joint, p.saved + p.saved_sym, p.mirrored, live_at=current.peak_index
+            )
+            if sim.peak_phase != "backward":
+                break
+            recomputed = set(p.mirrored)
+            held: dict[Node, int] = {}
+            for v in {self.graph.root(v) for v in sim.live_values if v in recomputed}:
+                unit = self.graph.producer(v)
+                if unit in current.units:
+                    held[unit] = held.get(unit, 0) + self.joint.nbytes(v)
+            candidates = sorted(held, key=lambda u: (-held[u], -self.joint.order[u]))
+            for unit in candidates[:REPAIR_CANDIDATES]:
+                trial = self.evaluate(set(current.units) - {unit})
+                if trial.peak < current.peak:
+                    current = trial
+                    break
+            else:
+                break
+        return current
+
+    def _costliest(self, units: set[Node], recomputed: set[Node]) -> Node:
         """The mirrored unit whose recomputation costs most time per stash byte it saves."""
-        recomputed = set(current.partition.mirrored)
-        best, best_score = None, -1.0
-        for u in self.joint.sorted(current.units):
+
+        def score(u: Node) -> float:
             if u not in recomputed:
-                continue
-            seconds = self.costs[u].seconds
-            stash = sum(self.graph.cost(v) for v in self.graph.outputs(u)) or 1
-            score = seconds / stash
-            if score > best_score:
-                best, best_score = u, score
-        if best is None:  # mirrored units that nothing recomputes cost no time
-            return self.joint.sorted(current.units)[0]
-        return best
+                return -1.0  # nothing recomputes it: dropping it saves no time
+            stash = sum(self.graph.cost(v) for v in self.graph.outputs(u))
+            return self.recompute[u].seconds / max(stash, 1)
+
+        return max(self.joint.sorted(units), key=score)
 
     def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
-        current = before
-        rejected: set[Node] = set()  # each unit is tried at most once: O(units) simulations
+        """Mirror more, best bytes per second first, until the peak meets the budget.
+
+        Chunks of the ranking double while the peak drops and halve when it does
+        not; a single unit that leaves the peak unchanged is kept (it can open a
+        chain: mirroring a ReLU only pays once its BatchNorm is mirrored too), one
+        that raises it is never tried again. Short of the budget at the end, the
+        lifetime repair may still lower the peak. Nothing here depends on the
+        budget but when to stop, so a lower budget walks further down the same
+        path and never ends at a higher peak.
+        """
+        current, rejected, k = before, set(), 1
         while current.peak > budget_bytes:
             ranked = self._ranked_additions(current, rejected)
             if not ranked:
                 break
-            trial = self.evaluate(set(current.units) | {ranked[0]})
-            if trial.peak <= current.peak:
+            chunk = ranked[:k]
+            trial = self.evaluate(set(current.units) | set(chunk))
+            if trial.peak < current.peak:
+                current, k = trial, k * 2
+            elif trial.peak == current.peak and k == 1:
                 current = trial
+            elif k > 1:
+                k //= 2
             else:
-                rejected.add(ranked[0])
+                rejected.add(chunk[0])
+        if current.peak > budget_bytes:
+            current = self.shorten_recompute_lifetimes(current)
         return current
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
@@ -329,7 +390,7 @@ class _Planner:
                 continue
             freed = sum(g.cost(v) for v in outs)
             newly = sum(g.cost(v) for v in g.inputs(u) if v not in saved)
-            seconds = self.costs[u].seconds or 1e-12
+            seconds = self.recompute[u].seconds or 1e-12
             scored.append(((freed - newly) / seconds, -self.joint.order[u], u))
         scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
         return [u for *_, u in scored]
