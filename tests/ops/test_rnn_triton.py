@@ -243,6 +243,20 @@ def test_bad_arguments():
         rnn_triton.layer_forward("gru", *inp.values(), None, state_clip=(-1.0, 1.0))
 
 
+def test_empty_batch_and_empty_sequence():
+    inp = _inputs("lstm")
+    inp.update(x=inp["x"][:, :0], h0=inp["h0"][:0], c0=inp["c0"][:0])
+    y, hn, cn, saved = rnn_triton.layer_forward("lstm", *inp.values(), None)
+    assert y.shape == (T, 0, H) and hn.shape == (0, H) and cn.shape == (0, H)
+    grads = rnn_triton.layer_backward("lstm", saved, *inp.values(), None, y, y, None, None)
+    assert grads[0].shape == (T, 0, IN)
+    assert torch.equal(grads[3], torch.zeros_like(inp["w_ih"]))
+    inp = _inputs("gru", t=1)
+    inp["x"] = inp["x"][:0]
+    with pytest.raises(RuntimeError, match="sequence length"):
+        rnn_triton.layer_forward("gru", *inp.values(), None)
+
+
 def test_supports():
     assert not rnn_triton.supports("lstm", proj=True, dtype=torch.float32, device="cuda")
     assert not rnn_triton.supports("lstm", proj=False, dtype=torch.float64, device="cuda")

@@ -436,6 +436,8 @@ def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
     bb, bn, bk = _tiles(spec)
     dummy = buf.y
     lstm_stash = spec.mode == "lstm" and spec.memory == "stash"
+    if spec.B == 0:  # an empty batch: nothing to launch
+        return
     for t in range(spec.T):
         if spec.fused:
             h_in, h_out = buf.h[t % 2], buf.h[(t + 1) % 2]
@@ -505,6 +507,8 @@ def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
     bb, bn, bk = _tiles(spec)
     dummy = buf.dh
     dg_hidden = buf.dgh if buf.dgh is not None else buf.dg  # what flows through W_hh
+    if spec.B == 0:  # an empty batch: nothing to launch
+        return
     for t in reversed(range(spec.T)):
         cells = buf.cells
         has_next = spec.fused and t + 1 < spec.T
@@ -618,6 +622,9 @@ def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -
         )
     if state_clip is not None and mode != "lstm":
         raise ValueError("state_clip applies to mode='lstm' only")
+    if x.dim() != 3 or x.shape[0] == 0:
+        # torch.nn's own message and type for an empty sequence.
+        raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
 
 
 def _default_fused(B: int) -> bool:
@@ -770,7 +777,7 @@ def _bwd_buffers(
 def _chunk_steps(T: int, B: int) -> int:
     """Steps per backward chunk: dG is kept for one chunk only, at most BWD_CHUNK_ROWS + B
     rows whatever T is; chunks of equal size so that no tiny remainder chunk runs."""
-    chunks = -(-T * B // BWD_CHUNK_ROWS)
+    chunks = max(1, -(-T * B // BWD_CHUNK_ROWS))
     return -(-T // chunks)
 
 
@@ -881,7 +888,7 @@ def layer_backward(
         dg, dgh = _bwd_chunk(chunk, fields, dh, dc, use_graph)
         dg, dgh = dg.view(n * B, gh), dgh.view(n * B, gh)
         if need_x:
-            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, -1))
+            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
         if need_wih:
             grad_wih.addmm_(dg.t(), x2d[rows])
         if need_bih:
