@@ -14,6 +14,7 @@ peak bytes of forward+backward, for
 * ``auto``          rnn_triton's defaults (what the op runs), memory="stash";
 * ``recompute``     auto with memory="recompute";
 * ``auto-graph``    auto with the whole forward+backward captured in one CUDA Graph;
+* ``fused-bwd``     split forward, fused backward, per-layer graphs;
 * ``module``        mirrorgrad.nn.<Mode>(impl="triton") end to end, when it imports.
 
 Writes ``DIR/rnn_kernels_<dtype>.json`` and ``.md``; prints the markdown table last.
@@ -50,9 +51,10 @@ METHODS = (
     "auto",
     "recompute",
     "auto-graph",
+    "fused-bwd",
     "module",
 )
-OURS = ("split-nograph", "fused-nograph", "split", "fused", "auto", "recompute")
+OURS = ("split-nograph", "fused-nograph", "split", "fused", "auto", "recompute", "fused-bwd")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -104,12 +106,15 @@ def _stack_forward_backward(
     h0: Tensor,
     c0: Tensor | None,
     grad_y: Tensor,
+    fused_bwd: bool | None = None,
     **opts,
 ) -> tuple[Tensor, list[Tensor], Tensor, list[Tensor]]:
     """Layers x directions of rnn_triton's contract, as the op composes them (no dropout).
 
-    Returns (y, [h_n, c_n], grad_x, parameter grads in rnn.parameters() order).
+    ``fused_bwd`` overrides ``fused`` for the backward. Returns (y, [h_n, c_n], grad_x,
+    parameter grads in rnn.parameters() order).
     """
+    bwd_opts = opts if fused_bwd is None else opts | {"fused": fused_bwd}
     D = 2 if rnn.bidirectional else 1
     inp, record, h_n, c_n = x, [], [], []
     for layer in range(rnn.num_layers):
@@ -138,7 +143,7 @@ def _stack_forward_backward(
             gy = g[..., d * rnn.hidden_size : (d + 1) * rnn.hidden_size]
             gy = gy.flip(0) if d else gy
             out = rnn_triton.layer_backward(
-                mode, saved, xin, h0k, c, *weights, None, y, gy, None, None, **opts
+                mode, saved, xin, h0k, c, *weights, None, y, gy, None, None, **bwd_opts
             )
             gx = out[0].flip(0) if d else out[0]
             g_in = gx if g_in is None else g_in + gx
@@ -306,6 +311,11 @@ def bench_config(
         "auto": ours,
         "recompute": lambda: ours("recompute"),
         "auto-graph": lambda: _graphed(ours(use_graph=False)),
+        "fused-bwd": lambda: (
+            lambda: _stack_forward_backward(
+                mode, rnn, x, h0, c0, gy, use_graph=True, fused=False, fused_bwd=True
+            )
+        ),
         "module": module_step,
     }
     for name in methods:
