@@ -7,10 +7,14 @@ Per layer and direction (time-major, x [T, B, I]):
   nonlinearities, cell update, state clip, lengths mask; writes y_t, h, c, stash);
 * backward: reverse loop with one fused pointwise kernel (writes the gate gradient
   dG_t and the direct state gradient) and one ``dG_t @ W_hh`` GEMM per step into a
-  reused buffer; then dW_ih, dW_hh, db as single GEMMs / reductions over all steps.
+  reused buffer; dW_ih, dW_hh, db and dx are GEMMs / reductions over the steps of a
+  chunk (at most BWD_CHUNK_ROWS rows), so backward's extra memory is flat in T.
+* ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
+  slower than cuBLAS on an H200 so far (docs/notes/rnn-gpu.md), hence off by default.
 
-At small sizes the step loops are captured once per shape in a CUDA Graph and
-replayed with static buffers (the loop is bound by host launches, not by the GPU).
+On CUDA the step loops are captured once per shape in a CUDA Graph and replayed with
+static buffers (the loop is bound by host launches, not by the GPU); inside an outer
+capture they run plainly and become part of it.
 
 Stash layout (``saved``), pre-activations P per step (biases folded):
   lstm:     stash (P [T,B,4H], cells [T+1,B,H] fp32)  recompute (cells,)
