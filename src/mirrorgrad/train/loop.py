@@ -331,6 +331,7 @@ class _Run:
         progress = tqdm(
             total=total_steps, initial=pos.step, disable=not self.world.is_main,
             unit="step", dynamic_ncols=True, desc=f"{cfg.model} lm",
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,  # keep captured logs short
         )  # fmt: skip
         valid_loss: float | None = None
         valid_step = -1
