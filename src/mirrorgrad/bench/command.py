@@ -209,14 +209,14 @@ class _Bench:
                     break
                 worker = _Worker(self.worker_cmd(workload, pending, phase), log, phase.env)
                 try:
-                    error = self._collect(worker, workload, pending, results, phase, bar)
+                    lost = self._collect(worker, workload, pending, results, phase, bar)
                 finally:
                     worker.stop()
-                if error is not None:
-                    # The method running when its worker hung or died is lost; the rest
-                    # go on in a new worker.
+                if lost is not None:
+                    # The method running when its worker hung, died or was stopped is
+                    # lost; the rest go on in a new worker.
                     name = pending.pop(0)
-                    results[name] = _not_run(workload, name, "failed", error)
+                    results[name] = _not_run(workload, name, *lost)
                     bar.update(1)
         return [results[name] for name in methods]
 
@@ -228,22 +228,23 @@ class _Bench:
         results: dict[str, dict[str, Any]],
         phase: _Phase,
         bar: tqdm,
-    ) -> str | None:
-        """Move the worker's results from ``pending`` to ``results``; the reason if the
-        worker hung or died with a method unreported, else None."""
+    ) -> tuple[str, str] | None:
+        """Move the worker's results from ``pending`` to ``results``; (status, reason)
+        if the worker hung, died or was stopped with a method unreported, else None."""
         while pending:
             bar.set_description(f"{workload} / {pending[0]}")
             try:
                 record = worker.next(self._timeout(phase))
             except queue.Empty:
                 if phase.kill_at is not None and time.time() >= phase.kill_at:
-                    return "stopped at the time limit"
-                return f"timed out after {self.args.method_timeout:g} s"
+                    return "skipped", "stopped at the time limit"
+                return "failed", f"timed out after {self.args.method_timeout:g} s"
             if record is None:
                 code = worker.stop()
                 if code == FATAL_EXIT:  # it reported the method that broke CUDA
                     return None
-                return f"worker exited with code {code}; see logs/{workload}.{phase.name}.log"
+                log = f"logs/{workload}.{phase.name}.log"
+                return "failed", f"worker exited with code {code}; see {log}"
             if record.pop("kind") == "env":
                 self.env = self.env or record
                 continue
