@@ -116,21 +116,42 @@ class BahdanauDecoder(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    def __init__(self, channels: int, width: int) -> None:
+    """ResNet's bottleneck block: 1x1 -> 3x3 -> 1x1 convolutions, each with BatchNorm,
+    ReLU after the first two and after the residual add."""
+
+    def __init__(self, channels: int, width: int, stride: int = 1, in_channels: int = 0) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(channels, width, 1, bias=False)
+        in_channels = in_channels or channels
+        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = nn.Conv2d(width, channels, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(channels)
+        self.shortcut = (
+            nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(channels),
+            )
+            if stride != 1 or in_channels != channels
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
         out = torch.relu(self.bn2(self.conv2(out)))
-        return torch.relu(self.bn3(self.conv3(out)) + x)
+        return torch.relu(self.bn3(self.conv3(out)) + self.shortcut(x))
 
 
-def resnet152_shaped(channels: int = 16, width: int = 4) -> nn.Sequential:
-    """ResNet-152's bottleneck stages (3, 8, 36, 3 blocks) at tiny widths, no downsampling."""
-    return nn.Sequential(*(Bottleneck(channels, width) for _ in range(3 + 8 + 36 + 3)))
+def resnet152_shaped(width: int = 4) -> nn.Sequential:
+    """ResNet-152's layout at tiny widths: 3, 8, 36 and 3 bottleneck blocks in four
+    stages, each stage doubling the channels and halving the resolution."""
+    blocks: list[nn.Module] = [nn.Conv2d(3, 4 * width, 3, padding=1, bias=False)]
+    in_channels = 4 * width
+    for stage, depth in enumerate((3, 8, 36, 3)):
+        w = width * 2**stage
+        for i in range(depth):
+            stride = 2 if stage > 0 and i == 0 else 1
+            blocks.append(Bottleneck(4 * w, w, stride=stride, in_channels=in_channels))
+            in_channels = 4 * w
+    return nn.Sequential(*blocks)

@@ -1,3 +1,4 @@
+import json
 import sys
 from pathlib import Path
 
@@ -5,10 +6,11 @@ import pytest
 import torch
 
 from mirrorgrad import _compat
+from mirrorgrad.graph.joint import op_name
 from mirrorgrad.mirror.budget import PlanOptions, plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import LayerNormGeluLinear, joint_of
+from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, resnet152_shaped
 
 
 def _deep_mlp(blocks: int = 4, d: int = 256) -> torch.nn.Sequential:
@@ -43,3 +45,72 @@ def _run(fwd, bwd, joint):
     saved = list(outs[joint.num_fwd_outputs :])
     tangents = [torch.randn(n.meta["val"].shape, generator=gen) for n in joint.tangents]
     return [g for g in bwd(*saved, *tangents) if g is not None]
+
+
+@pytest.fixture(scope="module")
+def resnet152_joint():
+    # ResNet-152's 3-8-36-3 bottleneck layout at 1/16 of its widths (16..512 channels).
+    return joint_of(resnet152_shaped(width=4), torch.randn(16, 3, 32, 32))
+
+
+def test_resnet152_shaped_peak_with_balance(resnet152_joint):
+    # NOTE: at these tiny widths a 1x1 convolution costs little next to a BatchNorm
+    # pass, so recomputation is dear: the 5% default cap holds the peak at 0.61x
+    # (0.59x uncapped). The 10% cap below is what this net needs for 0.6x.
+    p = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.10))
+    assert p.peak_after <= 0.6 * p.peak_before
+    assert p.added_time_s <= 0.10 * p.step_time_s
+    assert "convolution" not in {op_name(n).split("::")[-1] for n in p.mirrored}
+
+
+def test_balance_respects_the_overhead_cap(resnet152_joint):
+    capped = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.02))
+    assert 0 < capped.added_time_s <= 0.02 * capped.step_time_s
+    assert capped.peak_after < capped.peak_before
+    nothing = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.0))
+    assert nothing.mirrored == [] and nothing.peak_after == nothing.peak_before
+
+
+def test_budget_mode_is_monotone():
+    model = torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(6)))
+    joint = joint_of(model, torch.randn(8, 16, 16, 16))
+    peaks, times = [], []
+    for budget in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.4):
+        p = plan(joint, PlanOptions(mode="budget", budget=budget))
+        peaks.append(p.peak_after)
+        times.append(p.added_time_s)
+        assert p.peak_after <= p.peak_before
+        if p.peak_after > p.budget_bytes:
+            assert "NOT met" in str(p)
+    assert peaks == sorted(peaks, reverse=True)
+    assert peaks[0] == plan(joint, PlanOptions(mode="off")).peak_after and times[0] == 0
+    assert peaks[-1] < 0.8 * peaks[0]
+    # a budget in bytes is the same as the fraction it equals
+    in_bytes = plan(joint, PlanOptions(mode="budget", budget=int(0.8 * peaks[0])))
+    assert in_bytes.peak_after == plan(joint, PlanOptions(mode="budget", budget=0.8)).peak_after
+
+
+def test_explain_table_and_json():
+    joint = joint_of(_deep_mlp(blocks=2, d=512), torch.randn(512, 512))
+    p = plan(joint, PlanOptions(mode="balance", max_overhead=1.0))
+    text = str(p)
+    assert "mirror   gelu" in text and "aten::gelu" in text and "[512, 512]" in text
+    assert "estimated peak:" in text and "added FLOPs:" in text
+    d = json.loads(json.dumps(p.to_dict()))
+    assert {r["op"] for r in d["mirrored"]} == {"aten::gelu", "aten::native_layer_norm"}
+    assert d["stash_bytes_after"] == sum(r["bytes"] for r in d["stashed"])
+    assert d["peak_after"] == p.peak_after < d["peak_before"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "fast"}, "mode must be"),
+        ({"mode": "budget"}, "needs budget"),
+        ({"mode": "budget", "budget": -1}, "budget must be > 0"),
+        ({"max_overhead": -0.1}, "max_overhead"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanOptions(**kwargs)

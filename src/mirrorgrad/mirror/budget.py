@@ -337,15 +337,36 @@ class _Planner:
         return current
 
     def _costliest(self, units: set[Node], recomputed: set[Node]) -> Node:
-        """The mirrored unit whose recomputation costs most time per stash byte it saves."""
+        """The mirrored unit whose un-mirroring saves most time per stash byte it adds.
+
+        Stashing a unit's outputs also ends the recomputation of the mirrored
+        producers only it reads (a ReLU's BatchNorm): their time counts too.
+        """
 
         def score(u: Node) -> float:
             if u not in recomputed:
                 return -1.0  # nothing recomputes it: dropping it saves no time
             stash = sum(self.graph.cost(v) for v in self.graph.outputs(u))
-            return self.recompute[u].seconds / max(stash, 1)
+            return self._exclusive_seconds(u, units & recomputed) / max(stash, 1)
 
         return max(self.joint.sorted(units), key=score)
+
+    def _exclusive_seconds(self, unit: Node, recomputed: set[Node]) -> float:
+        """Recompute time of ``unit`` and of the recomputed producers only it needs."""
+        g = self.graph
+        chain, stack, seconds = {unit}, [unit], 0.0
+        while stack:
+            u = stack.pop()
+            seconds += self.recompute[u].seconds
+            for p in g.input_units(u):
+                if p in chain or p not in recomputed:
+                    continue
+                outputs = [v for v in g.outputs(p) if not g.is_free(v)]
+                readers = {r for v in outputs for r in g.readers(g.root(v))}
+                if readers <= chain:
+                    chain.add(p)
+                    stack.append(p)
+        return seconds
 
     def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
         """Mirror more, best bytes per second first, until the peak meets the budget.
