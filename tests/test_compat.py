@@ -106,3 +106,8 @@ def test_without_autograd_cache_turns_the_cache_off():
 
     with _compat.without_autograd_cache():
         assert config.enable_autograd_cache is False
+
+
+def test_extract_fwd_bwd_modules_takes_static_lifetime_input_nodes():
+    params = inspect.signature(_compat.extract_fwd_bwd_modules).parameters
+    assert params["static_lifetime_input_nodes"].kind is inspect.Parameter.KEYWORD_ONLY

@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from mirrorgrad import _compat
 from mirrorgrad.mirror import partition as partition_module
@@ -19,6 +20,7 @@ from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
     PartitionerKey,
+    one_per_storage,
     partition,
 )
 from mirrorgrad.mirror.policy import is_random, mark, policy_for
@@ -84,7 +86,8 @@ def test_partition_gives_eager_results(options):
     # The forward returns its output, then exactly the plan's saved values.
     fw_outputs = next(iter(graphs["fw"].graph.find_nodes(op="output"))).args[0]
     saved_names = [n.name for n in fw_outputs[1:]]
-    assert sorted(saved_names) == sorted(n.name for n in [*plan.saved, *plan.saved_sym])
+    expected = [*one_per_storage(plan.saved), *plan.saved_sym]
+    assert sorted(saved_names) == sorted(n.name for n in expected)
     # Mirrored values are computed in the backward, never read from the stash.
     bw_names = {n.name for n in graphs["bw"].graph.nodes if n.op != "placeholder"}
     assert {n.name for n in plan.mirrored} <= bw_names
@@ -225,3 +228,21 @@ def test_root_module_marks_reach_the_policy():
     (plan,) = plans
     assert plan.mirrored, "chain's own ops are still mirrored"
     assert not [n for n in plan.mirrored if "act" in str(n.meta.get("nn_module_stack"))]
+
+
+def test_one_per_storage_saves_a_base_instead_of_its_views():
+    def f(x):
+        y = torch.relu(x)
+        z = torch.tanh(x)
+        return y.t(), y.view(-1), z.view(-1), x.t(), x.view(-1)
+
+    gm = make_fx(f)(torch.randn(3, 4))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    y, z, x = nodes["relu"], nodes["tanh"], nodes["x_1"]
+    y_t, y_view, z_view, x_t, x_view = [nodes[n] for n in ("t", "view", "view_1", "t_1", "view_2")]
+    # Two views of relu (unsaved) -> relu; relu and its view -> relu; a lone view of
+    # tanh stays; views of an input alias the input and are never donated: kept.
+    assert one_per_storage([y_t, y_view]) == [y]
+    assert one_per_storage([y, y_view, y_t]) == [y]
+    assert one_per_storage([z_view, x_t, x_view]) == [z_view, x_t, x_view]
+    assert x.op == "placeholder" and z.target is torch.ops.aten.tanh.default

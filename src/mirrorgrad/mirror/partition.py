@@ -14,15 +14,16 @@ import dataclasses
 import tempfile
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from mirrorgrad import _compat
-from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view
 from mirrorgrad.mirror.budget import Plan, PlanOptions, plan
 from mirrorgrad.mirror.policy import is_random, policy_for
 
@@ -97,7 +98,7 @@ def _split(
     primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and _compat.is_primal(n)]
     fw_gm, bw_gm = _compat.extract_fwd_bwd_modules(
         joint_gm,
-        list(the_plan.saved),
+        one_per_storage(the_plan.saved),
         list(the_plan.saved_sym),
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes={primals[i] for i in static_indices},
@@ -107,6 +108,38 @@ def _split(
     bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
     _check_no_random_recompute(bw_gm)
     return _compat.raise_getitems(fw_gm), _compat.raise_getitems(bw_gm)
+
+
+def one_per_storage(saved: list[Node]) -> list[Node]:
+    """``saved`` with views of one saved storage replaced by their base.
+
+    AOTAutograd donates saved tensors that alias no input or output to the backward,
+    where Inductor may reuse their memory; it does not check saved tensors against
+    each other, so a saved view next to its saved base can be overwritten (wrong
+    gradients, seen on a Transformer block). Saving the base instead costs nothing
+    (the view kept its storage alive) and the backward recomputes the view for free.
+    """
+    roots = {n: _view_root(n) for n in saved}
+    sharers = Counter(roots.values())
+    result: list[Node] = []
+    for n in saved:
+        root = roots[n]
+        # Views of inputs alias a forward input: never donated, safe to keep.
+        keep = n if sharers[root] == 1 or root.op == "placeholder" else root
+        if keep not in result:
+            result.append(keep)
+    return result
+
+
+def _view_root(node: Node) -> Node:
+    """The node whose storage ``node`` aliases, through views and their getitems."""
+    while True:
+        if is_view(node):
+            node = node.args[0]
+        elif is_getitem(node) and is_view(node.args[0]):
+            node = node.args[0].args[0]
+        else:
+            return node
 
 
 def _check_no_random_recompute(bw_gm: GraphModule) -> None:
