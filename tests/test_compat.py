@@ -111,3 +111,7 @@ def test_without_autograd_cache_turns_the_cache_off():
 def test_extract_fwd_bwd_modules_takes_static_lifetime_input_nodes():
     params = inspect.signature(_compat.extract_fwd_bwd_modules).parameters
     assert params["static_lifetime_input_nodes"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_inductor_mode_options_maps_a_mode_to_settings():
+    assert _compat.inductor_mode_options("max-autotune")["max_autotune"] is True

@@ -147,6 +147,16 @@ def test_backend_for_torch_compile():
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
 
 
+def test_torch_compile_options_need_inductor_codegen():
+    model = torch.compile(
+        torch.nn.Linear(3, 3),
+        backend=mirrorgrad.backend(backend="eager"),
+        options={"max_autotune": True},
+    )
+    with pytest.raises(Exception, match="Inductor settings"):
+        model(torch.randn(2, 3))
+
+
 def test_compile_a_function():
     weight = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
 

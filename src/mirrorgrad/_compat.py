@@ -33,6 +33,8 @@ from torch._inductor.custom_graph_pass import (  # noqa: E402
 
 # The Inductor config entry that takes a CustomPartitionerFn in place of min-cut.
 INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
+# torch.compile(mode="max-autotune", ...) -> the Inductor settings that mode stands for.
+inductor_mode_options = torch._inductor.list_mode_options
 
 # --- Joint-graph node roles and sizes (used by graph/joint.py) ---------------------------
 from torch._functorch._aot_autograd.utils import _is_primal as is_primal  # noqa: E402
@@ -94,6 +96,7 @@ __all__ = [
     "functorch_config",
     "get_hash_for_files",
     "inductor_config",
+    "inductor_mode_options",
     "is_primal",
     "is_tangent",
     "min_cut_rematerialization_partition",

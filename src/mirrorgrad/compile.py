@@ -70,16 +70,35 @@ class MirrorBackend:
         if self.on_plan is not None:
             self.on_plan(plan)
 
-    def __call__(self, gm: GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+    def __call__(
+        self,
+        gm: GraphModule,
+        example_inputs: Sequence[object],
+        *,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ):
+        """Compile one Dynamo graph. ``mode`` and ``options`` are what ``torch.compile(...,
+        mode=, options=)`` forwards to a backend: Inductor's, so Inductor codegen only."""
+        if (mode or options) and self.codegen != "inductor":
+            raise ValueError(
+                "torch.compile mode=/options= are Inductor settings: use them "
+                "with backend='inductor'"
+            )
         # Without AOTAutograd's cache every compile runs the planner and records its plan.
         with _compat.without_autograd_cache():
             if self.codegen == "eager":
                 return self._aot_eager()(gm, example_inputs)
             partitioner = MirrorPartitioner(self.plan_options(), on_plan=self._record)
-            # Patched for this compilation only: other torch.compile calls keep min-cut.
-            settings = {**self.inductor_options, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+            settings = {
+                **(_compat.inductor_mode_options(mode) if mode else {}),
+                **self.inductor_options,
+                **(options or {}),
+                # Patched for this compilation only: other torch.compile calls keep min-cut.
+                _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner,
+            }
             with _compat.inductor_config.patch(settings):
-                return _compat.compile_fx(gm, example_inputs, **kwargs)
+                return _compat.compile_fx(gm, example_inputs)
 
     def _aot_eager(self) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
