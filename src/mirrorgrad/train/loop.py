@@ -67,7 +67,8 @@ class Summary:
             f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s",
             f"  perplexity   train {ppl(self.train_perplexity)}  "
             f"valid {ppl(self.valid_perplexity)}  test {ppl(self.test_perplexity)}",
-            f"  throughput   {self.samples_per_s:.1f} samples/s ({self.tokens_per_s:.0f} tokens/s)",
+            f"  throughput   {self.samples_per_s:.1f} samples/s ({self.tokens_per_s:.0f} tokens/s, "
+            "steps after the first)",
             f"  peak memory  without mirroring {mib(self.peak_estimated_without)} (plan "
             f"estimate), with {mib(self.peak_estimated_with)} (plan estimate)",
         ]
@@ -193,6 +194,7 @@ class _Run:
 
         self.position = _Position()
         self.state = self._initial_state()
+        self.eval_seconds = 0.0  # kept out of the throughput
         if resume is not None:
             self._restore(resume)
         if world.is_main and config.logdir is not None:
@@ -310,6 +312,7 @@ class _Run:
     @torch.no_grad()
     def evaluate(self, batches: Tensor) -> float:
         """Mean cross-entropy per token over a split (all ranks together)."""
+        started = time.perf_counter()
         self.model.eval()
         state = self.model.initial_state(batches.shape[1], self.device)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -318,7 +321,9 @@ class _Run:
             total += loss.double() * y.numel()
         self.model.train()
         tokens = (batches.shape[0] - 1) * batches.shape[1]
-        return float(distributed.mean(self.world, total)) / tokens
+        loss = float(distributed.mean(self.world, total)) / tokens
+        self.eval_seconds += time.perf_counter() - started
+        return loss
 
     def run(self) -> Summary:
         cfg, pos = self.config, self.position
@@ -338,7 +343,9 @@ class _Run:
         epoch_loss, epoch_steps = torch.zeros((), device=self.device), 0
         window_loss, window_steps = torch.zeros((), device=self.device), 0
         finished_epoch: tuple[Tensor, int] | None = None
-        start_step, started = pos.step, time.perf_counter()
+        started = time.perf_counter()
+        # Throughput counts from the end of the first step: that one compiles.
+        timed_from: tuple[int, float, float] | None = None  # step, time, eval seconds
         window_started = started
         interrupted = False
         stop = _StopRequest()
@@ -349,6 +356,9 @@ class _Run:
                 loss = self._step(x, y)
                 pos.step += 1
                 pos.window += 1
+                if timed_from is None:
+                    self._synchronize()
+                    timed_from = (pos.step, time.perf_counter(), self.eval_seconds)
                 epoch_loss += loss
                 window_loss += loss
                 epoch_steps += 1
@@ -357,8 +367,8 @@ class _Run:
 
                 last = pos.step == total_steps
                 if pos.step % cfg.log_freq == 0 or last:
-                    now = time.perf_counter()
                     mean_loss = float(distributed.mean(self.world, window_loss)) / window_steps
+                    now = time.perf_counter()
                     step_s = (now - window_started) / window_steps
                     metrics = {
                         "loss": mean_loss,
@@ -380,15 +390,23 @@ class _Run:
                     interrupted = stop.requested
 
                 if pos.window == self.windows_per_epoch:
+                    eval_started = self.eval_seconds
                     valid_loss, valid_step = self._end_epoch(), pos.step
+                    window_started += self.eval_seconds - eval_started
                     finished_epoch = (epoch_loss, epoch_steps)
                     epoch_loss, epoch_steps = torch.zeros((), device=self.device), 0
                 if interrupted:
                     break
                 if pos.step % cfg.ckpt_every == 0 and not last:
                     self._save()
+        self._synchronize()
         progress.close()
-        seconds = time.perf_counter() - started
+        now = time.perf_counter()
+        seconds = now - started
+        timed_steps, timed_seconds = 0, 0.0
+        if timed_from is not None:
+            timed_steps = pos.step - timed_from[0]
+            timed_seconds = now - timed_from[1] - (self.eval_seconds - timed_from[2])
         if epoch_steps == 0 and finished_epoch is not None:
             epoch_loss, epoch_steps = finished_epoch  # report the last complete epoch
         train_loss = (
@@ -405,7 +423,7 @@ class _Run:
             test_loss = None if self.test_data is None else self.evaluate(self.test_data)
         for cb in self.callbacks:
             cb.close()
-        steps_done = pos.step - start_step
+        per_s = timed_steps / timed_seconds if timed_steps else 0.0
 
         def ppl(loss: float | None) -> float | None:
             return None if loss is None else math.exp(min(loss, 700.0))
@@ -422,8 +440,8 @@ class _Run:
             valid_perplexity=ppl(valid_loss),
             test_perplexity=ppl(test_loss),
             seconds=seconds,
-            samples_per_s=steps_done * samples_per_step / seconds if seconds else 0.0,
-            tokens_per_s=steps_done * samples_per_step * cfg.bptt / seconds if seconds else 0.0,
+            samples_per_s=per_s * samples_per_step,
+            tokens_per_s=per_s * samples_per_step * cfg.bptt,
             peak_measured_bytes=(
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
@@ -432,6 +450,10 @@ class _Run:
             interrupted=interrupted,
             checkpoint=path,
         )
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
         # Carry the state across windows, but not its gradient (truncated BPTT).
