@@ -229,11 +229,12 @@ def _is_cuda_tensor(x: object) -> bool:
 
 
 def _snapshot(model: object) -> dict[torch.Tensor, torch.Tensor]:
+    """Copies of the buffers: a forward pass changes those (BatchNorm statistics), never
+    the parameters."""
     if not isinstance(model, nn.Module):
         return {}
-    tensors = [*model.parameters(), *model.buffers()]
     with torch.no_grad():
-        return {t: t.detach().clone() for t in tensors}
+        return {t: t.detach().clone() for t in model.buffers()}
 
 
 def _restore(state: dict[torch.Tensor, torch.Tensor]) -> None:
