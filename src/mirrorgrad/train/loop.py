@@ -48,6 +48,8 @@ class Summary:
     samples_per_s: float
     tokens_per_s: float
     peak_measured_bytes: int | None
+    peak_step_without: int | None
+    peak_step_with: int | None
     peak_estimated_without: int | None
     peak_estimated_with: int | None
     interrupted: bool = False
@@ -72,9 +74,14 @@ class Summary:
             f"  peak memory  without mirroring {mib(self.peak_estimated_without)} (plan "
             f"estimate), with {mib(self.peak_estimated_with)} (plan estimate)",
         ]
+        if self.peak_step_without is not None:
+            lines.append(
+                f"               measured, one step: without {mib(self.peak_step_without)}, "
+                f"with {mib(self.peak_step_with)}"
+            )
         if self.peak_measured_bytes is not None:
             lines.append(
-                f"               measured in this run: {mib(self.peak_measured_bytes)} per GPU"
+                f"               measured, whole run: {mib(self.peak_measured_bytes)} per GPU"
             )
         if self.checkpoint:
             lines.append(f"  checkpoint   {self.checkpoint}")
@@ -189,6 +196,7 @@ class _Run:
         )
         self.plan = self._explain() if world.is_main else None
         self.step_model = self._wrap(self.model)
+        self.step_peaks = self._measure_step_peaks()
         # Dropout masks differ between ranks, as they would between batch columns.
         torch.manual_seed(config.seed + world.rank)
 
@@ -231,6 +239,41 @@ class _Run:
         except Exception as e:  # an estimate for the log must never stop training
             warnings.warn(f"mirrorgrad.explain failed, no plan in the logs: {e}", stacklevel=2)
             return None
+
+    def _measure_step_peaks(self) -> tuple[int, int] | None:
+        """Measured peak bytes of one forward+backward without and with mirroring.
+
+        CUDA and one process only. Runs before training, leaves no gradients, and the
+        RNG is seeded afresh after it, so training is the same with or without it.
+        """
+        if self.device.type != "cuda" or self.world.distributed:
+            return None
+        mirror = self.config.mirror
+        other = "balance" if mirror.mode == "off" else "off"
+        other_model = mirrorgrad.compile(self.model, mode=other, backend="inductor")
+        pair = (
+            (self.step_model, other_model)
+            if mirror.mode == "off"
+            else (other_model, self.step_model)
+        )
+        try:
+            return tuple(self._step_peak(m) for m in pair)
+        except Exception as e:  # a measurement for the summary must never stop training
+            warnings.warn(f"could not measure the step peaks: {e}", stacklevel=2)
+            return None
+        finally:
+            self.model.zero_grad(set_to_none=True)
+
+    def _step_peak(self, step_model: nn.Module) -> int:
+        inputs = self._example_inputs()
+        for _ in range(2):  # the first call compiles (and may autotune)
+            self.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            loss, _ = step_model(*inputs)
+            loss.backward()
+            torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.world.distributed:
@@ -445,6 +488,8 @@ class _Run:
             peak_measured_bytes=(
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
+            peak_step_without=None if self.step_peaks is None else self.step_peaks[0],
+            peak_step_with=None if self.step_peaks is None else self.step_peaks[1],
             peak_estimated_without=getattr(self.plan, "peak_before", None),
             peak_estimated_with=getattr(self.plan, "peak_after", None),
             interrupted=interrupted,
