@@ -36,8 +36,9 @@ def test_workload_names():
 
 
 def test_method_names():
-    assert set(METHODS) == set(BASE_METHODS) | {f"{m}+mgnn" for m in MGNN_BASES}
-    assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in MGNN_BASES)
+    assert set(METHODS) == set(BASE_METHODS) | {f"{m}+mgnn" for m in BASE_METHODS}
+    assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
+    assert set(MGNN_BASES) <= set(BASE_METHODS)
     assert default_methods(recurrent=False) == list(BASE_METHODS)
     assert default_methods(recurrent=True) == [*BASE_METHODS, *(f"{m}+mgnn" for m in MGNN_BASES)]
     assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}

@@ -140,15 +140,15 @@ def _base_methods() -> list[Method]:
     return methods
 
 
-# Methods that also run with mirrorgrad.nn RNN modules on recurrent workloads.
+# The `+mgnn` methods run by default on recurrent workloads (all exist, for --methods).
 MGNN_BASES = ("eager", "compile", "mirror-balance", "mirror-budget-0.3")
 
 
 def _registry() -> dict[str, Method]:
-    methods = {m.name: m for m in _base_methods()}
-    for base in MGNN_BASES:
-        m = methods[base]
-        name = f"{base}+mgnn"
+    bases = _base_methods()
+    methods = {m.name: m for m in bases}
+    for m in bases:
+        name = f"{m.name}+mgnn"
         methods[name] = dataclasses.replace(
             m, name=name, description=m.description + ", mirrorgrad.nn RNNs", swap_rnn=True
         )
@@ -166,5 +166,6 @@ def get_method(name: str) -> Method:
 
 
 def default_methods(recurrent: bool) -> list[str]:
-    """All methods that apply: the ``+mgnn`` ones only where there are RNNs to swap."""
-    return [name for name, m in METHODS.items() if recurrent or not m.swap_rnn]
+    """Every method without RNN swap, and on recurrent workloads the MGNN_BASES ones with."""
+    mgnn = [f"{base}+mgnn" for base in MGNN_BASES] if recurrent else []
+    return [name for name, m in METHODS.items() if not m.swap_rnn] + mgnn

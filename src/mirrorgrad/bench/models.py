@@ -236,8 +236,8 @@ class DeepSpeech2(nn.Module):
         # CTC has no bf16 kernel; its log-probabilities are small ([T', B, chars]).
         log_probs = F.log_softmax(self.fc(x).float(), dim=-1)
         T, B = log_probs.shape[:2]
-        input_lengths = torch.full((B,), T, dtype=torch.long, device=x.device)
-        label_lengths = torch.full((B,), labels.shape[1], dtype=torch.long, device=x.device)
+        # Dynamo breaks the graph at CTC (data-dependent shapes): only the loss runs eager.
+        input_lengths, label_lengths = [T] * B, [labels.shape[1]] * B
         return F.ctc_loss(log_probs, labels, input_lengths, label_lengths, zero_infinity=True)
 
 
