@@ -277,8 +277,12 @@ class _Run:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.world.distributed:
+            # Gradients as views of the all-reduce buckets: no second copy of them, so
+            # the per-GPU peak stays that of one process with the same per-GPU batch.
             model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
             )
         mirror = self.config.mirror
         backend = "inductor" if self.device.type == "cuda" else "eager"
