@@ -8,7 +8,7 @@ import pytest
 from tqdm import tqdm
 
 from mirrorgrad import cli
-from mirrorgrad.bench.command import _Bench, _Phase
+from mirrorgrad.bench.command import _Bench, _Phase, _share
 from mirrorgrad.bench.explain import parse_mode
 
 METHODS = ["eager", "checkpoint", "compile-budget-0.5", "mirror-balance"]
@@ -149,3 +149,11 @@ def test_parse_mode(text, options):
 def test_parse_mode_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError, match="budget:FRACTION"):
         parse_mode(text)
+
+
+def test_time_shares_pass_unused_time_on():
+    assert _share(100.0, None, 3) is None
+    assert _share(100.0, 190.0, 3) == 130.0
+    # A workload that finished early leaves its time to the next ones.
+    assert _share(110.0, 190.0, 2) == 150.0
+    assert _share(200.0, 190.0, 1) == 200.0

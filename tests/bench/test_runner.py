@@ -7,7 +7,7 @@ import torch
 
 from mirrorgrad.bench import report
 from mirrorgrad.bench.methods import Method, get_method
-from mirrorgrad.bench.runner import RunOptions, measure
+from mirrorgrad.bench.runner import RunOptions, measure, probe
 from mirrorgrad.bench.workloads import WORKLOADS
 
 OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
@@ -105,3 +105,15 @@ def test_ratios_and_markdown():
     assert len(rows) == 1 + len(methods)
     assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
     assert "- `checkpoint` failed: OutOfMemoryError: x" in table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_and_probe():
+    opts = dataclasses.replace(OPTS, device="cuda")
+    result = measure(WORKLOADS["mlp"], get_method("eager"), opts)
+    assert result.status == "ok" and result.peak_source == "cuda"
+    assert result.peak_bytes >= 2 * result.param_bytes
+    opts = dataclasses.replace(opts, batch=4)
+    assert probe(WORKLOADS["mlp"], get_method("eager"), opts, cap_bytes=10**9).fits
+    torch.cuda.set_per_process_memory_fraction(1.0)
