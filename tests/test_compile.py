@@ -286,3 +286,30 @@ def test_public_name_stays_callable_once_its_module_is_imported():
     assert mirrorgrad.compile is module or mirrorgrad.compile is module.compile
     compiled = mirrorgrad.compile(torch.nn.Linear(2, 2), backend="eager")
     assert compiled._mirrorgrad_plans == []
+
+
+class _FusedLSTMLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        import mirrorgrad.nn
+
+        self.embed = torch.nn.Embedding(11, 8)
+        self.rnn = mirrorgrad.nn.LSTM(8, 10, num_layers=2)
+        self.decoder = torch.nn.Linear(10, 11)
+
+    def forward(self, tokens):
+        y, _ = self.rnn(torch.tanh(self.embed(tokens)))
+        return self.decoder(torch.relu(y))
+
+
+def test_mirrorgrad_nn_lstm_goes_through_the_planner_as_one_op():
+    reference = _FusedLSTMLM().double()
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3, backend="eager")
+    tokens = torch.randint(0, 11, (5, 3))
+    with no_fallback():
+        step(compiled, (tokens,))
+    step(reference, (tokens,))
+    assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
+    (plan,) = compiled._mirrorgrad_plans
+    assert plan.mirrored and not [n for n in plan.mirrored if "mirrorgrad" in str(n.target)]
