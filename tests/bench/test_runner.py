@@ -90,13 +90,21 @@ def test_ratios_and_markdown():
     methods = [
         {"method": "eager", "status": "ok", "peak_bytes": 400, "median_ms": 2.0},
         {"method": "compile", "status": "ok", "peak_bytes": 200, "median_ms": 1.0},
-        {"method": "mirror-balance", "status": "ok", "peak_bytes": 100, "median_ms": 1.5},
+        {
+            "method": "mirror-balance",
+            "status": "ok",
+            "peak_bytes": 100,
+            "median_ms": 1.5,
+            "est_peak_bytes": 90,
+            "est_graphs": 2,
+        },
         {"method": "checkpoint", "status": "failed", "error": "OutOfMemoryError: x"},
     ]
     report.add_ratios(methods)
     mirror = methods[2]
     assert mirror["peak_vs_compile"] == 0.5 and mirror["time_vs_compile"] == 1.5
     assert mirror["peak_vs_eager"] == 0.25 and mirror["time_vs_eager"] == 0.75
+    assert mirror["est_vs_measured"] == 0.9
     assert "peak_vs_compile" not in methods[3]
     for m in methods[:3]:
         m.update(batch=4, p20_ms=m["median_ms"], p80_ms=m["median_ms"], samples_per_s=1.0)
@@ -105,6 +113,7 @@ def test_ratios_and_markdown():
     assert len(rows) == 1 + len(methods)
     assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
     assert "- `checkpoint` failed: OutOfMemoryError: x" in table
+    assert "largest of 2 compiled graphs" in table
 
 
 @pytest.mark.gpu

@@ -16,9 +16,12 @@ BASELINES = ("eager", "compile")
 
 
 def add_ratios(methods: list[dict[str, Any]]) -> None:
-    """Set ``peak_vs_<base>`` and ``time_vs_<base>`` on each successful result."""
+    """Set ``peak_vs_<base>`` and ``time_vs_<base>`` on each successful result, and
+    ``est_vs_measured`` where the planner estimated the peak."""
     by_name = {m["method"]: m for m in methods if m["status"] == "ok"}
     for m in by_name.values():
+        if m.get("est_peak_bytes"):
+            m["est_vs_measured"] = m["est_peak_bytes"] / m["peak_bytes"]
         for base_name in BASELINES:
             base = by_name.get(base_name)
             ok = base is not None and base["peak_bytes"] and base["median_ms"]
@@ -110,6 +113,11 @@ def workload_table(name: str, workload: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
         if m.get("est_error"):
             notes.append(f"- `{m['method']}`: no planner estimate ({m['est_error']})")
+        elif m.get("est_graphs", 0) > 1:
+            notes.append(
+                f"- `{m['method']}`: graph breaks; the estimate is the largest of "
+                f"{m['est_graphs']} compiled graphs' peaks, not the step's"
+            )
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)
