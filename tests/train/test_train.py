@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mirrorgrad.callbacks import Callback
 from mirrorgrad.train import checkpoint
 from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+from mirrorgrad.train.distributed import World
 from mirrorgrad.train.loop import train
 from mirrorgrad.train.model import LanguageModel
 
@@ -119,3 +120,28 @@ def test_tied_weights_share_the_embedding():
     narrow = dataclasses.replace(PRESETS["tiny"], hidden=64)
     with pytest.raises(ValueError, match="--tie-weights"):
         LanguageModel(50, narrow, tie_weights=True)
+
+
+def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp_path, monkeypatch):
+    # The probe runs on one GPU; here torch.cuda's memory counters are stand-ins.
+    import mirrorgrad
+    from mirrorgrad.train import loop
+
+    run = loop._Run(
+        make_config(corpus, None, mirror=Mirror.parse("off")), World(), torch.device("cpu"), []
+    )
+    compiled, real_compile = [], mirrorgrad.compile
+
+    def compile_eagerly(model, *, mode, backend):
+        compiled.append(mode)
+        return real_compile(model, mode=mode, backend="eager")
+
+    peaks = iter([111, 222])  # read once per mode, after a compiling call and a measured one
+    monkeypatch.setattr(loop.mirrorgrad, "compile", compile_eagerly)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    # --mirror off: "without" is the training model, "with" a balance-mode compile.
+    assert run._measure_step_peaks() == (111, 222)
+    assert compiled == ["balance"]
+    assert all(p.grad is None for p in run.model.parameters())

@@ -196,7 +196,8 @@ class _Run:
         )
         self.plan = self._explain() if world.is_main else None
         self.step_model = self._wrap(self.model)
-        self.step_peaks = self._measure_step_peaks()
+        one_gpu = device.type == "cuda" and not world.distributed
+        self.step_peaks = self._measure_step_peaks() if one_gpu else None
         # Dropout masks differ between ranks, as they would between batch columns.
         torch.manual_seed(config.seed + world.rank)
 
@@ -243,11 +244,9 @@ class _Run:
     def _measure_step_peaks(self) -> tuple[int, int] | None:
         """Measured peak bytes of one forward+backward without and with mirroring.
 
-        CUDA and one process only. Runs before training, leaves no gradients, and the
-        RNG is seeded afresh after it, so training is the same with or without it.
+        For one GPU. Runs before training, leaves no gradients, and the RNG is seeded
+        afresh after it, so training is the same with or without it.
         """
-        if self.device.type != "cuda" or self.world.distributed:
-            return None
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
         other_model = mirrorgrad.compile(self.model, mode=other, backend="inductor")
