@@ -27,7 +27,7 @@ from mirrorgrad.mirror.policy import policy_for
 CODEGENS = ("inductor", "eager")
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(kw_only=True, slots=True, eq=False)  # a backend is compared by identity
 class MirrorBackend:
     """A ``torch.compile`` backend that partitions with the mirror planner.
 
