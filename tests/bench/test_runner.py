@@ -1,13 +1,16 @@
 """measure(): a failing method is a result, never an exception; the CPU peak estimate."""
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from mirrorgrad.bench import report
 from mirrorgrad.bench.methods import Method, get_method
-from mirrorgrad.bench.runner import RunOptions, measure, probe
+from mirrorgrad.bench.runner import FATAL_EXIT, MARKER, RunOptions, measure, probe
 from mirrorgrad.bench.workloads import WORKLOADS
 
 OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
@@ -126,3 +129,27 @@ def test_cuda_peak_and_probe():
     opts = dataclasses.replace(opts, batch=4)
     assert probe(WORKLOADS["mlp"], get_method("eager"), opts, cap_bytes=10**9).fits
     torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_cuda_error_reports_then_exits_the_worker():
+    # A broken CUDA context poisons later methods: the worker reports and exits (3).
+    code = """
+from mirrorgrad.bench.methods import Method
+from mirrorgrad.bench.runner import RunOptions, measure
+from mirrorgrad.bench.workloads import WORKLOADS
+
+def wrap(model, blocks, backend):
+    def step_fn(*batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return step_fn
+
+measure(WORKLOADS["mlp"], Method(name="x", description="", wrap=wrap, compiles=False),
+        RunOptions(quick=True, steps=1, warmup=1))
+print("not reached")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == FATAL_EXIT
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith(MARKER)]
+    record = json.loads(line[len(MARKER) :])
+    assert (record["method"], record["status"]) == ("x", "failed")
+    assert "illegal memory access" in record["error"]

@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -194,8 +195,8 @@ def _planner_estimate(
 ) -> tuple[int | None, int | None, int]:
     """(estimated peak with the method's plan, without mirroring, graphs planned).
 
-    Uses the plans the compiled model applied; where Inductor's cache served the
-    graphs (no plan made), asks ``mirrorgrad.explain`` for the same options. With
+    Uses the plans the compiled model applied; where none was made (a cache served
+    the graphs), asks ``mirrorgrad.explain`` for the same options. With
     graph breaks each graph has its own plan: the one with the largest peak is shown.
     """
     if method.mirror_options is None:
@@ -272,7 +273,8 @@ def measure(workload: Workload, method: Method, opts: RunOptions) -> MethodResul
         result.status, result.error = "failed", _short_error(e)
         if _is_fatal(e):
             _emit({"kind": "result", **result.to_dict()})
-            raise SystemExit(FATAL_EXIT) from e
+            # Exit now: any cleanup would touch the broken context and fail again.
+            os._exit(FATAL_EXIT)
     else:
         try:
             (
