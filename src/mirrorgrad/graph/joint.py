@@ -85,6 +85,8 @@ class JointGraph:
     forward_set: frozenset[Node] = field(repr=False)
     order: dict[Node, int] = field(repr=False)
     _nbytes: dict[Node, int] = field(init=False, repr=False, default_factory=dict)
+    _inputs: dict[Node, tuple[Node, ...]] = field(init=False, repr=False, default_factory=dict)
+    _storage: dict[Node, Node] = field(init=False, repr=False, default_factory=dict)
 
     @classmethod
     def from_fx(cls, gm: GraphModule, num_fwd_outputs: int) -> JointGraph:
@@ -151,6 +153,26 @@ class JointGraph:
         if size is None:
             size = self._nbytes[node] = value_nbytes(node.meta.get("val"))
         return size
+
+    def inputs(self, node: Node) -> tuple[Node, ...]:
+        """``node.all_input_nodes``, cached (the planner asks for it very often)."""
+        inputs = self._inputs.get(node)
+        if inputs is None:
+            inputs = self._inputs[node] = tuple(node.all_input_nodes)
+        return inputs
+
+    def storage(self, node: Node) -> Node:
+        """The node whose allocation ``node`` lives in: itself, or a view's base."""
+        base = self._storage.get(node)
+        if base is None:
+            base = node
+            while is_view(base):
+                tensors = [a for a in self.inputs(base) if a.meta.get("val") is not None]
+                if not tensors:
+                    break
+                base = tensors[0]
+            self._storage[node] = base
+        return base
 
     def sorted(self, nodes) -> list[Node]:
         """``nodes`` in graph order (the deterministic order used everywhere)."""

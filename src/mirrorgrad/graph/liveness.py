@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,7 +44,7 @@ class Liveness:
 def forward_schedule(joint: JointGraph, saved: Iterable[Node]) -> list[Node]:
     """Forward nodes the forward module runs: those its outputs and saved values need."""
     roots = [n for n in (*joint.fwd_outputs, *saved) if n in joint.forward_set]
-    return joint.sorted(_closure(roots, joint.forward_set))
+    return joint.sorted(_closure(joint, roots, joint.forward_set))
 
 
 def backward_schedule(
@@ -54,9 +54,9 @@ def backward_schedule(
     available = set(saved) | set(joint.tangents)
     allowed = (set(joint.backward) | set(mirrored)) - available
     roots = [n for n in joint.bwd_outputs if n not in available]
-    needed = _closure(roots, allowed)
+    needed = _closure(joint, roots, allowed)
     for n in needed:
-        for a in n.all_input_nodes:
+        for a in joint.inputs(n):
             if a not in needed and a not in available:
                 raise JointGraphError(
                     f"backward node {n.name} reads {a.name}, which is neither saved nor recomputed"
@@ -118,19 +118,11 @@ class _Simulator:
         self.live_bytes = 0
         self.timeline: list[Event] = []
 
-    def storage(self, value: Node) -> Node:
-        while is_view(value):
-            bases = [a for a in value.all_input_nodes if a.meta.get("val") is not None]
-            if not bases:
-                break
-            value = bases[0]
-        return value
-
     def hold(self, value: Node) -> None:
         if value in self.alive:
             return
         self.alive.add(value)
-        s = self.storage(value)
+        s = self.joint.storage(value)
         self.refs[s] = self.refs.get(s, 0) + 1
         if self.refs[s] == 1:
             self.live_bytes += self.joint.nbytes(s)
@@ -139,13 +131,13 @@ class _Simulator:
         if value not in self.alive:
             return
         self.alive.remove(value)
-        s = self.storage(value)
+        s = self.joint.storage(value)
         self.refs[s] -= 1
         if self.refs[s] == 0:
             self.live_bytes -= self.joint.nbytes(s)
 
     def release_unread(self, saved: list[Node], bwd: list[Node]) -> None:
-        read = {a for n in bwd for a in n.all_input_nodes}
+        read = {a for n in bwd for a in self.joint.inputs(n)}
         kept = set(self.joint.fwd_outputs) | set(self.joint.primals)
         for s in saved:
             if s not in read and s not in kept:
@@ -153,13 +145,15 @@ class _Simulator:
 
     def run(self, phase: str, schedule: list[Node], keep: set[Node]) -> None:
         last_use: dict[Node, int] = {}
-        for i, n in enumerate(schedule):
-            for a in n.all_input_nodes:
+        inputs = [self.joint.inputs(n) for n in schedule]
+        for i, args in enumerate(inputs):
+            for a in args:
                 last_use[a] = i
         scheduled = set(schedule)
         for i, n in enumerate(schedule):
             transient = 0
-            if _is_tuple(n):
+            tuple_valued = _is_tuple(n)
+            if tuple_valued:
                 # A multi-output op allocates all its outputs; those nobody reads die at once.
                 produced = [u for u in n.users if is_getitem(u) and u in scheduled]
                 for g in produced:
@@ -172,10 +166,10 @@ class _Simulator:
             )
             if len(self.timeline) - 1 == self.live_at:
                 self.snapshot = self.joint.sorted(self.alive)
-            for a in n.all_input_nodes:
+            for a in inputs[i]:
                 if last_use.get(a) == i and a not in keep:
                     self.drop(a)
-            if n not in last_use and n not in keep and not _is_tuple(n):
+            if n not in last_use and n not in keep and not tuple_valued:
                 self.drop(n)
 
 
@@ -183,7 +177,9 @@ def _is_tuple(node: Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
-def _closure(roots: list[Node], allowed: set[Node] | frozenset[Node]) -> set[Node]:
+def _closure(
+    joint: JointGraph, roots: list[Node], allowed: set[Node] | frozenset[Node]
+) -> set[Node]:
     seen: set[Node] = set()
     stack = [r for r in roots if r in allowed]
     while stack:
@@ -191,7 +187,7 @@ def _closure(roots: list[Node], allowed: set[Node] | frozenset[Node]) -> set[Nod
         if n in seen:
             continue
         seen.add(n)
-        stack.extend(a for a in n.all_input_nodes if a in allowed and a not in seen)
+        stack.extend(a for a in joint.inputs(n) if a in allowed and a not in seen)
     return seen
 
 
@@ -200,7 +196,7 @@ def _autograd_order(joint: JointGraph, nodes: set[Node]) -> list[Node]:
     tangent reader in graph order; before each, run its not-yet-run inputs."""
     ordered = joint.sorted(nodes)
     tangents = set(joint.tangents)
-    first = next((i for i, n in enumerate(ordered) if tangents & set(n.all_input_nodes)), None)
+    first = next((i for i, n in enumerate(ordered) if tangents.intersection(joint.inputs(n))), None)
     if first is None:
         return ordered
     done: set[Node] = set()
@@ -215,7 +211,7 @@ def _autograd_order(joint: JointGraph, nodes: set[Node]) -> list[Node]:
             if d in deps or d in done:
                 continue
             deps.add(d)
-            stack.extend(a for a in d.all_input_nodes if a in nodes)
+            stack.extend(a for a in joint.inputs(d) if a in nodes)
         for d in joint.sorted(deps):
             done.add(d)
             schedule.append(d)

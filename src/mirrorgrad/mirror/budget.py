@@ -30,6 +30,8 @@ Mode = Literal["balance", "budget", "off"]
 # REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
 MAX_REPAIR_TRIALS = 256
 REPAIR_CANDIDATES = 4
+# Liveness simulations the budget search may spend.
+MAX_BUDGET_TRIALS = 512
 MODES = ("balance", "budget", "off")
 
 
@@ -371,32 +373,30 @@ class _Planner:
     def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
         """Mirror more, best bytes per second first, until the peak meets the budget.
 
-        Chunks of the ranking double while the peak drops and halve when it does
-        not; a single unit that leaves the peak unchanged is kept (it can open a
-        chain: mirroring a ReLU only pays once its BatchNorm is mirrored too), one
-        that raises it is never tried again. Short of the budget at the end, the
+        Chunks of the ranking double while the peak does not rise (a step that
+        leaves it unchanged can open a chain: mirroring a ReLU pays only once its
+        BatchNorm is mirrored too) and halve when it does; a single unit that
+        raises the peak is never tried again. Short of the budget at the end, the
         lifetime repair may still lower the peak. Nothing here depends on the
         budget but when to stop, so a lower budget walks further down the same
         path and never ends at a higher peak.
         """
         current, rejected, k = before, set(), 1
-        while current.peak > budget_bytes:
+        for _ in range(MAX_BUDGET_TRIALS):
+            if current.peak <= budget_bytes:
+                return current
             ranked = self._ranked_additions(current, rejected)
             if not ranked:
                 break
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
-            if trial.peak < current.peak:
+            if trial.peak <= current.peak:
                 current, k = trial, k * 2
-            elif trial.peak == current.peak and k == 1:
-                current = trial
             elif k > 1:
                 k //= 2
             else:
                 rejected.add(chunk[0])
-        if current.peak > budget_bytes:
-            current = self.shorten_recompute_lifetimes(current)
-        return current
+        return self.shorten_recompute_lifetimes(current)
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
         """Mirrorable stashed units, best bytes freed per added second first."""
