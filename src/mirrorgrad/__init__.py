@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 # Imported on first use: `import mirrorgrad` stays cheap and a CLI subcommand loads
 # only what it needs.
 _LAZY = {
-    "compile": ("mirrorgrad.compile", "compile"),
-    "backend": ("mirrorgrad.compile", "backend"),
-    "explain": ("mirrorgrad.compile", "explain"),
+    "compile": ("mirrorgrad.compiler", "compile"),
+    "backend": ("mirrorgrad.compiler", "backend"),
+    "explain": ("mirrorgrad.compiler", "explain"),
     "mark": ("mirrorgrad.mirror.policy", "mark"),
     "nn": ("mirrorgrad.nn", None),
     "callbacks": ("mirrorgrad.callbacks", None),

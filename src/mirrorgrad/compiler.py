@@ -1,5 +1,8 @@
 """``mirrorgrad.compile``, ``mirrorgrad.backend`` and ``mirrorgrad.explain``.
 
+(DESIGN.md calls this module compile.py; a module named like the public function
+``mirrorgrad.compile`` would replace that function on the package once imported.)
+
 ``torch.compile`` with the mirror planner as its partitioner: Dynamo captures the
 graph, AOTAutograd builds the joint forward+backward graph, the planner chooses what
 to stash, and either Inductor generates code (``backend="inductor"``) or the two
@@ -9,8 +12,6 @@ graphs run as they are (``backend="eager"``: no code generation).
 from __future__ import annotations
 
 import functools
-import sys
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,16 +242,3 @@ def _restore(state: dict[torch.Tensor, torch.Tensor]) -> None:
     with torch.no_grad():
         for tensor, saved in state.items():
             tensor.copy_(saved)
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``mirrorgrad.compile`` (this module) makes the import system set the
-    package attribute ``mirrorgrad.compile`` to the module, hiding the function of that
-    name; calling the module calls the function, so ``mirrorgrad.compile(model)`` works
-    either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        return compile(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
