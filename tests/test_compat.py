@@ -115,3 +115,10 @@ def test_extract_fwd_bwd_modules_takes_static_lifetime_input_nodes():
 
 def test_inductor_mode_options_maps_a_mode_to_settings():
     assert _compat.inductor_mode_options("max-autotune")["max_autotune"] is True
+
+
+def test_inductor_decompositions_decompose_batch_norm():
+    import torch
+
+    table = _compat.inductor_decompositions()
+    assert torch.ops.aten._native_batch_norm_legit_functional.default in table

@@ -55,6 +55,13 @@ def op_schema(op: OpOverload) -> torch.FunctionSchema:
     return op._schema
 
 
+def inductor_decompositions() -> dict:
+    """The decompositions Inductor traces joint graphs with (planner tests use them)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 # --- torch.compile's own recompute budget (used by bench/methods.py) ---------------------
 from torch._functorch import config as functorch_config  # noqa: E402
 
@@ -96,6 +103,7 @@ __all__ = [
     "functorch_config",
     "get_hash_for_files",
     "inductor_config",
+    "inductor_decompositions",
     "inductor_mode_options",
     "is_primal",
     "is_tangent",
