@@ -22,6 +22,7 @@ _LAZY = {
     "backend": ("mirrorgrad.compiler", "backend"),
     "explain": ("mirrorgrad.compiler", "explain"),
     "mark": ("mirrorgrad.mirror.policy", "mark"),
+    "MirrorgradFallbackWarning": ("mirrorgrad.mirror.partition", "MirrorgradFallbackWarning"),
     "nn": ("mirrorgrad.nn", None),
     "callbacks": ("mirrorgrad.callbacks", None),
 }
