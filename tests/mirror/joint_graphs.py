@@ -32,8 +32,12 @@ def _nop(gm, _example_inputs):
     return _compat.boxed_nop(gm, _example_inputs)
 
 
-def joint_of(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
-    """The joint graph of ``model(*inputs).sum()``'s forward and backward."""
+def joint_of(model: nn.Module, *inputs: torch.Tensor, decompose: bool = False) -> JointGraph:
+    """The joint graph of ``model(*inputs)``'s forward and backward.
+
+    ``decompose=True`` traces with Inductor's decompositions (BatchNorm becomes
+    var_mean and pointwise ops), as ``torch.compile`` hands the graph to us.
+    """
     capture = _Capture()
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -42,7 +46,11 @@ def joint_of(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
         return torch.func.functional_call(model, {**params, **buffers}, args)
 
     compiled = _compat.aot_function(
-        fn, fw_compiler=_nop, bw_compiler=_nop, partition_fn=capture.partition
+        fn,
+        fw_compiler=_nop,
+        bw_compiler=_nop,
+        partition_fn=capture.partition,
+        decompositions=_compat.inductor_decompositions() if decompose else None,
     )
     out = compiled(params, buffers, *inputs)
     del out

@@ -1,15 +1,20 @@
 """Peak-aware planning: what to stash, what to mirror, judged by the step's peak.
 
 - ``off``: no mirroring; every forward value the backward reads is stashed.
-- ``balance``: the storage-balance decision (echo.py), then the cap: if its added
-  time exceeds ``max_overhead`` of the step, un-mirror the costliest ops (by time
-  saved per stash byte added) until it fits. A plan whose peak is not below the
-  unmirrored peak is dropped for no mirroring: time spent for nothing.
+- ``balance``: the storage-balance decision (echo.py); then the lifetime repair
+  (stash recomputed values that sit alive at the simulated backward peak, while
+  that lowers it); then the cap: while the added time exceeds ``max_overhead`` of
+  the step, un-mirror the op saving most time per stash byte added. A plan whose
+  peak is not below the unmirrored peak is dropped for no mirroring: time spent
+  for nothing.
 - ``budget``: the least added time that meets a peak budget: starting from no
-  mirroring, mirror one op at a time, best bytes freed per added second first,
-  keeping a step only if the simulated peak does not rise, until the peak meets
-  the budget. The sequence of steps does not depend on the budget, so a lower
-  budget never gives a higher peak.
+  mirroring, mirror more ops, best bytes freed per added second first, keeping a
+  step only if the simulated peak does not rise, until the peak meets the budget.
+  The sequence of steps does not depend on the budget, so a lower budget never
+  gives a higher peak.
+
+Every plan is checked before it is returned: no random op recomputed, every
+backward read either saved or recomputed from saved values.
 """
 
 from __future__ import annotations

@@ -122,14 +122,15 @@ class _Echo:
         g = self.g
         heads = [g.producer(g.root(v)) for v in g.joint.fwd_outputs]
         worklist = deque(h for h in heads if h is not None)
+        # Forward ops no forward output needs (read by backward only) start later.
+        rest = iter(reversed(g.units))
         visited: set[Node] = set()
         while True:
             if not worklist:
-                # Forward ops no forward output needs (read by backward only).
-                rest = [u for u in reversed(g.units) if u not in visited]
-                if not rest:
+                item = next((u for u in rest if u not in visited), None)
+                if item is None:
                     break
-                worklist.append(rest[0])
+                worklist.append(item)
             item = worklist.popleft()
             if item in visited:
                 continue
