@@ -99,6 +99,33 @@ def test_fake_kernel_matches_real_shapes_for_every_memory_mode():
             ]
 
 
+def test_eager_function_agrees_with_the_registered_autograd():
+    """rnn() in eager mode runs autograd through op._EagerStack, the op called directly
+    through its torch.library registration: same outputs and the same gradients of x,
+    states and weights (dropout, unsorted lengths, both directions, h_n/c_n used)."""
+    x, weights, hx, cx = stack_inputs("lstm", T=4, B=3)
+    lengths = torch.tensor([4, 2, 3])
+    inputs = [x, hx, cx, *weights]
+    torch.manual_seed(3)
+    eager = rnn(x, weights, hx, cx, mode="lstm", num_layers=2, bidirectional=True, dropout=0.4,
+                training=True, lengths=lengths, memory="recompute", impl="reference")  # fmt: skip
+    assert type(eager[0].grad_fn).__name__ == "_EagerStackBackward"
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # what rnn() drew
+    args = forward_args("lstm", x, weights, hx, cx, lengths=lengths, dropout=0.4, seed=seed,
+                        memory="recompute")  # fmt: skip
+    registered = torch.ops.mirrorgrad.rnn_forward(*args)[:3]
+    probes = [torch.randn_like(t) for t in eager]
+    grads = [
+        torch.autograd.grad(sum((t * w).sum() for t, w in zip(out, probes)), inputs)
+        for out in (eager, registered)
+    ]
+    for a, b in zip(eager, registered):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_flop_formulas():
     T, B, n_in, H = 2, 3, 4, 5
     mod = mnn.LSTM(n_in, H, dtype=DT, memory="recompute")
