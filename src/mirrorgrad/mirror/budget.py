@@ -382,9 +382,10 @@ class _Planner:
         leaves it unchanged can open a chain: mirroring a ReLU pays only once its
         BatchNorm is mirrored too) and halve when it does; a single unit that
         raises the peak is never tried again. Short of the budget at the end, the
-        lifetime repair may still lower the peak. Nothing here depends on the
-        budget but when to stop, so a lower budget walks further down the same
-        path and never ends at a higher peak.
+        result is the lower-peak one of this path (after the lifetime repair) and
+        the storage-balance plan. Nothing here depends on the budget but when to
+        stop, so a lower budget walks further down the same path and never ends at
+        a higher peak.
         """
         current, rejected, k = before, set(), 1
         for _ in range(MAX_BUDGET_TRIALS):
@@ -401,7 +402,12 @@ class _Planner:
                 k //= 2
             else:
                 rejected.add(chunk[0])
-        return self.shorten_recompute_lifetimes(current)
+        # Short of the budget: one op at a time can miss what only a group pays for
+        # (each decoder step's tanh needs its add mirrored too, and all of them share
+        # U k). Storage balance decides by groups; take it if its peak is lower.
+        repaired = self.shorten_recompute_lifetimes(current)
+        grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        return min(repaired, grouped, key=lambda c: (c.peak, c.added_time_s))
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
         """Mirrorable stashed units, best bytes freed per added second first."""
