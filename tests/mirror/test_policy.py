@@ -29,6 +29,7 @@ def _call(target, *args):
         (aten.cat.default, True),
         (aten.native_layer_norm.default, True),
         (aten._softmax.default, True),
+        (aten._safe_softmax.default, True),
         (aten.sum.dim_IntList, True),
         (aten.mm.default, False),
         (aten.addmm.default, False),

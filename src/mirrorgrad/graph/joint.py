@@ -178,10 +178,6 @@ class JointGraph:
         """``nodes`` in graph order (the deterministic order used everywhere)."""
         return sorted(nodes, key=self.order.__getitem__)
 
-    def dump(self) -> str:
-        """The graph as text, for error messages."""
-        return self.gm.graph.python_code("self").src
-
 
 def _tangent_closure(nodes: list[Node], tangents: list[Node]) -> set[Node]:
     closure = set(tangents)

@@ -72,7 +72,9 @@ class OpClasses:
         "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
         "native_group_norm", "_fused_rms_norm", "rms_norm", "batch_norm",
     )  # fmt: skip
-    softmax: frozenset[str] = _packets("_softmax", "_log_softmax", "softmax", "log_softmax")
+    softmax: frozenset[str] = _packets(
+        "_softmax", "_safe_softmax", "_log_softmax", "softmax", "log_softmax"
+    )
     reduction: frozenset[str] = _packets(
         "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "prod",
         "any", "all", "logsumexp", "norm", "linalg_vector_norm", "argmax", "argmin",
