@@ -502,7 +502,7 @@ def rnn(
     p = float(dropout) if training and num_layers > 1 else 0.0
     tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
     grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
-    need_saved = bool(grad_inputs)
+    need_saved = len(grad_inputs) > 0  # bool(list) does not trace in torch 2.11
     if memory == "auto":
         memory = "recompute" if mode == "lstm" and need_saved else "stash"
     if lengths is not None:
