@@ -108,17 +108,18 @@ class Plan:
         }
 
     def __str__(self) -> str:
+        rows = [
+            (kind, n.name, op_name(n), str(_shape(n)), _fmt(self.sizes[n]))
+            for kind, nodes in (("stash", self._stashed()), ("mirror", self.mirrored))
+            for n in nodes
+            if not (kind == "mirror" and is_getitem(n))
+        ]
+        header = ("", "value", "op", "shape", "bytes")
+        widths = [max(len(r[i]) for r in (header, *rows)) + 2 for i in range(4)]
         lines = [f"mirrorgrad plan (mode={self.mode})", ""]
-        header = f"{'':9}{'value':<28}{'op':<36}{'shape':<22}{'bytes':>14}"
-        lines.append(header)
-        for kind, nodes in (("stash", self._stashed()), ("mirror", self.mirrored)):
-            for n in nodes:
-                if kind == "mirror" and is_getitem(n):
-                    continue
-                lines.append(
-                    f"{kind:<9}{n.name:<28}{op_name(n):<36}{_shape(n)!s:<22}"
-                    f"{_fmt(self.sizes[n]):>14}"
-                )
+        for row in (header, *rows):
+            cells = "".join(f"{cell:<{w}}" for cell, w in zip(row[:4], widths))
+            lines.append(f"{cells}{row[4]:>12}")
         overhead = self.added_time_s / self.step_time_s if self.step_time_s else 0.0
         lines += [
             "",
@@ -134,13 +135,18 @@ class Plan:
         return "\n".join(lines)
 
 
-def _shape(n: Node) -> list[int] | None:
+def _shape(n: Node) -> list | None:
+    """Shape of a tensor value (a list of shapes for a tuple), JSON-able."""
+
+    def dims(t: object) -> list | None:
+        if not hasattr(t, "shape"):
+            return None
+        return [d if isinstance(d, int) else str(d) for d in t.shape]
+
     val = n.meta.get("val")
-    return (
-        [int(s) if isinstance(s, int) else str(s) for s in val.shape]
-        if hasattr(val, "shape")
-        else None
-    )
+    if isinstance(val, (tuple, list)):
+        return [dims(v) for v in val]
+    return dims(val)
 
 
 def _fmt(nbytes: int) -> str:
