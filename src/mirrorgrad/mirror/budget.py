@@ -388,10 +388,10 @@ class _Planner:
         leaves it unchanged can open a chain: mirroring a ReLU pays only once its
         BatchNorm is mirrored too) and halve when it does; a single unit that
         raises the peak is never tried again. Short of the budget at the end, the
-        result is the lower-peak one of this path (after the lifetime repair) and
-        the storage-balance plan. Nothing here depends on the budget but when to
-        stop, so a lower budget walks further down the same path and never ends at
-        a higher peak.
+        result is the lowest-peak one of this path (after the lifetime repair), the
+        storage-balance plan and no mirroring (ties go to the least added time).
+        Nothing here depends on the budget but when to stop, so a lower budget
+        walks further down the same path and never ends at a higher peak.
         """
         current, rejected, k = before, set(), 1
         for _ in range(MAX_BUDGET_TRIALS):
@@ -413,7 +413,7 @@ class _Planner:
         # U k). Storage balance decides by groups; take it if its peak is lower.
         repaired = self.shorten_recompute_lifetimes(current)
         grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
-        return min(repaired, grouped, key=lambda c: (c.peak, c.added_time_s))
+        return min(repaired, grouped, before, key=lambda c: (c.peak, c.added_time_s))
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
         """Mirrorable stashed units, best bytes freed per added second first."""
