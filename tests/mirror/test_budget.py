@@ -21,11 +21,28 @@ def _deep_mlp(blocks: int = 4, d: int = 256) -> torch.nn.Sequential:
     return torch.nn.Sequential(*(LayerNormGeluLinear(d, d) for _ in range(blocks)))
 
 
+def _with_dropout() -> torch.nn.Sequential:
+    return torch.nn.Sequential(
+        LayerNormGeluLinear(256, 256), torch.nn.Dropout(0.5), LayerNormGeluLinear(256, 256)
+    )
+
+
+CASES = {
+    "mlp": (lambda: _deep_mlp(), (512, 256), False),
+    "dropout": (_with_dropout, (512, 256), False),
+    "bottlenecks-decomposed": (
+        lambda: torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(3))),
+        (8, 16, 16, 16),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["off", "balance", "budget"])
-def test_plan_saved_values_suffice_for_the_real_extraction(mode):
-    model = _deep_mlp()
-    x = torch.randn(512, 256)  # activations outweigh the parameters
-    joint = joint_of(model, x)
+def test_plan_saved_values_suffice_for_the_real_extraction(mode, case):
+    build, shape, decompose = CASES[case]
+    joint = joint_of(build(), torch.randn(shape), decompose=decompose)
     options = PlanOptions(mode=mode, budget=0.5 if mode == "budget" else None, max_overhead=1.0)
     p = plan(joint, options)
     assert bool(p.mirrored) == (mode != "off")
@@ -44,10 +61,18 @@ def test_plan_saved_values_suffice_for_the_real_extraction(mode):
 def _run(fwd, bwd, joint):
     """Forward then backward of a partition on fixed inputs; returns the gradients."""
     gen = torch.Generator().manual_seed(0)
-    args = [torch.randn(n.meta["val"].shape, generator=gen) for n in joint.primals]
+
+    def sample(node):
+        val = node.meta["val"]
+        if val.dtype.is_floating_point:
+            return torch.randn(val.shape, generator=gen, dtype=val.dtype)
+        return torch.zeros(val.shape, dtype=val.dtype)
+
+    args = [sample(n) for n in joint.primals]
+    torch.manual_seed(0)  # the same dropout mask in both runs
     outs = fwd(*args)
     saved = list(outs[joint.num_fwd_outputs :])
-    tangents = [torch.randn(n.meta["val"].shape, generator=gen) for n in joint.tangents]
+    tangents = [sample(n) for n in joint.tangents]
     return [g for g in bwd(*saved, *tangents) if g is not None]
 
 
