@@ -176,17 +176,18 @@ class _Echo:
                         if (
                             reader in g.unit_set
                             and reader not in subgraph
-                            and (reader not in self.decided)
+                            and reader not in self.decided
                         ):
-                            self._grow(self._branch_heads(reader), worklist, subgraph)
+                            self._grow(self._branch(reader), worklist, subgraph)
                             changed = True
                     if changed:
                         break
                 if changed:
                     break
 
-    def _branch_heads(self, start: Node) -> list[Node]:
-        """Follow ``start`` forward through mirrorable ops to the branch heads."""
+    def _branch(self, start: Node) -> list[Node]:
+        """The forward branch from ``start`` through undecided mirrorable ops, up to
+        and including its heads (decided ops and producers of forward outputs)."""
         g = self.g
         heads, seen, queue = [], set(), deque([start])
         while queue:
