@@ -95,3 +95,35 @@ def test_saves_no_logits_for_backward():
     assert max(saved) < n * v  # nothing of logits size: inputs and one value per row
     loss.backward()
     assert hidden.grad.shape == (n, h)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "mirrorgrad-eager"])
+def test_compiled_gradients_equal_eager(backend):
+    # Regression: as an autograd.Function, torch 2.11's Dynamo traced the backward
+    # without its incoming gradient and every gradient came out zero.
+    import mirrorgrad
+
+    hidden, weight, b, target = _inputs(13, 5, 7)
+    target[2] = -100
+
+    def loss_fn(hidden, weight, b, target):
+        return linear_cross_entropy(torch.tanh(hidden), weight, b, target, chunk_size=4)
+
+    torch._dynamo.reset()
+    if backend == "aot_eager":
+        compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
+    else:
+        compiled = mirrorgrad.compile(loss_fn, backend="eager", fullgraph=True)
+    ours = compiled(hidden, weight, b, target)
+    ref = loss_fn(hidden, weight, b, target)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(_grads(ours, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
+        assert r.abs().max() > 0
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_ops_pass_opcheck():
+    from mirrorgrad.nn.functional import _lce_forward
+
+    hidden, weight, b, target = _inputs(9, 4, 6)
+    torch.library.opcheck(_lce_forward, (hidden, weight, b, target, 4))

@@ -25,71 +25,111 @@ def _accumulation_dtype(hidden: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, torch.float32)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        target: Tensor,
-        chunk_size: int,
-        ignore_index: int,
-        reduction: str,
-    ) -> Tensor:
-        n = hidden.shape[0]
-        acc = _accumulation_dtype(hidden)
-        valid = target != ignore_index
-        safe_target = torch.where(valid, target, torch.zeros_like(target))
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        target_logit = torch.empty(n, dtype=acc, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = F.linear(hidden[rows], weight, bias).to(acc)  # [C, V]
-            lse[rows] = torch.logsumexp(logits, dim=1)
-            target_logit[rows] = logits.gather(1, safe_target[rows, None]).squeeze(1)
-        losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
-        count = valid.sum()
-        ctx.save_for_backward(hidden, weight, bias, safe_target, valid, lse, count)
-        ctx.chunk_size = chunk_size
-        ctx.reduction = reduction
-        out_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        if reduction == "none":
-            return losses.to(out_dtype)
-        total = losses.sum()
-        return (total / count if reduction == "mean" else total).to(out_dtype)
+# Two torch.library ops, not an autograd.Function: torch 2.11's Dynamo traced the
+# Function's backward without its incoming gradient (every gradient came out zero under
+# torch.compile). As ops, compilers and the planner see one opaque node each way.
+@torch.library.custom_op("mirrorgrad::linear_cross_entropy_forward", mutates_args=())
+def _lce_forward(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """Per-row (log-sum-exp, target logit) of ``hidden @ weight.T + bias``, chunk by chunk."""
+    acc = _accumulation_dtype(hidden)
+    lse, target_logit = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        logits = F.linear(hidden[rows], weight, bias).to(acc)  # [C, V]
+        lse.append(torch.logsumexp(logits, dim=1))
+        target_logit.append(logits.gather(1, target[rows, None]).squeeze(1))
+    return torch.cat(lse), torch.cat(target_logit)
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        hidden, weight, bias, safe_target, valid, lse, count = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        # d loss_i / d logits_i = softmax_i - onehot(target_i), scaled per row.
-        acc = lse.dtype
-        row_scale = valid.to(acc) * grad_out.to(acc)
-        if ctx.reduction == "mean":
-            row_scale = row_scale / count
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=acc) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=acc) if need_bias else None
-        n = hidden.shape[0]
-        for start in range(0, n, ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h = hidden[rows]
-            logits = F.linear(h, weight, bias).to(acc)  # [C, V], recomputed
-            grad_logits = torch.exp(logits - lse[rows, None])
-            grad_logits.scatter_add_(1, safe_target[rows, None], -torch.ones_like(lse[rows, None]))
-            grad_logits *= row_scale[rows, None]
-            if need_hidden:
-                grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [C, V] @ [V, H]
-            if need_weight:
-                grad_weight += grad_logits.T @ h.to(acc)  # [V, C] @ [C, H]
-            if need_bias:
-                grad_bias += grad_logits.sum(0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+@_lce_forward.register_fake
+def _(hidden, weight, bias, target, chunk_size):
+    acc = _accumulation_dtype(hidden)
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc)
+
+
+@torch.library.custom_op("mirrorgrad::linear_cross_entropy_backward", mutates_args=())
+def _lce_backward(
+    grad_lse: Tensor,
+    grad_target_logit: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    lse: Tensor,
+    chunk_size: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum(grad_lse * lse + grad_target_logit * target_logit), the logits
+    recomputed per chunk.
+
+    Unneeded gradients come back as empty tensors (an op cannot return None)."""
+    acc = lse.dtype
+    grad_hidden, grad_weight, grad_bias = [], None, None
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        logits = F.linear(h, weight, bias).to(acc)  # [C, V], recomputed
+        grad_logits = torch.exp(logits - lse[rows, None]) * grad_lse[rows, None]
+        grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
+        if need_hidden:
+            grad_hidden.append((grad_logits.to(weight.dtype) @ weight).to(hidden.dtype))
+        if need_weight:
+            part = grad_logits.T @ h.to(acc)  # [V, C] @ [C, H]
+            grad_weight = part if grad_weight is None else grad_weight.add_(part)
+        if need_bias:
+            part = grad_logits.sum(0)
+            grad_bias = part if grad_bias is None else grad_bias.add_(part)
+    empty = hidden.new_empty(0)
+    return (
+        torch.cat(grad_hidden) if need_hidden else empty,
+        grad_weight.to(weight.dtype) if need_weight else empty.to(weight.dtype),
+        grad_bias.to(bias.dtype) if need_bias else empty.to(weight.dtype),
+    )
+
+
+@_lce_backward.register_fake
+def _(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
+      need_hidden, need_weight, need_bias):  # fmt: skip
+    empty = hidden.new_empty(0)
+    return (
+        torch.empty_like(hidden) if need_hidden else empty,
+        torch.empty_like(weight) if need_weight else empty.to(weight.dtype),
+        torch.empty_like(bias) if need_bias else empty.to(weight.dtype),
+    )
+
+
+def _lce_setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, target, chunk_size = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, output[0])
+    ctx.chunk_size = chunk_size
+
+
+def _lce_autograd(ctx, grad_lse: Tensor, grad_target_logit: Tensor):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_target_logit is None:
+        grad_target_logit = torch.zeros_like(lse)
+    grads = torch.ops.mirrorgrad.linear_cross_entropy_backward(
+        grad_lse, grad_target_logit, hidden, weight, bias, target, lse, ctx.chunk_size,
+        need[0], need[1], bias is not None and need[2],
+    )  # fmt: skip
+    return (
+        grads[0] if need[0] else None,
+        grads[1] if need[1] else None,
+        grads[2] if bias is not None and need[2] else None,
+        None,
+        None,
+    )
+
+
+_lce_forward.register_autograd(_lce_autograd, setup_context=_lce_setup_context)
 
 
 def linear_cross_entropy(
@@ -127,14 +167,15 @@ def linear_cross_entropy(
         chunk_size = max(1, _CHUNK_BYTES // (4 * weight.shape[0]))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    out_shape = target.shape
-    losses = _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        bias,
-        target.reshape(-1),
-        chunk_size,
-        ignore_index,
-        reduction,
+    flat_target = target.reshape(-1)
+    valid = flat_target != ignore_index
+    safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
+    lse, target_logit = _lce_forward(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe_target, chunk_size
     )
-    return losses.reshape(out_shape) if reduction == "none" else losses
+    losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+    out_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if reduction == "none":
+        return losses.reshape(target.shape).to(out_dtype)
+    total = losses.sum()
+    return (total / valid.sum() if reduction == "mean" else total).to(out_dtype)
