@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Node
 
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem
+from mirrorgrad import _compat
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -70,17 +72,19 @@ def simulate(
     mirrored: Iterable[Node],
     *,
     live_at: int | None = None,
+    fusion: bool = False,
 ) -> Liveness:
     """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward.
 
     With ``live_at`` (a timeline position, e.g. a previous run's ``peak_index``), the
-    result also lists the values alive at that event.
+    result also lists the values alive at that event. With ``fusion``, pointwise
+    values a fusing compiler keeps in registers are not allocated (Inductor).
     """
     saved = list(saved)
     mirrored = list(mirrored)
     fwd = forward_schedule(joint, saved)
     bwd = backward_schedule(joint, saved, mirrored)
-    sim = _Simulator(joint, live_at)
+    sim = _Simulator(joint, live_at, fusion)
     for p in joint.primals:
         sim.hold(p)
     kept_after_forward = set(saved) | set(joint.fwd_outputs) | set(joint.primals)
@@ -109,9 +113,11 @@ def simulate(
 class _Simulator:
     """Reference-counted storages: a value holds its storage while it is alive."""
 
-    def __init__(self, joint: JointGraph, live_at: int | None = None) -> None:
+    def __init__(self, joint: JointGraph, live_at: int | None = None, fusion: bool = False) -> None:
         self.joint = joint
         self.live_at = live_at
+        self.fusion = fusion
+        self.virtual: set[Node] = set()  # storages a fusing compiler never allocates
         self.snapshot: list[Node] = []
         self.refs: dict[Node, int] = {}  # storage -> number of live values on it
         self.alive: set[Node] = set()
@@ -124,7 +130,7 @@ class _Simulator:
         self.alive.add(value)
         s = self.joint.storage(value)
         self.refs[s] = self.refs.get(s, 0) + 1
-        if self.refs[s] == 1:
+        if self.refs[s] == 1 and s not in self.virtual:
             self.live_bytes += self.joint.nbytes(s)
 
     def drop(self, value: Node) -> None:
@@ -133,7 +139,7 @@ class _Simulator:
         self.alive.remove(value)
         s = self.joint.storage(value)
         self.refs[s] -= 1
-        if self.refs[s] == 0:
+        if self.refs[s] == 0 and s not in self.virtual:
             self.live_bytes -= self.joint.nbytes(s)
 
     def release_unread(self, saved: list[Node], bwd: list[Node]) -> None:
@@ -150,6 +156,8 @@ class _Simulator:
             for a in args:
                 last_use[a] = i
         scheduled = set(schedule)
+        if self.fusion:
+            self.virtual |= _fused_away(self.joint, schedule, keep)
         for i, n in enumerate(schedule):
             transient = 0
             tuple_valued = _is_tuple(n)
@@ -171,6 +179,48 @@ class _Simulator:
                     self.drop(a)
             if n not in last_use and n not in keep and not tuple_valued:
                 self.drop(n)
+
+
+# Reductions Inductor fuses with the pointwise ops that feed them.
+_FUSIBLE_REDUCTIONS = frozenset(
+    ("sum", "mean", "amax", "amin", "var_mean", "var", "prod", "any", "all", "logsumexp")
+)
+# Inductor inlines a pointwise value into its readers unless it has more than this
+# many (torch._inductor.config.realize_reads_threshold).
+_INLINE_READERS = 4
+
+
+def _fusible_reader(node: Node) -> bool:
+    if is_view(node):
+        return True
+    target = node.target
+    if not isinstance(target, _compat.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or (
+        op_name(node).split("::")[-1] in _FUSIBLE_REDUCTIONS
+    )
+
+
+def _fused_away(joint: JointGraph, schedule: list[Node], keep: set[Node]) -> set[Node]:
+    """Pointwise values a fusing compiler (Inductor) computes inside their readers'
+    kernels and never writes to memory: not kept past the phase, read by at most a
+    few pointwise ops or reductions (through views), never by an extern kernel."""
+    readers: dict[Node, list[Node]] = {}
+    for n in schedule:
+        for a in joint.inputs(n):
+            readers.setdefault(joint.storage(a), []).append(n)
+    kept_storages = {joint.storage(v) for v in keep}
+    fused = set()
+    for n in schedule:
+        target = n.target
+        if not isinstance(target, _compat.OpOverload) or torch.Tag.pointwise not in target.tags:
+            continue
+        if n in kept_storages or is_view(n):
+            continue
+        direct = [r for r in readers.get(n, []) if not is_view(r)]
+        if len(direct) <= _INLINE_READERS and all(_fusible_reader(r) for r in direct):
+            fused.add(n)
+    return fused
 
 
 def _is_tuple(node: Node) -> bool:

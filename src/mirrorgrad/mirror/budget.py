@@ -53,9 +53,10 @@ class PlanOptions:
     max_overhead: float = 0.05
     policy: MirrorPolicy | None = None
     device: DeviceRates | None = None
-    # Inductor fuses recomputed pointwise ops into their backward consumers (cheaper
-    # recomputation); set False for backends that run each op on its own (eager).
-    fused_recompute: bool = True
+    # The backend fuses pointwise ops (Inductor): recomputed ones run inside their
+    # backward readers' kernels, and fused intermediates are never allocated. Set
+    # False for backends that run each op on its own (backend="eager").
+    fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -222,7 +223,7 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
     policy = options.policy if options.policy is not None else MirrorPolicy()
     rates = options.device if options.device is not None else H100
     graph = UnitGraph(joint, policy)
-    planner = _Planner(joint, graph, rates, fused=options.fused_recompute)
+    planner = _Planner(joint, graph, rates, fusion=options.fusion)
     before = planner.evaluate(set())
     budget_bytes = None
     if options.mode == "off" or not policy.enabled:
@@ -276,12 +277,12 @@ class _Candidate:
 
 class _Planner:
     def __init__(
-        self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates, *, fused: bool
+        self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates, *, fusion: bool
     ) -> None:
-        self.joint, self.graph, self.rates = joint, graph, rates
+        self.joint, self.graph, self.rates, self.fusion = joint, graph, rates, fusion
         compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
         self.step_time_s = sum(op_cost(n, rates).seconds for n in compute)
-        self.recompute = {n: recompute_cost(n, rates, fused=fused) for n in joint.forward}
+        self.recompute = {n: recompute_cost(n, rates, fused=fusion) for n in joint.forward}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
@@ -290,7 +291,7 @@ class _Planner:
         partition = partition_for(self.joint, self.graph, units)
         available = partition.saved + partition.saved_sym
         try:
-            sim = liveness.simulate(self.joint, available, partition.mirrored)
+            sim = liveness.simulate(self.joint, available, partition.mirrored, fusion=self.fusion)
         except JointGraphError as e:
             raise PlanError(f"inconsistent partition: {e}") from e
         return _Candidate(
@@ -329,7 +330,11 @@ class _Planner:
         for _ in range(MAX_REPAIR_TRIALS):
             p = current.partition
             sim = liveness.simulate(
-                self.joint, p.saved + p.saved_sym, p.mirrored, live_at=current.peak_index
+                self.joint,
+                p.saved + p.saved_sym,
+                p.mirrored,
+                live_at=current.peak_index,
+                fusion=self.fusion,
             )
             if sim.peak_phase != "backward":
                 break
