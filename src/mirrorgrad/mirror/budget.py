@@ -271,6 +271,7 @@ class _Candidate:
     partition: Partition
     peak: int
     peak_index: int
+    stash: int
     added_flops: int
     added_time_s: float
 
@@ -299,6 +300,7 @@ class _Planner:
             partition=partition,
             peak=sim.peak,
             peak_index=sim.peak_index,
+            stash=sum(stash_sizes(self.joint, self.graph, partition.saved).values()),
             added_flops=sum(self.recompute[n].flops for n in partition.mirrored),
             added_time_s=self.added_time_s(partition),
         )
@@ -394,7 +396,7 @@ class _Planner:
         BatchNorm is mirrored too) and halve when it does; a single unit that
         raises the peak is never tried again. Short of the budget at the end, the
         result is the lowest-peak one of this path (after the lifetime repair), the
-        storage-balance plan and no mirroring (ties go to the least added time).
+        storage-balance plan and no mirroring (ties: smaller stash, then less time).
         Nothing here depends on the budget but when to stop, so a lower budget
         walks further down the same path and never ends at a higher peak.
         """
@@ -418,7 +420,9 @@ class _Planner:
         # U k). Storage balance decides by groups; take it if its peak is lower.
         repaired = self.shorten_recompute_lifetimes(current)
         grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
-        return min(repaired, grouped, before, key=lambda c: (c.peak, c.added_time_s))
+        # Equal peaks: the smaller stash is headroom where the estimate errs; the user
+        # asked for memory, so it beats time here (unlike balance mode).
+        return min(repaired, grouped, before, key=lambda c: (c.peak, c.stash, c.added_time_s))
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
         """Mirrorable stashed units, best bytes freed per added second first."""
