@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -67,6 +68,7 @@ def partition(
     if root_module is not None:
         options = dataclasses.replace(options, policy=policy_for(root_module))
     try:
+        remove_detaches(joint_gm)
         the_plan = plan(JointGraph.from_fx(joint_gm, num_fwd_outputs), options)
         fw_gm, bw_gm = _split(
             joint_gm, the_plan, num_fwd_outputs, static_lifetime_input_indices or []
@@ -90,6 +92,21 @@ def partition(
     if on_plan is not None:
         on_plan(the_plan)
     return fw_gm, bw_gm
+
+
+def remove_detaches(joint_gm: GraphModule) -> None:
+    """Drop ``aten.detach`` nodes: in a joint graph they are identities at run time.
+
+    torch 2.11's AOTAutograd reads the saved outputs of tanh, sigmoid, ... in backward
+    through a ``detach`` of them; left in, those aliases hide from the planner that the
+    output itself is what backward needs (no chain was ever mirrored there).
+    """
+    graph = joint_gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    joint_gm.recompile()
 
 
 def _split(
