@@ -116,13 +116,10 @@ class JointGraph:
 
         needs_tangent = _tangent_closure(nodes, tangents)
         compute = [n for n in nodes if n.op in ("call_function", "get_attr")]
-        tagged = any("partitioner_tag" in n.meta for n in compute)
-        forward_set = (
-            {n for n in compute if n.meta.get("partitioner_tag") == "is_forward"}
-            if tagged
-            else _ancestors(fwd_outputs, stop=set(primals) | set(tangents))
-        )
-        forward_set |= {n for n in fwd_outputs if n.op in ("call_function", "get_attr")}
+        # What the forward outputs need is forward whatever its tag (a pass may have
+        # added untagged nodes); so is what AOTAutograd tagged forward.
+        forward_set = _ancestors(fwd_outputs, stop=set(primals) | set(tangents))
+        forward_set |= {n for n in compute if n.meta.get("partitioner_tag") == "is_forward"}
         # A getitem follows its producer: the other outputs of a forward op (dropout's
         # mask) are forward values even where nothing in the forward reads them.
         forward_set |= {n for n in compute if is_getitem(n) and n.args[0] in forward_set}
