@@ -57,6 +57,15 @@ def test_roles_of_the_hand_built_graph():
     assert joint.nbytes(joint.forward[0]) == MiB
 
 
+def test_roles_without_partitioner_tags():
+    joint = _hand_built()
+    for n in joint.gm.graph.nodes:
+        n.meta.pop("partitioner_tag")
+    untagged = JointGraph.from_fx(joint.gm, num_fwd_outputs=1)
+    assert [n.name for n in untagged.forward] == ["relu", "sin"]
+    assert [n.name for n in untagged.backward] == ["cos", "mul", "threshold_backward"]
+
+
 def test_peak_with_relu_stashed():
     # forward: x (1) + relu (1) + sin (1) = 3 MiB at the turn (relu saved, sin returned);
     # backward: + dy = 4, + cos = 5, + mul = 6 (peak); dy and cos die -> 4; + dx = 5.
