@@ -307,16 +307,30 @@ class _Planner:
 
     def balance(self, max_overhead: float, before: _Candidate) -> _Candidate:
         chosen = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
-        units = set(chosen.units)
-        cap = max_overhead * self.step_time_s
-        while units:
-            partition = partition_for(self.joint, self.graph, units)
-            if self.added_time_s(partition) <= cap:
-                break
-            units.discard(self._costliest(units, set(partition.mirrored)))
+        units = self._within_cap(set(chosen.units), max_overhead * self.step_time_s)
         if units != chosen.units:
             chosen = self.evaluate(units)
         return chosen if chosen.peak < before.peak else before
+
+    def _within_cap(self, units: set[Node], cap_s: float) -> set[Node]:
+        """Un-mirror the fewest units, costliest first, for an added time <= ``cap_s``.
+
+        Un-mirroring never adds recomputation, so the added time falls as more of the
+        ranking is dropped: a binary search finds the shortest prefix that fits.
+        """
+        partition = partition_for(self.joint, self.graph, units)
+        if self.added_time_s(partition) <= cap_s:
+            return units
+        ranked = self._costliest_first(units, set(partition.mirrored))
+        lo, hi = 0, len(ranked)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            kept = units - set(ranked[:mid])
+            if self.added_time_s(partition_for(self.joint, self.graph, kept)) <= cap_s:
+                hi = mid
+            else:
+                lo = mid + 1
+        return units - set(ranked[:lo])
 
     def shorten_recompute_lifetimes(self, current: _Candidate) -> _Candidate:
         """Stash instead of mirror where that lowers the simulated peak.
@@ -356,20 +370,23 @@ class _Planner:
                 break
         return current
 
-    def _costliest(self, units: set[Node], recomputed: set[Node]) -> Node:
-        """The mirrored unit whose un-mirroring saves most time per stash byte it adds.
+    def _costliest_first(self, units: set[Node], recomputed: set[Node]) -> list[Node]:
+        """Mirrored units by time their un-mirroring saves per stash byte it adds.
 
         Stashing a unit's outputs also ends the recomputation of the mirrored
         producers only it reads (a ReLU's BatchNorm): their time counts too.
         """
 
+        mirrored = units & recomputed
+
         def score(u: Node) -> float:
             if u not in recomputed:
                 return -1.0  # nothing recomputes it: dropping it saves no time
             stash = sum(self.graph.cost(v) for v in self.graph.outputs(u))
-            return self._exclusive_seconds(u, units & recomputed) / max(stash, 1)
+            return self._exclusive_seconds(u, mirrored) / max(stash, 1)
 
-        return max(self.joint.sorted(units), key=score)
+        scores = {u: score(u) for u in units}
+        return sorted(units, key=lambda u: (-scores[u], self.joint.order[u]))
 
     def _exclusive_seconds(self, unit: Node, recomputed: set[Node]) -> float:
         """Recompute time of ``unit`` and of the recomputed producers only it needs."""
