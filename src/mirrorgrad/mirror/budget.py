@@ -406,21 +406,30 @@ class _Planner:
         return seconds
 
     def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
-        """Mirror more, best bytes per second first, until the peak meets the budget.
+        """The least added time whose peak meets the budget, else the lowest peak.
 
-        Chunks of the ranking double while the peak does not rise (a step that
-        leaves it unchanged can open a chain: mirroring a ReLU pays only once its
-        BatchNorm is mirrored too) and halve when it does; a single unit that
-        raises the peak is never tried again. Short of the budget at the end, the
-        result is the lowest-peak one of this path (after the lifetime repair), the
-        storage-balance plan and no mirroring (ties: smaller stash, then less time).
-        Nothing here depends on the budget but when to stop, so a lower budget
-        walks further down the same path and never ends at a higher peak.
+        Candidates come from two searches that do not depend on the budget:
+
+        - adding: mirror more, best bytes per second first. Chunks of the ranking
+          double while the peak does not rise (a step that leaves it unchanged can
+          open a chain: mirroring a ReLU pays only once its BatchNorm is mirrored
+          too) and halve when it does; a unit that raises the peak alone is never
+          tried again. Time only grows along this path, so its first state within
+          the budget is its cheapest.
+        - trimming: one op at a time misses what only a group pays for (each
+          decoder step's tanh needs its add mirrored too, all sharing U k), so
+          the storage-balance plan (after the lifetime repair) and that plan with
+          its costliest 1, 2, 4, ... units un-mirrored are candidates too.
+
+        Choosing the cheapest candidate within the budget from a fixed set means a
+        lower budget never gets a higher peak. Within no budget, the lowest peak
+        wins; among equal peaks the smaller stash (the user asked for memory: it
+        is headroom where the estimate errs), then the least time.
         """
         current, rejected, k = before, set(), 1
         for _ in range(MAX_BUDGET_TRIALS):
             if current.peak <= budget_bytes:
-                return current
+                break
             ranked = self._ranked_additions(current, rejected)
             if not ranked:
                 break
@@ -432,14 +441,26 @@ class _Planner:
                 k //= 2
             else:
                 rejected.add(chunk[0])
-        # Short of the budget: one op at a time can miss what only a group pays for
-        # (each decoder step's tanh needs its add mirrored too, and all of them share
-        # U k). Storage balance decides by groups; take it if its peak is lower.
-        repaired = self.shorten_recompute_lifetimes(current)
+        if current.peak > budget_bytes:
+            current = self.shorten_recompute_lifetimes(current)
+        candidates = [before, current, *self._trimmed_balance()]
+        feasible = [c for c in candidates if c.peak <= budget_bytes]
+        if feasible:
+            return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
+        return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
+
+    def _trimmed_balance(self) -> list[_Candidate]:
+        """The repaired storage-balance plan, then with its costliest 1, 2, 4, ...
+        units stashed instead (each trim saves time and may cost peak)."""
         grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
-        # Equal peaks: the smaller stash is headroom where the estimate errs; the user
-        # asked for memory, so it beats time here (unlike balance mode).
-        return min(repaired, grouped, before, key=lambda c: (c.peak, c.stash, c.added_time_s))
+        units = set(grouped.units)
+        recomputed = set(partition_for(self.joint, self.graph, units).mirrored)
+        ranked = self._costliest_first(units, recomputed)
+        trims, k = [grouped], 1
+        while k < len(ranked):
+            trims.append(self.evaluate(units - set(ranked[:k])))
+            k *= 2
+        return trims
 
     def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
         """Mirrorable stashed units, best bytes freed per added second first."""
