@@ -7,11 +7,10 @@
   the step, un-mirror the op saving most time per stash byte added. A plan whose
   peak is not below the unmirrored peak is dropped for no mirroring: time spent
   for nothing.
-- ``budget``: the least added time that meets a peak budget: starting from no
-  mirroring, mirror more ops, best bytes freed per added second first, keeping a
-  step only if the simulated peak does not rise, until the peak meets the budget.
-  The sequence of steps does not depend on the budget, so a lower budget never
-  gives a higher peak.
+- ``budget``: the least added time that meets a peak budget, chosen from a set of
+  candidates that does not depend on the budget (mirroring more ops one chunk at a
+  time from no mirroring; the storage-balance plan and trims of it), so a lower
+  budget never gives a higher peak. Within no budget: the lowest peak.
 
 Every plan is checked before it is returned: no random op recomputed, every
 backward read either saved or recomputed from saved values.
