@@ -246,3 +246,16 @@ def test_one_per_storage_saves_a_base_instead_of_its_views():
     assert one_per_storage([y, y_view, y_t]) == [y]
     assert one_per_storage([z_view, x_t, x_view]) == [z_view, x_t, x_view]
     assert x.op == "placeholder" and z.target is torch.ops.aten.tanh.default
+
+
+def test_random_check_ignores_backward_ops_of_their_own():
+    # The efficient-attention backward takes a philox seed (a random op to the policy)
+    # but is no recompute: only recomputed forward nodes may not be random.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.bernoulli.default, (x,)))
+    bw_gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    (rand,) = [n for n in graph.nodes if n.op == "call_function"]
+    partition_module._check_no_random_recompute(bw_gm, forward_names=set())
+    with pytest.raises(RuntimeError, match="recomputes random op"):
+        partition_module._check_no_random_recompute(bw_gm, forward_names={rand.name})

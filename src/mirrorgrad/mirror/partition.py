@@ -69,10 +69,12 @@ def partition(
         options = dataclasses.replace(options, policy=policy_for(root_module))
     try:
         remove_detaches(joint_gm)
-        the_plan = plan(JointGraph.from_fx(joint_gm, num_fwd_outputs), options)
+        joint = JointGraph.from_fx(joint_gm, num_fwd_outputs)
+        the_plan = plan(joint, options)
         fw_gm, bw_gm = _split(
             joint_gm, the_plan, num_fwd_outputs, static_lifetime_input_indices or []
         )
+        _check_no_random_recompute(bw_gm, {n.name for n in joint.forward})
     except Exception as exc:
         if strict:
             raise
@@ -123,7 +125,6 @@ def _split(
     # Recomputed values are placed just before their first backward reader (as the
     # autograd engine would run them), not all at the start of the backward.
     bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
-    _check_no_random_recompute(bw_gm)
     return _compat.raise_getitems(fw_gm), _compat.raise_getitems(bw_gm)
 
 
@@ -159,10 +160,13 @@ def _view_root(node: Node) -> Node:
             return node
 
 
-def _check_no_random_recompute(bw_gm: GraphModule) -> None:
-    """A random op in the backward would draw a new mask: wrong gradients, silently."""
+def _check_no_random_recompute(bw_gm: GraphModule, forward_names: set[str]) -> None:
+    """A recomputed random op would draw a new mask: wrong gradients, silently.
+
+    Only forward nodes count (extraction keeps their names): a backward op of its own,
+    such as the efficient-attention backward with its philox seed, is no recompute."""
     for node in bw_gm.graph.nodes:
-        if node.op == "call_function" and is_random(node):
+        if node.op == "call_function" and node.name in forward_names and is_random(node):
             raise RuntimeError(f"the plan recomputes random op {node.name} ({node.target})")
 
 
