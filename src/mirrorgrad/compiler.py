@@ -41,6 +41,9 @@ class MirrorBackend:
     budget: float | None = None
     max_overhead: float = 0.05
     codegen: str = "inductor"
+    # Plan for Inductor's fusion (pointwise values kept in registers); default: on
+    # exactly when Inductor generates the code.
+    fusion: bool | None = None
     inductor_options: dict[str, Any] = field(default_factory=dict)
     root_module: nn.Module | None = None
     on_plan: PlanCallback | None = None
@@ -64,6 +67,7 @@ class MirrorBackend:
             budget=self.budget,
             max_overhead=self.max_overhead,
             policy=policy,
+            fusion=self.codegen == "inductor" if self.fusion is None else self.fusion,
         )
 
     def _record(self, plan: Plan) -> None:
@@ -187,20 +191,27 @@ def explain(
     mode: str = "balance",
     budget: float | None = None,
     max_overhead: float = 0.05,
+    backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Plan:
     """The plan the planner makes for ``model`` on ``example_inputs``, without codegen.
+
+    ``backend`` is the one the plan is for (``mirrorgrad.compile``'s): with Inductor the
+    estimate counts its fusion of pointwise ops.
 
     Runs the forward once through AOTAutograd (no backward); parameters, buffers
     (BatchNorm statistics) and the RNG state are as before afterwards. A planning error
     is raised, not fallen back from. The model must compile to one graph
     (``fullgraph=True`` unless overridden).
     """
+    if backend not in CODEGENS:
+        raise ValueError(f"backend={backend!r}: choose one of {', '.join(CODEGENS)}")
     mirror_backend = MirrorBackend(
         mode=mode,
         budget=budget,
         max_overhead=max_overhead,
         codegen="eager",
+        fusion=backend == "inductor",
         root_module=model if isinstance(model, nn.Module) else None,
         strict=True,
     )
