@@ -46,8 +46,9 @@ from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint
-except ImportError:  # older torch: the same guard-free size hint under its former name
-    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
+except ImportError:  # torch 2.11: the same guard-free size hint as size_hint (hint_int
+    # is its deprecated alias there and warns on every call)
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
