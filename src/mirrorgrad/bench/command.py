@@ -340,7 +340,8 @@ def _git_commit() -> tuple[str | None, bool | None]:
     except OSError:
         return None, None
     if commit.returncode != 0:
-        return None, None
+        # A copy of the tree without .git (a lent GPU machine): the caller may say it.
+        return os.environ.get("MIRRORGRAD_COMMIT"), None
     return commit.stdout.strip(), bool(status.stdout.strip())
 
 
