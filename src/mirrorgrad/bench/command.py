@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from mirrorgrad.bench import report
 from mirrorgrad.bench.methods import METHODS, default_methods
+from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
 from mirrorgrad.bench.workloads import WORKLOADS
@@ -326,25 +327,6 @@ class _Bench:
         return found.to_dict() | {"guess": guess, "probe_records": records, "note": note}
 
 
-def _git_commit() -> tuple[str | None, bool | None]:
-    here = Path(__file__).parent
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
-        )
-        status = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        )
-    except OSError:
-        return None, None
-    if commit.returncode != 0:
-        # A copy of the tree without .git (a lent GPU machine): the caller may say it.
-        return os.environ.get("MIRRORGRAD_COMMIT"), None
-    return commit.stdout.strip(), bool(status.stdout.strip())
-
-
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["mirrorgrad", "bench"]
     for key in ("workloads", "methods", "search_methods"):
@@ -409,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
         cold = bench.precompile(plan, args.precompile_jobs, warm_end)
 
-    commit, dirty = _git_commit()
+    commit, dirty = git_commit()
     doc: dict[str, Any] = {
         "schema": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

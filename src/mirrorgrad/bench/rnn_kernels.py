@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.ops.rnn import rnn_triton
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -530,16 +529,6 @@ def _write(out: Path, dtype: str, result: dict) -> str:
     return table
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("MIRRORGRAD_COMMIT", "unknown")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -603,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "commit": _commit(),
+        "commit": (git_commit()[0] or "unknown")[:7],
         "command": "python -m mirrorgrad.bench.rnn_kernels "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "check": {},

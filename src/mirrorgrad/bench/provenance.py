@@ -1,0 +1,28 @@
+"""Which code produced a result file: the git commit, recorded with every benchmark."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout this package runs from; outside git, the commit
+    MIRRORGRAD_COMMIT names (or None) and dirty None."""
+    here = Path(__file__).parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        status = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:  # no git installed
+        return os.environ.get("MIRRORGRAD_COMMIT"), None
+    if commit.returncode != 0:
+        # A copy of the tree without .git (a lent GPU machine): the caller may say it.
+        return os.environ.get("MIRRORGRAD_COMMIT"), None
+    return commit.stdout.strip(), bool(status.stdout.strip())
