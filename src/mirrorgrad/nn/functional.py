@@ -111,19 +111,20 @@ def _lce_setup_context(ctx, inputs, output) -> None:
 
 def _lce_autograd(ctx, grad_lse: Tensor, grad_target_logit: Tensor):
     hidden, weight, bias, target, lse = ctx.saved_tensors
-    need = ctx.needs_input_grad
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    need_bias = bias is not None and ctx.needs_input_grad[2]
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
     if grad_target_logit is None:
         grad_target_logit = torch.zeros_like(lse)
     grads = torch.ops.mirrorgrad.linear_cross_entropy_backward(
         grad_lse, grad_target_logit, hidden, weight, bias, target, lse, ctx.chunk_size,
-        need[0], need[1], bias is not None and need[2],
+        need_hidden, need_weight, need_bias,
     )  # fmt: skip
     return (
-        grads[0] if need[0] else None,
-        grads[1] if need[1] else None,
-        grads[2] if bias is not None and need[2] else None,
+        grads[0] if need_hidden else None,
+        grads[1] if need_weight else None,
+        grads[2] if need_bias else None,
         None,
         None,
     )
