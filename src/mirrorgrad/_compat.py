@@ -11,7 +11,7 @@ import torch
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
 
 # --- AOTAutograd, partitioners, torch.compile backends, the Inductor partitioner hook
-# (used by graph/, mirror/, compile.py) ------------------------------------------------
+# (used by graph/, mirror/, compiler.py) ----------------------------------------------
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
 from torch._functorch.aot_autograd import aot_function, aot_module_simplified  # noqa: E402
@@ -80,7 +80,7 @@ def vf_rnn(mode: str):
     return getattr(torch._VF, mode)
 
 
-# --- AOTAutograd's cache (used by compile.py) ------------------------------------------
+# --- AOTAutograd's cache (used by compiler.py) ----------------------------------------
 def without_autograd_cache():
     """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
     hit would skip it, and its plan); Inductor's FX graph cache of the code stays on."""
