@@ -12,6 +12,7 @@ graphs run as they are (``backend="eager"``: no code generation).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +145,25 @@ def backend(
         root_module=root_module,
         on_plan=on_plan,
     )
+
+
+def parse_mode(text: str) -> dict[str, Any]:
+    """``balance`` | ``off`` | ``budget:F`` (fraction of the unmirrored peak, 0 < F <= 1)
+    | ``budget:BYTES`` -> the ``mode=`` and ``budget=`` options of ``compile``/``explain``.
+
+    The one parser behind the CLIs' mode flags; ValueError on anything else."""
+    name, _, value = text.partition(":")
+    if name in ("balance", "off") and not value:
+        return {"mode": name}
+    if name == "budget" and value:
+        try:
+            budget = float(value)
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(budget) and budget > 0:
+                return {"mode": "budget", "budget": budget if budget <= 1 else int(budget)}
+    raise ValueError(f"mode {text!r}: use balance, off, or budget:FRACTION (0-1] / budget:BYTES")
 
 
 def compile(

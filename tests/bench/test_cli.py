@@ -145,7 +145,9 @@ def test_parse_mode(text, options):
     assert parse_mode(text) == options
 
 
-@pytest.mark.parametrize("text", ["budget", "budget:-1", "budget:x", "balance:1", "fast"])
+@pytest.mark.parametrize(
+    "text", ["budget", "budget:-1", "budget:x", "budget:inf", "balance:1", "fast"]
+)
 def test_parse_mode_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError, match="budget:FRACTION"):
         parse_mode(text)

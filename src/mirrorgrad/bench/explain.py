@@ -6,27 +6,17 @@ import argparse
 import json
 from typing import Any
 
+from mirrorgrad import compiler
 from mirrorgrad.bench.runner import DTYPES, default_device
 from mirrorgrad.bench.workloads import WORKLOADS, get_workload
 
 
 def parse_mode(text: str) -> dict[str, Any]:
-    """``balance`` | ``off`` | ``budget:F`` (fraction of the unmirrored peak) | ``budget:NB``
-    (bytes) -> the options of ``mirrorgrad.explain``."""
-    name, _, value = text.partition(":")
-    if name in ("balance", "off") and not value:
-        return {"mode": name}
-    if name == "budget" and value:
-        try:
-            budget = float(value)
-        except ValueError:
-            pass
-        else:
-            if budget > 0:
-                return {"mode": "budget", "budget": budget if budget <= 1 else int(budget)}
-    raise argparse.ArgumentTypeError(
-        f"mode {text!r}: use balance, off, or budget:FRACTION (0-1] / budget:BYTES"
-    )
+    """``--mode``: ``mirrorgrad.compiler.parse_mode`` as an argparse type."""
+    try:
+        return compiler.parse_mode(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

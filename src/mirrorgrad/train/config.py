@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from mirrorgrad.compiler import parse_mode
+
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Preset:
@@ -52,16 +54,13 @@ class Mirror:
 
     @classmethod
     def parse(cls, text: str) -> Mirror:
-        mode, _, fraction = text.partition(":")
-        if mode in ("balance", "off") and not fraction:
-            return cls(mode=mode)
-        if mode == "budget":
-            try:
-                budget = float(fraction)
-            except ValueError:
-                budget = -1.0
-            if 0.0 < budget <= 1.0:
-                return cls(mode=mode, budget=budget)
+        try:
+            options = parse_mode(text)
+        except ValueError:
+            options = {}
+        # Training takes a fraction only: a byte budget depends on the device.
+        if options and not isinstance(options.get("budget"), int):
+            return cls(**options)
         raise ValueError(
             f"--mirror {text!r}: use balance, off, or budget:FRACTION with 0 < FRACTION <= 1 "
             "(e.g. budget:0.5 keeps the peak at half of the unmirrored one)"
