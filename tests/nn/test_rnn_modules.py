@@ -372,3 +372,26 @@ def test_chunked_run_with_carried_state_equals_whole_run(kind):
     torch.testing.assert_close(torch.cat([y_first, y_second]), y_whole)
     for a, b in zip(states(h_second), states(h_whole)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS[:2], ids=[k[0] for k in KINDS[:2]])
+def test_inductor_with_permuted_input_matches_eager_and_torch_nn(kind):
+    """DeepSpeech2 feeds its GRUs conv features .permute(2, 0, 1): a non-contiguous x.
+    Inductor checks the backward op's grad_x against the fake kernel's strides."""
+    ref, mod = make_pair(kind, {"bidirectional": True}, 3, 2)
+    x = torch.randn(2, 3, 4, dtype=DT, requires_grad=True)  # [B, I, T]
+
+    def loss(rnn, x):
+        y, h = rnn(x.permute(2, 0, 1))  # [T, B, I] with strides (1, I*T, T)
+        return weighted_loss(y, h, probes)
+
+    probes = random_weights(*ref(x.detach().permute(2, 0, 1)))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="inductor")
+    results = []
+    for fn, rnn in ((compiled, mod), (loss, mod), (loss, ref)):
+        value = fn(rnn, x)
+        results.append((value, *torch.autograd.grad(value, [x, *rnn.parameters()])))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)

@@ -355,3 +355,57 @@ def test_expanded_and_transposed_inputs_reach_layers_contiguous(monkeypatch):
     y, (h_n, c_n) = mod(torch.randn(5, 2, 3, dtype=DT), (h0, c0))
     (h_n.sum() + c_n.sum() + y.sum()).backward()
     assert seen and all(seen)
+
+
+def _strided(t):
+    """The same values with reversed memory order (a permuted, non-contiguous view)."""
+    dims = tuple(reversed(range(t.dim())))
+    return t.permute(dims).contiguous().permute(dims).requires_grad_(t.requires_grad)
+
+
+def _strides(outputs):
+    y, h, c, rest = outputs
+    return [(tuple(t.shape), t.stride()) for t in (y, h, c, *rest)]
+
+
+def _fake_call(fn, args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+
+        def fake(a):
+            if isinstance(a, torch.Tensor):
+                return mode.from_tensor(a)
+            if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+                return [mode.from_tensor(t) for t in a]
+            return a
+
+        return fn(*[fake(a) for a in args])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fake_kernels_promise_the_real_strides_for_strided_inputs(mode):
+    """Inductor asserts that a custom op's outputs have the strides its fake kernel gave:
+    with a permuted x (DeepSpeech2 feeds conv features .permute(2, 0, 1)) the backward's
+    fake kernel used empty_like(x), i.e. x's strides, for a contiguous real grad_x."""
+    x, weights, hx, cx = stack_inputs(mode, n_in=3)
+    x, hx = _strided(x.detach()), _strided(hx.detach())
+    cx = None if cx is None else _strided(cx.detach())
+    weights = [_strided(w.detach()) for w in weights]
+    assert not x.is_contiguous() and not hx.is_contiguous()
+    for memory in ("stash", "recompute"):
+        args = forward_args(mode, x, weights, hx, cx, lengths=torch.tensor([4, 2, 3]),
+                            memory=memory)  # fmt: skip
+        real = torch.ops.mirrorgrad.rnn_forward(*args)
+        fake = _fake_call(torch.ops.mirrorgrad.rnn_forward, args)
+        assert _strides(real) == _strides(fake)
+        y, h_n, c_n, saved = real
+        grad_cn = _strided(torch.randn_like(c_n)) if mode == "lstm" else None
+        needs = [True, True, mode == "lstm", *([True] * len(weights))]
+        back = (
+            _strided(torch.randn_like(y)), _strided(torch.randn_like(h_n)), grad_cn, *args[:6],
+            y, saved, *args[6:15], needs,
+        )  # fmt: skip
+        real = torch.ops.mirrorgrad.rnn_backward(*back)
+        fake = _fake_call(torch.ops.mirrorgrad.rnn_backward, back)
+        assert _strides(real) == _strides(fake)

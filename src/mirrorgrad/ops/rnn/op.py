@@ -197,7 +197,7 @@ def rnn_backward(
     layer_saved, layer_outputs, pos = [], [], 0
     for layer in range(num_layers):
         for _ in range(num_dirs):
-            layer_saved.append(tuple(saved[pos : pos + k]))
+            layer_saved.append(tuple(s.contiguous() for s in saved[pos : pos + k]))
             pos += k
         if layer < num_layers - 1:
             layer_outputs.append(saved[pos])
@@ -255,11 +255,12 @@ def rnn_backward(
     def stacked(grads: list[Tensor | None]) -> Tensor:
         return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
 
+    # Contiguous, as the fake kernel promises (Inductor asserts the strides it was told).
     return (
-        grad_out if need_x and grad_out is not None else x.new_empty(0),
+        grad_out.contiguous() if need_x and grad_out is not None else x.new_empty(0),
         stacked(grad_hx) if need_hx else x.new_empty(0),
         stacked(grad_cx) if need_cx else x.new_empty(0),
-        [x.new_empty(0) if g is None else g for g in grad_w],
+        [x.new_empty(0) if g is None else g.contiguous() for g in grad_w],
     )
 
 
@@ -268,13 +269,15 @@ def _rnn_backward_fake(
     grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved, mode, num_layers,
     bidirectional, has_biases, proj_size, dropout, memory, state_clip, impl, needs_input_grad,
 ):  # fmt: skip
+    # Contiguous gradients whatever the inputs' strides: empty_like would copy a permuted
+    # x's strides, which the real kernel's fresh gradients do not have.
     need_x, need_hx, need_cx = needs_input_grad[:3]
     return (
-        torch.empty_like(x) if need_x else x.new_empty(0),
-        torch.empty_like(hx) if need_hx else x.new_empty(0),
-        torch.empty_like(cx) if need_cx and cx is not None else x.new_empty(0),
+        x.new_empty(x.shape) if need_x else x.new_empty(0),
+        hx.new_empty(hx.shape) if need_hx else x.new_empty(0),
+        cx.new_empty(cx.shape) if need_cx and cx is not None else x.new_empty(0),
         [
-            torch.empty_like(w) if n else x.new_empty(0)
+            w.new_empty(w.shape) if n else x.new_empty(0)
             for w, n in zip(weights, needs_input_grad[3:])
         ],
     )
