@@ -1,8 +1,14 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from torch import fx
+from torch import fx, nn
 
-from mirrorgrad.graph.cost import DeviceRates, op_cost, recompute_cost
+from mirrorgrad.graph.cost import H100, H200, DeviceRates, StepCost, op_cost, rates_for
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
+from joint_graphs import joint_of
 
 aten = torch.ops.aten
 RATES = DeviceRates(matmul_flops_per_s=1e12, vector_flops_per_s=1e11, bytes_per_s=1e11)
@@ -49,14 +55,38 @@ def test_convolution_flops():
     assert op_cost(n, RATES).flops == 2 * 2 * 4 * 3 * 3 * 3 * 8 * 8
 
 
-def test_pointwise_is_memory_bound_and_fused_recompute_is_not():
+def test_pointwise_is_memory_bound():
     n = _node(aten.gelu.default, (512, 512), out_shape=(512, 512))
     cost = op_cost(n, RATES)
     assert cost.flops == 512 * 512
     assert cost.seconds == pytest.approx(2 * 2**20 / 1e11)
-    fused = recompute_cost(n, RATES, fused=True)
-    assert fused.bytes == 0 and fused.seconds == pytest.approx(512 * 512 / 1e11)
-    assert recompute_cost(n, RATES, fused=False) == cost
+
+
+def _by_op(joint, packet):
+    return [n for n in joint.forward if getattr(n.target, "__name__", "").startswith(packet)]
+
+
+def test_fused_cost_of_an_inlined_op_is_its_arithmetic():
+    # x -> mm -> mul -> relu -> mm: mul's output is read by relu alone, forward and
+    # backward (relu's backward reads relu's output), so Inductor computes it inside
+    # relu's kernel; relu's output feeds a matmul and is written, reading mm's output.
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), _Scale(), nn.ReLU(), nn.Linear(64, 8))
+    joint = joint_of(model, torch.randn(32, 64))
+    costs = StepCost(joint, RATES, fusion=True)
+    (mul,) = _by_op(joint, "mul")
+    (relu,) = _by_op(joint, "relu")
+    assert mul in costs.inlined and relu not in costs.inlined
+    assert costs.run(mul) == type(costs.run(mul))(flops=32 * 64, bytes=0, seconds=32 * 64 / 1e11)
+    fp32 = 4
+    assert costs.run(relu).bytes == 2 * 32 * 64 * fp32  # reads mm's output, writes its own
+    unfused = StepCost(joint, RATES, fusion=False)
+    assert not unfused.inlined and unfused.run(mul) == op_cost(mul, RATES)
+    assert costs.step_seconds < unfused.step_seconds
+
+
+class _Scale(nn.Module):
+    def forward(self, x):
+        return x * 2.0
 
 
 def test_views_cost_nothing():
@@ -67,3 +97,9 @@ def test_views_cost_nothing():
 def test_rates_must_be_positive():
     with pytest.raises(ValueError, match="bytes_per_s"):
         DeviceRates(bytes_per_s=0)
+
+
+def test_rates_follow_the_device():
+    assert rates_for(torch.device("cpu")) == H100
+    assert H200.bytes_per_s > H100.bytes_per_s
+    assert H200.matmul_flops_per_s == H100.matmul_flops_per_s

@@ -5,10 +5,13 @@ FLOPs come from ``torch.utils.flop_counter``'s formula registry where it has one
 ``register_flop_formula`` such as our RNN ops), else one FLOP per output element.
 Bytes moved are the op's tensor inputs plus outputs; views move nothing.
 
-A recomputed op costs the same, except under a fusing compiler (Inductor): a
-recomputed pointwise op runs inside the kernel of its backward consumer, which
-then reads the op's inputs from the stash instead of its output. It adds its
-arithmetic, not its memory traffic; other recomputed ops skip their output write.
+Under a fusing compiler (Inductor) the bytes are those of its kernels
+(``StepCost``): a pointwise op computed inside its readers' kernels
+(``fusion.inlined``) adds its arithmetic only, and an op that writes its output
+reads the values its inlined inputs were computed from. A recomputed op costs what
+it costs in the forward pass: a recomputed ReLU whose output a convolution's
+backward reads is written to memory again (read the convolution output, write the
+ReLU output); one that a pointwise backward op reads is free but for arithmetic.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch.fx import Node
 from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
-from mirrorgrad.graph.joint import is_getitem, is_view, value_nbytes
+from mirrorgrad.graph.fusion import inlined
+from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view, value_nbytes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -43,6 +47,22 @@ class DeviceRates:
 
 
 H100 = DeviceRates()
+# Same compute as the H100, HBM3e at 4.8 TB/s peak: memory-bound recomputation is
+# ~1.4x cheaper next to the matmuls.
+H200 = DeviceRates(bytes_per_s=4.3e12)
+# TF32/bf16 matmul as reached in practice, fp32 vector units, HBM2e (2.0 TB/s peak).
+A100 = DeviceRates(matmul_flops_per_s=200e12, vector_flops_per_s=15e12, bytes_per_s=1.7e12)
+_KNOWN = (("H200", H200), ("H100", H100), ("A100", A100))
+
+
+def rates_for(device: torch.device) -> DeviceRates:
+    """The rates of ``device`` by its CUDA name; H100's for anything else."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        for key, rates in _KNOWN:
+            if key in name:
+                return rates
+    return H100
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -109,19 +129,77 @@ def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:
     return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
 
-def recompute_cost(node: Node, rates: DeviceRates = H100, *, fused: bool = True) -> OpCost:
-    """Estimated cost of recomputing ``node`` in the backward pass."""
-    cost = op_cost(node, rates)
-    if not fused or cost.seconds == 0.0:
+class StepCost:
+    """What each op of a training step costs as the backend runs it.
+
+    ``fusion=False`` (each op its own kernel, ``backend="eager"``): ``op_cost``.
+    ``fusion=True`` (Inductor): inlined pointwise ops cost their arithmetic; any
+    other op reads the materialised values its inputs come from (seeing through
+    inlined inputs) and writes its output. Whether a value is inlined is decided
+    once from all its readers, forward and backward, so an op costs the same when
+    it is recomputed as when it first runs.
+    """
+
+    def __init__(self, joint: JointGraph, rates: DeviceRates = H100, *, fusion: bool) -> None:
+        self.joint, self.rates, self.fusion = joint, rates, fusion
+        self.inlined: frozenset[Node] = frozenset(_inlined_values(joint) if fusion else ())
+        self._sources: dict[Node, frozenset[Node]] = {}
+        self._cost: dict[Node, OpCost] = {}
+        compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
+        self.step_seconds = sum(self.run(n).seconds for n in compute)
+
+    def run(self, node: Node) -> OpCost:
+        """Cost of running ``node`` once, forward or recomputed in backward."""
+        cost = self._cost.get(node)
+        if cost is None:
+            cost = self._cost[node] = self._run(node)
         return cost
-    target = node.target
-    if isinstance(target, _compat.OpOverload) and torch.Tag.pointwise in target.tags:
-        return OpCost(flops=cost.flops, bytes=0, seconds=cost.flops / rates.vector_flops_per_s)
-    moved = cost.bytes - value_nbytes(node.meta.get("val"))
-    rate = (
-        rates.matmul_flops_per_s
-        if registered_flops(node) is not None
-        else (rates.vector_flops_per_s)
-    )
-    seconds = max(cost.flops / rate, moved / rates.bytes_per_s)
-    return OpCost(flops=cost.flops, bytes=moved, seconds=seconds)
+
+    def _run(self, node: Node) -> OpCost:
+        if not self.fusion:
+            return op_cost(node, self.rates)
+        if node.op != "call_function" or is_getitem(node) or is_view(node):
+            return OpCost(flops=0, bytes=0, seconds=0.0)
+        flops = registered_flops(node)
+        rate = self.rates.matmul_flops_per_s
+        if flops is None:
+            flops, rate = _numel(node.meta.get("val")), self.rates.vector_flops_per_s
+        if node in self.inlined:
+            return OpCost(flops=flops, bytes=0, seconds=flops / rate)
+        reads = set().union(*(self._read(a) for a in node.all_input_nodes))
+        moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
+        return OpCost(
+            flops=flops, bytes=moved, seconds=max(flops / rate, moved / self.rates.bytes_per_s)
+        )
+
+    def _read(self, value: Node) -> frozenset[Node]:
+        """Storages a kernel reading ``value`` reads: its own, or, if it is
+        inlined, those it is computed from."""
+        storage = self.joint.storage(value)
+        if storage not in self.inlined:
+            return frozenset((storage,))
+        sources = self._sources.get(storage)
+        if sources is None:
+            sources = frozenset().union(*(self._read(a) for a in storage.all_input_nodes))
+            self._sources[storage] = sources
+        return sources
+
+
+def _inlined_values(joint: JointGraph) -> set[Node]:
+    """Values Inductor computes in its readers' kernels, judged per phase: the
+    forward readers of a forward value and its backward readers (where the
+    partitioner recomputes it) must each take it inline."""
+    backward = set(joint.backward)
+    compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
+    readers: dict[Node, tuple[list[Node], list[Node]]] = {n: ([], []) for n in compute}
+    for n in compute:
+        for a in joint.inputs(n):
+            entry = readers.get(joint.storage(a))
+            if entry is not None:
+                entry[1 if n in backward else 0].append(n)
+    kept = {joint.storage(v) for v in (*joint.fwd_outputs, *joint.bwd_outputs)}
+    return {
+        n
+        for n, (fwd, bwd) in readers.items()
+        if n not in kept and inlined(n, fwd) and inlined(n, bwd)
+    }

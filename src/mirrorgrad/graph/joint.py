@@ -144,6 +144,15 @@ class JointGraph:
             order=order,
         )
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the graph's first tensor input (CPU if it has none)."""
+        for p in self.primals:
+            val = p.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return val.device
+        return torch.device("cpu")
+
     def nbytes(self, node: Node) -> int:
         """Bytes of ``node``'s value (fake tensors; tuples summed; symbolic scalars 0)."""
         size = self._nbytes.get(node)

@@ -18,11 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
 from torch.fx import Node
 
-from mirrorgrad import _compat
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
+from mirrorgrad.graph.fusion import inlined
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -181,26 +180,6 @@ class _Simulator:
                 self.drop(n)
 
 
-# Reductions Inductor fuses with the pointwise ops that feed them.
-_FUSIBLE_REDUCTIONS = frozenset(
-    ("sum", "mean", "amax", "amin", "var_mean", "var", "prod", "any", "all", "logsumexp")
-)
-# Inductor inlines a pointwise value into its readers unless it has more than this
-# many (torch._inductor.config.realize_reads_threshold).
-_INLINE_READERS = 4
-
-
-def _fusible_reader(node: Node) -> bool:
-    if is_view(node):
-        return True
-    target = node.target
-    if not isinstance(target, _compat.OpOverload):
-        return False
-    return torch.Tag.pointwise in target.tags or (
-        op_name(node).split("::")[-1] in _FUSIBLE_REDUCTIONS
-    )
-
-
 def _fused_away(joint: JointGraph, schedule: list[Node], keep: set[Node]) -> set[Node]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory: not kept past the phase, read by at most a
@@ -210,17 +189,7 @@ def _fused_away(joint: JointGraph, schedule: list[Node], keep: set[Node]) -> set
         for a in joint.inputs(n):
             readers.setdefault(joint.storage(a), []).append(n)
     kept_storages = {joint.storage(v) for v in keep}
-    fused = set()
-    for n in schedule:
-        target = n.target
-        if not isinstance(target, _compat.OpOverload) or torch.Tag.pointwise not in target.tags:
-            continue
-        if n in kept_storages or is_view(n):
-            continue
-        direct = [r for r in readers.get(n, []) if not is_view(r)]
-        if len(direct) <= _INLINE_READERS and all(_fusible_reader(r) for r in direct):
-            fused.add(n)
-    return fused
+    return {n for n in schedule if n not in kept_storages and inlined(n, readers.get(n, []))}
 
 
 def _is_tuple(node: Node) -> bool:

@@ -24,7 +24,7 @@ from typing import Literal
 from torch.fx import Node
 
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import H100, DeviceRates, op_cost, recompute_cost
+from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.echo import UnitGraph, storage_balance
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
@@ -34,8 +34,10 @@ Mode = Literal["balance", "budget", "off"]
 # REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
 MAX_REPAIR_TRIALS = 256
 REPAIR_CANDIDATES = 4
-# Liveness simulations the budget search may spend.
+# Liveness simulations the budget search may spend, and the most units it mirrors
+# in one step (larger steps are faster, smaller ones give budgets finer choices).
 MAX_BUDGET_TRIALS = 512
+MAX_CHUNK = 16
 MODES = ("balance", "budget", "off")
 
 
@@ -51,6 +53,7 @@ class PlanOptions:
     # Balance mode: most added time allowed, as a fraction of the estimated step time.
     max_overhead: float = 0.05
     policy: MirrorPolicy | None = None
+    # The accelerator's rates; by default looked up from the graph's device (rates_for).
     device: DeviceRates | None = None
     # The backend fuses pointwise ops (Inductor): recomputed ones run inside their
     # backward readers' kernels, and fused intermediates are never allocated. Set
@@ -220,7 +223,7 @@ def stash_sizes(joint: JointGraph, graph: UnitGraph, saved: list[Node]) -> dict[
 def plan(joint: JointGraph, options: PlanOptions) -> Plan:
     """Decide what the forward pass stashes and what the backward pass recomputes."""
     policy = options.policy if options.policy is not None else MirrorPolicy()
-    rates = options.device if options.device is not None else H100
+    rates = options.device if options.device is not None else rates_for(joint.device)
     graph = UnitGraph(joint, policy)
     planner = _Planner(joint, graph, rates, fusion=options.fusion)
     before = planner.evaluate(set())
@@ -280,9 +283,9 @@ class _Planner:
         self, joint: JointGraph, graph: UnitGraph, rates: DeviceRates, *, fusion: bool
     ) -> None:
         self.joint, self.graph, self.rates, self.fusion = joint, graph, rates, fusion
-        compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
-        self.step_time_s = sum(op_cost(n, rates).seconds for n in compute)
-        self.recompute = {n: recompute_cost(n, rates, fused=fusion) for n in joint.forward}
+        costs = StepCost(joint, rates, fusion=fusion)
+        self.step_time_s = costs.step_seconds
+        self.recompute = {n: costs.run(n) for n in joint.forward}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
@@ -305,10 +308,16 @@ class _Planner:
         )
 
     def balance(self, max_overhead: float, before: _Candidate) -> _Candidate:
+        """The lowest peak within the time cap: the storage-balance plan, repaired
+        and trimmed to the cap, or a state of the adding search within it."""
+        cap_s = max_overhead * self.step_time_s
         chosen = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
-        units = self._within_cap(set(chosen.units), max_overhead * self.step_time_s)
+        units = self._within_cap(set(chosen.units), cap_s)
         if units != chosen.units:
             chosen = self.evaluate(units)
+        path = self._adding_path(before, last_resort=False)
+        candidates = [chosen, *(c for c in path if c.added_time_s <= cap_s)]
+        chosen = min(candidates, key=lambda c: (c.peak, c.added_time_s))
         return chosen if chosen.peak < before.peak else before
 
     def _within_cap(self, units: set[Node], cap_s: float) -> set[Node]:
@@ -407,14 +416,14 @@ class _Planner:
     def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
         """The least added time whose peak meets the budget, else the lowest peak.
 
-        Candidates come from two searches that do not depend on the budget:
+        Candidates come from searches that do not depend on the budget:
 
         - adding: mirror more, best bytes per second first. Chunks of the ranking
-          double while the peak does not rise (a step that leaves it unchanged can
-          open a chain: mirroring a ReLU pays only once its BatchNorm is mirrored
-          too) and halve when it does; a unit that raises the peak alone is never
-          tried again. Time only grows along this path, so its first state within
-          the budget is its cheapest.
+          double (up to ``MAX_CHUNK``) while the peak does not rise (a step that
+          leaves it unchanged can open a chain: mirroring a ReLU pays only once its
+          BatchNorm is mirrored too) and halve when it does; a unit that raises the
+          peak alone is never tried again. Every state on this path is a candidate,
+          and its last one after the lifetime repair.
         - trimming: one op at a time misses what only a group pays for (each
           decoder step's tanh needs its add mirrored too, all sharing U k), so
           the storage-balance plan (after the lifetime repair) and that plan with
@@ -425,28 +434,32 @@ class _Planner:
         wins; among equal peaks the smaller stash (the user asked for memory: it
         is headroom where the estimate errs), then the least time.
         """
+        path = self._adding_path(before, last_resort=True)
+        candidates = [*path, *self._trimmed_balance()]
+        feasible = [c for c in candidates if c.peak <= budget_bytes]
+        if feasible:
+            return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
+        return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
+
+    def _adding_path(self, before: _Candidate, *, last_resort: bool) -> list[_Candidate]:
+        """The states of the adding search (``meet_budget``), the last one also
+        after the lifetime repair. ``last_resort``: matmuls and convolutions too."""
+        path = [before]
         current, rejected, k = before, set(), 1
         for _ in range(MAX_BUDGET_TRIALS):
-            if current.peak <= budget_bytes:
-                break
-            ranked = self._ranked_additions(current, rejected)
+            ranked = self._ranked_additions(current, rejected, last_resort=last_resort)
             if not ranked:
                 break
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
             if trial.peak <= current.peak:
-                current, k = trial, k * 2
+                current, k = trial, min(2 * k, MAX_CHUNK)
+                path.append(current)
             elif k > 1:
                 k //= 2
             else:
                 rejected.add(chunk[0])
-        if current.peak > budget_bytes:
-            current = self.shorten_recompute_lifetimes(current)
-        candidates = [before, current, *self._trimmed_balance()]
-        feasible = [c for c in candidates if c.peak <= budget_bytes]
-        if feasible:
-            return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
-        return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
+        return [*path, self.shorten_recompute_lifetimes(current)]
 
     def _trimmed_balance(self) -> list[_Candidate]:
         """The repaired storage-balance plan, then with its costliest 1, 2, 4, ...
@@ -461,13 +474,22 @@ class _Planner:
             k *= 2
         return trims
 
-    def _ranked_additions(self, current: _Candidate, rejected: set[Node]) -> list[Node]:
-        """Mirrorable stashed units, best bytes freed per added second first."""
+    def _ranked_additions(
+        self, current: _Candidate, rejected: set[Node], *, last_resort: bool
+    ) -> list[Node]:
+        """Mirrorable stashed units, best bytes freed per added second first.
+
+        Matmuls and convolutions (``UnitGraph.last_resort``) compete on the same
+        score: their FLOPs make them slow to recompute, so they come after the
+        cheap ops and are taken only when those cannot meet the budget.
+        """
         saved = set(current.partition.saved)
         g = self.graph
         scored = []
         for u in g.units:
-            if u in current.units or u in rejected or not g.mirrorable[u]:
+            if u in current.units or u in rejected:
+                continue
+            if not g.mirrorable[u] and not (last_resort and u in g.last_resort):
                 continue
             outs = [v for v in g.outputs(u) if v in saved]
             if not outs:

@@ -48,6 +48,14 @@ class UnitGraph:
         self.unit_set = frozenset(self.units)
         self.fwd_outputs = frozenset(joint.fwd_outputs)
         self.mirrorable = {u: self._may_mirror(u, policy) for u in self.units}
+        # Not mirrorable, but budget mode may recompute them when nothing else meets it.
+        self.last_resort = frozenset(
+            u
+            for u in self.units
+            if not self.mirrorable[u]
+            and policy.may_mirror_heavy(u)
+            and not all(self.is_free(v) for v in self.outputs(u))
+        )
 
     def _may_mirror(self, unit: Node, policy: MirrorPolicy) -> bool:
         if is_sym(unit) or not policy.may_mirror(unit):

@@ -60,6 +60,13 @@ class OpClasses:
         "linalg_eigh", "_linalg_svd", "linalg_qr", "_linalg_solve_ex", "cholesky",
         "topk", "sort", "nonzero",
     )  # fmt: skip
+    # Heavy ops budget mode may still recompute when cheaper ones cannot meet its
+    # budget: deterministic, one output, cost known from their FLOPs. (Attention
+    # kernels are left out: they may draw a dropout mask.)
+    recomputable_heavy: frozenset[str] = _packets(
+        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
+        "embedding",
+    )  # fmt: skip
     random: frozenset[str] = _packets(
         "native_dropout", "dropout", "feature_dropout", "alpha_dropout", "bernoulli",
         "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
@@ -188,6 +195,15 @@ class MirrorPolicy:
         if name in self.op_overrides:
             return self.op_overrides[name]
         return self._by_class(node)
+
+    def may_mirror_heavy(self, node: Node) -> bool:
+        """A heavy op budget mode may recompute as a last resort: never when
+        mirroring is off or a ``mark(module, mirror=False)`` covers it."""
+        if not self.enabled or node.op != "call_function" or is_random(node):
+            return False
+        if self._module_override(node) is False or self.op_overrides.get(op_name(node)) is False:
+            return False
+        return _namespace(node) == "aten" and _packet(node) in self.classes.recomputable_heavy
 
     def _module_override(self, node: Node) -> bool | None:
         if not self.module_overrides:
