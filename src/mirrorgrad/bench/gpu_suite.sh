@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The full `mirrorgrad bench` suite on one GPU, in two parts that each fit one
+# The full `mirrorgrad bench` suite on one GPU, in three parts that each fit one
 # 10-minute device command (each part stops itself by ~9 minutes; what did not fit is
 # recorded as skipped, never silently dropped):
 #
-#   bash src/mirrorgrad/bench/gpu_suite.sh 1   # planner zoo: mlp, transformer,
-#                                              # resnet50, nmt-attention
-#   bash src/mirrorgrad/bench/gpu_suite.sh 2   # recurrent workloads (lstm-lm-large,
+#   bash src/mirrorgrad/bench/gpu_suite.sh 1   # planner zoo: transformer
+#   bash src/mirrorgrad/bench/gpu_suite.sh 2   # planner zoo: mlp, resnet50, nmt-attention
+#   bash src/mirrorgrad/bench/gpu_suite.sh 3   # recurrent workloads (lstm-lm-large,
 #                                              # deepspeech2, lstm-lm-medium, nmt-attention)
 #                                              # with mirrorgrad.nn RNNs, largest batch under 4 GB
 #
@@ -18,7 +18,7 @@
 # ~1/6 of the wall time), then the timed runs go one workload at a time, one process
 # per workload, with the caches warm. Each workload gets a fair share of the time left.
 set -euo pipefail
-part=${1:?usage: gpu_suite.sh 1|2}
+part=${1:?usage: gpu_suite.sh 1|2|3}
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -26,22 +26,29 @@ out=${OUT:-bench-results}/part$part
 work=$(mktemp -d)
 mkdir -p "$out"
 
-common=(--no-progress --precompile-jobs 8 --method-timeout 300 --steps 20 --warmup 3)
+# 40 timed steps: step-to-step spread on a 5 ms step was ~10% with 20.
+common=(--no-progress --precompile-jobs 8 --method-timeout 300 --steps 40 --warmup 3)
+zoo_methods=(eager compile mirror-balance compile-budget-0.5 mirror-budget-0.5
+    compile-budget-0.1 mirror-budget-0.3 checkpoint)
 bench() { "$py" -m mirrorgrad bench "${common[@]}" "$@"; }
 
 case "$part" in
 1)
-    # Issue 2's measurement: every torch.compile budget and every mirror mode on the
-    # planner zoo, cheap workloads first (time they leave goes to the later ones).
-    # nmt-attention keeps torch.nn's biLSTM encoder here: Dynamo cannot trace it and
-    # falls back to eager for the model's forward, compiling each decoder step alone.
-    bench --time-limit 510 --out "$work/zoo" \
-        --workloads mlp transformer resnet50 nmt-attention \
-        --methods eager compile mirror-balance compile-budget-0.5 mirror-budget-0.5 \
-        compile-budget-0.1 mirror-budget-0.3 checkpoint
-    runs=(zoo)
+    # Issue 2's measurement: every torch.compile budget and every mirror mode. The
+    # Transformer alone: its cold compiles (the budgets' knapsack) take minutes.
+    bench --time-limit 530 --out "$work/zoo-transformer" --workloads transformer \
+        --methods "${zoo_methods[@]}"
+    runs=(zoo-transformer)
     ;;
 2)
+    # nmt-attention keeps torch.nn's biLSTM encoder here: Dynamo cannot trace it and
+    # falls back to eager for the model's forward, compiling each decoder step alone
+    # (part 3 runs it with mirrorgrad.nn).
+    bench --time-limit 530 --out "$work/zoo" --workloads mlp resnet50 nmt-attention \
+        --methods "${zoo_methods[@]}"
+    runs=(zoo)
+    ;;
+3)
     # Recurrent workloads, torch.nn RNNs against mirrorgrad.nn ones (+mgnn): with
     # torch.nn RNNs torch.compile sees little (an LSTM breaks the graph), with
     # mirrorgrad.nn the whole step is one graph for the planner. The batch search
