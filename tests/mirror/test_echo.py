@@ -59,11 +59,12 @@ def test_mlp_attention_tanh_is_mirrored():
     assert p.stash_bytes_before - p.stash_bytes_after == freed
     assert p.peak_after < p.peak_before
     assert "mm" not in _ops(p.mirrored) and "bmm" not in _ops(p.mirrored)
-    # One op at a time, budget mode finds no step that helps (a tanh alone needs its
-    # add stashed instead); it falls back on the grouped decision.
+    # One op at a time, budget mode finds no cheap step that helps (a tanh alone needs
+    # its add stashed instead); the grouped decision is among its candidates, and
+    # recomputing softmaxes and, as a last resort, matmuls takes it lower still.
     in_budget = plan(joint, PlanOptions(mode="budget", budget=0.5))
     assert {n.name for n in in_budget.mirrored} >= {t.name for t in tanhs}
-    assert in_budget.peak_after == p.peak_after
+    assert in_budget.peak_after <= p.peak_after
 
 
 def test_linear_input_chain_is_mirrored_but_not_the_linear():

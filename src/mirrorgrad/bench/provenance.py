@@ -8,8 +8,11 @@ from pathlib import Path
 
 
 def git_commit() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the checkout this package runs from; outside git, the commit
-    MIRRORGRAD_COMMIT names (or None) and dirty None."""
+    """(commit, dirty) of the checkout this package runs from; the commit
+    MIRRORGRAD_COMMIT names (or None) and dirty None where that is set or there is
+    no git (a lent GPU machine's copy of the tree may carry a stale .git)."""
+    if os.environ.get("MIRRORGRAD_COMMIT"):
+        return os.environ["MIRRORGRAD_COMMIT"], None
     here = Path(__file__).parent
     try:
         commit = subprocess.run(

@@ -483,8 +483,9 @@ class _Planner:
         score: their FLOPs make them slow to recompute, so they come after the
         cheap ops and are taken only when those cannot meet the budget.
         """
-        saved = set(current.partition.saved)
         g = self.graph
+        # A view saved for backward keeps its base's storage: count it as its base.
+        saved = {g.root(v) for v in current.partition.saved}
         scored = []
         for u in g.units:
             if u in current.units or u in rejected:
