@@ -310,8 +310,11 @@ def probe(workload: Workload, method: Method, opts: RunOptions, cap_bytes: int) 
     assert opts.batch is not None
     device = opts.device
     if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+        # The memory-fraction call wants an index: "cuda" alone is rejected.
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
     result = measure(workload, method, dataclasses.replace(opts, deadline=None))
     if result.status != "ok":
         return ProbeResult(batch=opts.batch, fits=False, error=result.error)
