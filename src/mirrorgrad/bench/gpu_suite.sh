@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The full `mirrorgrad bench` suite on one GPU, in three parts that each fit one
+# The full `mirrorgrad bench` suite on one GPU, in four parts that each fit one
 # 10-minute device command (each part stops itself by ~9 minutes; what did not fit is
 # recorded as skipped, never silently dropped):
 #
 #   bash src/mirrorgrad/bench/gpu_suite.sh 1   # planner zoo: transformer
 #   bash src/mirrorgrad/bench/gpu_suite.sh 2   # planner zoo: mlp, resnet50, nmt-attention
-#   bash src/mirrorgrad/bench/gpu_suite.sh 3   # recurrent workloads (lstm-lm-large,
-#                                              # deepspeech2, lstm-lm-medium, nmt-attention)
-#                                              # with mirrorgrad.nn RNNs, largest batch under 4 GB
+#   bash src/mirrorgrad/bench/gpu_suite.sh 3   # recurrent workloads (lstm-lm-medium,
+#                                              # deepspeech2, nmt-attention, lstm-lm-large)
+#                                              # with torch.nn vs mirrorgrad.nn RNNs
+#   bash src/mirrorgrad/bench/gpu_suite.sh 4   # largest batch under 4 GB
 #
 # Results go to $OUT/partN (results.json, results.md, peak_vs_time.png, max_batch.png,
 # logs.tar.gz); the markdown tables are printed last. Redraw a report elsewhere with
@@ -18,7 +19,7 @@
 # ~1/6 of the wall time), then the timed runs go one workload at a time, one process
 # per workload, with the caches warm. Each workload gets a fair share of the time left.
 set -euo pipefail
-part=${1:?usage: gpu_suite.sh 1|2|3}
+part=${1:?usage: gpu_suite.sh 1|2|3|4}
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -51,20 +52,21 @@ case "$part" in
 3)
     # Recurrent workloads, torch.nn RNNs against mirrorgrad.nn ones (+mgnn): with
     # torch.nn RNNs torch.compile sees little (an LSTM breaks the graph), with
-    # mirrorgrad.nn the whole step is one graph for the planner. The batch search
-    # probes only methods that do not compile (each probe is a fresh process, and a
-    # compiling probe a cold compile at a new shape).
-    bench --time-limit 270 --out "$work/rnn" --workloads lstm-lm-large deepspeech2 \
+    # mirrorgrad.nn the whole step is one graph for the planner. A cold compile with
+    # mirrorgrad.nn RNNs took ~50-60 s on an H100: few methods, one long phase.
+    bench --time-limit 540 --out "$work/rnn" \
+        --workloads lstm-lm-medium deepspeech2 nmt-attention lstm-lm-large \
         --methods eager compile eager+mgnn compile+mgnn mirror-balance+mgnn \
-        mirror-budget-0.3+mgnn mirror-balance checkpoint \
-        --cap-gb 4 --search-time 110 --max-probes 3 \
-        --search-methods eager checkpoint eager+mgnn
-    # Issue 2's budgets on recurrent models the planner can see whole.
-    bench --time-limit 250 --out "$work/rnn-zoo" --workloads lstm-lm-medium nmt-attention \
-        --methods eager compile eager+mgnn compile+mgnn mirror-balance+mgnn \
-        compile-budget-0.5+mgnn mirror-budget-0.5+mgnn compile-budget-0.1+mgnn \
-        mirror-budget-0.3+mgnn checkpoint+mgnn
-    runs=(rnn rnn-zoo)
+        mirror-budget-0.5+mgnn checkpoint
+    runs=(rnn)
+    ;;
+4)
+    # The largest batch under 4 GB for the methods that do not compile (each probe
+    # is a fresh process; a compiling probe would be a cold compile at a new shape).
+    bench --time-limit 500 --out "$work/batch" --workloads lstm-lm-large deepspeech2 \
+        --methods eager eager+mgnn checkpoint --steps 5 \
+        --cap-gb 4 --search-time 400 --max-probes 4 --search-methods eager eager+mgnn checkpoint
+    runs=(batch)
     ;;
 *)
     echo "usage: gpu_suite.sh 1|2" >&2
