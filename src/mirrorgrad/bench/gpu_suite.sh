@@ -63,9 +63,9 @@ case "$part" in
 4)
     # The largest batch under 4 GB for the methods that do not compile (each probe
     # is a fresh process; a compiling probe would be a cold compile at a new shape).
-    bench --time-limit 500 --out "$work/batch" --workloads lstm-lm-large deepspeech2 \
+    bench --time-limit 380 --out "$work/batch" --workloads lstm-lm-large deepspeech2 \
         --methods eager eager+mgnn checkpoint --steps 5 \
-        --cap-gb 4 --search-time 400 --max-probes 4 --search-methods eager eager+mgnn checkpoint
+        --cap-gb 4 --search-time 300 --max-probes 3 --search-methods eager eager+mgnn checkpoint
     runs=(batch)
     ;;
 *)
