@@ -315,7 +315,7 @@ class _Planner:
         units = self._within_cap(set(chosen.units), cap_s)
         if units != chosen.units:
             chosen = self.evaluate(units)
-        path = self._adding_path(before, last_resort=False)
+        path = self._adding_path(before, last_resort=False, cap_s=cap_s)
         candidates = [chosen, *(c for c in path if c.added_time_s <= cap_s)]
         chosen = min(candidates, key=lambda c: (c.peak, c.added_time_s))
         return chosen if chosen.peak < before.peak else before
@@ -441,12 +441,17 @@ class _Planner:
             return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
         return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
 
-    def _adding_path(self, before: _Candidate, *, last_resort: bool) -> list[_Candidate]:
+    def _adding_path(
+        self, before: _Candidate, *, last_resort: bool, cap_s: float = float("inf")
+    ) -> list[_Candidate]:
         """The states of the adding search (``meet_budget``), the last one also
-        after the lifetime repair. ``last_resort``: matmuls and convolutions too."""
+        after the lifetime repair. ``last_resort``: matmuls and convolutions too.
+        Added time only grows along the path: it stops once past ``cap_s``."""
         path = [before]
         current, rejected, k = before, set(), 1
         for _ in range(MAX_BUDGET_TRIALS):
+            if current.added_time_s > cap_s:
+                break
             ranked = self._ranked_additions(current, rejected, last_resort=last_resort)
             if not ranked:
                 break
