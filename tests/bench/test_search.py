@@ -64,3 +64,45 @@ def test_guess_batch_extrapolates_linearly():
         guess_batch(batch=20, peak_bytes=300 * mb, fixed_bytes=100 * mb, cap_bytes=1000 * mb) == 90
     )
     assert guess_batch(batch=20, peak_bytes=300 * mb, fixed_bytes=100 * mb, cap_bytes=50 * mb) == 1
+
+
+def _linear_memory(fixed: int, per_sample: int, cap: int, calls: list[int]):
+    """A fake step whose peak is fixed + per_sample * batch, with the allocator capped."""
+
+    def fits(batch: int) -> tuple[bool, int | None]:
+        calls.append(batch)
+        peak = fixed + per_sample * batch
+        return (True, peak) if peak <= cap else (False, None)
+
+    return fits
+
+
+@pytest.mark.parametrize("guess", [10, 252, 900, 5000])
+def test_measured_peaks_steer_the_search(guess):
+    # lstm-lm-large on an H100: the guess from the timed run was 252; the true answer
+    # under 4 GB is far higher. Galloping alone ends 3 probes in with a lower bound.
+    mb = 2**20
+    fixed, per_sample, cap = 300 * mb, 7 * mb, 4000 * mb
+    largest = (cap - fixed) // per_sample
+    calls: list[int] = []
+    found = search_max_batch(
+        _linear_memory(fixed, per_sample, cap, calls), guess=guess, max_probes=64, cap_bytes=cap
+    )
+    assert found.exact and found.largest_fit == largest
+    if guess < largest:  # two fits give the line: the answer, then its proof
+        assert len(calls) <= 4, calls
+    without_peaks = search_max_batch(_fake_limit(largest, []), guess=guess, max_probes=64)
+    assert len(without_peaks.probes) > len(calls)
+
+
+def test_a_bad_prediction_still_converges():
+    # Memory grows faster than linearly: each secant step overshoots or falls short;
+    # bisection in between still brackets the answer exactly.
+    cap = 10_000
+
+    def fits(batch: int) -> tuple[bool, int | None]:
+        peak = batch * batch
+        return (True, peak) if peak <= cap else (False, None)
+
+    found = search_max_batch(fits, guess=3, max_probes=64, cap_bytes=cap)
+    assert found.exact and found.largest_fit == 100

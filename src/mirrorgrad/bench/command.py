@@ -304,11 +304,11 @@ class _Bench:
         found = BatchSearch()
         records: list[dict[str, Any]] = []
 
-        def fits(batch: int) -> bool:
+        def fits(batch: int) -> tuple[bool, int | None]:
             if deadline is not None and time.time() > deadline:
                 raise TimeoutError
             records.append(self.probe(workload, result["method"], batch, cap_bytes, phase))
-            return bool(records[-1]["fits"])
+            return bool(records[-1]["fits"]), records[-1].get("peak_bytes")
 
         guess = guess_batch(
             batch=result["batch"],
@@ -318,11 +318,13 @@ class _Bench:
         )
         note = None
         try:
-            found = search_max_batch(fits, guess=guess, max_probes=self.args.max_probes)
+            found = search_max_batch(
+                fits, guess=guess, max_probes=self.args.max_probes, cap_bytes=cap_bytes
+            )
         except TimeoutError:
             # What the probes so far showed still stands.
             for record in records:
-                found.record(record["batch"], bool(record["fits"]))
+                found.record(record["batch"], bool(record["fits"]), record.get("peak_bytes"))
             note = "time limit reached"
         return found.to_dict() | {"guess": guess, "probe_records": records, "note": note}
 

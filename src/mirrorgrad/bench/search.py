@@ -3,6 +3,9 @@
 Each probe is expensive (a fresh process, often a compile), so the search starts
 from a guess extrapolated from one measured peak and stops after ``max_probes``;
 then the answer is a bracket: ``largest_fit`` fits, ``smallest_fail`` does not.
+Probes that fit report their peak: memory is close to linear in the batch, so once two
+have, the line through them predicts the answer (a secant step), tried in turn with
+bisection so that a poor prediction costs at most every other probe.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ class BatchSearch:
     largest_fit: int | None = None
     smallest_fail: int | None = None
     probes: list[tuple[int, bool]] = field(default_factory=list)
+    # Measured peak bytes of the probes that fit and reported one.
+    peaks: dict[int, int] = field(default_factory=dict)
 
-    def record(self, batch: int, fits: bool) -> None:
+    def record(self, batch: int, fits: bool, peak_bytes: int | None = None) -> None:
         self.probes.append((batch, fits))
+        if fits and peak_bytes is not None:
+            self.peaks[batch] = peak_bytes
         if fits:
             self.largest_fit = max(batch, self.largest_fit or 0)
         else:
@@ -54,26 +61,57 @@ def guess_batch(*, batch: int, peak_bytes: int, fixed_bytes: int, cap_bytes: int
 
 
 def search_max_batch(
-    fits: Callable[[int], bool], *, guess: int, max_probes: int, limit: int = 1 << 20
+    fits: Callable[[int], bool | tuple[bool, int | None]],
+    *,
+    guess: int,
+    max_probes: int,
+    limit: int = 1 << 20,
+    cap_bytes: int | None = None,
 ) -> BatchSearch:
-    """Largest ``b`` in ``[1, limit]`` with ``fits(b)``, assuming ``fits`` is monotone."""
+    """Largest ``b`` in ``[1, limit]`` with ``fits(b)``, assuming ``fits`` is monotone.
+
+    ``fits`` may return ``(fits, peak_bytes)``; with ``cap_bytes`` the peaks steer the
+    search (secant steps)."""
     if max_probes < 1:
         raise ValueError(f"max_probes must be >= 1, got {max_probes}")
     result = BatchSearch()
     b = min(max(1, guess), limit)
     step = max(1, round(b * _FIRST_STEP))
+    secant_last = False
     for _ in range(max_probes):
-        result.record(b, fits(b))
+        answer = fits(b)
+        ok, peak = answer if isinstance(answer, tuple) else (answer, None)
+        result.record(b, bool(ok), peak)
         lo, hi = result.largest_fit or 0, result.smallest_fail
-        if hi is None:
-            if lo >= limit:
-                break
-            b = min(limit, lo + step)
-        elif hi == lo + 1:
+        predicted = _secant(result, cap_bytes)
+        upper = limit if hi is None else hi - 1
+        if predicted is not None and lo > 0:
+            # The line says lo is the top: lo + 1 is the probe that can prove it.
+            predicted = min(max(predicted, lo + 1), upper)
+        use_secant = predicted is not None and lo < predicted <= upper and not secant_last
+        if hi is not None and hi == lo + 1:
             break
+        if hi is None and lo >= limit:
+            break
+        if use_secant:
+            b = predicted
+        elif hi is None:
+            b = min(limit, lo + step)
         elif lo == 0:
             b = max(1, hi - step)
         else:
             b = (lo + hi) // 2
+        secant_last = use_secant and hi is not None
         step *= 2
     return result
+
+
+def _secant(result: BatchSearch, cap_bytes: int | None) -> int | None:
+    """The batch at which the line through the two largest measured peaks meets the cap."""
+    if cap_bytes is None or len(result.peaks) < 2:
+        return None
+    (b0, p0), (b1, p1) = sorted(result.peaks.items())[-2:]
+    slope = (p1 - p0) / (b1 - b0)
+    if slope <= 0:
+        return None
+    return math.floor(b1 + (cap_bytes - p1) / slope)
