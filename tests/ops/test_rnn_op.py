@@ -1,5 +1,7 @@
 """The mirrorgrad::rnn_forward / rnn_backward ops: registration, gradients, compile capture."""
 
+import warnings
+
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -409,3 +411,15 @@ def test_fake_kernels_promise_the_real_strides_for_strided_inputs(mode):
         real = torch.ops.mirrorgrad.rnn_backward(*back)
         fake = _fake_call(torch.ops.mirrorgrad.rnn_backward, back)
         assert _strides(real) == _strides(fake)
+
+
+def test_triton_support_check_is_a_constant_under_compile():
+    # On a GPU, impl="auto" asks this while Dynamo traces the module: it must not trace
+    # into the cached import (Dynamo warned about the functools.cache on every compile).
+    def f(x):
+        return x * 2 if op._triton_supports("lstm", False, x.dtype, torch.device("cuda")) else x
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

@@ -464,9 +464,12 @@ def _choose_auto(
     return choice
 
 
-def _triton_supports(mode: str, proj: bool, x: Tensor) -> bool:
+# A constant for given arguments: Dynamo calls it once while tracing instead of
+# tracing into the cached import (it warns about every functools.cache it meets).
+@torch.compiler.assume_constant_result
+def _triton_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
     module = _triton_module()
-    return module is not None and module.supports(mode, proj=proj, dtype=x.dtype, device=x.device)
+    return module is not None and module.supports(mode, proj=proj, dtype=dtype, device=device)
 
 
 def rnn(
@@ -542,7 +545,7 @@ def rnn(
             impl = "reference"
         else:
             # A custom op comes first: it is the pick while torch.compile traces (no timing).
-            fused = "triton" if _triton_supports(mode, proj, x) else "reference"
+            fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
             candidates = {fused: _timed_step(custom(fused), grad_inputs)}
             if state_clip is None:
                 candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
@@ -550,7 +553,7 @@ def rnn(
                    num_layers, bidirectional, lengths is not None, memory, p > 0,
                    need_saved)  # fmt: skip
             impl = _choose_auto(key, candidates)
-    elif impl == "triton" and not _triton_supports(mode, proj, x):
+    elif impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
         raise ValueError(
             f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
             f"{x.device}: use impl='auto' or impl='reference'"
