@@ -313,3 +313,22 @@ def test_mirrorgrad_nn_lstm_goes_through_the_planner_as_one_op():
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
     (plan,) = compiled._mirrorgrad_plans
     assert plan.mirrored and not [n for n in plan.mirrored if "mirrorgrad" in str(n.target)]
+
+
+def test_explain_leaves_dynamo_room_for_the_users_compile():
+    # Each explain compiles with a new backend; on the model's own forward that used up
+    # Dynamo's recompile limit (8 per code object): the ninth explain failed, and so would
+    # the user's compile afterwards (seen in the train loop's log line).
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.linear(x).relu().sum()
+
+    for _ in range(10):
+        mirrorgrad.explain(Block(), torch.randn(4, 8))
+    step = mirrorgrad.compile(Block(), backend="eager", fullgraph=True)
+    step(torch.randn(4, 8)).backward()
+    assert len(step._mirrorgrad_plans) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,7 +237,7 @@ def explain(
         strict=True,
     )
     torch_compile_kwargs.setdefault("fullgraph", True)
-    compiled = torch.compile(model, backend=mirror_backend, **torch_compile_kwargs)
+    compiled = torch.compile(_own_frame(model), backend=mirror_backend, **torch_compile_kwargs)
     state = _snapshot(model)
     devices = sorted(
         {x.device.index or 0 for x in example_inputs if _is_cuda_tensor(x)}
@@ -254,6 +255,23 @@ def explain(
         )
     # With fullgraph=False a graph break gives several plans: the largest one is shown.
     return max(mirror_backend.plans, key=lambda p: p.peak_before)
+
+
+def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:
+    """``model(*args)`` through a function with a code object of its own.
+
+    Dynamo keeps compiled code per code object, at most ``recompile_limit`` (8) entries
+    each; compiling ``model`` itself would add an entry to its class's ``forward`` at
+    every call of explain (a new backend each time), and the ninth call, or the user's
+    own compile after eight, would find the limit hit. Entries on a fresh code object
+    die with it.
+    """
+
+    def run(*args: Any) -> Any:
+        return model(*args)
+
+    code = run.__code__.replace()
+    return types.FunctionType(code, run.__globals__, "explain", None, run.__closure__)
 
 
 def _is_cuda_tensor(x: object) -> bool:
