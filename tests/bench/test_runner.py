@@ -92,12 +92,19 @@ def test_eager_and_checkpoint_measured_alike():
 def test_ratios_and_markdown():
     methods = [
         {"method": "eager", "status": "ok", "peak_bytes": 400, "median_ms": 2.0},
-        {"method": "compile", "status": "ok", "peak_bytes": 200, "median_ms": 1.0},
+        {
+            "method": "compile",
+            "status": "ok",
+            "peak_bytes": 200,
+            "median_ms": 1.0,
+            "step_ms": [1.0, 0.8, 3.0],
+        },
         {
             "method": "mirror-balance",
             "status": "ok",
             "peak_bytes": 100,
             "median_ms": 1.5,
+            "step_ms": [1.5, 0.9, 1.6],
             "est_peak_bytes": 90,
             "est_graphs": 2,
         },
@@ -108,6 +115,8 @@ def test_ratios_and_markdown():
     assert mirror["peak_vs_compile"] == 0.5 and mirror["time_vs_compile"] == 1.5
     assert mirror["peak_vs_eager"] == 0.25 and mirror["time_vs_eager"] == 0.75
     assert mirror["est_vs_measured"] == 0.9
+    assert mirror["fastest_vs_compile"] == pytest.approx(0.9 / 0.8)
+    assert methods[0]["fastest_vs_compile"] is None  # eager recorded no steps here
     assert "peak_vs_compile" not in methods[3]
     for m in methods[:3]:
         m.update(batch=4, p20_ms=m["median_ms"], p80_ms=m["median_ms"], samples_per_s=1.0)

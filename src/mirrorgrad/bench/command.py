@@ -363,7 +363,10 @@ def _write_report(doc: dict[str, Any], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.from_json is not None:
-        _write_report(json.loads(args.from_json.read_text()), args.out)
+        doc = json.loads(args.from_json.read_text())
+        for workload in doc["workloads"].values():
+            report.add_ratios(workload["methods"])  # files older than a ratio get it too
+        _write_report(doc, args.out)
         return 0
     start = time.time()
     workloads = _names(args.workloads) or list(WORKLOADS)

@@ -16,8 +16,10 @@ BASELINES = ("eager", "compile")
 
 
 def add_ratios(methods: list[dict[str, Any]]) -> None:
-    """Set ``peak_vs_<base>`` and ``time_vs_<base>`` on each successful result, and
-    ``est_vs_measured`` where the planner estimated the peak."""
+    """Set ``peak_vs_<base>`` and ``time_vs_<base>`` (medians) on each successful result,
+    ``fastest_vs_compile`` (fastest steps: noise only slows steps down, so where a run was
+    disturbed this is the better estimate of the cost), and ``est_vs_measured`` where the
+    planner estimated the peak."""
     by_name = {m["method"]: m for m in methods if m["status"] == "ok"}
     for m in by_name.values():
         if m.get("est_peak_bytes"):
@@ -27,6 +29,9 @@ def add_ratios(methods: list[dict[str, Any]]) -> None:
             ok = base is not None and base["peak_bytes"] and base["median_ms"]
             m[f"peak_vs_{base_name}"] = m["peak_bytes"] / base["peak_bytes"] if ok else None
             m[f"time_vs_{base_name}"] = m["median_ms"] / base["median_ms"] if ok else None
+        base = by_name.get("compile")
+        steps = (m.get("step_ms"), base.get("step_ms") if base else None)
+        m["fastest_vs_compile"] = min(steps[0]) / min(steps[1]) if all(steps) else None
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -71,6 +76,7 @@ _COLUMNS = (
     "est. peak MiB",
     "peak / compile",
     "time / compile",
+    "fastest step / compile",
     "peak / eager",
     "time / eager",
     "samples/s",
@@ -104,6 +110,7 @@ def workload_table(name: str, workload: dict[str, Any]) -> str:
             _mib(m.get("est_peak_bytes")),
             _ratio(m.get("peak_vs_compile")),
             _ratio(m.get("time_vs_compile")),
+            _ratio(m.get("fastest_vs_compile")),
             _ratio(m.get("peak_vs_eager")),
             _ratio(m.get("time_vs_eager")),
             _num(m["samples_per_s"], 0),
