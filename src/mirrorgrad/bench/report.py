@@ -21,6 +21,7 @@ def add_ratios(methods: list[dict[str, Any]]) -> None:
     disturbed this is the better estimate of the cost), and ``est_vs_measured`` where the
     planner estimated the peak."""
     by_name = {m["method"]: m for m in methods if m["status"] == "ok"}
+    compile_steps = by_name.get("compile", {}).get("step_ms")
     for m in by_name.values():
         if m.get("est_peak_bytes"):
             m["est_vs_measured"] = m["est_peak_bytes"] / m["peak_bytes"]
@@ -29,9 +30,10 @@ def add_ratios(methods: list[dict[str, Any]]) -> None:
             ok = base is not None and base["peak_bytes"] and base["median_ms"]
             m[f"peak_vs_{base_name}"] = m["peak_bytes"] / base["peak_bytes"] if ok else None
             m[f"time_vs_{base_name}"] = m["median_ms"] / base["median_ms"] if ok else None
-        base = by_name.get("compile")
-        steps = (m.get("step_ms"), base.get("step_ms") if base else None)
-        m["fastest_vs_compile"] = min(steps[0]) / min(steps[1]) if all(steps) else None
+        steps = m.get("step_ms")
+        m["fastest_vs_compile"] = (
+            min(steps) / min(compile_steps) if steps and compile_steps else None
+        )
 
 
 def _num(value: float | None, digits: int = 1) -> str:

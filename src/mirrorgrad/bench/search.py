@@ -83,25 +83,23 @@ def search_max_batch(
         ok, peak = answer if isinstance(answer, tuple) else (answer, None)
         result.record(b, bool(ok), peak)
         lo, hi = result.largest_fit or 0, result.smallest_fail
-        predicted = _secant(result, cap_bytes)
+        if hi == lo + 1 or (hi is None and lo >= limit):
+            break
         upper = limit if hi is None else hi - 1
-        if predicted is not None and lo > 0:
-            # The line says lo is the top: lo + 1 is the probe that can prove it.
-            predicted = min(max(predicted, lo + 1), upper)
-        use_secant = predicted is not None and lo < predicted <= upper and not secant_last
-        if hi is not None and hi == lo + 1:
-            break
-        if hi is None and lo >= limit:
-            break
-        if use_secant:
-            b = predicted
-        elif hi is None:
-            b = min(limit, lo + step)
-        elif lo == 0:
-            b = max(1, hi - step)
+        predicted = _secant(result, cap_bytes)
+        if predicted is not None and not secant_last:
+            # Into the open bracket: a line at or below lo says lo is the top (lo + 1
+            # is the probe that proves it); one past the failing batch says hi - 1.
+            b = min(max(predicted, lo + 1), upper)
+            secant_last = hi is not None
         else:
-            b = (lo + hi) // 2
-        secant_last = use_secant and hi is not None
+            if hi is None:
+                b = min(limit, lo + step)
+            elif lo == 0:
+                b = max(1, hi - step)
+            else:
+                b = (lo + hi) // 2
+            secant_last = False
         step *= 2
     return result
 
