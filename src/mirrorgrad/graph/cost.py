@@ -114,17 +114,22 @@ def registered_flops(node: Node) -> int | None:
     return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def _flops_and_rate(node: Node, rates: DeviceRates) -> tuple[int, float]:
+    """FLOPs from the registry at the matmul rate, else one per output element at the
+    vector rate."""
+    flops = registered_flops(node)
+    if flops is None:
+        return _numel(node.meta.get("val")), rates.vector_flops_per_s
+    return flops, rates.matmul_flops_per_s
+
+
 def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:
     """Estimated cost of running ``node`` once."""
     if node.op != "call_function" or is_getitem(node) or is_view(node):
         return OpCost(flops=0, bytes=0, seconds=0.0)
-    out = node.meta.get("val")
     moved = _tensor_bytes(node.args) + _tensor_bytes(list(node.kwargs.values()))
-    moved += value_nbytes(out)
-    flops = registered_flops(node)
-    rate = rates.matmul_flops_per_s
-    if flops is None:
-        flops, rate = _numel(out), rates.vector_flops_per_s
+    moved += value_nbytes(node.meta.get("val"))
+    flops, rate = _flops_and_rate(node, rates)
     seconds = max(flops / rate, moved / rates.bytes_per_s)
     return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
@@ -160,10 +165,7 @@ class StepCost:
             return op_cost(node, self.rates)
         if node.op != "call_function" or is_getitem(node) or is_view(node):
             return OpCost(flops=0, bytes=0, seconds=0.0)
-        flops = registered_flops(node)
-        rate = self.rates.matmul_flops_per_s
-        if flops is None:
-            flops, rate = _numel(node.meta.get("val")), self.rates.vector_flops_per_s
+        flops, rate = _flops_and_rate(node, self.rates)
         if node in self.inlined:
             return OpCost(flops=flops, bytes=0, seconds=flops / rate)
         reads = set().union(*(self._read(a) for a in node.all_input_nodes))

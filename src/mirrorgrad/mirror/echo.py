@@ -52,14 +52,14 @@ class UnitGraph:
         self.last_resort = frozenset(
             u
             for u in self.units
-            if not self.mirrorable[u]
-            and policy.may_mirror_heavy(u)
-            and not all(self.is_free(v) for v in self.outputs(u))
+            if not self.mirrorable[u] and policy.may_mirror_heavy(u) and self._holds_memory(u)
         )
 
     def _may_mirror(self, unit: Node, policy: MirrorPolicy) -> bool:
-        if is_sym(unit) or not policy.may_mirror(unit):
-            return False
+        return not is_sym(unit) and policy.may_mirror(unit) and self._holds_memory(unit)
+
+    def _holds_memory(self, unit: Node) -> bool:
+        """Some output of ``unit`` is not alive anyway: mirroring it can free bytes."""
         return not all(self.is_free(v) for v in self.outputs(unit))
 
     def root(self, value: Node) -> Node:
