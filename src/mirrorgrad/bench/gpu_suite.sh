@@ -69,7 +69,7 @@ case "$part" in
     runs=(batch)
     ;;
 *)
-    echo "usage: gpu_suite.sh 1|2" >&2
+    echo "usage: gpu_suite.sh 1|2|3|4" >&2
     exit 2
     ;;
 esac

@@ -485,8 +485,8 @@ class _Planner:
         """Mirrorable stashed units, best bytes freed per added second first.
 
         Matmuls and convolutions (``UnitGraph.last_resort``) compete on the same
-        score: their FLOPs make them slow to recompute, so they come after the
-        cheap ops and are taken only when those cannot meet the budget.
+        score: their FLOPs make them slow to recompute, so they usually rank after
+        the cheap ops.
         """
         g = self.graph
         # A view saved for backward keeps its base's storage: count it as its base.
