@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from mirrorgrad.graph.cost import H100, H200, DeviceRates, StepCost, op_cost, rates_for
+from mirrorgrad.graph.cost import H100, H200, DeviceRates, OpCost, StepCost, op_cost, rates_for
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import joint_of
@@ -76,7 +76,7 @@ def test_fused_cost_of_an_inlined_op_is_its_arithmetic():
     (mul,) = _by_op(joint, "mul")
     (relu,) = _by_op(joint, "relu")
     assert mul in costs.inlined and relu not in costs.inlined
-    assert costs.run(mul) == type(costs.run(mul))(flops=32 * 64, bytes=0, seconds=32 * 64 / 1e11)
+    assert costs.run(mul) == OpCost(flops=32 * 64, bytes=0, seconds=32 * 64 / 1e11)
     fp32 = 4
     assert costs.run(relu).bytes == 2 * 32 * 64 * fp32  # reads mm's output, writes its own
     unfused = StepCost(joint, RATES, fusion=False)
