@@ -36,6 +36,11 @@ INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
 # torch.compile(mode="max-autotune", ...) -> the Inductor settings that mode stands for.
 inductor_mode_options = torch._inductor.list_mode_options
 
+
+def inductor_setting_names() -> set[str]:
+    """The names ``torch.compile(options={...})`` accepts as Inductor settings."""
+    return set(inductor_config.get_config_copy())
+
 # --- Joint-graph node roles and sizes (used by graph/joint.py) ---------------------------
 from torch._functorch._aot_autograd.utils import _is_primal as is_primal  # noqa: E402
 from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent  # noqa: E402
@@ -106,6 +111,7 @@ __all__ = [
     "inductor_config",
     "inductor_decompositions",
     "inductor_mode_options",
+    "inductor_setting_names",
     "is_primal",
     "is_tangent",
     "min_cut_rematerialization_partition",
