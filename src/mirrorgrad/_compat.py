@@ -85,6 +85,13 @@ def vf_rnn(mode: str):
     return getattr(torch._VF, mode)
 
 
+# --- AOTAutograd's backward compile (used by compiler.py) -------------------------------
+def eager_backward_compile():
+    """Context manager: AOTAutograd compiles the backward with the forward instead of at
+    the first backward call (``force_non_lazy_backward_lowering``), and raises its errors."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
 # --- AOTAutograd's cache (used by compiler.py) ----------------------------------------
 def without_autograd_cache():
     """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
@@ -105,6 +112,7 @@ __all__ = [
     "boxed_nop",
     "compile_fx",
     "default_partition",
+    "eager_backward_compile",
     "extract_fwd_bwd_modules",
     "functorch_config",
     "get_hash_for_files",

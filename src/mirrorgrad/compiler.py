@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -23,7 +24,12 @@ from torch.fx import GraphModule
 
 from mirrorgrad import _compat
 from mirrorgrad.mirror.budget_search import Plan, PlanOptions
-from mirrorgrad.mirror.partition import MirrorPartitioner, PlanCallback, partition
+from mirrorgrad.mirror.partition import (
+    MirrorgradFallbackWarning,
+    MirrorPartitioner,
+    PlanCallback,
+    partition,
+)
 from mirrorgrad.mirror.policy import policy_for
 from mirrorgrad.options import DEFAULT_MAX_OVERHEAD, MirrorOptions, Mode
 
@@ -94,16 +100,43 @@ class MirrorBackend:
         with _compat.without_autograd_cache():
             if self.codegen == "eager":
                 return self._aot_eager()(gm, example_inputs)
-            partitioner = MirrorPartitioner(self.plan_options(), on_plan=self._record)
             settings = {
                 **(_compat.inductor_mode_options(mode) if mode else {}),
                 **self.inductor_options,
                 **(options or {}),
-                # Patched for this compilation only: other torch.compile calls keep min-cut.
-                _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner,
             }
+            return self._inductor(gm, example_inputs, settings)
+
+    def _inductor(
+        self, gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
+    ) -> Callable[..., Any]:
+        """Inductor with our partition; if Inductor rejects the plan's forward or backward,
+        PyTorch's partition (min-cut) with one ``MirrorgradFallbackWarning``."""
+        applied: list[Plan] = []
+        partitioner = MirrorPartitioner(self.plan_options(), on_plan=applied.append)
+        # Patched for this compilation only: other torch.compile calls keep min-cut. The
+        # backward compiles now, not at the first backward, so that a plan Inductor
+        # rejects is found while PyTorch's partition can still take over.
+        patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        try:
+            with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
+                compiled = _compat.compile_fx(gm, example_inputs)
+        except Exception as exc:
+            if self.strict or not applied:  # no plan of ours was in it: not ours to fix
+                raise
             with _compat.inductor_config.patch(settings):
-                return _compat.compile_fx(gm, example_inputs)
+                compiled = _compat.compile_fx(gm, example_inputs)
+            warnings.warn(
+                f"mirrorgrad: Inductor rejected the plan ({type(exc).__name__}: "
+                f"{_first_line(exc)}); using PyTorch's min-cut partition for this graph "
+                "instead",
+                MirrorgradFallbackWarning,
+                stacklevel=2,
+            )
+            return compiled
+        for applied_plan in applied:
+            self._record(applied_plan)
+        return compiled
 
     def _aot_eager(self) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
@@ -266,6 +299,11 @@ def explain(
         )
     # With fullgraph=False a graph break gives several plans: the largest one is shown.
     return max(mirror_backend.plans, key=lambda p: p.peak_before)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "no message"
 
 
 def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:
