@@ -122,3 +122,15 @@ def test_inductor_decompositions_decompose_batch_norm():
 
     table = _compat.inductor_decompositions()
     assert torch.ops.aten._native_batch_norm_legit_functional.default in table
+
+
+def test_inductor_setting_names_hold_the_torch_compile_options():
+    names = _compat.inductor_setting_names()
+    assert {"max_autotune", "triton.cudagraphs", "custom_partitioner_fn"} <= names
+
+
+def test_eager_backward_compile_patches_the_functorch_config():
+    assert _compat.functorch_config.force_non_lazy_backward_lowering is False
+    with _compat.eager_backward_compile():
+        assert _compat.functorch_config.force_non_lazy_backward_lowering is True
+    assert _compat.functorch_config.force_non_lazy_backward_lowering is False

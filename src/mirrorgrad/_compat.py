@@ -36,6 +36,11 @@ INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
 # torch.compile(mode="max-autotune", ...) -> the Inductor settings that mode stands for.
 inductor_mode_options = torch._inductor.list_mode_options
 
+
+def inductor_setting_names() -> set[str]:
+    """The names ``torch.compile(options={...})`` accepts as Inductor settings."""
+    return set(inductor_config.get_config_copy())
+
 # --- Joint-graph node roles and sizes (used by graph/joint.py) ---------------------------
 from torch._functorch._aot_autograd.utils import _is_primal as is_primal  # noqa: E402
 from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent  # noqa: E402
@@ -80,6 +85,13 @@ def vf_rnn(mode: str):
     return getattr(torch._VF, mode)
 
 
+# --- AOTAutograd's backward compile (used by compiler.py) -------------------------------
+def eager_backward_compile():
+    """Context manager: AOTAutograd compiles the backward with the forward instead of at
+    the first backward call (``force_non_lazy_backward_lowering``), and raises its errors."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
 # --- AOTAutograd's cache (used by compiler.py) ----------------------------------------
 def without_autograd_cache():
     """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
@@ -100,12 +112,14 @@ __all__ = [
     "boxed_nop",
     "compile_fx",
     "default_partition",
+    "eager_backward_compile",
     "extract_fwd_bwd_modules",
     "functorch_config",
     "get_hash_for_files",
     "inductor_config",
     "inductor_decompositions",
     "inductor_mode_options",
+    "inductor_setting_names",
     "is_primal",
     "is_tangent",
     "min_cut_rematerialization_partition",

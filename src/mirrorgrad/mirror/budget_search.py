@@ -20,7 +20,6 @@ backward read either saved or recomputed from saved values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.fx import Node
 
@@ -29,8 +28,8 @@ from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
+from mirrorgrad.options import MirrorOptions
 
-Mode = Literal["balance", "budget", "off"]
 # The lifetime repair stashes at most this many recomputed values, trying at most
 # REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
 MAX_REPAIR_TRIALS = 256
@@ -39,20 +38,17 @@ REPAIR_CANDIDATES = 4
 # in one step (larger steps are faster, smaller ones give budgets finer choices).
 MAX_BUDGET_TRIALS = 512
 MAX_CHUNK = 16
-MODES = ("balance", "budget", "off")
 
 
 class PlanError(RuntimeError):
     """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
 
 
-@dataclass(kw_only=True, slots=True)
-class PlanOptions:
-    mode: Mode = "balance"
-    # Peak budget in bytes, or (<= 1.0) a fraction of the unmirrored peak. Budget mode only.
-    budget: float | int | None = None
-    # Balance mode: most added time allowed, as a fraction of the estimated step time.
-    max_overhead: float = 0.05
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanOptions(MirrorOptions):
+    """The user's options (validated by ``MirrorOptions``) and what the planner learns
+    at compile time: the policy, the device, whether the backend fuses."""
+
     policy: MirrorPolicy | None = None
     # The accelerator's rates; by default looked up from the graph's device (rates_for).
     device: DeviceRates | None = None
@@ -60,16 +56,6 @@ class PlanOptions:
     # backward readers' kernels, and fused intermediates are never allocated. Set
     # False for backends that run each op on its own (backend="eager").
     fusion: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "budget" and self.budget is None:
-            raise ValueError("mode='budget' needs budget= (bytes, or a fraction <= 1.0)")
-        if self.budget is not None and not self.budget > 0:
-            raise ValueError(f"budget must be > 0 (bytes, or a fraction <= 1.0), got {self.budget}")
-        if not self.max_overhead >= 0:
-            raise ValueError(f"max_overhead must be >= 0, got {self.max_overhead}")
 
 
 @dataclass(kw_only=True, slots=True)
