@@ -285,6 +285,7 @@ class _Planner:
     ) -> None:
         self.joint, self.graph, self.rates, self.fusion = joint, graph, rates, fusion
         costs = StepCost(joint, rates, fusion=fusion)
+        self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
         self.recompute = {n: costs.run(n) for n in joint.forward}
 
@@ -295,7 +296,9 @@ class _Planner:
         partition = partition_for(self.joint, self.graph, units)
         available = partition.saved + partition.saved_sym
         try:
-            sim = liveness.simulate(self.joint, available, partition.mirrored, fusion=self.fusion)
+            sim = liveness.simulate(
+                self.joint, available, partition.mirrored, fusion=self.fusion, index=self.index
+            )
         except JointGraphError as e:
             raise PlanError(f"inconsistent partition: {e}") from e
         return _Candidate(
@@ -360,6 +363,7 @@ class _Planner:
                 p.mirrored,
                 live_at=current.peak_index,
                 fusion=self.fusion,
+                index=self.index,
             )
             if sim.peak_phase != "backward":
                 break
