@@ -23,6 +23,7 @@ _LAZY = {
     "explain": ("mirrorgrad.compiler", "explain"),
     "mark": ("mirrorgrad.mirror.policy", "mark"),
     "MirrorgradFallbackWarning": ("mirrorgrad.mirror.partition", "MirrorgradFallbackWarning"),
+    "MirrorgradBudgetWarning": ("mirrorgrad.mirror.budget_search", "MirrorgradBudgetWarning"),
     "nn": ("mirrorgrad.nn", None),
     "callbacks": ("mirrorgrad.callbacks", None),
 }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from torch.fx import Node
 
 from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -357,3 +357,112 @@ def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[in
         for n in schedule
         if pointwise[n] and not kept[n] and direct[n] <= INLINE_READERS and not unfusible[n]
     ]
+
+
+# What holds memory at a peak, in the categories a memory snapshot is read in.
+KINDS = (
+    "parameters",
+    "gradients",
+    "inputs",
+    "saved activations",
+    "recomputed",
+    "forward temporaries",
+    "backward temporaries",
+    "forward outputs",
+    "op temporaries",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class PeakBreakdown:
+    """What is alive at a simulated peak: bytes by kind and the largest values."""
+
+    peak: int
+    phase: str
+    node: str
+    bytes_by_kind: dict[str, int]
+    largest: list[tuple[Node, str, int]]  # (storage, kind, bytes), largest first
+
+    def to_dict(self) -> dict:
+        return {
+            "peak_bytes": self.peak,
+            "phase": self.phase,
+            "node": self.node,
+            "bytes_by_kind": dict(self.bytes_by_kind),
+            "largest": [
+                {"name": n.name, "op": _op(n), "kind": kind, "bytes": b}
+                for n, kind, b in self.largest
+            ],
+        }
+
+
+def peak_breakdown(
+    joint: JointGraph,
+    saved: Iterable[Node],
+    mirrored: Iterable[Node],
+    *,
+    fusion: bool = False,
+    index: GraphIndex | None = None,
+    largest: int = 5,
+) -> PeakBreakdown:
+    """Simulate the plan and sort what is alive at its peak into ``KINDS``.
+
+    Parameters are the primals that get a gradient; the other primals are inputs
+    (and buffers). ``op temporaries`` are bytes an op holds beyond its values (the
+    unread outputs of a multi-output op).
+    """
+    saved, mirrored = list(saved), list(mirrored)
+    index = index if index is not None else GraphIndex(joint)
+    first = simulate(joint, saved, mirrored, fusion=fusion, index=index)
+    sim = simulate(joint, saved, mirrored, fusion=fusion, index=index, live_at=first.peak_index)
+    kind_of = _kinds(joint, saved, mirrored, backward=sim.peak_phase == "backward")
+    by_kind = dict.fromkeys(KINDS, 0)
+    rows = []
+    for storage, nbytes in sim.live_storages.items():
+        kind = kind_of(storage)
+        by_kind[kind] += nbytes
+        rows.append((storage, kind, nbytes))
+    by_kind["op temporaries"] = max(sim.peak - sum(sim.live_storages.values()), 0)
+    rows.sort(key=lambda r: (-r[2], joint.order[r[0]]))
+    return PeakBreakdown(
+        peak=sim.peak,
+        phase=sim.peak_phase,
+        node=sim.peak_node,
+        bytes_by_kind=by_kind,
+        largest=rows[:largest],
+    )
+
+
+def _kinds(joint: JointGraph, saved: list[Node], mirrored: list[Node], *, backward: bool):
+    """storage -> its kind, for the storages alive at a peak in ``backward`` or not."""
+    out_args = list(next(n for n in joint.gm.graph.nodes if n.op == "output").args[0])
+    grads = out_args[joint.num_fwd_outputs :]
+    if len(grads) == len(joint.primals):
+        params = {p for p, g in zip(joint.primals, grads) if g is not None}
+    else:  # not AOTAutograd's layout: call every primal a parameter
+        params = set(joint.primals)
+    gradients = {joint.storage(g) for g in joint.bwd_outputs}
+    stashed = {joint.storage(s) for s in saved}
+    outputs = {joint.storage(o) for o in joint.fwd_outputs}
+    recomputed = set(mirrored)
+
+    def kind(storage: Node) -> str:
+        if storage.op == "placeholder":
+            if storage in joint.tangents:
+                return "backward temporaries"
+            return "parameters" if storage in params else "inputs"
+        if storage in gradients:
+            return "gradients"
+        if storage in outputs:
+            return "forward outputs"
+        if storage in stashed:
+            return "saved activations"
+        if storage in joint.forward_set:
+            return "recomputed" if backward and storage in recomputed else "forward temporaries"
+        return "backward temporaries"
+
+    return kind
+
+
+def _op(node: Node) -> str:
+    return op_name(node) if node.op == "call_function" else node.op

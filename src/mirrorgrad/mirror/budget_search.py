@@ -19,6 +19,7 @@ backward read either saved or recomputed from saved values.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +41,12 @@ REPAIR_CANDIDATES = 4
 MAX_BUDGET_TRIALS = 512
 MAX_CHUNK = 16
 MODES = ("balance", "budget", "off")
+# A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
+BUDGET_TOLERANCE = 0.05
+
+
+class MirrorgradBudgetWarning(UserWarning):
+    """The plan's estimated peak misses the budget asked for; says what holds the floor."""
 
 
 class PlanError(RuntimeError):
@@ -86,6 +93,11 @@ class Plan:
     step_time_s: float
     mode: str
     budget_bytes: int | None = None
+    # Budget mode: whether the estimated peak is within BUDGET_TOLERANCE of the budget.
+    budget_met: bool | None = None
+    # What is alive at the estimated peak of this plan; when a budget is not met, the
+    # floor: what no mirroring can remove (parameters, gradients, inputs, ...).
+    floor: liveness.PeakBreakdown | None = field(default=None, repr=False)
     sizes: dict[Node, int] = field(default_factory=dict, repr=False)
 
     def _stashed(self) -> list[Node]:
@@ -109,7 +121,22 @@ class Plan:
             "added_flops": self.added_flops,
             "added_time_s": self.added_time_s,
             "step_time_s": self.step_time_s,
+            "budget_met": self.budget_met,
+            "floor": self.floor.to_dict() if self.floor is not None else None,
         }
+
+    def floor_summary(self) -> str:
+        """One line: the bytes alive at the estimated peak by kind, and the largest values."""
+        if self.floor is None:
+            return ""
+        kinds = ", ".join(
+            f"{kind} {_fmt(b)}" for kind, b in self.floor.bytes_by_kind.items() if b
+        )
+        largest = ", ".join(f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.largest)
+        return (
+            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds}; "
+            f"largest values: {largest}"
+        )
 
     def __str__(self) -> str:
         rows = [
@@ -136,6 +163,8 @@ class Plan:
         if self.budget_bytes is not None:
             met = "met" if self.peak_after <= self.budget_bytes else "NOT met"
             lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
+        if self.floor is not None:
+            lines.append(f"floor:          {self.floor_summary()}")
         return "\n".join(lines)
 
 
@@ -242,7 +271,17 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
     sizes |= stash_sizes(joint, graph, chosen.partition.saved)
-    return Plan(
+    floor = liveness.peak_breakdown(
+        joint,
+        chosen.partition.saved + chosen.partition.saved_sym,
+        chosen.partition.mirrored,
+        fusion=options.fusion,
+        index=planner.index,
+    )
+    met = None
+    if budget_bytes is not None:
+        met = chosen.peak <= budget_bytes * (1 + BUDGET_TOLERANCE)
+    result = Plan(
         saved=chosen.partition.saved,
         saved_sym=chosen.partition.saved_sym,
         mirrored=chosen.partition.mirrored,
@@ -255,7 +294,22 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
         step_time_s=planner.step_time_s,
         mode=options.mode,
         budget_bytes=budget_bytes,
+        budget_met=met,
+        floor=floor,
         sizes=sizes,
+    )
+    if met is False:
+        warnings.warn(_budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
+    return result
+
+
+def _budget_message(p: Plan) -> str:
+    return (
+        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
+        f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
+        f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
+        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. Optimizer state and "
+        "anything outside the compiled graph come on top."
     )
 
 
