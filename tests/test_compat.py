@@ -122,3 +122,13 @@ def test_inductor_decompositions_decompose_batch_norm():
 
     table = _compat.inductor_decompositions()
     assert torch.ops.aten._native_batch_norm_legit_functional.default in table
+
+
+def test_memory_history_functions_take_what_peak_compare_passes():
+    import torch
+
+    params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    for name in ("enabled", "context", "stacks", "max_entries"):
+        assert name in params, f"torch changed _record_memory_history: no {name!r}"
+    assert callable(torch.cuda.memory._snapshot)
+    assert callable(_compat.record_memory_history) and callable(_compat.memory_snapshot)

@@ -375,15 +375,15 @@ KINDS = (
 
 @dataclass(kw_only=True, slots=True)
 class PeakBreakdown:
-    """What is alive at a simulated peak: bytes by kind and the largest values."""
+    """What is alive at a simulated peak: bytes by kind, and every live storage."""
 
     peak: int
     phase: str
     node: str
     bytes_by_kind: dict[str, int]
-    largest: list[tuple[Node, str, int]]  # (storage, kind, bytes), largest first
+    values: list[tuple[Node, str, int]]  # (storage, kind, bytes), largest first
 
-    def to_dict(self) -> dict:
+    def to_dict(self, largest: int = 8) -> dict:
         return {
             "peak_bytes": self.peak,
             "phase": self.phase,
@@ -391,7 +391,7 @@ class PeakBreakdown:
             "bytes_by_kind": dict(self.bytes_by_kind),
             "largest": [
                 {"name": n.name, "op": _op(n), "kind": kind, "bytes": b}
-                for n, kind, b in self.largest
+                for n, kind, b in self.values[:largest]
             ],
         }
 
@@ -403,7 +403,6 @@ def peak_breakdown(
     *,
     fusion: bool = False,
     index: GraphIndex | None = None,
-    largest: int = 5,
 ) -> PeakBreakdown:
     """Simulate the plan and sort what is alive at its peak into ``KINDS``.
 
@@ -425,11 +424,7 @@ def peak_breakdown(
     by_kind["op temporaries"] = max(sim.peak - sum(sim.live_storages.values()), 0)
     rows.sort(key=lambda r: (-r[2], joint.order[r[0]]))
     return PeakBreakdown(
-        peak=sim.peak,
-        phase=sim.peak_phase,
-        node=sim.peak_node,
-        bytes_by_kind=by_kind,
-        largest=rows[:largest],
+        peak=sim.peak, phase=sim.peak_phase, node=sim.peak_node, bytes_by_kind=by_kind, values=rows
     )
 
 

@@ -43,6 +43,8 @@ MAX_CHUNK = 16
 MODES = ("balance", "budget", "off")
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
+# The largest values alive at the peak that a plan's summary names.
+FLOOR_VALUES = 5
 
 
 class MirrorgradBudgetWarning(UserWarning):
@@ -132,7 +134,9 @@ class Plan:
         kinds = ", ".join(
             f"{kind} {_fmt(b)}" for kind, b in self.floor.bytes_by_kind.items() if b
         )
-        largest = ", ".join(f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.largest)
+        largest = ", ".join(
+            f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.values[:FLOOR_VALUES]
+        )
         return (
             f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds}; "
             f"largest values: {largest}"
