@@ -134,3 +134,13 @@ def test_eager_backward_compile_patches_the_functorch_config():
     with _compat.eager_backward_compile():
         assert _compat.functorch_config.force_non_lazy_backward_lowering is True
     assert _compat.functorch_config.force_non_lazy_backward_lowering is False
+
+
+def test_memory_history_functions_take_what_peak_compare_passes():
+    import torch
+
+    params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    for name in ("enabled", "context", "stacks", "max_entries"):
+        assert name in params, f"torch changed _record_memory_history: no {name!r}"
+    assert callable(torch.cuda.memory._snapshot)
+    assert callable(_compat.record_memory_history) and callable(_compat.memory_snapshot)

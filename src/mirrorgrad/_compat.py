@@ -99,6 +99,19 @@ def without_autograd_cache():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
+# --- The CUDA allocator's history (used by bench/peak_compare.py) ------------------------
+def record_memory_history(enabled: bool, max_entries: int = 1_000_000) -> None:
+    """Start (or stop) recording every CUDA allocation and free with its Python stack."""
+    torch.cuda.memory._record_memory_history(
+        "all" if enabled else None, context="all", stacks="python", max_entries=max_entries
+    )
+
+
+def memory_snapshot() -> dict:
+    """The allocator's segments, blocks and recorded trace (``_record_memory_history``)."""
+    return torch.cuda.memory._snapshot()
+
+
 __all__ = [
     "INDUCTOR_PARTITIONER_CONFIG",
     "TORCH_VERSION",
@@ -122,11 +135,13 @@ __all__ = [
     "inductor_setting_names",
     "is_primal",
     "is_tangent",
+    "memory_snapshot",
     "min_cut_rematerialization_partition",
     "must_be_in_backward",
     "op_schema",
     "optimization_hint",
     "raise_getitems",
+    "record_memory_history",
     "reordering_to_mimic_autograd_engine",
     "vf_rnn",
     "without_autograd_cache",
