@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mirrorgrad._units import format_bytes
+
 MIB = 2**20
 # Ratios are taken against these methods, measured in the same process run.
 BASELINES = ("eager", "compile")
@@ -45,11 +47,7 @@ def _ratio(value: float | None) -> str:
 
 
 def _mib(value: int | None) -> str:
-    if value is None:
-        return "—"
-    mib = value / MIB
-    # Three significant digits down to the KiB scale of `--quick` runs.
-    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.3g}"
+    return format_bytes(value, "MiB")
 
 
 def _max_batch(m: dict[str, Any]) -> str:

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from mirrorgrad.bench.methods import Backend, Method, StepFn, get_method
+from mirrorgrad.bench.timing import synchronize, time_calls
 from mirrorgrad.bench.workloads import Built, Workload, get_workload
 
 MARKER = "@@mirrorgrad "
@@ -116,13 +116,8 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def _fresh_allocator(device: str) -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -159,26 +154,6 @@ def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple) -> Any:
         return loss
 
     return step
-
-
-def _timed_steps(step: Any, n: int, device: str) -> list[float]:
-    if device.startswith("cuda"):
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(n)
-        ]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) for start, end in events]
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _cpu_peak(step: Any, model: torch.nn.Module) -> int:
@@ -244,18 +219,18 @@ def measure(workload: Workload, method: Method, opts: RunOptions) -> MethodResul
         step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
         step = _make_step(step_fn, built.model, batch)
 
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         result.first_loss = step().detach().item()
-        _sync(device)
+        synchronize(device)
         result.first_step_s = time.perf_counter() - t0
         for _ in range(opts.warmup - 1):
             step()
-        _sync(device)
+        synchronize(device)
 
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats(device)
-        times = _timed_steps(step, opts.steps, device)
+        timing = time_calls(step, repeats=opts.steps, device=device)
         if device.startswith("cuda"):
             result.peak_bytes = torch.cuda.max_memory_allocated(device)
             result.peak_source = "cuda"
@@ -263,12 +238,15 @@ def measure(workload: Workload, method: Method, opts: RunOptions) -> MethodResul
             result.peak_bytes = _cpu_peak(step, built.model)
             result.peak_source = "cpu-estimate"
 
-        p20, median, p80 = np.percentile(times, [20, 50, 80]).tolist()
-        result.step_ms = [round(t, 4) for t in times]
-        result.median_ms, result.p20_ms, result.p80_ms = median, p20, p80
-        result.samples_per_s = built.batch / (median / 1e3)
+        result.step_ms = [round(t, 4) for t in timing.samples_ms]
+        result.median_ms, result.p20_ms, result.p80_ms = (
+            timing.median_ms,
+            timing.p20_ms,
+            timing.p80_ms,
+        )
+        result.samples_per_s = built.batch / (timing.median_ms / 1e3)
         if method.compiles:
-            result.compile_s = max(0.0, result.first_step_s - median / 1e3)
+            result.compile_s = max(0.0, result.first_step_s - timing.median_ms / 1e3)
     except Exception as e:  # a failing method is a result, not the end of the run
         result.status, result.error = "failed", _short_error(e)
         if _is_fatal(e):
