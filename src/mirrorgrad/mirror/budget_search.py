@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
+from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
@@ -170,13 +171,6 @@ def _shape(n: Node) -> list | None:
     if isinstance(val, (tuple, list)):
         return [dims(v) for v in val]
     return dims(val)
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 @dataclass(kw_only=True, slots=True)
