@@ -34,7 +34,7 @@ _TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or trusted; the message names the file."""
+    """A checkpoint that cannot be trusted; the message names the file."""
 
 
 def resolve(path: Path) -> Path:
@@ -63,10 +63,9 @@ def save(state: dict[str, Any], path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _sync_folder(path.parent)
-    except OSError as e:
-        raise CheckpointError(
-            f"{path}: cannot save the checkpoint ({e.strerror or e}); the previous one is kept"
-        ) from None
+    except OSError as e:  # the command prints "<path>: <strerror>"
+        reason = f"cannot save the checkpoint ({e.strerror or e}); the previous one is kept"
+        raise OSError(e.errno, reason, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

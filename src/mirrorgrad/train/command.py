@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        _error("interrupted")
+        print("mirrorgrad train: interrupted", file=sys.stderr)
         return 130
 
 
