@@ -72,7 +72,8 @@ def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
     assert first.train | second.train == full.train  # exactly equal, step by step
     assert second.valid == full.valid
     assert resumed.test_perplexity == summary.test_perplexity
-    state = torch.load(tmp_path / "part" / "checkpoints" / "last.pt", weights_only=True)
+    assert resumed.train_perplexity == summary.train_perplexity  # steps before the resume count
+    state = checkpoint.load(tmp_path / "part" / "checkpoints" / "last.pt")
     assert state["position"] == {"step": steps, "epoch": 1, "window": 4}
 
     events = EventAccumulator(str(tmp_path / "full"))

@@ -122,15 +122,38 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 done, 2 bad input (found before the first step), 1 a failure
+    while training, 130 interrupted. Every error is one line on stderr."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("mirrorgrad train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mirrorgrad.train.checkpoint import CheckpointError
     from mirrorgrad.train.corpus import CorpusUnavailable
     from mirrorgrad.train.distributed import NoGPUError
-    from mirrorgrad.train.loop import train
+    from mirrorgrad.train.loop import Diverged, train
+    from mirrorgrad.train.preflight import FolderNotWritable
 
+    bad_input = (ValueError, FileNotFoundError, CheckpointError, CorpusUnavailable, NoGPUError)
     try:
         summary = train(args.make_config(args))
-    except (FileNotFoundError, ValueError, CorpusUnavailable, NoGPUError) as e:
-        print(f"mirrorgrad train: error: {e}", file=sys.stderr)
+    except (*bad_input, FolderNotWritable) as e:
+        _error(str(e))
         return 2
+    except Diverged as e:
+        _error(str(e))
+        return 1
+    except OSError as e:  # the file system failed under a running job: disk full, I/O error
+        _error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+        return 1
     if os.environ.get("RANK", "0") == "0":
         print(summary)
     return 130 if summary.interrupted else 0
+
+
+def _error(message: str) -> None:
+    print(f"mirrorgrad train: error: {message}", file=sys.stderr)

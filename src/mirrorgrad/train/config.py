@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from mirrorgrad.compiler import parse_mode
@@ -108,10 +109,13 @@ class TrainConfig:
             raise ValueError("--max-steps must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 3:
             raise ValueError("--vocab-size must be >= 3 (<unk>, <eos> and one word)")
+        # `not (x > 0)` is also true for NaN; inf is refused by isfinite.
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError("--dropout must be in [0, 1)")
-        if self.lr <= 0 or self.clip <= 0:
-            raise ValueError("--lr and --clip must be > 0")
+            raise ValueError(f"--dropout {self.dropout}: must be in [0, 1)")
+        for name in ("lr", "clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name} {value}: must be a finite number > 0")
 
     @property
     def preset(self) -> Preset:

@@ -54,7 +54,10 @@ def find_splits(path: str | Path) -> SplitPaths:
 
 def read_text(path: Path) -> str:
     """The file's text; a clear error for empty or non-UTF-8 files."""
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--data: cannot read {path} ({e.strerror or e})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
