@@ -117,3 +117,29 @@ __all__ = [
     "vf_rnn",
     "without_autograd_cache",
 ]
+
+
+# --- Dynamo and RNN modules (used by nn/rnn.py) -------------------------------------------
+def let_dynamo_trace_modules(classes: tuple[type, ...]) -> None:
+    """Let Dynamo trace instances of ``classes`` (subclasses of torch.nn.LSTM/GRU/RNN).
+
+    Dynamo's ``VariableBuilder.wrap_module`` refuses every torch.nn.RNN/GRU/LSTM instance
+    unless ``torch._dynamo.config.allow_rnn`` is set, which would also make it trace
+    torch.nn's own RNNs. This lifts the refusal for ``classes`` only, while one is wrapped.
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    original = VariableBuilder.wrap_module
+    if getattr(original, "_mirrorgrad_classes", None) is not None:
+        original._mirrorgrad_classes += tuple(c for c in classes if c not in original._mirrorgrad_classes)
+        return
+
+    def wrap_module(self, value):
+        if isinstance(value, wrap_module._mirrorgrad_classes):
+            with dynamo_config.patch(allow_rnn=True):
+                return original(self, value)
+        return original(self, value)
+
+    wrap_module._mirrorgrad_classes = tuple(classes)
+    VariableBuilder.wrap_module = wrap_module
