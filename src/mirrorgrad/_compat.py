@@ -131,8 +131,8 @@ def let_dynamo_trace_modules(classes: tuple[type, ...]) -> None:
     from torch._dynamo.variables.builder import VariableBuilder
 
     original = VariableBuilder.wrap_module
-    if getattr(original, "_mirrorgrad_classes", None) is not None:
-        original._mirrorgrad_classes += tuple(c for c in classes if c not in original._mirrorgrad_classes)
+    if hasattr(original, "_mirrorgrad_classes"):  # patched already: widen the set
+        original._mirrorgrad_classes += tuple(classes)
         return
 
     def wrap_module(self, value):
