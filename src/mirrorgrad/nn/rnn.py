@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from mirrorgrad import _compat
+from mirrorgrad.nn.cells import cell_replacement
 from mirrorgrad.ops.rnn import IMPLS, MEMORY, rnn
 
 _OP_MODE = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
@@ -261,16 +262,21 @@ def _with_weights(new: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Mod
 
 
 def convert(model: torch.nn.Module, **options) -> torch.nn.Module:
-    """Swap every ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` in ``model`` (in place) for
-    mirrorgrad's module with the same weights; ``options`` (memory, impl, state_clip for
-    LSTMs) go to the new modules. Returns ``model``, or its replacement if ``model`` is
+    """Swap every ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` and ``LSTMCell`` / ``GRUCell`` /
+    ``RNNCell`` in ``model`` (in place) for mirrorgrad's module with the same weights;
+    ``options`` (memory, impl, state_clip for LSTMs) go to the new sequence modules, the
+    cells take their defaults. Returns ``model``, or its replacement if ``model`` is
     itself one of those modules."""
-    top = _replacement(model, **options)
+
+    def twin(module: torch.nn.Module) -> torch.nn.Module | None:
+        return _replacement(module, **options) or cell_replacement(module)
+
+    top = twin(model)
     if top is not None:
         return top
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = _replacement(child, **options)
+            new = twin(child)
             if new is not None:
                 setattr(parent, name, new)
     return model
