@@ -5,7 +5,7 @@ Subclasses of torch.nn's cells (same arguments, parameters, checks, ``state_dict
 ``isinstance`` checks hold. ``impl``: ``"torch"`` runs torch.nn's cell (plain ATen ops,
 differentiable at every order); ``"op"`` runs ``mirrorgrad.ops.rnn.rnn`` with one step
 (its fused kernels on CUDA); ``"auto"`` takes torch.nn's cell off CUDA and, on CUDA, times
-both once per shape and keeps the faster (``scripts/gpu_cells.py`` measures the two).
+both once per shape and keeps the faster (``tests/nn/gpu_cells_compare.py`` measures the two).
 """
 
 from __future__ import annotations
