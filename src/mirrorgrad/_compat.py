@@ -73,7 +73,7 @@ def activation_memory_budget(fraction: float):
     return functorch_config.patch(activation_memory_budget=fraction)
 
 
-# --- torch's own RNN functions (used by ops/rnn/op.py for impl="cudnn") -------------------
+# --- torch's own RNN functions (used by ops/rnn/dispatch.py for impl="cudnn") -------------------
 def vf_rnn(mode: str):
     """``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: what torch.nn's RNN
     modules call (cuDNN on CUDA); ``mode`` is mirrorgrad's lower-case mode name."""

@@ -23,7 +23,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from mirrorgrad import _compat
-from mirrorgrad.mirror.budget import Plan, PlanOptions
+from mirrorgrad.mirror.budget_search import Plan, PlanOptions
 from mirrorgrad.mirror.partition import MirrorPartitioner, PlanCallback, partition
 from mirrorgrad.mirror.policy import policy_for
 

@@ -9,7 +9,7 @@ from torch import fx
 from mirrorgrad import _compat
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import JointGraph
-from mirrorgrad.mirror.budget import PlanOptions, plan
+from mirrorgrad.mirror.budget_search import PlanOptions, plan
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import LayerNormGeluLinear, joint_of

@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from mirrorgrad import _compat
 from mirrorgrad.mirror import partition as partition_module
-from mirrorgrad.mirror.budget import PlanOptions
+from mirrorgrad.mirror.budget_search import PlanOptions
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,

@@ -9,15 +9,15 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils.flop_counter import FlopCounterMode
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import op, reference, reverse_within_lengths, rnn
+from mirrorgrad.ops.rnn import dispatch, op, reference, reverse_within_lengths, rnn
+from mirrorgrad.ops.rnn.cells import GATES, MODES
 
 DT = torch.float64
-MODES = reference.MODES
 
 
 def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, proj=0, bias=True):
     """Random inputs of rnn_forward in torch.nn's weight order (float64, requiring grad)."""
-    G = reference.GATES[mode]
+    G = GATES[mode]
     D = 2 if bidirectional else 1
     Hr = proj or H
     weights = []
@@ -102,7 +102,7 @@ def test_fake_kernel_matches_real_shapes_for_every_memory_mode():
 
 
 def test_eager_function_agrees_with_the_registered_autograd():
-    """rnn() in eager mode runs autograd through op._EagerStack, the op called directly
+    """rnn() in eager mode runs autograd through op.EagerStack, the op called directly
     through its torch.library registration: same outputs and the same gradients of x,
     states and weights (dropout, unsorted lengths, both directions, h_n/c_n used)."""
     x, weights, hx, cx = stack_inputs("lstm", T=4, B=3)
@@ -111,7 +111,7 @@ def test_eager_function_agrees_with_the_registered_autograd():
     torch.manual_seed(3)
     eager = rnn(x, weights, hx, cx, mode="lstm", num_layers=2, bidirectional=True, dropout=0.4,
                 training=True, lengths=lengths, memory="recompute", impl="reference")  # fmt: skip
-    assert type(eager[0].grad_fn).__name__ == "_EagerStackBackward"
+    assert type(eager[0].grad_fn).__name__ == "EagerStackBackward"
     torch.manual_seed(3)
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # what rnn() drew
     args = forward_args("lstm", x, weights, hx, cx, lengths=lengths, dropout=0.4, seed=seed,
@@ -290,11 +290,11 @@ def test_cudnn_impl_is_torch_own_rnn():
     torch.testing.assert_close(mod(x)[0], ref(x)[0])
 
 
-@pytest.mark.skipif(op._triton_module() is None, reason="triton not installed")
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_impl_through_the_op_matches_reference(mode):
     """The op composes R2's Triton layer (interpreted on CPU) like the reference layer."""
-    if not op._triton_module().supports(mode, proj=False, dtype=torch.float32,
+    if not op.triton_module().supports(mode, proj=False, dtype=torch.float32,
                                         device=torch.device("cpu")):  # fmt: skip
         pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
     torch.manual_seed(0)
@@ -314,7 +314,7 @@ def test_triton_impl_through_the_op_matches_reference(mode):
 
 
 def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
-    monkeypatch.setattr(op, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     timings = {"triton": 2.0, "cudnn": 3.0}
     timed = []
 
@@ -323,10 +323,10 @@ def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
         return timings[timed[-1]]
 
     candidates = {"triton": lambda: "triton", "cudnn": lambda: "cudnn"}
-    assert op._choose_auto(("k", 1), candidates, timer) == "triton"
+    assert dispatch._choose_auto(("k", 1), candidates, timer) == "triton"
     timings["triton"] = 9.0
-    assert op._choose_auto(("k", 1), candidates, timer) == "triton"  # cached
-    assert op._choose_auto(("k", 2), candidates, timer) == "cudnn"  # new shape: timed again
+    assert dispatch._choose_auto(("k", 1), candidates, timer) == "triton"  # cached
+    assert dispatch._choose_auto(("k", 2), candidates, timer) == "cudnn"  # new shape: timed again
     assert timed == ["triton", "cudnn", "triton", "cudnn"]
 
 
@@ -417,7 +417,8 @@ def test_triton_support_check_is_a_constant_under_compile():
     # On a GPU, impl="auto" asks this while Dynamo traces the module: it must not trace
     # into the cached import (Dynamo warned about the functools.cache on every compile).
     def f(x):
-        return x * 2 if op._triton_supports("lstm", False, x.dtype, torch.device("cuda")) else x
+        supported = dispatch._triton_supports("lstm", False, x.dtype, torch.device("cuda"))
+        return x * 2 if supported else x
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

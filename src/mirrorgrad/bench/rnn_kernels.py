@@ -8,10 +8,10 @@ peak bytes of forward+backward, for
 
 * ``cudnn``         torch.nn.LSTM / GRU / RNN;
 * ``cudnn-graph``   the same forward+backward captured whole in one CUDA Graph;
-* ``split-nograph`` rnn_triton, cuBLAS hidden GEMM + pointwise kernel per step, host launches;
-* ``fused-nograph`` rnn_triton, hidden GEMM inside the step kernel, host launches;
-* ``split``, ``fused`` the same with rnn_triton's per-layer CUDA Graph of the step loop;
-* ``auto``          rnn_triton's defaults (what the op runs), memory="stash";
+* ``split-nograph`` ops.rnn.kernels, cuBLAS hidden GEMM + pointwise kernel per step, host launches;
+* ``fused-nograph`` ops.rnn.kernels, hidden GEMM inside the step kernel, host launches;
+* ``split``, ``fused`` the same with ops.rnn.graphs' per-layer CUDA Graph of the step loop;
+* ``auto``          ops.rnn.kernels' defaults (what the op runs), memory="stash";
 * ``recompute``     auto with memory="recompute";
 * ``auto-graph``    auto with the whole forward+backward captured in one CUDA Graph;
 * ``fused-bwd``     split forward, fused backward, per-layer graphs;
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from mirrorgrad.bench.provenance import git_commit
-from mirrorgrad.ops.rnn import rnn_triton
+from mirrorgrad.ops.rnn import graphs, kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_MODULES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN", "rnn_relu": "RNN"}
@@ -108,7 +108,7 @@ def _stack_forward_backward(
     fused_bwd: bool | None = None,
     **opts,
 ) -> tuple[Tensor, list[Tensor], Tensor, list[Tensor]]:
-    """Layers x directions of rnn_triton's contract, as the op composes them (no dropout).
+    """Layers x directions of ops.rnn.kernels' contract, as the op composes them (no dropout).
 
     ``fused_bwd`` overrides ``fused`` for the backward. Returns (y, [h_n, c_n], grad_x,
     parameter grads in rnn.parameters() order).
@@ -123,7 +123,7 @@ def _stack_forward_backward(
             w_ih, w_hh, b_ih, b_hh = _layer_params(rnn, layer, d)
             xin = inp.flip(0) if d else inp
             c = c0[k] if c0 is not None else None
-            y, hn, cn, saved = rnn_triton.layer_forward(
+            y, hn, cn, saved = kernels.layer_forward(
                 mode, xin, h0[k], c, w_ih, w_hh, b_ih, b_hh, None, **opts
             )
             record.append((xin, h0[k], c, (w_ih, w_hh, b_ih, b_hh), y, saved))
@@ -141,7 +141,7 @@ def _stack_forward_backward(
             xin, h0k, c, weights, y, saved = record[k]
             gy = g[..., d * rnn.hidden_size : (d + 1) * rnn.hidden_size]
             gy = gy.flip(0) if d else gy
-            out = rnn_triton.layer_backward(
+            out = kernels.layer_backward(
                 mode, saved, xin, h0k, c, *weights, None, y, gy, None, None, **bwd_opts
             )
             gx = out[0].flip(0) if d else out[0]
@@ -158,7 +158,7 @@ def _rel(a: Tensor, b: Tensor) -> float:
 
 
 def check(mode: str, dtype: torch.dtype) -> dict[str, float]:
-    """Relative error of cuDNN and of rnn_triton against float64, on one mid-size shape."""
+    """Relative error of cuDNN and of ops.rnn.kernels against float64, on one mid-size shape."""
     cfg = Config(layers=2, input=96, hidden=128, batch=8, T=12, bidirectional=True)
     torch.manual_seed(0)
     rnn = _torch_rnn(mode, cfg, dtype)
@@ -346,7 +346,7 @@ def _split_ours(mode, rnn, x, h0, c0, gy, memory):
                 weights = _layer_params(rnn, layer, d)
                 xin = inp.flip(0) if d else inp
                 c = c0[k] if c0 is not None else None
-                y, _, _, saved = rnn_triton.layer_forward(
+                y, _, _, saved = kernels.layer_forward(
                     mode, xin, h0[k], c, *weights, None, memory=memory
                 )
                 record.append((xin, c, weights, y, saved))
@@ -362,7 +362,7 @@ def _split_ours(mode, rnn, x, h0, c0, gy, memory):
                 k = layer * D + d
                 xin, c, weights, y, saved = record[k]
                 gyk = g[..., d * rnn.hidden_size : (d + 1) * rnn.hidden_size]
-                out = rnn_triton.layer_backward(
+                out = kernels.layer_backward(
                     mode,
                     saved,
                     xin,
@@ -385,7 +385,7 @@ def _split_ours(mode, rnn, x, h0, c0, gy, memory):
 
 
 def profile(mode: str, cfg: Config, dtype: torch.dtype, steps: int = 5) -> str:
-    """GPU time per kernel of rnn_triton's default path after warm-up (torch.profiler)."""
+    """GPU time per kernel of ops.rnn.kernels' default path after warm-up (torch.profiler)."""
     torch.manual_seed(0)
     rnn = _torch_rnn(mode, cfg, dtype)
     D = 2 if cfg.bidirectional else 1
@@ -441,7 +441,7 @@ def backward_memory_vs_T(mode: str, dtype: torch.dtype) -> list[dict]:
                 {"mode": mode, "T": T, "method": name, "stash_bytes": stash, "peak_bytes": peak}
                 | {"backward_extra_bytes": extra}
             )
-        rnn_triton.clear_graphs()
+        graphs.clear_graphs()
     return rows
 
 
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             result["rows"].append(row)
             print(mode, cfg.name, {k: _fmt(v) for k, v in row["ms"].items()}, flush=True)
             _write(args.out, args.dtype, result)  # partial results survive a time limit
-            rnn_triton.clear_graphs()
+            graphs.clear_graphs()
             torch.cuda.empty_cache()
     if "lstm" in modes and "lstm" not in bad and not args.skip_memory_vs_t:
         result["backward_memory"] = backward_memory_vs_T("lstm", dtype)

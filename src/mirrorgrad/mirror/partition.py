@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from mirrorgrad import _compat
 from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view
-from mirrorgrad.mirror.budget import Plan, PlanOptions, plan
+from mirrorgrad.mirror.budget_search import Plan, PlanOptions, plan
 from mirrorgrad.mirror.policy import is_random, policy_for
 
 Partitioner = Callable[..., tuple[GraphModule, GraphModule]]

@@ -1,52 +1,44 @@
-"""The whole RNN stack (layers x directions) as two torch.library ops.
+"""The whole RNN stack (layers x directions) as two torch.library ops, with autograd.
 
 ``mirrorgrad::rnn_forward`` / ``mirrorgrad::rnn_backward`` take the flat weight list in
 torch.nn's order (per layer and direction: w_ih, w_hh, [b_ih, b_hh], [w_hr]) and run
-one of the per-layer implementations (``reference`` on any device, ``triton`` on CUDA)
-for every layer and direction (handing them contiguous tensors). Fake kernels, an
-autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as one
-node.
-
-``rnn(...)`` is the public entry: it resolves ``impl`` and ``memory``, and runs torch's
-own RNN (cuDNN on CUDA) for ``impl="cudnn"`` outside the custom ops, since cuDNN's
-backward needs its private reserve space that a fake kernel cannot size.
+one of the per-layer implementations (``reference`` on any device, ``kernels`` (Triton)
+on CUDA) for every layer and direction (handing them contiguous tensors). Fake kernels,
+an autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as
+one node. Which implementation runs is ``dispatch``'s decision.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils.flop_counter import register_flop_formula
 
-from mirrorgrad import _compat
 from mirrorgrad.ops.rnn import reference
-from mirrorgrad.ops.rnn.reference import GATES, MODES
-
-IMPLS = ("auto", "triton", "reference", "cudnn")
-MEMORY = ("auto", "stash", "recompute")
+from mirrorgrad.ops.rnn.cells import GATES
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def triton_module() -> ModuleType | None:
+    """``ops.rnn.kernels`` (the Triton layer), or None where triton is not installed."""
     try:
-        from mirrorgrad.ops.rnn import rnn_triton
+        from mirrorgrad.ops.rnn import kernels
     except ImportError:
         return None
-    return rnn_triton
+    return kernels
 
 
 def _kernels(impl: str) -> ModuleType:
+    """The per-layer implementation the op's ``impl`` argument names."""
     if impl == "reference":
         return reference
-    module = _triton_module()
+    module = triton_module()
     if module is None:
-        raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.rnn_triton")
+        raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.kernels")
     return module
 
 
@@ -346,7 +338,7 @@ def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):
 rnn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerStack(torch.autograd.Function):
+class EagerStack(torch.autograd.Function):
     """Autograd of the stack in eager mode: the same two ops and the same save/backward
     code as the op's own registration, without torch.library's autograd wrapper (pytree
     over the weight list, schema defaults, per-output checks: ~0.3 ms of host time per
@@ -403,172 +395,3 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
     recomputes = memory == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
-
-
-def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_biases,
-           dropout, training):  # fmt: skip
-    """torch's own RNN (cuDNN on CUDA, aten elsewhere), autograd by torch."""
-    vf = _compat.vf_rnn(mode)
-    state = (hx, cx) if mode == "lstm" else hx
-    if lengths is None:
-        out = vf(x, state, weights, has_biases, num_layers, dropout, training, bidirectional, False)
-        return out[0], out[1], out[2] if mode == "lstm" else None
-    packed = pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)
-    order, unorder = packed.sorted_indices, packed.unsorted_indices
-    state = (hx[:, order], cx[:, order]) if mode == "lstm" else hx[:, order]
-    out = vf(packed.data, packed.batch_sizes, state, weights, has_biases, num_layers, dropout,
-             training, bidirectional)  # fmt: skip
-    y = PackedSequence(out[0], packed.batch_sizes, order, unorder)
-    y = pad_packed_sequence(y, total_length=x.shape[0])[0]
-    return y, out[1][:, unorder], out[2][:, unorder] if mode == "lstm" else None
-
-
-# (mode, device, dtype, T, B, I, G*H, Hr, layers, bidirectional, varlen, memory, dropout,
-#  training) -> the chosen impl
-_AUTO_CHOICE: dict[tuple, str] = {}
-
-
-def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
-    fn()  # warm-up: compiles kernels, fills caches
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _choose_auto(
-    key: tuple,
-    candidates: dict[str, Callable[[], None]],
-    timer: Callable[[Callable[[], None]], float] = _time_ms,
-) -> str:
-    """Time each candidate's forward+backward once per shape key; cache the fastest.
-
-    While torch.compile traces, the first candidate (the fused custom op) is taken
-    untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
-    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13)."""
-    if torch.compiler.is_compiling():
-        return next(iter(candidates))
-    if key in _AUTO_CHOICE:
-        return _AUTO_CHOICE[key]
-    if len(candidates) == 1:
-        choice = next(iter(candidates))
-    else:
-        choice = min(candidates, key=lambda name: timer(candidates[name]))
-    _AUTO_CHOICE[key] = choice
-    return choice
-
-
-# A constant for given arguments: Dynamo calls it once while tracing instead of
-# tracing into the cached import (it warns about every functools.cache it meets).
-@torch.compiler.assume_constant_result
-def _triton_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
-    module = _triton_module()
-    return module is not None and module.supports(mode, proj=proj, dtype=dtype, device=device)
-
-
-def rnn(
-    x: Tensor,
-    weights: Sequence[Tensor],
-    hx: Tensor,
-    cx: Tensor | None = None,
-    *,
-    mode: str,
-    num_layers: int = 1,
-    bidirectional: bool = False,
-    has_biases: bool = True,
-    proj_size: int = 0,
-    dropout: float = 0.0,
-    training: bool = False,
-    lengths: Tensor | None = None,
-    memory: str = "auto",
-    state_clip: tuple[float, float] | None = None,
-    impl: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Multi-layer (bi)directional RNN, time-major: x [T,B,I] -> (y, h_n, c_n or None).
-
-    weights: torch.nn's flat order; hx [L*D,B,Hr]; cx [L*D,B,H] (lstm); lengths int64 [B]
-    (any order) for padded variable-length batches. Dropout (p=``dropout``) applies
-    between layers when ``training``. ``memory="auto"`` is "recompute" for an LSTM whose
-    gradients are needed (its stash is then cells only) and "stash" otherwise.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if memory not in MEMORY:
-        raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if state_clip is not None and mode != "lstm":
-        raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
-    p = float(dropout) if training and num_layers > 1 else 0.0
-    tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
-    grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
-    need_saved = len(grad_inputs) > 0  # bool(list) does not trace in torch 2.11
-    if memory == "auto":
-        memory = "recompute" if mode == "lstm" and need_saved else "stash"
-    if lengths is not None:
-        lengths = lengths.to(device=x.device, dtype=torch.int64)
-
-    def custom(chosen: str) -> Callable[[], tuple]:
-        def call():
-            # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
-            seed = (
-                torch.randint(0, 2**62, (), dtype=torch.int64)
-                if p > 0
-                else torch.zeros((), dtype=torch.int64)
-            )
-            config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
-                      None if state_clip is None else list(state_clip), chosen)  # fmt: skip
-            if need_saved and not torch.compiler.is_compiling():
-                y, h_n, c_n = _EagerStack.apply(config, x, hx, cx, lengths, seed, *weights)
-            else:
-                y, h_n, c_n, _ = torch.ops.mirrorgrad.rnn_forward(
-                    x, list(weights), hx, cx, lengths, seed, *config, need_saved
-                )
-            return y, h_n, c_n if mode == "lstm" else None
-
-        return call
-
-    def cudnn() -> tuple:
-        return _cudnn(x, list(weights), hx, cx, lengths, mode=mode, num_layers=num_layers,
-                      bidirectional=bidirectional, has_biases=has_biases, dropout=p,
-                      training=training)  # fmt: skip
-
-    proj = proj_size > 0
-    if impl == "auto":
-        if x.device.type != "cuda":
-            impl = "reference"
-        else:
-            # A custom op comes first: it is the pick while torch.compile traces (no timing).
-            fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
-            candidates = {fused: _timed_step(custom(fused), grad_inputs)}
-            if state_clip is None:
-                candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
-            key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-                   num_layers, bidirectional, lengths is not None, memory, p > 0,
-                   need_saved)  # fmt: skip
-            impl = _choose_auto(key, candidates)
-    elif impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
-        raise ValueError(
-            f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
-            f"{x.device}: use impl='auto' or impl='reference'"
-        )
-    elif impl == "cudnn" and state_clip is not None:
-        raise ValueError("impl='cudnn' cannot clip the cell state: use impl='auto'")
-    return cudnn() if impl == "cudnn" else custom(impl)()
-
-
-def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:
-    """Forward, and backward of a scalar loss when some input needs a gradient."""
-
-    def step() -> None:
-        y, h_n, _ = call()
-        if grad_inputs:
-            torch.autograd.grad(y.float().square().mean() + h_n.float().mean(), grad_inputs)
-
-    return step

@@ -1,9 +1,9 @@
 """Plain-PyTorch RNN layer with an explicit backward: the CPU path and the test oracle.
 
-Per-layer contract, shared with ``rnn_triton.py`` (same names, same meaning). One
+Per-layer contract, shared with ``kernels.py`` (same names, same meaning). One
 layer, one direction, time-major::
 
-    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = GATES[mode] = 4, 3, 1, 1
+    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = cells.GATES[mode] = 4, 3, 1, 1
 
     layer_forward(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, *,
                   lengths=None, memory="stash", state_clip=None)
@@ -53,9 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-MEMORY_MODES = ("stash", "recompute")
+from mirrorgrad.ops.rnn.cells import GATES, MODES
 
 # Mixes (seed, offset) into one generator seed; odd 64-bit constant of the golden ratio.
 _SEED_MIX = 0x9E3779B97F4A7C15

@@ -9,9 +9,9 @@ import torch
 from mirrorgrad import _compat
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import op_name
-from mirrorgrad.mirror.budget import PlanOptions, partition_for, plan
-from mirrorgrad.mirror.echo import UnitGraph, storage_balance
+from mirrorgrad.mirror.budget_search import PlanOptions, partition_for, plan
 from mirrorgrad.mirror.policy import MirrorPolicy
+from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, resnet152_shaped
@@ -151,9 +151,11 @@ def test_lifetime_repair_cuts_the_residual_stream():
     model = torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(6)))
     joint = joint_of(model, torch.randn(8, 16, 16, 16))
     graph = UnitGraph(joint, MirrorPolicy(enabled=True))
-    echo = partition_for(joint, graph, storage_balance(graph))
-    echo_peak = liveness.simulate(joint, echo.saved + echo.saved_sym, echo.mirrored).peak
+    balanced = partition_for(joint, graph, storage_balance(graph))
+    balanced_peak = liveness.simulate(
+        joint, balanced.saved + balanced.saved_sym, balanced.mirrored
+    ).peak
     p = plan(joint, PlanOptions(mode="balance", max_overhead=1.0))
-    assert p.peak_after < 0.9 * echo_peak
-    stashed_block_outputs = {n.name for n in p.saved} & {n.name for n in echo.mirrored}
+    assert p.peak_after < 0.9 * balanced_peak
+    stashed_block_outputs = {n.name for n in p.saved} & {n.name for n in balanced.mirrored}
     assert any(name.startswith("relu") for name in stashed_block_outputs)

@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 
 from mirrorgrad.graph.joint import op_name
-from mirrorgrad.mirror.budget import PlanOptions, plan
-from mirrorgrad.mirror.echo import UnitGraph, storage_balance
+from mirrorgrad.mirror.budget_search import PlanOptions, plan
 from mirrorgrad.mirror.policy import MirrorPolicy
+from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 
 sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import (
@@ -20,7 +20,7 @@ from joint_graphs import (
 )
 
 
-def _echo(joint):
+def _balanced(joint):
     return {u.name for u in storage_balance(UnitGraph(joint, MirrorPolicy(enabled=True)))}
 
 
@@ -36,7 +36,7 @@ def test_lstm_cell_step_is_left_alone():
     joint = joint_of(
         LSTMCellStep(64, 128), torch.randn(32, 64), torch.randn(32, 128), torch.randn(32, 128)
     )
-    assert _echo(joint) <= {"tanh_1", "mul", "mul_1"}
+    assert _balanced(joint) <= {"tanh_1", "mul", "mul_1"}
     p = plan(joint, PlanOptions(mode="balance", max_overhead=1.0))
     assert p.mirrored == []
     assert p.peak_after == p.peak_before and p.stash_bytes_after == p.stash_bytes_before
@@ -50,7 +50,7 @@ def test_mlp_attention_tanh_is_mirrored():
     joint = joint_of(BahdanauDecoder(D, A), torch.randn(B, steps, D), torch.randn(B, S, D))
     adds_and_tanhs = {n.name for n in joint.forward if n.name.startswith(("add", "tanh"))}
     assert len(adds_and_tanhs) == 2 * steps
-    assert adds_and_tanhs <= _echo(joint)
+    assert adds_and_tanhs <= _balanced(joint)
     p = plan(joint, PlanOptions(mode="balance", max_overhead=1.0))
     tanhs = [n for n in p.mirrored if n.name.startswith("tanh")]
     assert len(tanhs) == steps
@@ -70,7 +70,7 @@ def test_mlp_attention_tanh_is_mirrored():
 def test_linear_input_chain_is_mirrored_but_not_the_linear():
     model = torch.nn.Sequential(*(LayerNormGeluLinear(512, 512) for _ in range(3)))
     joint = joint_of(model, torch.randn(512, 512))
-    assert _echo(joint) == {
+    assert _balanced(joint) == {
         "native_layer_norm", "gelu", "native_layer_norm_1", "gelu_1", "native_layer_norm_2",
         "gelu_2",
     }  # fmt: skip

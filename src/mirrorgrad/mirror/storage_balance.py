@@ -118,10 +118,10 @@ class UnitGraph:
 
 def storage_balance(graph: UnitGraph) -> set[Node]:
     """The units the storage-balance algorithm mirrors."""
-    return _Echo(graph).run()
+    return _StorageBalance(graph).run()
 
 
-class _Echo:
+class _StorageBalance:
     def __init__(self, graph: UnitGraph) -> None:
         self.g = graph
         self.decided: dict[Node, str] = {u: STASH for u in graph.units if not graph.mirrorable[u]}

@@ -1,7 +1,8 @@
-"""Peak-aware planning: what to stash, what to mirror, judged by the step's peak.
+"""Peak-aware planning, the budget search and the modes around it: what to stash and
+what to mirror, judged by the step's peak.
 
 - ``off``: no mirroring; every forward value the backward reads is stashed.
-- ``balance``: the storage-balance decision (echo.py); then the lifetime repair
+- ``balance``: the storage-balance decision (storage_balance.py); then the lifetime repair
   (stash recomputed values that sit alive at the simulated backward peak, while
   that lowers it); then the cap: while the added time exceeds ``max_overhead`` of
   the step, un-mirror the op saving most time per stash byte added. A plan whose
@@ -26,8 +27,8 @@ from torch.fx import Node
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
-from mirrorgrad.mirror.echo import UnitGraph, storage_balance
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
+from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 
 Mode = Literal["balance", "budget", "off"]
 # The lifetime repair stashes at most this many recomputed values, trying at most
