@@ -143,3 +143,16 @@ def let_dynamo_trace_modules(classes: tuple[type, ...]) -> None:
 
     wrap_module._mirrorgrad_classes = tuple(classes)
     VariableBuilder.wrap_module = wrap_module
+
+
+# --- Forward AD and torch.func transforms (used by ops/rnn/dispatch.py) -------------------
+def needs_plain_autograd(tensors) -> bool:
+    """True while a torch.func transform (grad, vmap, jvp, ...) is active, or forward AD
+    has a dual tensor among ``tensors``: then only plain PyTorch ops are differentiable."""
+    import torch.autograd.forward_ad as fwad
+
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    if fwad._current_level < 0:  # no dual_level() context open
+        return False
+    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)

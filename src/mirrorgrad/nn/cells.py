@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mirrorgrad.ops.rnn import rnn
-from mirrorgrad.ops.rnn.op import _choose_auto, _timed_step
+from mirrorgrad.ops.rnn.dispatch import _choose_auto, _timed_step
 
 CELL_IMPLS = ("auto", "op", "torch")
 

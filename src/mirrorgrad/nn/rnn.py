@@ -77,10 +77,6 @@ class _FusedRNN:
         else:
             x, h0, c0, is_batched = self._time_major(input, hx, is_lstm)
             lengths = rows = None
-        if x.shape[0] == 0:
-            raise RuntimeError(
-                "Expected sequence length to be larger than 0 in RNN: pass at least one step"
-            )
         h0, c0 = self._initial_states(x, h0, c0)
         weights = [getattr(self, name) for name in self._flat_weights_names]
         if torch.is_autocast_enabled(x.device.type):
