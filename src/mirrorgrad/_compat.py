@@ -146,3 +146,42 @@ __all__ = [
     "vf_rnn",
     "without_autograd_cache",
 ]
+
+
+# --- Dynamo and RNN modules (used by nn/rnn.py) -------------------------------------------
+def let_dynamo_trace_modules(classes: tuple[type, ...]) -> None:
+    """Let Dynamo trace instances of ``classes`` (subclasses of torch.nn.LSTM/GRU/RNN).
+
+    Dynamo's ``VariableBuilder.wrap_module`` refuses every torch.nn.RNN/GRU/LSTM instance
+    unless ``torch._dynamo.config.allow_rnn`` is set, which would also make it trace
+    torch.nn's own RNNs. This lifts the refusal for ``classes`` only, while one is wrapped.
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    original = VariableBuilder.wrap_module
+    if hasattr(original, "_mirrorgrad_classes"):  # patched already: widen the set
+        original._mirrorgrad_classes += tuple(classes)
+        return
+
+    def wrap_module(self, value):
+        if isinstance(value, wrap_module._mirrorgrad_classes):
+            with dynamo_config.patch(allow_rnn=True):
+                return original(self, value)
+        return original(self, value)
+
+    wrap_module._mirrorgrad_classes = tuple(classes)
+    VariableBuilder.wrap_module = wrap_module
+
+
+# --- Forward AD and torch.func transforms (used by ops/rnn/dispatch.py) -------------------
+def needs_plain_autograd(tensors) -> bool:
+    """True while a torch.func transform (grad, vmap, jvp, ...) is active, or forward AD
+    has a dual tensor among ``tensors``: then only plain PyTorch ops are differentiable."""
+    import torch.autograd.forward_ad as fwad
+
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    if fwad._current_level < 0:  # no dual_level() context open
+        return False
+    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
