@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mirrorgrad.bench.runner import DTYPES, default_device
-from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+from mirrorgrad.bench.suites import WORKLOADS, get_workload
 
 # Comparison rows: (row, the liveness kinds estimated under it).
 ROWS = (
