@@ -10,7 +10,9 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
   their first use, in the order ``reordering_to_mimic_autograd_engine`` gives;
 - gradients (backward outputs) stay until the end of the step;
 - views share the storage of their base: a storage is freed when the last value
-  aliasing it dies; an op holds its inputs and its outputs at once.
+  aliasing it dies; an op holds its inputs and its outputs at once;
+- a custom op that declares its temporaries (``mirrorgrad.ops.formulas.
+  register_memory_formula``: workspace, chunk buffers) holds them too while it runs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Node
 
+from mirrorgrad import _compat
 from mirrorgrad.graph.fusion import inlined
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem
+from mirrorgrad.ops.formulas import memory_formula
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -168,8 +173,9 @@ class _Simulator:
                 transient = self.joint.nbytes(n) - sum(self.joint.nbytes(g) for g in produced)
             else:
                 self.hold(n)
+            transient = max(transient, 0) + temporary_bytes(n)
             self.timeline.append(
-                Event(phase=phase, node=n.name, live_bytes=self.live_bytes + max(transient, 0))
+                Event(phase=phase, node=n.name, live_bytes=self.live_bytes + transient)
             )
             if len(self.timeline) - 1 == self.live_at:
                 self.snapshot = self.joint.sorted(self.alive)
@@ -178,6 +184,31 @@ class _Simulator:
                     self.drop(a)
             if n not in last_use and n not in keep and not tuple_valued:
                 self.drop(n)
+
+
+def temporary_bytes(node: Node) -> int:
+    """Bytes ``node``'s op declares it allocates while it runs beyond its inputs and
+    outputs (``register_memory_formula``), from the fake values of its arguments; 0 for
+    an op that declares nothing."""
+    formula = memory_formula(node.target) if node.op == "call_function" else None
+    if formula is None:
+        return 0
+    args = [_fake(a) for a in node.args]
+    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    nbytes = formula(*args, **kwargs)
+    return (
+        _compat.optimization_hint(nbytes, fallback=0)
+        if isinstance(nbytes, torch.SymInt)
+        else int(nbytes)
+    )
+
+
+def _fake(a: object) -> object:
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fake(x) for x in a)
+    return a
 
 
 def _fused_away(joint: JointGraph, schedule: list[Node], keep: set[Node]) -> set[Node]:

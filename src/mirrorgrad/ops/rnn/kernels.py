@@ -324,6 +324,29 @@ def saved_layout(
     return []
 
 
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
+    and outputs: the pre-activations where they are not the stash, and per backward
+    chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
+    are left out."""
+    d = dtype.itemsize
+    gh = GATES[mode] * H
+    if not backward:
+        pre_is_saved = mode == "lstm" and memory == "stash"
+        return (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
+    rows = _chunk_steps(T, B) * B
+    dg = rows * gh * d * (2 if mode == "gru" else 1)
+    if memory == "stash" or mode.startswith("rnn"):
+        return dg
+    if mode == "lstm":
+        return rows * gh * d + dg
+    # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
+    pre = rows * 4 * H * d
+    return max(rows * H * d + 2 * rows * gh * d + pre, pre + dg)
+
+
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this GPU path runs ``mode`` for these tensors (no projection: reference path)."""
     device = torch.device(device)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from mirrorgrad.ops.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
 
@@ -395,3 +396,73 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
     recomputes = memory == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
+
+
+def _stack_shape(x, weights, hx, mode):
+    """(T, B, I, H, Hr, bytes per element) of a stack call."""
+    T, B, n_in = x.shape
+    return T, B, n_in, weights[1].shape[0] // GATES[mode], hx.shape[-1], x.dtype.itemsize
+
+
+def _saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
+    """Bytes of one layer-direction's own saved tensors."""
+    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, dtype)
+    return sum(dt.itemsize * torch.Size(shape).numel() for shape, dt in layout)
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_layers,
+                                 bidirectional, has_biases, proj_size, dropout, memory,
+                                 state_clip, impl, need_saved) -> int:  # fmt: skip
+    """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
+    workspace beside its dropped-out input, the previous layer's output and the stash
+    where nothing is saved, a bidirectional layer's reversed input and its directions'
+    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    unit = T * B * Hr * d  # one direction's output
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
+    state = (3 if mode == "lstm" else 2) * B * H * d
+    peak = 0
+    for layer in range(num_layers):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = layer_in if layer > 0 and dropout > 0 else 0
+        if not need_saved:
+            held += D * _saved_bytes(impl, mode, memory, T, B, H, x.dtype)
+            held += layer_in if layer > 0 else 0  # the previous output: not saved
+            held += D * unit if layer < num_layers - 1 else 0  # this one, the same
+        if D == 2:
+            held += layer_in + unit + max(work + unit, 2 * unit)
+        else:
+            held += work
+        peak = max(peak, held + (layer + 1) * D * state)
+    return peak
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed,
+                                  y, saved, mode, num_layers, bidirectional, has_biases,
+                                  proj_size, dropout, memory, state_clip, impl,
+                                  needs_input_grad) -> int:  # fmt: skip
+    """Peak of one layer at a time, from the top: the gradient flowing in and the one
+    flowing out (but the op's own grad_x), the recomputed dropout of the layer input,
+    the layer's workspace, and a bidirectional layer's reversed input, output and output
+    gradient and both directions' input gradients."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    unit = T * B * Hr * d
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
+    peak = 0
+    for layer in reversed(range(num_layers)):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = D * unit if layer < num_layers - 1 else 0  # gradient from above
+        held += layer_in if layer > 0 and dropout > 0 else 0  # recomputed dropout
+        grad_in = layer_in if layer > 0 else 0  # the op's grad_x at layer 0
+        if D == 2:
+            held += 2 * unit + layer_in + grad_in + max(work + layer_in, 2 * layer_in)
+        else:
+            held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
+        peak = max(peak, held)
+    return peak
