@@ -122,3 +122,14 @@ def test_inductor_decompositions_decompose_batch_norm():
 
     table = _compat.inductor_decompositions()
     assert torch.ops.aten._native_batch_norm_legit_functional.default in table
+
+
+def test_storage_use_count_sees_views_and_their_release():
+    import torch
+
+    t = torch.zeros(4)
+    alone = _compat.storage_use_count(t)
+    view = t[1:]
+    assert _compat.storage_use_count(t) == alone + 1
+    del view
+    assert _compat.storage_use_count(t) == alone
