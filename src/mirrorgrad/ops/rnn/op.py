@@ -70,6 +70,15 @@ def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
     return None if state_clip is None else (state_clip[0], state_clip[1])
 
 
+def resolve_memory(memory: str, mode: str) -> str:
+    """The memory mode an op called with ``memory="auto"`` runs: recompute for an LSTM
+    (cells only: about 3x smaller stash for one extra GEMM), stash otherwise. Under
+    ``mirrorgrad.compile`` the planner rewrites "auto" to its own choice first."""
+    if memory != "auto":
+        return memory
+    return "recompute" if mode == "lstm" else "stash"
+
+
 def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     """How many tensors one layer-direction saves (shapes do not matter here)."""
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
@@ -95,6 +104,7 @@ def rnn_forward(
     need_saved: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
     seed_value = int(seed.item())
@@ -128,7 +138,7 @@ def rnn_forward(
 
 
 @rnn_forward.register_fake
-def _rnn_forward_fake(
+def rnn_forward_fake(
     x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional, has_biases, proj_size,
     dropout, memory, state_clip, impl, need_saved,
 ):  # fmt: skip
@@ -136,7 +146,7 @@ def _rnn_forward_fake(
     num_dirs = 2 if bidirectional else 1
     H = weights[1].shape[0] // GATES[mode]
     Hr = hx.shape[-1]
-    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, x.dtype)
+    layout = _kernels(impl).saved_layout(mode, resolve_memory(memory, mode), T, B, H, x.dtype)
     saved = []
     if need_saved:
         for layer in range(num_layers):
@@ -176,6 +186,7 @@ def rnn_backward(
 
     needs_input_grad: [x, hx, cx, *weights].
     """
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
     n_w = _weights_per_layer(has_biases, proj_size)
@@ -394,7 +405,7 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
                         *args, out_val=None, **kwargs) -> int:  # fmt: skip
     """Data and weight gradients: twice the forward; recompute adds one forward's GEMMs."""
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
-    recomputes = memory == "recompute" and mode in ("lstm", "gru")
+    recomputes = resolve_memory(memory, mode) == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
 
 
@@ -404,7 +415,7 @@ def _stack_shape(x, weights, hx, mode):
     return T, B, n_in, weights[1].shape[0] // GATES[mode], hx.shape[-1], x.dtype.itemsize
 
 
-def _saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
+def layer_saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
     """Bytes of one layer-direction's own saved tensors."""
     layout = _kernels(impl).saved_layout(mode, memory, T, B, H, dtype)
     return sum(dt.itemsize * torch.Size(shape).numel() for shape, dt in layout)
@@ -421,6 +432,7 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
     kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d  # one direction's output
     work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
     state = (3 if mode == "lstm" else 2) * B * H * d
@@ -429,7 +441,7 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
         layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
         held = layer_in if layer > 0 and dropout > 0 else 0
         if not need_saved:
-            held += D * _saved_bytes(impl, mode, memory, T, B, H, x.dtype)
+            held += D * layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
             held += layer_in if layer > 0 else 0  # the previous output: not saved
             held += D * unit if layer < num_layers - 1 else 0  # this one, the same
         if D == 2:
@@ -452,6 +464,7 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
     kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d
     work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
     peak = 0
