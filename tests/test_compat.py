@@ -180,3 +180,14 @@ def test_needs_plain_autograd_sees_functorch_transforms_and_dual_tensors():
     with fwad.dual_level():
         assert not _compat.needs_plain_autograd([x])
         assert _compat.needs_plain_autograd([x, fwad.make_dual(x, torch.ones(3))])
+
+
+def test_storage_use_count_sees_views_and_their_release():
+    import torch
+
+    t = torch.zeros(4)
+    alone = _compat.storage_use_count(t)
+    view = t[1:]
+    assert _compat.storage_use_count(t) == alone + 1
+    del view
+    assert _compat.storage_use_count(t) == alone

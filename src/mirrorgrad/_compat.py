@@ -92,6 +92,13 @@ def eager_backward_compile():
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
+# --- storage references (used by ops/rnn/graphs.py) -------------------------------------
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many references (tensors, views, storage objects) hold ``t``'s storage; the
+    same private counter cudagraph_trees reads to know whether an output is still alive."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 # --- AOTAutograd's cache (used by compiler.py) ----------------------------------------
 def without_autograd_cache():
     """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
@@ -143,6 +150,7 @@ __all__ = [
     "raise_getitems",
     "record_memory_history",
     "reordering_to_mimic_autograd_engine",
+    "storage_use_count",
     "vf_rnn",
     "without_autograd_cache",
 ]

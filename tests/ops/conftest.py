@@ -46,3 +46,26 @@ def nan_fill(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", _poisoning(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", _poisoning(torch.Tensor.new_empty))
     yield
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """The graph path on CPU; yields the list of stand-in graphs captured."""
+    from mirrorgrad.ops.rnn import graphs
+
+    from .graph_stand_in import ReplayedLoop
+
+    captured: list[ReplayedLoop] = []
+
+    def record(device, buffers, loop):
+        captured.append(ReplayedLoop(buffers, loop))
+        return captured[-1]
+
+    graphs.clear_graphs()
+    def use_graph(device, elements, requested):
+        return requested is not False
+
+    monkeypatch.setattr(graphs, "use_graph", use_graph)
+    monkeypatch.setattr(graphs, "_record", record)
+    yield captured
+    graphs.clear_graphs()

@@ -10,7 +10,9 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
   their first use, in the order ``reordering_to_mimic_autograd_engine`` gives;
 - gradients (backward outputs) stay until the end of the step;
 - views share the storage of their base: a storage is freed when the last value
-  aliasing it dies; an op holds its inputs and its outputs at once.
+  aliasing it dies; an op holds its inputs and its outputs at once;
+- a custom op that declares its temporaries (``mirrorgrad.ops.formulas.
+  register_memory_formula``: workspace, chunk buffers) holds them too while it runs.
 
 The planner simulates thousands of candidate plans on graphs of ~10k nodes, so the
 simulation runs on ``GraphIndex``: the graph as integer arrays, built once.
@@ -21,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Node
 
+from mirrorgrad import _compat
 from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
+from mirrorgrad.ops.formulas import memory_formula
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -71,6 +76,7 @@ class GraphIndex:
         self.inputs = [tuple(ix[a] for a in joint.inputs(n)) for n in nodes]
         self.storage = [ix[joint.storage(n)] for n in nodes]
         self.nbytes = [joint.nbytes(n) for n in nodes]
+        self.temporary = [temporary_bytes(n) for n in nodes]
         self.tuple_valued = [isinstance(n.meta.get("val"), (tuple, list)) for n in nodes]
         self.getitems = {
             i: [ix[u] for u in n.users if is_getitem(u)]
@@ -303,6 +309,7 @@ class _Simulator:
                         live += nbytes[s]
             if produced is not None:
                 transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
+            transient += ix.temporary[n]
             event_nodes.append(n)
             event_bytes.append(live + transient)
             if start + pos == self.live_at:
@@ -461,3 +468,28 @@ def _kinds(joint: JointGraph, saved: list[Node], mirrored: list[Node], *, backwa
 
 def _op(node: Node) -> str:
     return op_name(node) if node.op == "call_function" else node.op
+
+
+def temporary_bytes(node: Node) -> int:
+    """Bytes ``node``'s op declares it allocates while it runs beyond its inputs and
+    outputs (``register_memory_formula``), from the fake values of its arguments; 0 for
+    an op that declares nothing."""
+    formula = memory_formula(node.target) if node.op == "call_function" else None
+    if formula is None:
+        return 0
+    args = [_fake(a) for a in node.args]
+    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    nbytes = formula(*args, **kwargs)
+    return (
+        _compat.optimization_hint(nbytes, fallback=0)
+        if isinstance(nbytes, torch.SymInt)
+        else int(nbytes)
+    )
+
+
+def _fake(a: object) -> object:
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fake(x) for x in a)
+    return a

@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from mirrorgrad import _compat
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
-from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, triton_module
+from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, resolve_memory, triton_module
 
 IMPLS = ("auto", "triton", "reference", "cudnn")
 MEMORY = ("auto", *MEMORY_MODES)
@@ -113,7 +113,9 @@ def rnn(
     weights: torch.nn's flat order; hx [L*D,B,Hr]; cx [L*D,B,H] (lstm); lengths int64 [B]
     (any order) for padded variable-length batches. Dropout (p=``dropout``) applies
     between layers when ``training``. ``memory="auto"`` is "recompute" for an LSTM whose
-    gradients are needed (its stash is then cells only) and "stash" otherwise.
+    gradients are needed (its stash is then cells only) and "stash" otherwise; while
+    torch.compile traces, "auto" reaches the op, where ``mirrorgrad.compile``'s planner
+    may choose (``mirror/op_memory.py``), the same default otherwise.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -131,8 +133,9 @@ def rnn(
     tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
     grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
     need_saved = len(grad_inputs) > 0  # bool(list) does not trace in torch 2.11
-    if memory == "auto":
-        memory = "recompute" if mode == "lstm" and need_saved else "stash"
+    if memory == "auto" and not (need_saved and torch.compiler.is_compiling()):
+        # Under compile "auto" reaches the op: mirrorgrad's planner chooses (op_memory).
+        memory = resolve_memory(memory, mode) if need_saved else "stash"
     if lengths is not None:
         lengths = lengths.to(device=x.device, dtype=torch.int64)
 

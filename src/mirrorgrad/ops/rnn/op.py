@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from mirrorgrad.ops.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
 
@@ -69,6 +70,15 @@ def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
     return None if state_clip is None else (state_clip[0], state_clip[1])
 
 
+def resolve_memory(memory: str, mode: str) -> str:
+    """The memory mode an op called with ``memory="auto"`` runs: recompute for an LSTM
+    (cells only: about 3x smaller stash for one extra GEMM), stash otherwise. Under
+    ``mirrorgrad.compile`` the planner rewrites "auto" to its own choice first."""
+    if memory != "auto":
+        return memory
+    return "recompute" if mode == "lstm" else "stash"
+
+
 def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     """How many tensors one layer-direction saves (shapes do not matter here)."""
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
@@ -94,6 +104,7 @@ def rnn_forward(
     need_saved: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     seed_value = int(seed.item())
 
@@ -168,7 +179,7 @@ def differentiable_stack(x, weights, hx, cx, lengths, seed, mode, num_layers, bi
 
 
 @rnn_forward.register_fake
-def _rnn_forward_fake(
+def rnn_forward_fake(
     x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional, has_biases, proj_size,
     dropout, memory, state_clip, impl, need_saved,
 ):  # fmt: skip
@@ -176,7 +187,7 @@ def _rnn_forward_fake(
     num_dirs = 2 if bidirectional else 1
     H = weights[1].shape[0] // GATES[mode]
     Hr = hx.shape[-1]
-    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, x.dtype)
+    layout = _kernels(impl).saved_layout(mode, resolve_memory(memory, mode), T, B, H, x.dtype)
     saved = []
     if need_saved:
         for layer in range(num_layers):
@@ -216,6 +227,7 @@ def rnn_backward(
 
     needs_input_grad: [x, hx, cx, *weights].
     """
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
     n_w = _weights_per_layer(has_biases, proj_size)
@@ -457,5 +469,77 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
                         *args, out_val=None, **kwargs) -> int:  # fmt: skip
     """Data and weight gradients: twice the forward; recompute adds one forward's GEMMs."""
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
-    recomputes = memory == "recompute" and mode in ("lstm", "gru")
+    recomputes = resolve_memory(memory, mode) == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
+
+
+def _stack_shape(x, weights, hx, mode):
+    """(T, B, I, H, Hr, bytes per element) of a stack call."""
+    T, B, n_in = x.shape
+    return T, B, n_in, weights[1].shape[0] // GATES[mode], hx.shape[-1], x.dtype.itemsize
+
+
+def layer_saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
+    """Bytes of one layer-direction's own saved tensors."""
+    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, dtype)
+    return sum(dt.itemsize * torch.Size(shape).numel() for shape, dt in layout)
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_layers,
+                                 bidirectional, has_biases, proj_size, dropout, memory,
+                                 state_clip, impl, need_saved) -> int:  # fmt: skip
+    """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
+    workspace beside its dropped-out input, the previous layer's output and the stash
+    where nothing is saved, a bidirectional layer's reversed input and its directions'
+    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d  # one direction's output
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
+    state = (3 if mode == "lstm" else 2) * B * H * d
+    peak = 0
+    for layer in range(num_layers):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = layer_in if layer > 0 and dropout > 0 else 0
+        if not need_saved:
+            held += D * layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
+            held += layer_in if layer > 0 else 0  # the previous output: not saved
+            held += D * unit if layer < num_layers - 1 else 0  # this one, the same
+        if D == 2:
+            held += layer_in + unit + max(work + unit, 2 * unit)
+        else:
+            held += work
+        peak = max(peak, held + (layer + 1) * D * state)
+    return peak
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed,
+                                  y, saved, mode, num_layers, bidirectional, has_biases,
+                                  proj_size, dropout, memory, state_clip, impl,
+                                  needs_input_grad) -> int:  # fmt: skip
+    """Peak of one layer at a time, from the top: the gradient flowing in and the one
+    flowing out (but the op's own grad_x), the recomputed dropout of the layer input,
+    the layer's workspace, and a bidirectional layer's reversed input, output and output
+    gradient and both directions' input gradients."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
+    peak = 0
+    for layer in reversed(range(num_layers)):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = D * unit if layer < num_layers - 1 else 0  # gradient from above
+        held += layer_in if layer > 0 and dropout > 0 else 0  # recomputed dropout
+        grad_in = layer_in if layer > 0 else 0  # the op's grad_x at layer 0
+        if D == 2:
+            held += 2 * unit + layer_in + grad_in + max(work + layer_in, 2 * layer_in)
+        else:
+            held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
+        peak = max(peak, held)
+    return peak
