@@ -7,14 +7,20 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "mirrorgrad"
 # package -> the mirrorgrad packages/modules it may import (besides itself)
+# Bottom layer, importable from anywhere: _compat, _units (byte formatting), formulas
+# (what custom ops declare to the planner: ops register, graph reads).
+BOTTOM = {"_compat", "_units", "formulas"}
 ALLOWED = {
     "_compat": set(),
+    "_units": set(),
+    "formulas": set(),
     "options": set(),
-    "graph": {"_compat"},
-    "mirror": {"_compat", "options", "graph"},
-    "compiler": {"_compat", "options", "graph", "mirror"},
-    "ops": {"_compat"},
-    "nn": {"_compat", "ops"},
+    "graph": BOTTOM,
+    # op_memory decides our RNN op's memory mode, so the planner knows that op's schema.
+    "mirror": BOTTOM | {"options", "graph", "ops"},
+    "compiler": BOTTOM | {"options", "graph", "mirror"},
+    "ops": BOTTOM,
+    "nn": BOTTOM | {"ops"},
 }
 
 

@@ -119,7 +119,7 @@ class _LinearCrossEntropy(nn.Module):
 def test_custom_op_bytes_come_from_its_declared_formula():
     """The chunked loss op moves its [rows, vocab] logits several times though it reads
     and writes only [rows]-sized tensors: op_cost and StepCost take its bytes formula."""
-    from mirrorgrad.ops import formulas
+    from mirrorgrad import formulas
 
     joint = joint_of(_LinearCrossEntropy(), torch.randn(20, 8), torch.randint(0, 50, (20,)))
     nodes = [n for n in joint.gm.graph.nodes if "linear_cross_entropy" in str(n.target)]

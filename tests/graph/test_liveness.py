@@ -7,10 +7,10 @@ import torch
 from torch import fx
 
 from mirrorgrad import _compat
+from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
-from mirrorgrad.ops.formulas import register_memory_formula
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import LayerNormGeluLinear, joint_of
@@ -118,7 +118,7 @@ def test_backward_schedule_matches_the_autograd_engine_reordering():
     assert [n.name for n in ours] == real
 
 
-# --- custom ops that declare their temporaries (mirrorgrad.ops.formulas) ---------------
+# --- custom ops that declare their temporaries (mirrorgrad.formulas) ---------------
 
 
 @torch.library.custom_op("mirrorgrad_test::scratch_sin", mutates_args=())

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from mirrorgrad.ops import formulas
+from mirrorgrad import formulas
 from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op, reference
 
 from .memory_tracker import PeakTracker

@@ -434,7 +434,7 @@ def _storage_bytes(tensors):
 
 def _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
     """(declared, seen) temporaries of rnn_forward and of rnn_backward, float32."""
-    from mirrorgrad.ops import formulas
+    from mirrorgrad import formulas
 
     from .memory_tracker import PeakTracker
 

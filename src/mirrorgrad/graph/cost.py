@@ -4,7 +4,7 @@ FLOPs come from ``torch.utils.flop_counter``'s formula registry where it has one
 (mm, addmm, bmm, convolution, attention, and any op registered with
 ``register_flop_formula`` such as our RNN ops), else one FLOP per output element.
 Bytes moved are the op's tensor inputs plus outputs, or what the op declares with
-``mirrorgrad.ops.formulas.register_bytes_formula`` (a chunked op that writes and
+``mirrorgrad.formulas.register_bytes_formula`` (a chunked op that writes and
 reads its intermediates); views move nothing.
 
 Under a fusing compiler (Inductor) the bytes are those of its kernels
@@ -25,9 +25,9 @@ from torch.fx import Node
 from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
+from mirrorgrad.formulas import bytes_formula
 from mirrorgrad.graph.fusion import inlined
 from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view, value_nbytes
-from mirrorgrad.ops.formulas import bytes_formula
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -11,7 +11,7 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
 - gradients (backward outputs) stay until the end of the step;
 - views share the storage of their base: a storage is freed when the last value
   aliasing it dies; an op holds its inputs and its outputs at once;
-- a custom op that declares its temporaries (``mirrorgrad.ops.formulas.
+- a custom op that declares its temporaries (``mirrorgrad.formulas.
   register_memory_formula``: workspace, chunk buffers) holds them too while it runs.
 
 The planner simulates thousands of candidate plans on graphs of ~10k nodes, so the
@@ -27,9 +27,9 @@ import torch
 from torch.fx import Node
 
 from mirrorgrad import _compat
+from mirrorgrad.formulas import memory_formula
 from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
-from mirrorgrad.ops.formulas import memory_formula
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

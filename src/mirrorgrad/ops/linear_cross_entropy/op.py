@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from mirrorgrad.ops.formulas import register_bytes_formula, register_memory_formula
+from mirrorgrad.formulas import register_bytes_formula, register_memory_formula
 
 # Auto chunk size: rows whose float32 logits fit in this many bytes.
 CHUNK_BYTES = 64 * 2**20

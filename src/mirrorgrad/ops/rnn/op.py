@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from mirrorgrad.ops.formulas import register_memory_formula
+from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
 
