@@ -671,3 +671,58 @@ def test_packed_sequence_under_fullgraph_compile(enforce_sorted):
         results.append((*outs, *grads))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def tf32_off():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_cells_op_path_on_the_gpu_matches_torch_cells(cell, tf32_off):
+    _, ours, theirs, fixed = cell
+    ref = theirs(64, 128, device="cuda", **fixed)
+    mod = ours(64, 128, device="cuda", impl="op", **fixed)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    results = []
+    for module in (ref, mod):
+        outs = flat_outputs(module(x))
+        loss = sum((o * o * (i + 1)).sum() for i, o in enumerate(outs))
+        results.append((*outs, *torch.autograd.grad(loss, [x, *module.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+DEVICES = [
+    "cpu",  # the Triton kernels under TRITON_INTERPRET=1
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_create_graph_backward_with_fused_dropout_equals_the_plain_backward(mode, device, tf32_off):
+    """The create_graph backward recomputes through the reference stack with the fused
+    kernels' own dropout masks: its first-order gradients equal the fused backward's."""
+    size = 4 if device == "cpu" else 32
+    mod = getattr(mnn, mode)(size, size, num_layers=3, dropout=0.5, impl="triton", device=device)
+    x = torch.randn(3, 2, size, device=device, requires_grad=True)
+    rng = torch.get_rng_state()
+    grads = []
+    for create_graph in (False, True):
+        torch.set_rng_state(rng)  # the same dropout seed for both calls
+        y = mod(x)[0]
+        grads.append(torch.autograd.grad(y.square().sum(), [x, *mod.parameters()],
+                                         create_graph=create_graph))  # fmt: skip
+    for plain, graph in zip(*grads):
+        torch.testing.assert_close(graph, plain, atol=1e-4, rtol=1e-4)
+    assert grads[1][0].requires_grad

@@ -155,7 +155,7 @@ def rnn(
 
     proj = proj_size > 0
     if impl == "auto":
-        if x.device.type != "cuda":
+        if x.device.type != "cuda" or x.shape[1] == 0:  # CPU, or an empty batch
             impl = "reference"
         else:
             # A custom op comes first: it is the pick while torch.compile traces (no timing).
