@@ -166,8 +166,8 @@ def _unpack(input: PackedSequence, hx, is_lstm: bool):
     h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
     if sorted_indices is not None:
         batch = sorted_indices.shape[0]
-    elif h0 is not None:
-        batch = h0.shape[1]
+    elif h0 is not None and torch.compiler.is_compiling():
+        batch = h0.shape[1]  # no .item() inside a graph; eager checks h0 against the data
     else:
         batch = int(batch_sizes[0])
     rows = _packed_rows(batch_sizes, data.shape[0], data.device)
