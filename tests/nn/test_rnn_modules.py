@@ -726,3 +726,36 @@ def test_create_graph_backward_with_fused_dropout_equals_the_plain_backward(mode
     for plain, graph in zip(*grads):
         torch.testing.assert_close(graph, plain, atol=1e-4, rtol=1e-4)
     assert grads[1][0].requires_grad
+
+
+# (id, kind index, input, hx): calls torch.nn rejects; ours must say the same words.
+MESSAGE_CALLS = [
+    ("lstm-4d", 0, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("gru-4d", 1, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("rnn-4d", 2, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("lstm-unbatched-hx-dims", 0, lambda: torch.randn(3, 4),
+     lambda: (torch.zeros(1, 1, 5), torch.zeros(1, 5))),
+    ("lstm-batched-hx-dims", 0, lambda: torch.randn(3, 1, 4),
+     lambda: (torch.zeros(1, 5), torch.zeros(1, 5))),
+    ("gru-batched-hx-dims", 1, lambda: torch.randn(3, 1, 4), lambda: torch.zeros(1, 5)),
+    ("gru-hidden-size", 1, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(1, 3, 5)),
+    ("rnn-hidden-size", 2, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(2, 2, 5)),
+    ("lstm-cell-size", 0, lambda: torch.randn(3, 2, 4),
+     lambda: (torch.zeros(1, 2, 5), torch.zeros(1, 2, 6))),
+    ("input-size", 0, lambda: torch.randn(3, 2, 3), lambda: None),
+    ("input-dtype", 1, lambda: torch.randn(3, 2, 4, dtype=DT), lambda: None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "x", "hx"), [c[1:] for c in MESSAGE_CALLS], ids=[c[0] for c in MESSAGE_CALLS]
+)
+def test_error_messages_start_with_torch_nn_words(kind, x, hx):
+    """Same type, and ours begins with torch.nn's message (it may add the fix after)."""
+    _, ours, theirs, fixed = KINDS[kind]
+    x, hx = x(), hx()
+    with pytest.raises(Exception) as torch_error:
+        theirs(4, 5, **fixed)(x, hx)
+    with pytest.raises(torch_error.type) as our_error:
+        ours(4, 5, **fixed)(x, hx)
+    assert str(our_error.value).startswith(str(torch_error.value))
