@@ -759,3 +759,13 @@ def test_error_messages_start_with_torch_nn_words(kind, x, hx):
     with pytest.raises(torch_error.type) as our_error:
         ours(4, 5, **fixed)(x, hx)
     assert str(our_error.value).startswith(str(torch_error.value))
+
+
+@pytest.mark.parametrize("impl", ["auto", "op"])
+def test_cell_compiles_in_one_graph(impl):
+    cell = mnn.LSTMCell(3, 4, impl=impl, dtype=DT)
+    x = torch.randn(2, 3, dtype=DT)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: cell(x), fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x), cell(x)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
