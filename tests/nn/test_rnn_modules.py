@@ -769,3 +769,23 @@ def test_cell_compiles_in_one_graph(impl):
     compiled = torch.compile(lambda x: cell(x), fullgraph=True, backend="aot_eager")
     for a, b in zip(compiled(x), cell(x)):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_parametrized_weight_norm_matches_torch_nn():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2}, 3, 4)
+    for module in (ref, mod):
+        weight_norm(module, "weight_hh_l1")
+        with torch.no_grad():
+            module.parametrizations.weight_hh_l1.original0.mul_(2)  # the norm g: doubles W
+    assert isinstance(mod, torch.nn.LSTM)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    probes = random_weights(*ref(x))
+    results = []
+    for module in (ref, mod):
+        y, h = module(x)
+        grads = torch.autograd.grad(weighted_loss(y, h, probes), list(module.parameters()))
+        results.append((y, *states(h), *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
