@@ -671,3 +671,121 @@ def test_packed_sequence_under_fullgraph_compile(enforce_sorted):
         results.append((*outs, *grads))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def tf32_off():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_cells_op_path_on_the_gpu_matches_torch_cells(cell, tf32_off):
+    _, ours, theirs, fixed = cell
+    ref = theirs(64, 128, device="cuda", **fixed)
+    mod = ours(64, 128, device="cuda", impl="op", **fixed)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    results = []
+    for module in (ref, mod):
+        outs = flat_outputs(module(x))
+        loss = sum((o * o * (i + 1)).sum() for i, o in enumerate(outs))
+        results.append((*outs, *torch.autograd.grad(loss, [x, *module.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+DEVICES = [
+    "cpu",  # the Triton kernels under TRITON_INTERPRET=1
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_create_graph_backward_with_fused_dropout_equals_the_plain_backward(mode, device, tf32_off):
+    """The create_graph backward recomputes through the reference stack with the fused
+    kernels' own dropout masks: its first-order gradients equal the fused backward's."""
+    size = 4 if device == "cpu" else 32
+    mod = getattr(mnn, mode)(size, size, num_layers=3, dropout=0.5, impl="triton", device=device)
+    x = torch.randn(3, 2, size, device=device, requires_grad=True)
+    rng = torch.get_rng_state()
+    grads = []
+    for create_graph in (False, True):
+        torch.set_rng_state(rng)  # the same dropout seed for both calls
+        y = mod(x)[0]
+        grads.append(torch.autograd.grad(y.square().sum(), [x, *mod.parameters()],
+                                         create_graph=create_graph))  # fmt: skip
+    for plain, graph in zip(*grads):
+        torch.testing.assert_close(graph, plain, atol=1e-4, rtol=1e-4)
+    assert grads[1][0].requires_grad
+
+
+# (id, kind index, input, hx): calls torch.nn rejects; ours must say the same words.
+MESSAGE_CALLS = [
+    ("lstm-4d", 0, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("gru-4d", 1, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("rnn-4d", 2, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("lstm-unbatched-hx-dims", 0, lambda: torch.randn(3, 4),
+     lambda: (torch.zeros(1, 1, 5), torch.zeros(1, 5))),
+    ("lstm-batched-hx-dims", 0, lambda: torch.randn(3, 1, 4),
+     lambda: (torch.zeros(1, 5), torch.zeros(1, 5))),
+    ("gru-batched-hx-dims", 1, lambda: torch.randn(3, 1, 4), lambda: torch.zeros(1, 5)),
+    ("gru-hidden-size", 1, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(1, 3, 5)),
+    ("rnn-hidden-size", 2, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(2, 2, 5)),
+    ("lstm-cell-size", 0, lambda: torch.randn(3, 2, 4),
+     lambda: (torch.zeros(1, 2, 5), torch.zeros(1, 2, 6))),
+    ("input-size", 0, lambda: torch.randn(3, 2, 3), lambda: None),
+    ("input-dtype", 1, lambda: torch.randn(3, 2, 4, dtype=DT), lambda: None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "x", "hx"), [c[1:] for c in MESSAGE_CALLS], ids=[c[0] for c in MESSAGE_CALLS]
+)
+def test_error_messages_start_with_torch_nn_words(kind, x, hx):
+    """Same type, and ours begins with torch.nn's message (it may add the fix after)."""
+    _, ours, theirs, fixed = KINDS[kind]
+    x, hx = x(), hx()
+    with pytest.raises(Exception) as torch_error:
+        theirs(4, 5, **fixed)(x, hx)
+    with pytest.raises(torch_error.type) as our_error:
+        ours(4, 5, **fixed)(x, hx)
+    assert str(our_error.value).startswith(str(torch_error.value))
+
+
+@pytest.mark.parametrize("impl", ["auto", "op"])
+def test_cell_compiles_in_one_graph(impl):
+    cell = mnn.LSTMCell(3, 4, impl=impl, dtype=DT)
+    x = torch.randn(2, 3, dtype=DT)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: cell(x), fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x), cell(x)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_parametrized_weight_norm_matches_torch_nn():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2}, 3, 4)
+    for module in (ref, mod):
+        weight_norm(module, "weight_hh_l1")
+        with torch.no_grad():
+            module.parametrizations.weight_hh_l1.original0.mul_(2)  # the norm g: doubles W
+    assert isinstance(mod, torch.nn.LSTM)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    probes = random_weights(*ref(x))
+    results = []
+    for module in (ref, mod):
+        y, h = module(x)
+        grads = torch.autograd.grad(weighted_loss(y, h, probes), list(module.parameters()))
+        results.append((y, *states(h), *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)

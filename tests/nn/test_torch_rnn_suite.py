@@ -63,6 +63,16 @@ needs_two_gpus = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _tf32_off():
+    """The TF32-off half of the originals' @tf32_on_and_off: GPU results are compared with
+    float32/float64 CPU results at full-precision tolerances."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(params=list(FLAVOURS), ids=list(FLAVOURS))
 def flavour(request) -> str:
     reason = SKIPS.get((request.node.originalname, request.param))

@@ -106,10 +106,11 @@ class _FusedRNN:
     def _time_major(self, input: Tensor, hx, is_lstm: bool):
         """(x [T,B,I], h0, c0, is_batched) from a batched or unbatched tensor input."""
         if input.dim() not in (2, 3):
+            tensor = " tensor" if self.mode.startswith("RNN") else ""  # torch.nn's wording
             raise ValueError(
-                f"{type(self).__name__}: Expected input to be 2D or 3D, got {input.dim()}D "
-                "instead: pass (T, B, input_size), (B, T, input_size) with batch_first, "
-                "or (T, input_size)"
+                f"{type(self).__name__}: Expected input to be 2D or 3D, got {input.dim()}D"
+                f"{tensor} instead: pass (T, B, input_size), (B, T, input_size) with "
+                "batch_first, or (T, input_size)"
             )
         is_batched = input.dim() == 3
         if not is_batched:
@@ -117,14 +118,16 @@ class _FusedRNN:
         self.check_input(input, None)
         x = input.transpose(0, 1) if self.batch_first else input
         h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
-        expected_dim = 3 if is_batched else 2
-        for name, state in (("hx", h0), ("cx", c0)):
-            if state is not None and state.dim() != expected_dim:
-                kind = "batched 3-D" if is_batched else "unbatched 2-D"
-                raise RuntimeError(
-                    f"For {kind} input, {name} should also be {expected_dim}-D but got "
-                    f"{state.dim()}-D tensor"
-                )
+        expected, kind = (3, "batched 3-D") if is_batched else (2, "unbatched 2-D")
+        if is_lstm and hx is not None and (h0.dim(), c0.dim()) != (expected, expected):
+            raise RuntimeError(
+                f"For {kind} input, hx and cx should also be {expected}-D but got "
+                f"({h0.dim()}-D, {c0.dim()}-D) tensors"
+            )
+        if not is_lstm and h0 is not None and h0.dim() != expected:
+            raise RuntimeError(
+                f"For {kind} input, hx should also be {expected}-D but got {h0.dim()}-D tensor"
+            )
         if not is_batched:
             h0 = None if h0 is None else h0.unsqueeze(1)
             c0 = None if c0 is None else c0.unsqueeze(1)
@@ -141,9 +144,11 @@ class _FusedRNN:
             h0 = x.new_zeros(expected_h)
         if self.mode == "LSTM" and c0 is None:
             c0 = x.new_zeros(expected_c)
-        self.check_hidden_size(h0, expected_h, "Expected hidden[0] size {}, got {}")
-        if self.mode == "LSTM":
+        if self.mode == "LSTM":  # torch.nn's messages: hidden[0] / hidden[1] for the LSTM
+            self.check_hidden_size(h0, expected_h, "Expected hidden[0] size {}, got {}")
             self.check_hidden_size(c0, expected_c, "Expected hidden[1] size {}, got {}")
+        else:
+            self.check_hidden_size(h0, expected_h)
         self._check_devices_and_dtypes(x, h0, c0)
         return h0, c0
 
@@ -166,8 +171,8 @@ def _unpack(input: PackedSequence, hx, is_lstm: bool):
     h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
     if sorted_indices is not None:
         batch = sorted_indices.shape[0]
-    elif h0 is not None:
-        batch = h0.shape[1]
+    elif h0 is not None and torch.compiler.is_compiling():
+        batch = h0.shape[1]  # no .item() inside a graph; eager checks h0 against the data
     else:
         batch = int(batch_sizes[0])
     rows = _packed_rows(batch_sizes, data.shape[0], data.device)
