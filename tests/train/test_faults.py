@@ -43,6 +43,14 @@ def the_error(err: str) -> str:
     return lines[0]
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Python ignores SIGINT for good when started with it ignored (`pytest &` in a script)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, make_corpus):
     """A corpus and a 2-step run's checkpoint, shared read-only by the tests here."""
@@ -375,6 +383,8 @@ def _child(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", code, *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as in a terminal, even when pytest itself runs with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
 
 
@@ -436,32 +446,43 @@ def _saved_step(path: Path) -> int:
         return -1  # not written yet
 
 
-_SAVE_FOREVER = """
-import sys, itertools, torch
+_SAVE_TWICE_AND_PAUSE = """
+import sys, time, torch
 from pathlib import Path
 from mirrorgrad.train import checkpoint
-state = {"weights": torch.zeros(2_000_000)}
-for i in itertools.count():
-    state["weights"].fill_(i)
+path, pause_after = Path(sys.argv[1]), sys.argv[2]
+state = {"weights": torch.zeros(100_000)}
+
+def pausing(name, real):
+    def step(*args):
+        real(*args)
+        if state["i"] == 1 and name == pause_after:
+            print("paused", flush=True)
+            time.sleep(60)
+    return step
+
+# "fsync": the new file is written and synced but not renamed; "rename": it is renamed.
+checkpoint.os.fsync = pausing("fsync", checkpoint.os.fsync)
+checkpoint._sync_folder = pausing("rename", checkpoint._sync_folder)
+for i in range(2):
     state["i"] = i
-    checkpoint.save(state, Path(sys.argv[1]))
-    print(i, flush=True)
+    state["weights"].fill_(i)
+    checkpoint.save(state, path)
 """
 
 
-def test_kill_9_during_saves_leaves_the_old_or_the_new_checkpoint(tmp_path):
-    paths = [tmp_path / f"{k}" / "last.pt" for k in range(3)]
-    for path in paths:
-        path.parent.mkdir()
-    children = [_child(_SAVE_FOREVER, str(path)) for path in paths]
-    for child, delay in zip(children, (0.0, 0.013, 0.029)):
-        assert child.stdout.readline() == "0\n", child.stderr.read()
-        time.sleep(delay)
+@pytest.mark.parametrize(("pause_after", "survivor"), [("fsync", 0), ("rename", 1)])
+def test_kill_9_during_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path, pause_after, survivor):
+    path = tmp_path / "last.pt"
+    child = _child(_SAVE_TWICE_AND_PAUSE, str(path), pause_after)
+    try:
+        assert child.stdout.readline() == "paused\n", child.stderr.read()
         child.kill()
-    for child, path in zip(children, paths):
-        out, _ = child.communicate(timeout=30)
-        state = checkpoint.load(path)  # intact: the checksum holds
-        assert bool((state["weights"] == state["i"]).all())
-        assert state["i"] >= len(out.split())  # "0" was printed before the first readline
-        checkpoint.remove_stale_temporaries(path.parent)
-        assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    finally:
+        child.communicate(timeout=30)
+    temporaries = list(tmp_path.glob(".last.pt.*.tmp"))
+    assert len(temporaries) == (1 if pause_after == "fsync" else 0)
+    state = checkpoint.load(path)  # intact: the checksum holds
+    assert state["i"] == survivor and bool((state["weights"] == survivor).all())
+    assert checkpoint.remove_stale_temporaries(tmp_path) == temporaries
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

@@ -36,7 +36,7 @@ class Summary:
 
     def __str__(self) -> str:
         def ppl(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.2f}"
+            return "n/a" if x is None else f"{x:.2f}" if x < 1e6 else f"{x:.3g}"
 
         # NOTE: to become bench's shared byte formatter once it lands on main.
         def mib(x: int | None) -> str:
