@@ -159,6 +159,16 @@ def test_weights_of_another_shape_are_one_line(saved, tmp_path, capsys):
     assert rc == 2 and "odd.pt: its weights do not fit this model" in line, line
 
 
+def test_training_state_of_another_shape_is_one_line(saved, tmp_path, capsys):
+    corpus, good = saved
+    state = checkpoint.load(good)
+    state["position"]["minute"] = 3  # a key this version does not know
+    checkpoint.save(state, tmp_path / "odd.pt")
+    rc, _, err = cli(capsys, corpus, tmp_path / "run", f"--resume={tmp_path / 'odd.pt'}")
+    line = the_error(err)
+    assert rc == 2 and "odd.pt: its training state does not fit this run" in line, line
+
+
 def test_resume_with_another_model_names_it(saved, tmp_path, capsys):
     corpus, good = saved
     rc, _, err = cli(capsys, corpus, tmp_path / "run", f"--resume={good}", "--model=medium")
@@ -255,6 +265,12 @@ def test_unreadable_data_is_one_line(saved, tmp_path, capsys, monkeypatch):
     rc, _, err = cli(capsys, corpus, tmp_path / "run")
     line = the_error(err)
     assert rc == 2 and "--data: cannot read" in line and "Input/output error" in line, line
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_data_that_is_a_device_reads_as_a_file(tmp_path, capsys):
+    rc, _, err = cli(capsys, "/dev/null", tmp_path / "run")
+    assert rc == 2 and "/dev/null is empty" in the_error(err)
 
 
 def test_disk_failure_while_saving_is_one_line(saved, tmp_path, capsys, monkeypatch):

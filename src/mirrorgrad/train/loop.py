@@ -41,6 +41,11 @@ _CHECKPOINT_KEYS = frozenset(
 )
 
 
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 class Diverged(RuntimeError):
     """A step gave a non-finite loss or gradient norm; no checkpoint was written after it."""
 
@@ -168,6 +173,8 @@ class _Run:
     def _check_resumable(self, state: dict[str, Any]) -> None:
         path = self.resume_path
         missing = _CHECKPOINT_KEYS - state.keys()
+        if not missing and not isinstance(state["config"], dict):
+            missing = {"config"}
         if missing:
             names = ", ".join(sorted(missing))
             raise CheckpointError(f"{path}: not a checkpoint of `mirrorgrad train lm` (no {names})")
@@ -348,10 +355,18 @@ class _Run:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            reason = str(e).strip().splitlines()[0]
             raise CheckpointError(
-                f"{self.resume_path}: its weights do not fit this model ({reason})"
+                f"{self.resume_path}: its weights do not fit this model ({_first_line(e)})"
             ) from None
+        try:
+            self._restore_progress(state)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            # Only a file written by something else (its checksum holds) gets here.
+            raise CheckpointError(
+                f"{self.resume_path}: its training state does not fit this run ({_first_line(e)})"
+            ) from None
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = _Position(**state["position"])
         h, c = (
