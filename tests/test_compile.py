@@ -178,7 +178,10 @@ def test_compile_a_function():
         ({"mode": "fast"}, "mode"),
         ({"backend": "tvm"}, "choose one of inductor, eager"),
         ({"mode": "budget"}, "needs budget="),
-        ({"mode": "budget", "budget": -1}, "budget must be > 0"),
+        ({"mode": "budget", "budget": -1}, "finite and > 0"),
+        ({"mode": "budget", "budget": "abc"}, "a fraction of the unmirrored peak"),
+        ({"mode": "budget", "budget": 1.5}, "neither a fraction"),
+        ({"mode": "balance", "budget": 0.5}, "only used by mode='budget'"),
         ({"max_overhead": -0.1}, "max_overhead"),
         ({"backend": "eager", "options": {"max_autotune": True}}, "backend='inductor'"),
     ],
@@ -332,3 +335,42 @@ def test_explain_leaves_dynamo_room_for_the_users_compile():
     step = mirrorgrad.compile(Block(), backend="eager", fullgraph=True)
     step(torch.randn(4, 8)).backward()
     assert len(step._mirrorgrad_plans) == 1
+
+
+def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
+    # Inductor raising on the plan's backward must be caught while compiling (the backward
+    # compiles with the forward), then min-cut takes over: one warning, eager's gradients.
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from mirrorgrad import compiler
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    real_compile_fx = _compat.compile_fx
+
+    def reject_the_plans_backward(gm, inputs, **kwargs):
+        if kwargs.get("is_backward") and isinstance(
+            _compat.inductor_config.custom_partitioner_fn, MirrorPartitioner
+        ):
+            raise RuntimeError("injected: query: last dimension must be contiguous")
+        return compile_fx_inner(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(
+        compiler._compat,
+        "compile_fx",
+        lambda gm, inputs: real_compile_fx(gm, inputs, inner_compile=reject_the_plans_backward),
+    )
+    reference, inputs = build("mlp")
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="balance")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(compiled, inputs)
+        step(compiled, inputs, seed=2)
+    step(reference, inputs)
+    step(reference, inputs, seed=2)
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "Inductor rejected the plan" in message and "last dimension must be" in message
+    assert compiled._mirrorgrad_plans == []
+    assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)

@@ -1,10 +1,12 @@
-"""`mirrorgrad train | bench | explain`: each subcommand lives with its package."""
+"""`mirrorgrad train | bench | explain`, `--version`: each subcommand lives with its package."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from mirrorgrad import __version__
 
 # subcommand -> module that defines add_arguments(parser) and run(args) -> int
 _COMMANDS = {
@@ -16,6 +18,7 @@ _COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mirrorgrad", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mirrorgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in _COMMANDS.items():

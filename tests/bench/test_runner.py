@@ -11,7 +11,7 @@ import torch
 from mirrorgrad.bench import report
 from mirrorgrad.bench.methods import Method, get_method
 from mirrorgrad.bench.runner import FATAL_EXIT, MARKER, RunOptions, measure, probe
-from mirrorgrad.bench.workloads import WORKLOADS
+from mirrorgrad.bench.suites import WORKLOADS
 
 OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
 
@@ -120,7 +120,8 @@ def test_ratios_and_markdown():
     assert "peak_vs_compile" not in methods[3]
     for m in methods[:3]:
         m.update(batch=4, p20_ms=m["median_ms"], p80_ms=m["median_ms"], samples_per_s=1.0)
-    table = report.workload_table("w", {"description": "d", "methods": methods})
+    doc = {"env": {}, "options": {"dtype": "fp32"}}
+    table = report.workload_table("w", {"description": "d", "methods": methods}, doc)
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + len(methods)
     assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
@@ -145,7 +146,7 @@ def test_cuda_error_reports_then_exits_the_worker():
     code = """
 from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.runner import RunOptions, measure
-from mirrorgrad.bench.workloads import WORKLOADS
+from mirrorgrad.bench.suites import WORKLOADS
 
 def wrap(model, blocks, backend):
     def step_fn(*batch):

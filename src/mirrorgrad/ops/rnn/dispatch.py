@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from mirrorgrad import _compat
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
-from mirrorgrad.ops.rnn.op import EagerStack, triton_module
+from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, triton_module
 
 IMPLS = ("auto", "triton", "reference", "cudnn")
 MEMORY = ("auto", *MEMORY_MODES)
@@ -123,6 +123,10 @@ def rnn(
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if state_clip is not None and mode != "lstm":
         raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
+    if x.shape[0] == 0:
+        raise RuntimeError(
+            "Expected sequence length to be larger than 0 in RNN: pass at least one step"
+        )
     p = float(dropout) if training and num_layers > 1 else 0.0
     tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
     grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
@@ -132,14 +136,23 @@ def rnn(
     if lengths is not None:
         lengths = lengths.to(device=x.device, dtype=torch.int64)
 
+    def dropout_seed() -> Tensor:
+        # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
+        if p > 0:
+            return torch.randint(0, 2**62, (), dtype=torch.int64)
+        return torch.zeros((), dtype=torch.int64)
+
+    if not torch.compiler.is_compiling() and _compat.needs_plain_autograd(tensors):
+        # Forward AD or a torch.func transform: the custom op has no rule for them.
+        y, h_n, c_n = differentiable_stack(
+            x, list(weights), hx, cx, lengths, dropout_seed(), mode, num_layers,
+            bidirectional, has_biases, proj_size, p, state_clip, "reference",
+        )  # fmt: skip
+        return y, h_n, c_n if mode == "lstm" else None
+
     def custom(chosen: str) -> Callable[[], tuple]:
         def call():
-            # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
-            seed = (
-                torch.randint(0, 2**62, (), dtype=torch.int64)
-                if p > 0
-                else torch.zeros((), dtype=torch.int64)
-            )
+            seed = dropout_seed()
             config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
                       None if state_clip is None else list(state_clip), chosen)  # fmt: skip
             if need_saved and not torch.compiler.is_compiling():

@@ -11,7 +11,7 @@ one node. Which implementation runs is ``dispatch``'s decision.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -95,21 +95,41 @@ def rnn_forward(
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
     kernels = _kernels(impl)
-    num_dirs = 2 if bidirectional else 1
     seed_value = int(seed.item())
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        return _dropout(kernels, layer_out, dropout, seed_value, layer)
+
+    return _stack(
+        kernels.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, memory, state_clip, need_saved,
+    )  # fmt: skip
+
+
+def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: int, layer: int) -> Tensor:
+    """Dropout between layers (its own backward too); p = 1 gives zeros, as torch.nn."""
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    return kernels.dropout(x, p, seed, layer) if p > 0 else x
+
+
+def _stack(layer_forward: Callable, drop: Callable[[Tensor, int], Tensor], x, weights, hx, cx,
+           lengths, mode, num_layers, bidirectional, has_biases, proj_size, memory, state_clip,
+           need_saved):  # fmt: skip
+    """Layers x directions of ``layer_forward``, ``drop`` between layers: (y, h_n, c_n,
+    saved), saved holding each layer's saved tensors and every layer's output but the last."""
+    num_dirs = 2 if bidirectional else 1
     saved: list[Tensor] = []
     h_n, c_n = [], []
     layer_out = x
     for layer in range(num_layers):
-        layer_in = layer_out
-        if layer > 0 and dropout > 0:
-            layer_in = kernels.dropout(layer_out, dropout, seed_value, layer)
+        layer_in = drop(layer_out, layer) if layer > 0 else layer_out
         outs = []
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
             w = _layer_weights(weights, index, has_biases, proj_size)
             xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
-            y, h, c, layer_saved = kernels.layer_forward(
+            y, h, c, layer_saved = layer_forward(
                 mode, xin.contiguous(), hx[index].contiguous(),
                 None if cx is None else cx[index].contiguous(), *w,
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
@@ -124,6 +144,27 @@ def rnn_forward(
             saved.append(layer_out)
     c_out = torch.stack(c_n) if mode == "lstm" else x.new_empty(0)
     return layer_out, torch.stack(h_n), c_out, saved
+
+
+def differentiable_stack(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                         has_biases, proj_size, dropout, state_clip, impl):  # fmt: skip
+    """The stack in plain PyTorch ops (the reference layers), differentiable at every
+    order and under forward AD and torch.func transforms: (y, h_n, c_n or empty).
+
+    The dropout masks are ``impl``'s own (drawn on a tensor of ones), so a forward that ran
+    ``impl`` and this recomputation agree."""
+    kernels = _kernels(impl)
+    seed_value = int(seed.item())
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        ones = torch.ones(layer_out.shape, dtype=layer_out.dtype, device=layer_out.device)
+        return layer_out * _dropout(kernels, ones, dropout, seed_value, layer)
+
+    y, h_n, c_n, _ = _stack(
+        reference.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, "recompute", state_clip, False,
+    )  # fmt: skip
+    return y, h_n, c_n
 
 
 @rnn_forward.register_fake
@@ -206,8 +247,7 @@ def rnn_backward(
         layer_in = x
         if layer > 0:
             layer_in = layer_outputs[layer - 1]
-            if dropout > 0:
-                layer_in = kernels.dropout(layer_in, dropout, seed_value, layer)
+            layer_in = _dropout(kernels, layer_in, dropout, seed_value, layer)
         grad_in = None
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
@@ -241,8 +281,8 @@ def rnn_backward(
                 # Both are fresh tensors of this loop: sum in place, no third [T,B,I].
                 grad_in = gx if grad_in is None else grad_in.add_(gx)
         grad_out = grad_in
-        if layer > 0 and dropout > 0 and grad_out is not None:
-            grad_out = kernels.dropout(grad_out, dropout, seed_value, layer)
+        if layer > 0 and grad_out is not None:
+            grad_out = _dropout(kernels, grad_out, dropout, seed_value, layer)
 
     def stacked(grads: list[Tensor | None]) -> Tensor:
         return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
@@ -314,6 +354,9 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     cx = extra.pop(0) if ctx.has_cx else None
     lengths = extra.pop(0) if ctx.has_lengths else None
     cfg = ctx.config
+    if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable backward
+        inputs = (x, weights, hx, cx, lengths, seed)
+        return _differentiable_backward(inputs, cfg, (grad_y, grad_hn, grad_cn), needs)
     grad_x, grad_hx, grad_cx, grad_w = torch.ops.mirrorgrad.rnn_backward(
         grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
         cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
@@ -326,6 +369,27 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
         grad_cx if need_cx else None,
         [g if n else None for g, n in zip(grad_w, need_w)],
     )
+
+
+def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool]):
+    """The backward recomputed through ``differentiable_stack`` with a graph of its own, for
+    higher-order gradients: same return as _stack_backward."""
+    x, weights, hx, cx, lengths, seed = inputs
+    wanted = [t for t, n in zip([x, hx, cx, *weights], needs) if n]
+    outputs = differentiable_stack(
+        x, list(weights), hx, cx, lengths, seed, cfg["mode"], cfg["num_layers"],
+        cfg["bidirectional"], cfg["has_biases"], cfg["proj_size"], cfg["dropout"],
+        cfg["state_clip"], cfg["impl"],
+    )  # fmt: skip
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    computed = iter(())
+    if pairs and wanted:
+        computed = iter(torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs],
+            create_graph=True, allow_unused=True,
+        ))  # fmt: skip
+    result = [next(computed, None) if n else None for n in needs]
+    return result[0], result[1], result[2], result[3:]
 
 
 def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):

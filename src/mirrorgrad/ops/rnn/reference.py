@@ -81,6 +81,8 @@ def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
     """Inverted dropout with a mask that (seed, offset) fully determine."""
     if p == 0.0:
         return x
+    if p >= 1.0:  # torch.nn's dropout(p=1): zeros, not 0/0
+        return x * 0.0
     gen = torch.Generator(device=x.device)
     gen.manual_seed((seed * _SEED_MIX + offset) % 2**63)
     keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
