@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from mirrorgrad.cli import main
+from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint, data, loop
-from mirrorgrad.train.config import Mirror, TrainConfig
+from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
 # 12 windows per epoch on the fixture corpus: no epoch ends within these runs.
@@ -444,7 +445,7 @@ def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path
     def config(logdir, **kw):
         return TrainConfig.from_preset(
             "tiny", data=corpus, logdir=logdir, batch_size=8, bptt=10, log_freq=1,
-            mirror=Mirror.parse("off"), max_steps=steps, **kw,
+            mirror=MirrorOptions.from_cli("off"), max_steps=steps, **kw,
         )  # fmt: skip
 
     resumed = train(config(run, resume=run / "checkpoints"))

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+from mirrorgrad.options import MirrorOptions
+from mirrorgrad.train.config import PRESETS, TrainConfig
 
 _EPILOG = """examples:
   mirrorgrad train lm                                     # tiny model, default corpus, CPU
@@ -71,7 +72,8 @@ def _add_model_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--mirror",
         default="balance",
-        help="balance (default), budget:FRACTION (peak at most FRACTION of unmirrored), or off",
+        help="balance (default), off, budget:FRACTION (peak at most FRACTION of the unmirrored "
+        "one, 0 < FRACTION <= 1) or budget:BYTES (budget:2GiB)",
     )
 
 
@@ -117,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.model,
         data=args.data,
         device=args.device,
-        mirror=Mirror.parse(args.mirror),
+        mirror=_mirror_option(args.mirror),
         epochs=args.epochs,
         max_steps=args.max_steps,
         batch_size=args.batch_size,
@@ -135,6 +137,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         log_freq=args.log_freq,
         ckpt_every=args.ckpt_every,
     )
+
+
+def _mirror_option(text: str) -> MirrorOptions:
+    try:
+        return MirrorOptions.from_cli(text)
+    except ValueError as e:
+        raise ValueError(f"--mirror {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
