@@ -327,11 +327,12 @@ def test_stale_temporaries_are_removed_at_start(saved, tmp_path, capsys):
     ckpt_dir.mkdir(parents=True)
     dead = ckpt_dir / f".last.pt.{_dead_pid()}.tmp"
     live = ckpt_dir / f".last.pt.{os.getppid()}.tmp"  # a save in progress elsewhere
-    for path in (dead, live):
+    other = ckpt_dir / f".notes.{_dead_pid()}.tmp"  # not ours
+    for path in (dead, live, other):
         path.write_bytes(b"half a checkpoint")
     rc, _, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=1")
     assert rc == 0, err
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and other.exists()
 
 
 def _dead_pid() -> int:
