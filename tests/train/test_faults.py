@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from mirrorgrad.cli import main
+from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint, data, loop
-from mirrorgrad.train.config import Mirror, TrainConfig
+from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
 # 12 windows per epoch on the fixture corpus: no epoch ends within these runs.
@@ -41,6 +42,14 @@ def the_error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("mirrorgrad train:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """Python ignores SIGINT for good when started with it ignored (`pytest &` in a script)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +160,16 @@ def test_weights_of_another_shape_are_one_line(saved, tmp_path, capsys):
     assert rc == 2 and "odd.pt: its weights do not fit this model" in line, line
 
 
+def test_training_state_of_another_shape_is_one_line(saved, tmp_path, capsys):
+    corpus, good = saved
+    state = checkpoint.load(good)
+    state["position"]["minute"] = 3  # a key this version does not know
+    checkpoint.save(state, tmp_path / "odd.pt")
+    rc, _, err = cli(capsys, corpus, tmp_path / "run", f"--resume={tmp_path / 'odd.pt'}")
+    line = the_error(err)
+    assert rc == 2 and "odd.pt: its training state does not fit this run" in line, line
+
+
 def test_resume_with_another_model_names_it(saved, tmp_path, capsys):
     corpus, good = saved
     rc, _, err = cli(capsys, corpus, tmp_path / "run", f"--resume={good}", "--model=medium")
@@ -249,6 +268,12 @@ def test_unreadable_data_is_one_line(saved, tmp_path, capsys, monkeypatch):
     assert rc == 2 and "--data: cannot read" in line and "Input/output error" in line, line
 
 
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_data_that_is_a_device_reads_as_a_file(tmp_path, capsys):
+    rc, _, err = cli(capsys, "/dev/null", tmp_path / "run")
+    assert rc == 2 and "/dev/null is empty" in the_error(err)
+
+
 def test_disk_failure_while_saving_is_one_line(saved, tmp_path, capsys, monkeypatch):
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs Linux's /proc to tell a checkpoint's file descriptor")
@@ -302,11 +327,12 @@ def test_stale_temporaries_are_removed_at_start(saved, tmp_path, capsys):
     ckpt_dir.mkdir(parents=True)
     dead = ckpt_dir / f".last.pt.{_dead_pid()}.tmp"
     live = ckpt_dir / f".last.pt.{os.getppid()}.tmp"  # a save in progress elsewhere
-    for path in (dead, live):
+    other = ckpt_dir / f".notes.{_dead_pid()}.tmp"  # not ours
+    for path in (dead, live, other):
         path.write_bytes(b"half a checkpoint")
     rc, _, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=1")
     assert rc == 0, err
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and live.exists() and other.exists()
 
 
 def _dead_pid() -> int:
@@ -375,6 +401,8 @@ def _child(code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", code, *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C as in a terminal, even when pytest itself runs with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
 
 
@@ -418,7 +446,7 @@ def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path
     def config(logdir, **kw):
         return TrainConfig.from_preset(
             "tiny", data=corpus, logdir=logdir, batch_size=8, bptt=10, log_freq=1,
-            mirror=Mirror.parse("off"), max_steps=steps, **kw,
+            mirror=MirrorOptions.from_cli("off"), max_steps=steps, **kw,
         )  # fmt: skip
 
     resumed = train(config(run, resume=run / "checkpoints"))
@@ -436,32 +464,43 @@ def _saved_step(path: Path) -> int:
         return -1  # not written yet
 
 
-_SAVE_FOREVER = """
-import sys, itertools, torch
+_SAVE_TWICE_AND_PAUSE = """
+import sys, time, torch
 from pathlib import Path
 from mirrorgrad.train import checkpoint
-state = {"weights": torch.zeros(2_000_000)}
-for i in itertools.count():
-    state["weights"].fill_(i)
+path, pause_after = Path(sys.argv[1]), sys.argv[2]
+state = {"weights": torch.zeros(100_000)}
+
+def pausing(name, real):
+    def step(*args):
+        real(*args)
+        if state["i"] == 1 and name == pause_after:
+            print("paused", flush=True)
+            time.sleep(60)
+    return step
+
+# "fsync": the new file is written and synced but not renamed; "rename": it is renamed.
+checkpoint.os.fsync = pausing("fsync", checkpoint.os.fsync)
+checkpoint._sync_folder = pausing("rename", checkpoint._sync_folder)
+for i in range(2):
     state["i"] = i
-    checkpoint.save(state, Path(sys.argv[1]))
-    print(i, flush=True)
+    state["weights"].fill_(i)
+    checkpoint.save(state, path)
 """
 
 
-def test_kill_9_during_saves_leaves_the_old_or_the_new_checkpoint(tmp_path):
-    paths = [tmp_path / f"{k}" / "last.pt" for k in range(3)]
-    for path in paths:
-        path.parent.mkdir()
-    children = [_child(_SAVE_FOREVER, str(path)) for path in paths]
-    for child, delay in zip(children, (0.0, 0.013, 0.029)):
-        assert child.stdout.readline() == "0\n", child.stderr.read()
-        time.sleep(delay)
+@pytest.mark.parametrize(("pause_after", "survivor"), [("fsync", 0), ("rename", 1)])
+def test_kill_9_during_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path, pause_after, survivor):
+    path = tmp_path / "last.pt"
+    child = _child(_SAVE_TWICE_AND_PAUSE, str(path), pause_after)
+    try:
+        assert child.stdout.readline() == "paused\n", child.stderr.read()
         child.kill()
-    for child, path in zip(children, paths):
-        out, _ = child.communicate(timeout=30)
-        state = checkpoint.load(path)  # intact: the checksum holds
-        assert bool((state["weights"] == state["i"]).all())
-        assert state["i"] >= len(out.split())  # "0" was printed before the first readline
-        checkpoint.remove_stale_temporaries(path.parent)
-        assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    finally:
+        child.communicate(timeout=30)
+    temporaries = list(tmp_path.glob(".last.pt.*.tmp"))
+    assert len(temporaries) == (1 if pause_after == "fsync" else 0)
+    state = checkpoint.load(path)  # intact: the checksum holds
+    assert state["i"] == survivor and bool((state["weights"] == survivor).all())
+    assert checkpoint.remove_stale_temporaries(tmp_path) == temporaries
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

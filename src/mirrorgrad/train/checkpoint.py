@@ -30,7 +30,7 @@ MAGIC = b"mirrorgrad-checkpoint "
 _ZIP_MAGIC = b"PK\x03\x04"  # what a plain torch.save file starts with
 _MAX_HEADER = 4096
 # The temporary name of a save in progress: .last.pt.<pid>.tmp
-_TEMPORARY = re.compile(r"^\..+\.(\d+)\.tmp$")
+_TEMPORARY = re.compile(r"^\..+\.pt\.(\d+)\.tmp$")
 
 
 class CheckpointError(ValueError):

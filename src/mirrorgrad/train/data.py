@@ -39,7 +39,7 @@ def find_splits(path: str | Path) -> SplitPaths:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--data {path}: no such file or folder")
-    if path.is_file():
+    if not path.is_dir():  # a file, or a device or pipe that reads as one
         return SplitPaths(train=path, valid=None, test=None)
     for layout in _LAYOUTS:
         found = {s: path / layout.format(split=s) for s in SPLITS}

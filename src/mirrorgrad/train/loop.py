@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 import mirrorgrad
 from mirrorgrad.callbacks import Callback, TensorBoardLogger
-from mirrorgrad.train import checkpoint, data, distributed, preflight
+from mirrorgrad.train import checkpoint, data, distributed, preflight, step
 from mirrorgrad.train.checkpoint import CheckpointError
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.corpus import default_corpus
@@ -39,6 +39,11 @@ _CHECKPOINT_KEYS = frozenset(
     {"model", "optimizer", "scheduler", "position", "state", "rng", "losses", "vocab"}
     | {"world_size", "config"}
 )
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class Diverged(RuntimeError):
@@ -58,8 +63,9 @@ class _Position:
 class _Clock:
     """Wall-clock time of the run and of the current log window.
 
-    NOTE: wall time around whole steps (Python included) is what training throughput
-    means; bench's device-event timer measures kernels, not this.
+    NOTE: not bench/timing.py: that times repeated calls of one function (CUDA events,
+    quantiles); training throughput is wall time over the whole loop, Python and data
+    included, evaluation excluded. (bench imports train, so train does not import bench.)
     Throughput counts from the end of the first step (that one compiles), evaluation
     time excluded.
     """
@@ -168,6 +174,8 @@ class _Run:
     def _check_resumable(self, state: dict[str, Any]) -> None:
         path = self.resume_path
         missing = _CHECKPOINT_KEYS - state.keys()
+        if not missing and not isinstance(state["config"], dict):
+            missing = {"config"}
         if missing:
             names = ", ".join(sorted(missing))
             raise CheckpointError(f"{path}: not a checkpoint of `mirrorgrad train lm` (no {names})")
@@ -252,11 +260,15 @@ class _Run:
         """The mirror plan of one training step: estimated stash and peak, with and without."""
         mirror = self.config.mirror
         # With --mirror off, "with mirroring" shows what balance mode would give.
-        options = {"mode": "balance"} if mirror.mode == "off" else {"mode": mirror.mode}
-        if mirror.budget is not None:
-            options["budget"] = mirror.budget
+        if mirror.mode == "off":
+            mirror = dataclasses.replace(mirror, mode="balance")
         try:
-            return mirrorgrad.explain(self.model, *self._example_inputs(), **options)
+            return mirrorgrad.explain(
+                self.model,
+                *self._example_inputs(),
+                backend=step.backend_for(self.device),
+                **mirror.as_kwargs(),
+            )
         except Exception as e:  # an estimate for the log must never stop training
             warnings.warn(f"mirrorgrad.explain failed, no plan in the logs: {e}", stacklevel=2)
             return None
@@ -303,10 +315,7 @@ class _Run:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
             )
-        mirror = self.config.mirror
-        backend = "inductor" if self.device.type == "cuda" else "eager"
-        options = {} if mirror.budget is None else {"budget": mirror.budget}
-        return mirrorgrad.compile(model, mode=mirror.mode, backend=backend, **options)
+        return step.compile_for_training(model, self.config.mirror, self.device)
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -326,7 +335,7 @@ class _Run:
             "losses": [r["losses"] for r in per_rank],
             "vocab": self.vocab.tokens,
             "world_size": self.world.world_size,
-            "config": {**self._resume_settings(), "mirror": str(self.config.mirror)},
+            "config": {**self._resume_settings(), "mirror": self.config.mirror.to_cli()},
         }
 
     def _save(self) -> str | None:
@@ -348,10 +357,18 @@ class _Run:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
-            reason = str(e).strip().splitlines()[0]
             raise CheckpointError(
-                f"{self.resume_path}: its weights do not fit this model ({reason})"
+                f"{self.resume_path}: its weights do not fit this model ({_first_line(e)})"
             ) from None
+        try:
+            self._restore_progress(state)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            # Only a file written by something else (its checksum holds) gets here.
+            raise CheckpointError(
+                f"{self.resume_path}: its training state does not fit this run ({_first_line(e)})"
+            ) from None
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = _Position(**state["position"])
         h, c = (
@@ -429,15 +446,9 @@ class _Run:
         return False
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
-        # Carry the state across windows, but not its gradient (truncated BPTT).
-        state = (self.state[0].detach(), self.state[1].detach())
-        loss, (h, c) = self.step_model(x, y, state)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip)
-        self.optimizer.step()
-        self.state = (h.detach(), c.detach())
-        loss = loss.detach()
+        loss, grad_norm, self.state = step.sgd_step(
+            self.step_model, self.model, self.optimizer, x, y, self.state, clip=self.config.clip
+        )
         # Recorded on the device (no sync per step); checked at log steps and saves.
         bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)
         self.first_bad_step.masked_fill_(bad, self.position.step + 1)
@@ -536,7 +547,7 @@ class _Run:
         samples_per_s = steps_per_s * cfg.batch_size  # the global batch
         return Summary(
             model=cfg.model,
-            mirror=str(cfg.mirror),
+            mirror=cfg.mirror.to_cli(),
             device=str(self.device.type),
             world_size=self.world.world_size,
             parameters=sum(p.numel() for p in self.model.parameters()),

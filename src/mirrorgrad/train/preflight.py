@@ -25,7 +25,8 @@ def probe_writable(folder: Path, option: str) -> None:
             os.fsync(f.fileno())
         probe.unlink()
     except OSError as e:
-        reason = e.strerror or type(e).__name__
+        is_file = folder.exists() and not folder.is_dir()
+        reason = "a file has that name" if is_file else e.strerror or type(e).__name__
         raise FolderNotWritable(
             f"{option} {folder}: cannot create or write there ({reason}); "
             f"pass a writable folder with {option}"

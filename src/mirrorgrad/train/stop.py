@@ -39,8 +39,11 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
+        # A signal ignored by whoever started us (`cmd &` in a script ignores SIGINT)
+        # stays ignored, as Unix programs do.
         previous = {s: signal.getsignal(s) for s in _SIGNALS}
-        for s in _SIGNALS:
+        previous = {s: h for s, h in previous.items() if h is not signal.SIG_IGN}
+        for s in previous:
             signal.signal(s, self._handle)
         try:
             yield self

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from mirrorgrad._units import format_bytes as size
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Summary:
@@ -36,11 +38,7 @@ class Summary:
 
     def __str__(self) -> str:
         def ppl(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.2f}"
-
-        # NOTE: to become bench's shared byte formatter once it lands on main.
-        def mib(x: int | None) -> str:
-            return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
+            return "n/a" if x is None else f"{x:.2f}" if x < 1e6 else f"{x:.3g}"
 
         lines = [
             f"{'interrupted' if self.interrupted else 'done'}: {self.model} LSTM LM, "
@@ -51,17 +49,17 @@ class Summary:
             f"valid {ppl(self.valid_perplexity)}  test {ppl(self.test_perplexity)}",
             f"  throughput   {self.samples_per_s:.1f} samples/s ({self.tokens_per_s:.0f} tokens/s, "
             "steps after the first)",
-            f"  peak memory  without mirroring {mib(self.peak_estimated_without)} (plan "
-            f"estimate), with {mib(self.peak_estimated_with)} (plan estimate)",
+            f"  peak memory  without mirroring {size(self.peak_estimated_without)} (plan "
+            f"estimate), with {size(self.peak_estimated_with)} (plan estimate)",
         ]
         if self.peak_step_without is not None:
             lines.append(
-                f"               measured, one step: without {mib(self.peak_step_without)}, "
-                f"with {mib(self.peak_step_with)}"
+                f"               measured, one step: without {size(self.peak_step_without)}, "
+                f"with {size(self.peak_step_with)}"
             )
         if self.peak_measured_bytes is not None:
             lines.append(
-                f"               measured, whole run: {mib(self.peak_measured_bytes)} per GPU"
+                f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU"
             )
         if self.checkpoint:
             lines.append(f"  checkpoint   {self.checkpoint}")
