@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mirrorgrad.bench import report
-from mirrorgrad.bench.methods import Method, get_method
+from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.runner import FATAL_EXIT, MARKER, RunOptions, measure, probe
-from mirrorgrad.bench.suites import WORKLOADS
+from mirrorgrad.bench.suites import WORKLOADS, get_method
 
 OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
 

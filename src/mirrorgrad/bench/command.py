@@ -30,11 +30,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from mirrorgrad.bench import report
-from mirrorgrad.bench.methods import METHODS
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
-from mirrorgrad.bench.suites import SUITES, WORKLOADS, Suite, suite_of
+from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, suite_of
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}

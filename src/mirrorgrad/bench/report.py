@@ -97,6 +97,8 @@ def _columns(methods: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[s
     if any(m.get("est_peak_bytes") for m in methods):
         cols.append(("est. peak MiB", lambda m: _mib(m.get("est_peak_bytes"))))
     for base in reversed(baselines_of(doc)):
+        if not any(m.get(f"time_vs_{base}") for m in methods):
+            continue
         cols.append((f"peak / {base}", lambda m, b=base: _ratio(m.get(f"peak_vs_{b}"))))
         cols.append((f"time / {base}", lambda m, b=base: _ratio(m.get(f"time_vs_{b}"))))
         if any(m.get(f"fastest_vs_{base}") for m in methods):

@@ -187,7 +187,7 @@ def _ours(name: str, quick: bool, batch: int) -> tuple[nn.Module, Sample]:
 # Sizes set on every config that has the key (attribute maps included: gpt2's n_embd,
 # t5's d_model answer to hidden_size). Quick (CPU) sizes, then GPU sizes.
 _HF_SIZES = {
-    "quick": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=128, seq=16),
+    "quick": dict(hidden=32, layers=1, heads=4, ffn=64, vocab=128, seq=16),
     "gpu": dict(hidden=256, layers=2, heads=4, ffn=1024, vocab=4096, seq=128),
 }
 
@@ -247,6 +247,9 @@ def _hf(spec: _Hf, quick: bool, batch: int) -> tuple[nn.Module, Sample]:
     import transformers as tf
 
     config = _hf_config(spec.model_type, quick, **dict(spec.extra))
+    for key in ("decoder_start_token_id", "pad_token_id"):  # seq2seq labels are shifted
+        if spec.task == "seq2seq" and getattr(config, key, None) is None:
+            setattr(config, key, 0)
     s = _HF_SIZES["quick" if quick else "gpu"]
     vocab, seq = s["vocab"], s["seq"]
     if spec.task in ("masked", "causal", "seq2seq"):
