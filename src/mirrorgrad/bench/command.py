@@ -45,6 +45,21 @@ _PRECOMPILE_SHARE = 0.4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _selection_arguments(parser)
+    _measurement_arguments(parser)
+    _batch_search_arguments(parser)
+    _time_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: redraw the markdown and plots of a results.json into --out",
+    )
+
+
+def _selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--suite",
         choices=list(SUITES),
@@ -66,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"default: all that apply to each workload, of {', '.join(METHODS)}",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+
+
+def _batch_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cap-gb", type=float, help="search the largest batch whose step fits in this many GB"
     )
@@ -79,7 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds of --time-limit kept for the batch search (default: a quarter)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+
+
+def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
     )
@@ -91,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="code generation for compiling methods (default inductor; quick: eager)",
     )
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
+
+
+def _time_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit", type=float, help="seconds; methods not started by then are skipped"
     )
@@ -116,13 +139,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first compile every compiling method N processes at a time, so the timed "
         "runs find Inductor's caches warm (their compile times are then warm; the cold "
         "ones, N-way parallel, go to results.json)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        metavar="RESULTS",
-        help="run nothing: redraw the markdown and plots of a results.json into --out",
     )
 
 
