@@ -509,11 +509,12 @@ def _timed_runs(
         with lock:
             left = len(plan) - next(counter)
         now = time.time()
+        # A fair share of the time left, or with --workload-time that much (a sweep of
+        # many models: a slow one must not take the time of the next).
         deadline = _share(now, timed_end, max(1, -(-left // args.jobs)))
         kill_at = timed_end
         if args.workload_time:
-            deadline = min(deadline or math.inf, now + args.workload_time)
-            kill_at = min(kill_at or math.inf, now + args.workload_time)
+            deadline = kill_at = min(timed_end or math.inf, now + args.workload_time)
         settings = _WorkerSettings(
             steps=bench.steps, warmup=bench.warmup, name="run", deadline=deadline,
             kill_at=kill_at, env=bench.worker_env(args.jobs),
