@@ -226,9 +226,12 @@ class _Bench:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         if a.quick:
             cmd.append("--quick")
-        if WORKLOADS[workload].grad_reference is not None:
-            cmd += ["--grads-file", str(self.logs / f"{workload}.reference-grads.pt")]
+        if settings.name == "run" and WORKLOADS[workload].grad_reference is not None:
+            cmd += ["--grads-file", str(self.grads_file(workload))]
         return cmd
+
+    def grads_file(self, workload: str) -> Path:
+        return self.logs / f"{workload}.reference-grads.pt"
 
     def worker_env(self, jobs: int) -> dict[str, str] | None:
         """With several workers at a time, Inductor's compile threads are shared out."""
@@ -256,6 +259,8 @@ class _Bench:
         # The gradient reference runs first: the others compare with its gradients.
         reference = WORKLOADS[workload].grad_reference
         pending = sorted(methods, key=lambda name: name != reference)
+        if reference in methods:  # an earlier run's reference must not stand in for it
+            self.grads_file(workload).unlink(missing_ok=True)
         with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
             while pending:
                 if settings.deadline is not None and time.time() > settings.deadline:
