@@ -90,6 +90,7 @@ def test_hung_methods_time_out_and_the_rest_still_run(tmp_path):
         dtype="fp32",
         device=None,
         no_progress=True,
+        profile=False,
     )
     bench = _Bench(args)
     bench.logs.mkdir()
@@ -114,6 +115,7 @@ def test_time_limit_stops_a_busy_worker(tmp_path):
         dtype="fp32",
         device=None,
         no_progress=True,
+        profile=False,
     )
     bench = _Bench(args)
     bench.logs.mkdir()

@@ -209,3 +209,10 @@ def test_cuda_graph_replays_the_eager_step():
     assert graphed.status == "ok", graphed.error
     # Three warm-up steps run before the capture: the first replayed loss is a later step's.
     assert graphed.first_loss == pytest.approx(eager.first_loss, rel=0.05)
+
+
+def test_profile_writes_a_kernel_table(tmp_path):
+    opts = dataclasses.replace(OPTS, profile_dir=tmp_path)
+    assert measure(WORKLOADS["mlp"], get_method("eager"), opts).status == "ok"
+    text = (tmp_path / "mlp.eager.txt").read_text()
+    assert text.startswith("5 steps of mlp.eager") and "aten::" in text

@@ -111,6 +111,11 @@ def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
         help="code generation for compiling methods (default inductor; quick: eager)",
     )
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile 5 more per method: logs/<workload>.<method>.txt",
+    )
 
 
 def _time_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +233,8 @@ class _Bench:
             cmd.append("--quick")
         if settings.name == "run" and WORKLOADS[workload].grad_reference is not None:
             cmd += ["--grads-file", str(self.grads_file(workload))]
+        if settings.name == "run" and a.profile:
+            cmd += ["--profile-dir", str(self.logs)]
         return cmd
 
     def grads_file(self, workload: str) -> Path:
