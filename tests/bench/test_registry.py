@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mirrorgrad.bench import rnn_kernels, word_lm, zoo
-from mirrorgrad.bench.methods import METHODS, MGNN_BASES, default_methods, get_method
-from mirrorgrad.bench.suites import get_workload
+from mirrorgrad.bench.methods import MGNN_BASES, default_methods
+from mirrorgrad.bench.suites import METHODS, get_method, get_workload
 from mirrorgrad.bench.workloads import WORKLOADS
 
 ALL_WORKLOADS = (

@@ -30,11 +30,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from mirrorgrad.bench import report
-from mirrorgrad.bench.methods import METHODS
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
-from mirrorgrad.bench.suites import SUITES, WORKLOADS, Suite, suite_of
+from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, suite_of
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
@@ -46,6 +45,21 @@ _PRECOMPILE_SHARE = 0.4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _selection_arguments(parser)
+    _measurement_arguments(parser)
+    _batch_search_arguments(parser)
+    _time_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: redraw the markdown and plots of a results.json into --out",
+    )
+
+
+def _selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--suite",
         choices=list(SUITES),
@@ -67,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help=f"default: all that apply to each workload, of {', '.join(METHODS)}",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+
+
+def _batch_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cap-gb", type=float, help="search the largest batch whose step fits in this many GB"
     )
@@ -80,7 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds of --time-limit kept for the batch search (default: a quarter)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+
+
+def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
     )
@@ -92,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="code generation for compiling methods (default inductor; quick: eager)",
     )
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile 5 more per method: logs/<workload>.<method>.txt",
+    )
+
+
+def _time_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit", type=float, help="seconds; methods not started by then are skipped"
     )
@@ -117,13 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first compile every compiling method N processes at a time, so the timed "
         "runs find Inductor's caches warm (their compile times are then warm; the cold "
         "ones, N-way parallel, go to results.json)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        metavar="RESULTS",
-        help="run nothing: redraw the markdown and plots of a results.json into --out",
     )
 
 
@@ -211,9 +231,14 @@ class _Bench:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         if a.quick:
             cmd.append("--quick")
-        if WORKLOADS[workload].grad_reference is not None:
-            cmd += ["--grads-file", str(self.logs / f"{workload}.reference-grads.pt")]
+        if settings.name == "run" and WORKLOADS[workload].grad_reference is not None:
+            cmd += ["--grads-file", str(self.grads_file(workload))]
+        if settings.name == "run" and a.profile:
+            cmd += ["--profile-dir", str(self.logs)]
         return cmd
+
+    def grads_file(self, workload: str) -> Path:
+        return self.logs / f"{workload}.reference-grads.pt"
 
     def worker_env(self, jobs: int) -> dict[str, str] | None:
         """With several workers at a time, Inductor's compile threads are shared out."""
@@ -241,6 +266,8 @@ class _Bench:
         # The gradient reference runs first: the others compare with its gradients.
         reference = WORKLOADS[workload].grad_reference
         pending = sorted(methods, key=lambda name: name != reference)
+        if reference in methods:  # an earlier run's reference must not stand in for it
+            self.grads_file(workload).unlink(missing_ok=True)
         with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
             while pending:
                 if settings.deadline is not None and time.time() > settings.deadline:
@@ -494,11 +521,12 @@ def _timed_runs(
         with lock:
             left = len(plan) - next(counter)
         now = time.time()
+        # A fair share of the time left, or with --workload-time that much (a sweep of
+        # many models: a slow one must not take the time of the next).
         deadline = _share(now, timed_end, max(1, -(-left // args.jobs)))
         kill_at = timed_end
         if args.workload_time:
-            deadline = min(deadline or math.inf, now + args.workload_time)
-            kill_at = min(kill_at or math.inf, now + args.workload_time)
+            deadline = kill_at = min(timed_end or math.inf, now + args.workload_time)
         settings = _WorkerSettings(
             steps=bench.steps, warmup=bench.warmup, name="run", deadline=deadline,
             kill_at=kill_at, env=bench.worker_env(args.jobs),

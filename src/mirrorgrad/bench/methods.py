@@ -162,8 +162,6 @@ MGNN_BASES = ("eager", "compile", "mirror-balance", "mirror-budget-0.3")
 
 
 def _registry() -> dict[str, Method]:
-    from mirrorgrad.bench import rnn_kernels, word_lm
-
     bases = _base_methods()
     methods = {m.name: m for m in bases}
     for m in bases:
@@ -171,19 +169,11 @@ def _registry() -> dict[str, Method]:
         methods[name] = dataclasses.replace(
             m, name=name, description=m.description + ", mirrorgrad.nn RNNs", swap_rnn=True
         )
-    for m in (*rnn_kernels.kernel_methods(), *word_lm.methods()):
-        methods[m.name] = m
     return methods
 
 
-METHODS: dict[str, Method] = _registry()
-
-
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+# The general methods; suites.METHODS adds the rnn-kernels and word-lm suites' own.
+BASE_METHODS: dict[str, Method] = _registry()
 
 
 # The planner suite's methods (the other suites name their own).

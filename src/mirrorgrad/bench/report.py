@@ -97,6 +97,8 @@ def _columns(methods: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[s
     if any(m.get("est_peak_bytes") for m in methods):
         cols.append(("est. peak MiB", lambda m: _mib(m.get("est_peak_bytes"))))
     for base in reversed(baselines_of(doc)):
+        if not any(m.get(f"time_vs_{base}") for m in methods):
+            continue
         cols.append((f"peak / {base}", lambda m, b=base: _ratio(m.get(f"peak_vs_{b}"))))
         cols.append((f"time / {base}", lambda m, b=base: _ratio(m.get(f"time_vs_{b}"))))
         if any(m.get(f"fastest_vs_{base}") for m in methods):
@@ -256,6 +258,25 @@ def _ratio_plot(doc: dict[str, Any], measured: dict[str, list], out_dir: Path, p
     return path
 
 
+def _max_batch_plot(
+    doc: dict[str, Any], searched: dict[str, list], out_dir: Path, plt: Any
+) -> Path:
+    """``max_batch.png``: the largest batch under the cap, per method."""
+    fig, axes = plt.subplots(len(searched), 1, figsize=(8, 3 * len(searched)), squeeze=False)
+    for ax, (name, ms) in zip(axes[:, 0], searched.items()):
+        labels = [m["method"] for m in ms]
+        values = [m["max_batch"]["largest_fit"] for m in ms]
+        ax.bar(labels, values)
+        ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
+        ax.set_ylabel("batch")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    path = out_dir / "max_batch.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
     labelled point per method (``ratios.png`` with more than a dozen workloads);
@@ -304,17 +325,5 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     }
     searched = {name: ms for name, ms in searched.items() if ms}
     if searched:
-        fig, axes = plt.subplots(len(searched), 1, figsize=(8, 3 * len(searched)), squeeze=False)
-        for ax, (name, ms) in zip(axes[:, 0], searched.items()):
-            labels = [m["method"] for m in ms]
-            values = [m["max_batch"]["largest_fit"] for m in ms]
-            ax.bar(labels, values)
-            ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
-            ax.set_ylabel("batch")
-            ax.tick_params(axis="x", rotation=30, labelsize=8)
-        fig.tight_layout()
-        path = out_dir / "max_batch.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_max_batch_plot(doc, searched, out_dir, plt))
     return written

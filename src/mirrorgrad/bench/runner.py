@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from mirrorgrad.bench.gradients import GradCheck
-from mirrorgrad.bench.methods import Backend, Method, StepFn, get_method
-from mirrorgrad.bench.suites import get_workload
+from mirrorgrad.bench.methods import Backend, Method, StepFn
+from mirrorgrad.bench.suites import get_method, get_workload
 from mirrorgrad.bench.timing import synchronize, time_calls
 from mirrorgrad.bench.workloads import Built, Workload
 
@@ -53,6 +53,8 @@ class RunOptions:
     batch: int | None = None
     # Unix time after which methods not yet started are skipped.
     deadline: float | None = None
+    # Where a kernel-time profile of a few steps goes, one file per method (None: none).
+    profile_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -339,6 +341,21 @@ def _timed_steps(
         result.tokens_per_s = result.samples_per_s * workload.tokens_per_sample(opts.quick)
 
 
+def _profile(step: Any, opts: RunOptions, path: Path, steps: int = 5) -> None:
+    """Device (or CPU) time per kernel over ``steps`` steps, as torch.profiler tables it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    sort = "cpu_time_total"
+    if opts.device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort = "cuda_time_total"
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(opts.device)
+    table = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+    path.write_text(f"{steps} steps of {path.stem}\n{table}\n")
+
+
 def measure(
     workload: Workload, method: Method, opts: RunOptions, grads: GradCheck | None = None
 ) -> MethodResult:
@@ -362,6 +379,8 @@ def measure(
 
             _first_steps(step, opts, result, check_gradients)
             _timed_steps(step, workload, built, opts, result)
+            if opts.profile_dir is not None:
+                _profile(step, opts, opts.profile_dir / f"{workload.name}.{method.name}.txt")
             if method.compiles:
                 result.compile_s = max(0.0, result.first_step_s - result.median_ms / 1e3)
         except Exception as e:  # a failing method is a result, not the end of the run
@@ -481,6 +500,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grads-file", type=Path, default=None, help="compare gradients with the reference's"
     )
+    parser.add_argument("--profile-dir", type=Path, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         batch=args.batch,
         deadline=args.deadline,
+        profile_dir=args.profile_dir,
     )
     workload = get_workload(args.workload)
     methods = [get_method(name) for name in args.methods.split(",") if name]

@@ -94,6 +94,12 @@ def zoo_table(doc: dict[str, Any]) -> str:
             reason = next(iter(by.values()))["error"]
             skipped.setdefault(reason, []).append(name)
             continue
+        eager = by.get("eager")
+        if eager is not None and eager["status"] == "failed":
+            # The model did not train even without compiling: a build problem, not a plan's.
+            counts["model failed eagerly"] = counts.get("model failed eagerly", 0) + 1
+            notes.append(f"- {name}: fails eagerly, not counted: {eager['error']}")
+            continue
         cells = [name]
         for method in methods:
             cell = _zoo_cell(by[method]) if method in by else "—"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mirrorgrad.bench import rnn_kernels, word_lm, workloads, zoo
-from mirrorgrad.bench.methods import default_methods
+from mirrorgrad.bench.methods import BASE_METHODS, Method, default_methods
 from mirrorgrad.bench.workloads import Workload
 
 
@@ -62,6 +62,19 @@ SUITES: dict[str, Suite] = {
     )
 }
 WORKLOADS: dict[str, Workload] = {n: w for s in SUITES.values() for n, w in s.workloads.items()}
+
+
+METHODS: dict[str, Method] = {
+    **BASE_METHODS,
+    **{m.name: m for m in (*rnn_kernels.kernel_methods(), *word_lm.methods())},
+}
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
 def suite_of(workload: str) -> Suite:

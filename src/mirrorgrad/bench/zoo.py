@@ -187,18 +187,37 @@ def _ours(name: str, quick: bool, batch: int) -> tuple[nn.Module, Sample]:
 # Sizes set on every config that has the key (attribute maps included: gpt2's n_embd,
 # t5's d_model answer to hidden_size). Quick (CPU) sizes, then GPU sizes.
 _HF_SIZES = {
-    "quick": dict(hidden=32, layers=2, heads=4, ffn=64, vocab=128, seq=16),
+    "quick": dict(hidden=32, layers=1, heads=4, ffn=64, vocab=128, seq=16),
     "gpu": dict(hidden=256, layers=2, heads=4, ffn=1024, vocab=4096, seq=128),
 }
 
 
-def _hf_config(model_type: str, quick: bool, **extra: object) -> object:
+def _hf_config(model_type: str, quick: bool, sized: bool, **extra: object) -> object:
+    """A small config of ``model_type``: widths, depths and heads set by their usual names
+    (unless ``sized`` is False: the model's sizes are lists, given in ``extra``), special
+    token ids inside the small vocabulary, every dropout 0."""
     from transformers import AutoConfig
 
     s = _HF_SIZES["quick" if quick else "gpu"]
     default = AutoConfig.for_model(model_type)
     names = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
     wanted: dict[str, object] = {"vocab_size": s["vocab"], "use_cache": False}
+    if sized:
+        wanted |= _sizes(s)
+    for key, value in default.to_dict().items():
+        if key.endswith("_token_id") and isinstance(value, int) and value >= s["vocab"]:
+            wanted[key] = 0 if "pad" in key else 1  # special tokens inside the small vocabulary
+        if ("dropout" in key or key.endswith("_pdrop") or key == "layerdrop") and isinstance(
+            value, float
+        ):
+            wanted[key] = 0.0
+    kwargs = {k: v for k, v in wanted.items() if k in names} | extra
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _sizes(s: dict[str, int]) -> dict[str, object]:
+    """The small sizes under every name configs give them (gpt2's n_embd, t5's d_ff, ...)."""
+    wanted: dict[str, object] = {}
     for key in ("hidden_size", "d_model", "n_embd", "embed_dim"):
         wanted[key] = s["hidden"]
     for key in ("num_hidden_layers", "num_layers", "encoder_layers", "decoder_layers",
@@ -215,13 +234,7 @@ def _hf_config(model_type: str, quick: bool, **extra: object) -> object:
     for key in ("max_position_embeddings", "n_positions", "max_source_positions",
                 "max_target_positions"):  # fmt: skip
         wanted[key] = max(512, 4 * s["seq"])
-    for key, value in default.to_dict().items():
-        if ("dropout" in key or key.endswith("_pdrop") or key == "layerdrop") and isinstance(
-            value, float
-        ):
-            wanted[key] = 0.0
-    kwargs = {k: v for k, v in wanted.items() if k in names} | extra
-    return AutoConfig.for_model(model_type, **kwargs)
+    return wanted
 
 
 class _HfLoss(nn.Module):
@@ -241,12 +254,16 @@ class _Hf:
     task: str  # "masked" | "causal" | "seq2seq" | "image" | "speech-ctc"
     cpu: bool = False
     extra: tuple[tuple[str, object], ...] = ()
+    sized: bool = True  # False: sizes are lists (convnext, swin), all given in ``extra``
 
 
 def _hf(spec: _Hf, quick: bool, batch: int) -> tuple[nn.Module, Sample]:
     import transformers as tf
 
-    config = _hf_config(spec.model_type, quick, **dict(spec.extra))
+    config = _hf_config(spec.model_type, quick, spec.sized, **dict(spec.extra))
+    for key in ("decoder_start_token_id", "pad_token_id"):  # seq2seq labels are shifted
+        if spec.task == "seq2seq" and getattr(config, key, None) is None:
+            setattr(config, key, 0)
     s = _HF_SIZES["quick" if quick else "gpu"]
     vocab, seq = s["vocab"], s["seq"]
     if spec.task in ("masked", "causal", "seq2seq"):
@@ -270,6 +287,10 @@ def _hf(spec: _Hf, quick: bool, batch: int) -> tuple[nn.Module, Sample]:
 
 
 _VISION = (("image_size", 64), ("num_labels", 10))
+_STAGES = (("depths", [1, 1, 2, 1]), ("hidden_sizes", [32, 64, 128, 256]))
+# 64 px in patches of 4: the last stage is 2x2, so windows of 2.
+_SWIN = (("embed_dim", 32), ("depths", [1, 1, 2, 1]), ("num_heads", [1, 2, 4, 8]),
+         ("window_size", 2))  # fmt: skip
 _HF_MODELS = (
     _Hf(model_type="bert", task="masked", cpu=True),
     _Hf(model_type="roberta", task="masked"),
@@ -305,9 +326,10 @@ _HF_MODELS = (
     _Hf(model_type="marian", task="seq2seq", extra=(("decoder_vocab_size", 4096),)),
     _Hf(model_type="blenderbot", task="seq2seq"),
     _Hf(model_type="vit", task="image", extra=_VISION),
-    _Hf(model_type="deit", task="image", extra=_VISION),
-    _Hf(model_type="convnext", task="image", extra=(("num_labels", 10),)),
-    _Hf(model_type="swin", task="image", extra=(*_VISION, ("embed_dim", 32))),
+    _Hf(model_type="dinov2", task="image", extra=_VISION),
+    _Hf(model_type="beit", task="image", extra=_VISION),
+    _Hf(model_type="convnext", task="image", sized=False, extra=(*_VISION, *_STAGES)),
+    _Hf(model_type="swin", task="image", sized=False, extra=(*_VISION, *_SWIN)),
     _Hf(model_type="wav2vec2", task="speech-ctc", extra=(("vocab_size", 32),)),
 )
 
@@ -511,17 +533,22 @@ def _all() -> list[Workload]:
                   ("transformers",), s.cpu, lambda quick, batch, s=s: _hf(s, quick, batch))
         for s in _HF_MODELS
     ]  # fmt: skip
-    tv = (*_TV_CLASSIFY, *_TV_DETECT, *_TV_SEGMENT, *_TV_VIDEO)
     found += [
         _workload(f"tv-{n}", f"torchvision {n}, no weights", ("torchvision",), False,
-                  lambda quick, batch, n=n: _torchvision(n, batch),
-                  batch=2 if n in _TV_DETECT else 8)
-        for n in tv
+                  lambda quick, batch, n=n: _torchvision(n, batch))
+        for n in (*_TV_CLASSIFY, *_TV_SEGMENT, *_TV_VIDEO)
     ]  # fmt: skip
     found += [
         _workload(f"ta-{n}", f"torchaudio {n}, small", ("torchaudio",), False,
                   lambda quick, batch, n=n: _torchaudio(n, batch))
         for n in _TA_MODELS
+    ]  # fmt: skip
+    # Detectors last: data-dependent shapes break graphs, their compiles are the longest.
+    found += [
+        _workload(f"tv-{n}", f"torchvision {n} (training losses), no weights",
+                  ("torchvision",), False, lambda quick, batch, n=n: _torchvision(n, batch),
+                  batch=2)
+        for n in _TV_DETECT
     ]  # fmt: skip
     return found
 
