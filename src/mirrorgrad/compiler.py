@@ -138,7 +138,8 @@ class MirrorBackend:
                 self.plans.remove(applied_plan)
             with _compat.tracing(context):
                 fallback = _compile_min_cut(gm, example_inputs, settings)
-            _warn_fallback(f"the plan's compiled forward failed on its first call ({_describe(exc)})")
+            cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
+            _warn_fallback(cause)
             return fallback
 
         return FirstCallGuard(
