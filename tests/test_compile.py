@@ -374,3 +374,76 @@ def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
     assert "Inductor rejected the plan" in message and "last dimension must be" in message
     assert compiled._mirrorgrad_plans == []
     assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def _dropout_batchnorm_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.GELU(),
+        torch.nn.Dropout(0.5), torch.nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def test_plan_failing_at_run_time_falls_back_once(monkeypatch):
+    # A planned forward that raises inside its compiled code (issue 18's attention layout)
+    # must not end the run: the call is run again by min-cut's code, with the RNG state
+    # and the BatchNorm statistics it changed before raising undone, so the step equals
+    # torch.compile's own (same dropout masks, statistics updated once).
+    from mirrorgrad import compiler
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    real_compile_fx = _compat.compile_fx
+    planned_calls = []
+
+    def fail_after_running(compiled):
+        def run(*args):
+            planned_calls.append(1)
+            compiled(*args)  # draws dropout, updates BatchNorm statistics
+            raise RuntimeError("injected: query: last dimension must be contiguous")
+
+        return run
+
+    def compile_fx(gm, inputs):
+        compiled = real_compile_fx(gm, inputs)
+        planned = isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
+        return fail_after_running(compiled) if planned else compiled
+
+    monkeypatch.setattr(compiler._compat, "compile_fx", compile_fx)
+    reference = _dropout_batchnorm_net()
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="balance")
+    expected = torch.compile(reference)
+    x = torch.randn(32, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            step(compiled, (x,), seed=seed)
+            step(expected, (x,), seed=seed)
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "failed on its first call" in message and "last dimension must be" in message
+    assert len(planned_calls) == 1  # the second step ran min-cut's code directly
+    assert compiled._mirrorgrad_plans == []
+    assert_same_training_state(model, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_plan_running_fine_keeps_its_code(monkeypatch):
+    # The guard's bookkeeping stops after a first call that succeeds.
+    from mirrorgrad import compiler
+
+    undo_logs = []
+    real_before = compiler._UndoLog.before
+
+    def counting_before(*args, **kwargs):
+        undo_logs.append(1)
+        return real_before(*args, **kwargs)
+
+    monkeypatch.setattr(compiler._UndoLog, "before", counting_before)
+    model = _dropout_batchnorm_net()
+    compiled = mirrorgrad.compile(model, mode="balance")
+    with no_fallback():
+        for seed in (1, 2, 3):
+            step(compiled, (torch.randn(32, 8),), seed=seed)
+    assert len(undo_logs) == 1
+    assert len(compiled._mirrorgrad_plans) == 1

@@ -106,6 +106,32 @@ def without_autograd_cache():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
+# --- Dynamo's tracing context (used by compiler.py's first-call guard) -------------------
+def tracing_context():
+    """The ``torch._guards.TracingContext`` of the compile in progress (None outside one)."""
+    return torch._guards.TracingContext.try_get()
+
+
+def tracing(context):
+    """Context manager: ``context`` is the current tracing context again (a compile
+    after the original one returned sees the same fake mode, shapes and metadata)."""
+    return torch._guards.tracing(context)
+
+
+def mutated_input_indices(context, num_inputs: int) -> list[int] | None:
+    """Positions of the compiled graph's inputs that its forward mutates (BatchNorm's
+    running statistics), from AOTAutograd's metadata; None where that metadata is
+    missing or does not line up with the ``num_inputs`` inputs."""
+    metadata = getattr(context, "fw_metadata", None)
+    if metadata is None or len(metadata.input_info) != num_inputs:
+        return None
+    return [
+        i
+        for i, info in enumerate(metadata.input_info)
+        if info.mutates_data or info.mutates_metadata
+    ]
+
+
 # --- The CUDA allocator's history (used by bench/peak_compare.py) ------------------------
 def record_memory_history(enabled: bool, max_entries: int = 1_000_000) -> None:
     """Start (or stop) recording every CUDA allocation and free with its Python stack."""
@@ -145,12 +171,15 @@ __all__ = [
     "memory_snapshot",
     "min_cut_rematerialization_partition",
     "must_be_in_backward",
+    "mutated_input_indices",
     "op_schema",
     "optimization_hint",
     "raise_getitems",
     "record_memory_history",
     "reordering_to_mimic_autograd_engine",
     "storage_use_count",
+    "tracing",
+    "tracing_context",
     "vf_rnn",
     "without_autograd_cache",
 ]

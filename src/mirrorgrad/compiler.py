@@ -118,25 +118,33 @@ class MirrorBackend:
         # backward compiles now, not at the first backward, so that a plan Inductor
         # rejects is found while PyTorch's partition can still take over.
         patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        context = _compat.tracing_context()
         try:
             with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
                 compiled = _compat.compile_fx(gm, example_inputs)
         except Exception as exc:
             if self.strict or not applied:  # no plan of ours was in it: not ours to fix
                 raise
-            with _compat.inductor_config.patch(settings):
-                compiled = _compat.compile_fx(gm, example_inputs)
-            warnings.warn(
-                f"mirrorgrad: Inductor rejected the plan ({type(exc).__name__}: "
-                f"{_first_line(exc)}); using PyTorch's min-cut partition for this graph "
-                "instead",
-                MirrorgradFallbackWarning,
-                stacklevel=2,
-            )
+            compiled = _compile_min_cut(gm, example_inputs, settings)
+            _warn_fallback(f"Inductor rejected the plan ({_describe(exc)})")
             return compiled
         for applied_plan in applied:
             self._record(applied_plan)
-        return compiled
+        if not applied or self.strict:  # min-cut ran (planning fell back): nothing to guard
+            return compiled
+
+        def fall_back(exc: BaseException) -> Callable[..., Any]:
+            for applied_plan in applied:
+                self.plans.remove(applied_plan)
+            with _compat.tracing(context):
+                fallback = _compile_min_cut(gm, example_inputs, settings)
+            cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
+            _warn_fallback(cause)
+            return fallback
+
+        return FirstCallGuard(
+            compiled, fall_back, _compat.mutated_input_indices(context, len(example_inputs))
+        )
 
     def _aot_eager(self) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
@@ -304,6 +312,112 @@ def explain(
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else "no message"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _warn_fallback(cause: str) -> None:
+    warnings.warn(
+        f"mirrorgrad: {cause}; using PyTorch's min-cut partition for this graph instead",
+        MirrorgradFallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _compile_min_cut(
+    gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
+) -> Callable[..., Any]:
+    with _compat.without_autograd_cache(), _compat.inductor_config.patch(settings):
+        return _compat.compile_fx(gm, example_inputs)
+
+
+class FirstCallGuard:
+    """A planned graph's compiled code, and what to do if its first call fails.
+
+    Compile-time checks cannot see every layout Inductor settles on, so an error can
+    surface only when the generated code runs (issue 18). The first call that raises
+    inside the planned code is run again by ``fall_back(exc)``'s graph (PyTorch's own
+    partition, compiled then), and every later call goes there too.
+
+    Re-running the call is sound because a forward that raised returned nothing and
+    queued no backward, and because its only other effects are undone first: the RNG
+    state (restored, so dropout draws what it would have drawn) and the inputs the
+    graph mutates (BatchNorm statistics: copies taken before the first call). Anything
+    else the compiled forward wrote to (outside its inputs) is assumed not to exist.
+    A failure in the backward, which runs later, is not covered.
+    """
+
+    def __init__(
+        self,
+        planned: Callable[..., Any],
+        fall_back: Callable[[BaseException], Callable[..., Any]],
+        mutated_inputs: Sequence[int] | None,
+    ) -> None:
+        self.planned = planned
+        self.fall_back = fall_back
+        self.mutated_inputs = mutated_inputs  # None: unknown, every non-grad tensor
+        self.verified = False
+        self.fallback: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            return self.fallback(*args)
+        if self.verified:
+            return self.planned(*args)
+        # A list argument (compiled autograd's boxed inputs) is emptied by the call.
+        kept = [list(a) if isinstance(a, list) else a for a in args]
+        undo = _UndoLog.before(args, self.mutated_inputs)
+        try:
+            out = self.planned(*args)
+        except Exception as exc:
+            undo.restore()
+            self.fallback = self.fall_back(exc)
+            return self.fallback(*kept)
+        self.verified = True
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # What else Dynamo and AOTAutograd read off the compiled function (named_parameters,
+        # zero_grad, serialize) is the planned code's.
+        if name == "planned":
+            raise AttributeError(name)
+        return getattr(self.planned, name)
+
+
+@dataclass(slots=True)
+class _UndoLog:
+    """What a first call changes outside its outputs: the RNG states and mutated inputs."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: dict[int, torch.Tensor]
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def before(cls, args: Sequence[Any], mutated: Sequence[int] | None) -> _UndoLog:
+        flat = [x for a in args for x in (a if isinstance(a, list) else [a])]
+        tensors = [(i, a) for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        devices = sorted({a.device.index or 0 for _, a in tensors if a.is_cuda})
+        wanted = set(mutated) if mutated is not None else set()
+        chosen = [
+            a for i, a in tensors if (not a.requires_grad if mutated is None else i in wanted)
+        ]
+        with torch.no_grad():
+            copies = [(a, a.detach().clone()) for a in chosen]
+        return cls(
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng={d: torch.cuda.get_rng_state(d) for d in devices},
+            inputs=copies,
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in self.cuda_rng.items():
+            torch.cuda.set_rng_state(state, device)
+        with torch.no_grad():
+            for tensor, copy in self.inputs:
+                tensor.copy_(copy)
 
 
 def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:
