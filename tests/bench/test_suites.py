@@ -1,6 +1,7 @@
 """The rnn-kernels and word-lm suites on the CPU: their methods run and agree where they must."""
 
 import pytest
+import torch
 
 from mirrorgrad.bench import rnn_kernels, word_lm
 from mirrorgrad.bench.gradients import GradCheck
@@ -47,3 +48,19 @@ def test_word_lm_runs_the_example_and_the_train_step():
     example = measure(workload, get_method("pytorch-example"), OPTS)
     train = measure(workload, get_method("train-lm-off"), OPTS)
     assert example.first_loss == pytest.approx(train.first_loss, rel=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_rnn_suite_on_the_gpu_module_graphs_and_kernels_agree(mode, tmp_path):
+    import dataclasses
+
+    opts = dataclasses.replace(OPTS, device="cuda", steps=3)
+    workload = rnn_kernels.WORKLOADS[f"rnn-{mode}-{rnn_kernels.CONFIGS[0].name}"]
+    grads = GradCheck("eager", tmp_path / "grads.pt", "fp32")
+    for name in ("eager", "cuda-graph", "eager+mgnn", "cuda-graph+mgnn", "kernel-auto"):
+        result = measure(workload, get_method(name), opts, grads)
+        assert result.status == "ok", (name, result.error)
+        if name != "eager":
+            assert result.grads_ok, (name, result.grad_error)
