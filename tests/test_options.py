@@ -7,7 +7,6 @@ import math
 import pytest
 
 import mirrorgrad
-from mirrorgrad import compiler
 from mirrorgrad.options import MirrorOptions, parse_budget
 
 
@@ -88,8 +87,3 @@ def test_options_are_frozen_and_exported():
     assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.05}
 
 
-def test_parse_mode_delegates_to_the_options():
-    assert compiler.parse_mode("budget:2GiB") == {"mode": "budget", "budget": 2 * 2**30}
-    assert compiler.parse_mode("off") == {"mode": "off"}
-    with pytest.raises(ValueError, match="budget:FRACTION"):
-        compiler.parse_mode("budget:1.5")

@@ -215,14 +215,6 @@ def registered_backend(
     )
 
 
-def parse_mode(text: str) -> dict[str, Any]:
-    """Deprecated: ``MirrorOptions.from_cli(text)`` as the ``mode=``/``budget=`` keywords.
-
-    Kept until train/ and bench/ call ``MirrorOptions.from_cli``."""
-    options = MirrorOptions.from_cli(text)
-    return {"mode": options.mode} | ({} if options.budget is None else {"budget": options.budget})
-
-
 def compile(
     model_or_fn: nn.Module | Callable[..., Any],
     *,

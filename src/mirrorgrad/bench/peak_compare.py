@@ -219,7 +219,7 @@ def _match(measured: list[dict], estimated: list[dict]) -> tuple[list[dict], lis
 def compare(workload_name: str, plan_text: str, args: argparse.Namespace) -> dict[str, Any]:
     """Plan (and, on CUDA, measure) one workload under one plan."""
     import mirrorgrad
-    from mirrorgrad.compiler import parse_mode
+    from mirrorgrad.bench.explain import parse_mode
 
     options = parse_mode(plan_text)
     device = args.device or default_device(args.quick)

@@ -16,7 +16,6 @@ BPTT 35, lr 20.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 from torch import Tensor, nn
@@ -92,31 +91,26 @@ def _to_train_model(example: nn.Module) -> nn.Module:
 
 
 def _train_lm_step(mirror: str):
-    """The step `mirrorgrad train lm --mirror MIRROR` runs, from the train package.
-
-    NOTE: train/ has no public step yet, so its run's own ``_wrap`` (compile options)
-    and ``_step`` (state carry, zero_grad, backward, clip, SGD) are called on a stand-in
-    for the run; replace with the public functions once helper "train" exposes them.
-    """
+    """The step `mirrorgrad train lm --mirror MIRROR` runs: the train package's own
+    compile (``train.step.compile_for_training``) and SGD step (``train.step.sgd_step``)."""
 
     def make_step(model: nn.Module, batch: tuple[Tensor, ...], backend: Backend):
-        from mirrorgrad.train import loop
-        from mirrorgrad.train.config import Mirror, TrainConfig
+        from mirrorgrad.options import MirrorOptions
+        from mirrorgrad.train import step
 
         tokens, targets = batch
         device = tokens.device
-        run = SimpleNamespace(
-            config=TrainConfig(mirror=Mirror.parse(mirror), lr=LR, clip=CLIP),
-            world=SimpleNamespace(distributed=False, world_size=1, rank=0),
-            device=device,
-            model=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-            first_bad_step=torch.zeros((), dtype=torch.long, device=device),
-            position=SimpleNamespace(step=0),
-        )
-        run.step_model = loop._Run._wrap(run, model)
-        run.state = model.initial_state(tokens.shape[1], device)
-        return lambda: loop._Run._step(run, tokens, targets)
+        step_model = step.compile_for_training(model, MirrorOptions.from_cli(mirror), device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        state = [model.initial_state(tokens.shape[1], device)]
+
+        def one_step():
+            loss, _, state[0] = step.sgd_step(
+                step_model, model, optimizer, tokens, targets, state[0], clip=CLIP
+            )
+            return loss
+
+        return one_step
 
     return make_step
 
