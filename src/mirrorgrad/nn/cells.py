@@ -52,13 +52,15 @@ class _FusedCell:
         key = ("cell", self._op_mode, input.device, input.dtype, *input.shape,
                self.hidden_size, self.bias, len(grad_inputs) > 0)  # fmt: skip
 
+        def h_of(out):  # (y, h_n, c_n) as _timed_step reads them: h is both
+            h = out[0] if self._n_states == 2 else out
+            return h, h, None
+
         def torch_call():
-            out = super(_FusedCell, self).forward(input, hx)
-            return (out[0] if self._n_states == 2 else out), out, None
+            return h_of(super(_FusedCell, self).forward(input, hx))
 
         def op_call():
-            out = self._op_step(input, hx)
-            return (out[0] if self._n_states == 2 else out), out, None
+            return h_of(self._op_step(input, hx))
 
         # torch.nn's cell first: the pick while torch.compile traces (Inductor fuses it).
         candidates = {"torch": _timed_step(torch_call, grad_inputs)}

@@ -164,7 +164,8 @@ def rnn(
             # A custom op comes first: it is the pick while torch.compile traces (no timing).
             fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
             candidates = {fused: _timed_step(custom(fused), grad_inputs)}
-            if state_clip is None:
+            # cuDNN has no state clip, and no backward outside training mode (it raises).
+            if state_clip is None and (training or not grad_inputs):
                 candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
             key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
                    num_layers, bidirectional, lengths is not None, memory, p > 0,
