@@ -180,3 +180,51 @@ def test_needs_plain_autograd_sees_functorch_transforms_and_dual_tensors():
     with fwad.dual_level():
         assert not _compat.needs_plain_autograd([x])
         assert _compat.needs_plain_autograd([x, fwad.make_dual(x, torch.ones(3))])
+
+
+def test_keep_output_strides_marks_outputs_as_inductor_reads_them():
+    import torch
+    import torch.fx
+    from torch._inductor.graph import get_user_visible_output_strides
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))
+    z = graph.call_function(torch.ops.aten.neg.default, (x,))
+    output = graph.output((y, z))
+    assert _compat.keep_output_strides(graph, [1]) == []  # strides not recorded: nothing
+    output.meta["original_output_strides"] = [(4, 1), (1, 2)]
+    output.meta["user_visible_output_idxs"] = [0]
+    assert _compat.keep_output_strides(graph, [1]) == [1]
+    assert get_user_visible_output_strides(graph) == {y: (4, 1), z: (1, 2)}
+
+
+def test_post_grad_pass_config_takes_a_custom_graph_pass():
+    assert hasattr(_compat.inductor_config, _compat.INDUCTOR_POST_GRAD_PASS_CONFIG)
+    abstract = _compat.CustomGraphPass.__abstractmethods__
+    assert abstract == {"__call__", "uuid"}, f"torch changed CustomGraphPass: {abstract}"
+
+
+def test_tracing_context_gives_the_mutated_inputs():
+    import torch
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        compiled = _compat.aot_autograd(fw_compiler=_compat.boxed_nop)(gm, example_inputs)
+        context = _compat.tracing_context()
+        with _compat.tracing(context):
+            assert _compat.tracing_context() is context
+        seen["mutated"] = _compat.mutated_input_indices(context, len(example_inputs))
+        seen["mismatch"] = _compat.mutated_input_indices(context, len(example_inputs) + 1)
+        seen["shapes"] = [tuple(t.shape) for t in example_inputs]
+        return compiled
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    torch.compile(model, backend=backend)(torch.randn(4, 3)).sum().backward()
+    torch._dynamo.reset()
+    assert _compat.tracing_context() is None
+    assert seen["mismatch"] is None
+    # BatchNorm's running mean, running variance and batch count, nothing else.
+    assert sorted(seen["shapes"][i] for i in seen["mutated"]) == [(), (5,), (5,)]
