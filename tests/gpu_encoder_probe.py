@@ -87,7 +87,8 @@ def run(name: str, reference, inputs, eager_model) -> dict:
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, fallback)]
     if fallbacks:
         row["status"] = "fallback: " + "; ".join(f[:200] for f in fallbacks)
-    row["plans"] = len(getattr(step_fn, "_mirrorgrad_plans", [])) if make else None
+    plans = getattr(step_fn, "_mirrorgrad_plans", None)
+    row["plans"] = None if plans is None else len(plans)
     if eager_model is not None:
         for p, g in zip(model.parameters(), first_grads):
             p.grad = g.to(p.device)
@@ -128,7 +129,7 @@ def main() -> None:
             r[f"peak_vs_{base}"] = round(r["peak"] / peaks[base], 3) if ok else None
     floor = [p for p in (peaks["eager"], peaks["torch.compile"]) if p]
     balance = peaks.get("balance")
-    item4 = bool(balance and floor and balance <= min(floor))
+    item4 = balance <= min(floor) if balance and floor else None  # None: not measured
     result = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,

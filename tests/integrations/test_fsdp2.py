@@ -30,21 +30,23 @@ def _torchrun(out: Path, *extra: str, timeout: int) -> dict:
     return json.loads((out / "fsdp2.json").read_text())
 
 
-def _check(result: dict, blocks: int, tolerance: float) -> None:
+def _check(result: dict, tolerance: float, recomputes: bool = False) -> None:
     assert [r["rank"] for r in result["rows"]] == [0, 1]
     for row in result["rows"]:
         assert row["fallbacks"] == []
-        assert row["plans"] == blocks  # one plan per compiled block, on every rank
+        assert row["plans"] >= 1  # one backend for all blocks: a plan per distinct graph
         assert row["grad_error"] <= tolerance, row
+        assert row["recomputed"] > 0 or not recomputes, row
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 def test_fsdp2_on_cpu_same_gradients(tmp_path):
-    _check(_torchrun(tmp_path, "--cpu", timeout=300), blocks=2, tolerance=1e-5)
+    # Budget 0.5, so that the plan recomputes something at these tiny sizes.
+    result = _torchrun(tmp_path, "--cpu", "--mode", "budget", "--budget", "0.5", timeout=300)
+    _check(result, tolerance=1e-5, recomputes=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_on_two_gpus_same_gradients(tmp_path):
-    result = _torchrun(tmp_path, timeout=600)
-    _check(result, blocks=result["sizes"]["blocks"], tolerance=1e-3)
+    _check(_torchrun(tmp_path, timeout=600), tolerance=1e-3)
