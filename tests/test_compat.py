@@ -192,8 +192,10 @@ def test_keep_output_strides_marks_outputs_as_inductor_reads_them():
     y = graph.call_function(torch.ops.aten.relu.default, (x,))
     z = graph.call_function(torch.ops.aten.neg.default, (x,))
     output = graph.output((y, z))
-    assert _compat.keep_output_strides(graph, [1]) == []  # strides not recorded: nothing
-    output.meta["original_output_strides"] = [(4, 1), (1, 2)]
+    y.meta["val"], z.meta["val"] = torch.empty(2, 4), torch.empty(4, 2).t()
+    assert _compat.keep_output_strides(graph, [1]) == [1]  # strides recorded from meta
+    assert get_user_visible_output_strides(graph) == {z: (1, 2)}
+    output.meta["original_output_strides"] = [(4, 1), (1, 2)]  # as Inductor records them
     output.meta["user_visible_output_idxs"] = [0]
     assert _compat.keep_output_strides(graph, [1]) == [1]
     assert get_user_visible_output_strides(graph) == {y: (4, 1), z: (1, 2)}

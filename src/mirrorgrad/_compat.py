@@ -43,11 +43,14 @@ def keep_output_strides(graph: torch.fx.Graph, indices: list[int]) -> list[int]:
     user's outputs (``user_visible_output_idxs``; other outputs it lays out freely:
     channels-last where a convolution is near, padded). For a post-grad pass: the list
     is set before those run and read when lowering starts. Returns the indices pinned
-    (none where the traced strides were not recorded)."""
+    (tensor outputs only)."""
     output = graph.find_nodes(op="output")[0]
-    recorded = output.meta.get("original_output_strides")
-    if recorded is None:
-        return []
+    values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in output.args[0]]
+    if "original_output_strides" not in output.meta:  # recorded later, the same way
+        output.meta["original_output_strides"] = [
+            v.stride() if isinstance(v, torch.Tensor) else None for v in values
+        ]
+    recorded = output.meta["original_output_strides"]
     pinned = [i for i in indices if i < len(recorded) and recorded[i] is not None]
     visible = output.meta.get("user_visible_output_idxs", [])
     output.meta["user_visible_output_idxs"] = sorted({*visible, *pinned})

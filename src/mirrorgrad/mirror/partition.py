@@ -267,7 +267,7 @@ class PinViewedOutputStrides(_compat.CustomGraphPass):
         keys = [p.uuid() if hasattr(p, "uuid") else None for p in earlier]
         if any(k is None for k in keys):
             return None
-        return _compat.get_hash_for_files((__file__,), repr(keys))
+        return _compat.get_hash_for_files((__file__, _compat.__file__), repr(keys))
 
     def __reduce__(self) -> tuple[type[PartitionerKey], tuple[bytes | None]]:
         return PartitionerKey, (self.uuid(),)
