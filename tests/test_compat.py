@@ -191,3 +191,53 @@ def test_storage_use_count_sees_views_and_their_release():
     assert _compat.storage_use_count(t) == alone + 1
     del view
     assert _compat.storage_use_count(t) == alone
+
+
+def test_keep_output_strides_marks_outputs_as_inductor_reads_them():
+    import torch
+    import torch.fx
+    from torch._inductor.graph import get_user_visible_output_strides
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))
+    z = graph.call_function(torch.ops.aten.neg.default, (x,))
+    output = graph.output((y, z))
+    y.meta["val"], z.meta["val"] = torch.empty(2, 4), torch.empty(4, 2).t()
+    assert _compat.keep_output_strides(graph, [1]) == [1]  # strides recorded from meta
+    assert get_user_visible_output_strides(graph) == {z: (1, 2)}
+    output.meta["original_output_strides"] = [(4, 1), (1, 2)]  # as Inductor records them
+    output.meta["user_visible_output_idxs"] = [0]
+    assert _compat.keep_output_strides(graph, [1]) == [1]
+    assert get_user_visible_output_strides(graph) == {y: (4, 1), z: (1, 2)}
+
+
+def test_post_grad_pass_config_takes_a_custom_graph_pass():
+    assert hasattr(_compat.inductor_config, _compat.INDUCTOR_POST_GRAD_PASS_CONFIG)
+    abstract = _compat.CustomGraphPass.__abstractmethods__
+    assert abstract == {"__call__", "uuid"}, f"torch changed CustomGraphPass: {abstract}"
+
+
+def test_tracing_context_gives_the_mutated_inputs():
+    import torch
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        compiled = _compat.aot_autograd(fw_compiler=_compat.boxed_nop)(gm, example_inputs)
+        context = _compat.tracing_context()
+        with _compat.tracing(context):
+            assert _compat.tracing_context() is context
+        seen["mutated"] = _compat.mutated_input_indices(context, len(example_inputs))
+        seen["mismatch"] = _compat.mutated_input_indices(context, len(example_inputs) + 1)
+        seen["shapes"] = [tuple(t.shape) for t in example_inputs]
+        return compiled
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    torch.compile(model, backend=backend)(torch.randn(4, 3)).sum().backward()
+    torch._dynamo.reset()
+    assert _compat.tracing_context() is None
+    assert seen["mismatch"] is None
+    # BatchNorm's running mean, running variance and batch count, nothing else.
+    assert sorted(seen["shapes"][i] for i in seen["mutated"]) == [(), (5,), (5,)]

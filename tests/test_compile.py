@@ -447,3 +447,26 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
             step(compiled, (torch.randn(32, 8),), seed=seed)
     assert len(undo_logs) == 1
     assert len(compiled._mirrorgrad_plans) == 1
+
+
+def test_a_post_grad_pass_of_the_user_still_runs():
+    # The planner installs its own post-grad pass (saved values read through views keep
+    # their strides); one the user configured runs before it, on every graph.
+    from mirrorgrad import _compat
+
+    graphs = []
+
+    class Recorder(_compat.CustomGraphPass):
+        def __call__(self, graph):
+            graphs.append(len(graph.nodes))
+
+        def uuid(self):
+            return b"recorder"
+
+    _, inputs = build("mlp")
+    model = build("mlp")[0]
+    compiled = mirrorgrad.compile(model, options={"post_grad_custom_post_pass": Recorder()})
+    with no_fallback():
+        step(compiled, inputs)
+    assert len(graphs) == 2  # forward and backward
+    assert len(compiled._mirrorgrad_plans) == 1

@@ -86,6 +86,39 @@ def _check(device: str, E: int, H: int, T: int, B: int, L: int) -> None:
     print(f"plans={len(compiled._mirrorgrad_plans)} fallbacks={fallbacks}")
 
 
+def test_saved_values_read_through_views_keep_their_traced_strides(monkeypatch):
+    # Issue 18's root: with a convolution in the graph Inductor lays out saved 4-D
+    # outputs channels-last, so the attention inputs the forward takes as views of the
+    # saved qkv buffer got a head dim strided by T (the GPU kernel refuses that). On the
+    # CPU the layout choice is the same; the attention lowering copies there instead.
+    from mirrorgrad.mirror import partition
+
+    marked = []
+    real_mark = partition._mark_view_read_outputs
+
+    def spy(fw_gm):
+        real_mark(fw_gm)
+        output = fw_gm.graph.find_nodes(op="output")[0]
+        indices = output.meta[partition.VIEW_READ_OUTPUTS]
+        marked.extend(output.args[0][i].meta["val"] for i in indices)
+
+    monkeypatch.setattr(partition, "_mark_view_read_outputs", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    E, H, T, B = 16, 4, 12, 2
+    compiled = mirrorgrad.compile(encoder(E, H, 1, p=0.0), mode="balance")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(torch.randn(B, T, E), torch.zeros(B, T, dtype=torch.bool))
+    out.sum().backward()
+    traced = {tuple(v.shape): v.stride() for v in marked if v.dim() == 4}
+    assert (3, T, B, E) in traced  # the qkv buffer the attention inputs are views of
+    checked = [t for t in saved if tuple(t.shape) in traced]
+    assert checked
+    for t in checked:
+        assert t.stride() == traced[tuple(t.shape)], tuple(t.shape)
+
+
 @pytest.mark.slow
 def test_encoder_trains_under_balance_on_cpu():
     _check("cpu", E=16, H=4, T=12, B=2, L=1)

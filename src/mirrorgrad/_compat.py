@@ -27,12 +27,34 @@ from torch._functorch.partitioners import (  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 from torch._inductor.compile_fx import compile_fx  # noqa: E402
 from torch._inductor.custom_graph_pass import (  # noqa: E402
+    CustomGraphPass,
     CustomPartitionerFn,
     get_hash_for_files,
 )
 
 # The Inductor config entry that takes a CustomPartitionerFn in place of min-cut.
 INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
+# The Inductor config entry for a CustomGraphPass run last on every post-grad graph.
+INDUCTOR_POST_GRAD_PASS_CONFIG = "post_grad_custom_post_pass"
+
+
+def keep_output_strides(graph: torch.fx.Graph, indices: list[int]) -> list[int]:
+    """Make Inductor give the outputs at ``indices`` their traced strides, as it does the
+    user's outputs (``user_visible_output_idxs``; other outputs it lays out freely:
+    channels-last where a convolution is near, padded). For a post-grad pass: the list
+    is set before those run and read when lowering starts. Returns the indices pinned
+    (tensor outputs only)."""
+    output = graph.find_nodes(op="output")[0]
+    values = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in output.args[0]]
+    if "original_output_strides" not in output.meta:  # recorded later, the same way
+        output.meta["original_output_strides"] = [
+            v.stride() if isinstance(v, torch.Tensor) else None for v in values
+        ]
+    recorded = output.meta["original_output_strides"]
+    pinned = [i for i in indices if i < len(recorded) and recorded[i] is not None]
+    visible = output.meta.get("user_visible_output_idxs", [])
+    output.meta["user_visible_output_idxs"] = sorted({*visible, *pinned})
+    return pinned
 # torch.compile(mode="max-autotune", ...) -> the Inductor settings that mode stands for.
 inductor_mode_options = torch._inductor.list_mode_options
 
@@ -147,7 +169,9 @@ def memory_snapshot() -> dict:
 
 __all__ = [
     "INDUCTOR_PARTITIONER_CONFIG",
+    "INDUCTOR_POST_GRAD_PASS_CONFIG",
     "TORCH_VERSION",
+    "CustomGraphPass",
     "CustomPartitionerFn",
     "OpOverload",
     "OpOverloadPacket",
@@ -168,6 +192,7 @@ __all__ = [
     "inductor_setting_names",
     "is_primal",
     "is_tangent",
+    "keep_output_strides",
     "memory_snapshot",
     "min_cut_rematerialization_partition",
     "must_be_in_backward",

@@ -27,6 +27,7 @@ from mirrorgrad.mirror.budget_search import Plan, PlanOptions
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
+    PinViewedOutputStrides,
     PlanCallback,
     partition,
 )
@@ -117,7 +118,17 @@ class MirrorBackend:
         # Patched for this compilation only: other torch.compile calls keep min-cut. The
         # backward compiles now, not at the first backward, so that a plan Inductor
         # rejects is found while PyTorch's partition can still take over.
-        patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        pin = PinViewedOutputStrides(
+            settings.get(
+                _compat.INDUCTOR_POST_GRAD_PASS_CONFIG,
+                getattr(_compat.inductor_config, _compat.INDUCTOR_POST_GRAD_PASS_CONFIG),
+            )
+        )
+        patch = {
+            **settings,
+            _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner,
+            _compat.INDUCTOR_POST_GRAD_PASS_CONFIG: pin,
+        }
         context = _compat.tracing_context()
         try:
             with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():

@@ -41,6 +41,10 @@ _PLANNER_SOURCES = tuple(
 )
 
 
+# Output-node meta key: indices of the forward's outputs that it also reads through views.
+VIEW_READ_OUTPUTS = "mirrorgrad_view_read_outputs"
+
+
 class MirrorgradFallbackWarning(UserWarning):
     """The planner failed on a graph; PyTorch's own partition was used for it."""
 
@@ -125,7 +129,29 @@ def _split(
     # Recomputed values are placed just before their first backward reader (as the
     # autograd engine would run them), not all at the start of the backward.
     bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
-    return _compat.raise_getitems(fw_gm), _compat.raise_getitems(bw_gm)
+    fw_gm = _compat.raise_getitems(fw_gm)
+    _mark_view_read_outputs(fw_gm)
+    return fw_gm, _compat.raise_getitems(bw_gm)
+
+
+def _mark_view_read_outputs(fw_gm: GraphModule) -> None:
+    """Record which forward outputs the forward itself also reads through a view.
+
+    Inductor may lay out a saved output as it likes (channels-last where a convolution
+    is near), but views of it inside the forward then carry strides nobody traced, and
+    an op whose lowering takes such a view as it is fails at run time: issue 18, an
+    attention query whose head dim ended up strided by T. ``PinViewedOutputStrides``
+    makes Inductor keep these outputs' traced strides. Min-cut rarely saves such a
+    base (it saves the views, which Inductor copies).
+    """
+    output = fw_gm.graph.find_nodes(op="output")[0]
+    output.meta[VIEW_READ_OUTPUTS] = [
+        i
+        for i, node in enumerate(output.args[0])
+        if isinstance(node, Node)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and any(is_view(user) for user in node.users)
+    ]
 
 
 def one_per_storage(saved: list[Node]) -> list[Node]:
@@ -215,6 +241,41 @@ class MirrorPartitioner(_compat.CustomPartitionerFn):
         return self
 
 
+class PinViewedOutputStrides(_compat.CustomGraphPass):
+    """Inductor's last post-grad pass: outputs of a planned forward that the forward also
+    reads through views keep their traced strides (see ``_mark_view_read_outputs``).
+
+    Graphs without the mark (backward graphs, min-cut's, other compiles) are left
+    alone; ``then`` is a pass that was configured before, run first."""
+
+    def __init__(self, then: object = None) -> None:
+        self.then = then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for earlier in self.then if isinstance(self.then, (list, tuple)) else [self.then]:
+            if earlier is not None:
+                earlier(graph)
+        output = graph.find_nodes(op="output")[0]
+        indices = output.meta.get(VIEW_READ_OUTPUTS)
+        if indices:
+            _compat.keep_output_strides(graph, indices)
+
+    def uuid(self) -> bytes | None:
+        """Inductor's cache key; None (no caching) behind a pass without one."""
+        earlier = [] if self.then is None else self.then
+        earlier = earlier if isinstance(earlier, (list, tuple)) else [earlier]
+        keys = [p.uuid() if hasattr(p, "uuid") else None for p in earlier]
+        if any(k is None for k in keys):
+            return None
+        return _compat.get_hash_for_files((__file__, _compat.__file__), repr(keys))
+
+    def __reduce__(self) -> tuple[type[PartitionerKey], tuple[bytes | None]]:
+        return PartitionerKey, (self.uuid(),)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> PinViewedOutputStrides:
+        return self
+
+
 def _stable_repr(value: object) -> str:
     """``repr`` with sets sorted: set order follows string hashes, which differ per process."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -234,6 +295,7 @@ def _stable_repr(value: object) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PartitionerKey:
-    """What a pickled ``MirrorPartitioner`` becomes: its cache identity, nothing to run."""
+    """What a pickled ``MirrorPartitioner`` (or ``PinViewedOutputStrides``) becomes: its
+    cache identity, nothing to run."""
 
-    uuid: bytes
+    uuid: bytes | None
