@@ -134,11 +134,14 @@ def rnn(
 
     def custom(chosen: str) -> Callable[[], tuple]:
         def call():
-            # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
+            # Drawn from the default generator of x's device (torch.manual_seed reproduces
+            # masks) and kept there: a CPU seed would sync the host and, under
+            # torch.compile, put CPU kernels and a graph-breaking CPU tensor in the graph.
+            # Unused without dropout: left uninitialised (no fill kernel).
             seed = (
-                torch.randint(0, 2**62, (), dtype=torch.int64)
+                torch.randint(0, 2**62, (), dtype=torch.int64, device=x.device)
                 if p > 0
-                else torch.zeros((), dtype=torch.int64)
+                else torch.empty((), dtype=torch.int64, device=x.device)
             )
             config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
                       None if state_clip is None else list(state_clip), chosen)  # fmt: skip

@@ -298,11 +298,12 @@ def _rnn_bwd_kernel(
 
 
 @triton.jit
-def _dropout_kernel(x_ptr, out_ptr, n, p, seed, offset, BLOCK: tl.constexpr):
+def _dropout_kernel(x_ptr, out_ptr, n, p, seed_ptr, offset, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-    keep = tl.rand(seed, offset + idx) >= p
+    # The seed is read on the device: no host sync, and CUDA Graphs replay fresh seeds.
+    keep = tl.rand(tl.load(seed_ptr), offset + idx) >= p
     out = tl.where(keep, x.to(tl.float32) / (1.0 - p), 0.0)
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -331,20 +332,26 @@ def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device 
     return mode in MODES and not proj and dtype in _DTYPES and on_device
 
 
-def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
+def dropout(x: Tensor, p: float, seed: Tensor | int, offset: int = 0) -> Tensor:
     """Inverted dropout with a Philox mask drawn in-kernel from (seed, offset + index).
 
-    The mask is never stored: the backward is ``dropout(grad, p, seed, offset)``.
+    ``seed``: a 0-dim int64 tensor, read by the kernel (on ``x``'s device: no host sync);
+    an int is copied to one. The mask is never stored: the backward is
+    ``dropout(grad, p, seed, offset)``.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability has to be in [0, 1), got {p}")
     if p == 0.0:
         return x.clone()
+    if not isinstance(seed, Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    elif seed.device != x.device:
+        seed = seed.to(x.device)
     src = x.contiguous()
     out = torch.empty_like(src)
     n = src.numel()
     _dropout_kernel[(triton.cdiv(n, _BLOCK),)](
-        src, out, n, float(p), int(seed), int(offset), BLOCK=_BLOCK
+        src, out, n, float(p), seed, int(offset), BLOCK=_BLOCK
     )
     return out
 

@@ -69,6 +69,15 @@ def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
     return None if state_clip is None else (state_clip[0], state_clip[1])
 
 
+def _seed(kernels: ModuleType, seed: Tensor, dropout: float) -> Tensor | int:
+    """The dropout seed as ``kernels.dropout`` takes it: the Triton kernels read the tensor
+    on the device (no host sync, CUDA Graph safe); the reference layer seeds a generator
+    with an int. Without dropout the seed is never read (and left uninitialised)."""
+    if kernels is reference:
+        return int(seed.item()) if dropout > 0 else 0
+    return seed
+
+
 def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     """How many tensors one layer-direction saves (shapes do not matter here)."""
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
@@ -96,7 +105,7 @@ def rnn_forward(
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
-    seed_value = int(seed.item())
+    seed_value = _seed(kernels, seed, dropout)
     saved: list[Tensor] = []
     h_n, c_n = [], []
     layer_out = x
@@ -180,7 +189,7 @@ def rnn_backward(
     n_w = _weights_per_layer(has_biases, proj_size)
     need_x, need_hx, need_cx = needs_input_grad[:3]
     need_w = needs_input_grad[3:]
-    seed_value = int(seed.item())
+    seed_value = _seed(kernels, seed, dropout)
     Hr = hx.shape[-1]
     if mode != "lstm":
         grad_cn = None
