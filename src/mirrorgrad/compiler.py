@@ -104,8 +104,9 @@ class MirrorBackend:
                 # Patched for this compilation only: other torch.compile calls keep min-cut.
                 _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner,
             }
-            with _compat.inductor_config.patch(settings):
-                return _compat.compile_fx(gm, example_inputs)
+            # As config_patches: Inductor compiles the backward at the first backward call,
+            # after this returns, and patches that compile with them too.
+            return _compat.compile_fx(gm, example_inputs, config_patches=settings)
 
     def _aot_eager(self) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
