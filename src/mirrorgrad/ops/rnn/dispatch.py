@@ -69,11 +69,14 @@ def _choose_auto(
 
     While torch.compile traces, the first candidate (the fused custom op) is taken
     untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
-    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13)."""
+    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13). So is it while
+    a CUDA Graph is captured (timing would synchronize), without caching the pick."""
     if torch.compiler.is_compiling():
         return next(iter(candidates))
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return next(iter(candidates))
     if len(candidates) == 1:
         choice = next(iter(candidates))
     else:
