@@ -27,6 +27,7 @@ from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -67,7 +68,8 @@ def _tile(ptr, rows, cols, mask, width, offset):
     )
 
 
-@triton.jit
+# One compile for every step: Triton would specialise t on its divisibility by 16.
+@triton.jit(do_not_specialize=["t"])
 def _rnn_fwd_kernel(
     pre_ptr,  # [B, G*H] input-side pre-activations of step t (split lstm/rnn: hidden part added)
     hh_ptr,  # split gru: [B, 3H] hidden side W_hh h + b_hh
@@ -185,7 +187,8 @@ def _rnn_fwd_kernel(
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
 
 
-@triton.jit
+# One compile for every step: Triton would specialise t on its divisibility by 16.
+@triton.jit(do_not_specialize=["t"])
 def _rnn_bwd_kernel(
     pre_ptr,  # [B, P] pre-activations of step t (stash layout)
     cprev_ptr,  # lstm: [B, H] fp32 c_{t-1}
@@ -697,42 +700,39 @@ def layer_forward(
 
 
 def _recompute_pre(
-    config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh
+    config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh, *, out: Tensor
 ) -> Tensor:
-    """All pre-activations at once from x and h_{t-1} (= h0, then y): no sequential step."""
+    """All pre-activations at once from x and h_{t-1} (= h0, then y), written into ``out``
+    [T,B,P]: no sequential step. Returns h_{t-1} of every step [T*B,H] (dW_hh's operand)."""
     T, B, H = config.T, config.B, config.H
     n = T * B
     hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
+    pre = out.view(n, out.shape[-1])
     if config.mode != "gru":
-        pre = config.empty(n, config.gh)
         _input_gemm(x2d, w_ih, _input_bias(config.mode, b_ih, b_hh), pre)
         pre.addmm_(hprev, w_hh.t())
-        return pre.view(T, B, config.gh)
+        return hprev
     gi = config.empty(n, 3 * H)
     gh = config.empty(n, 3 * H)
     _input_gemm(x2d, w_ih, b_ih, gi)
     _input_gemm(hprev, w_hh, b_hh, gh)
-    pre = config.empty(n, 4 * H)
     torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
     pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
     pre[:, 3 * H :] = gh[:, 2 * H :]
-    return pre.view(T, B, 4 * H)
+    return hprev
 
 
 def _bwd_buffers(
-    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None
+    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh, dc
 ) -> _BwdBuffers:
-    lstm = config.mode == "lstm"
     return _BwdBuffers(
         pre=pre,
         cells=cells,
         h0=h0,
         y=y,
         dy=dy,
-        dh=dh if dh is not None else config.empty(config.B, config.H),
-        dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
-        if lstm
-        else None,
+        dh=dh,
+        dc=dc,
         dg=config.empty(config.T, config.B, config.gh),
         dgh=config.empty(config.T, config.B, config.gh) if config.mode == "gru" else None,
         lengths=lengths,
@@ -747,34 +747,68 @@ def _chunk_steps(T: int, B: int) -> int:
     return -(-T // chunks)
 
 
+def _set_state(buffer: Tensor, value: Tensor | None) -> None:
+    """A running state gradient's start: zeros (None), or ``value`` unless it is already
+    ``buffer`` (carried over from the previous chunk of the same graph)."""
+    if value is None:
+        buffer.zero_()
+    elif value is not buffer:
+        buffer.copy_(value)
+
+
+def _owned_state(config: LoopConfig, value: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """A running state gradient of our own to update in place (the caller's is read only)."""
+    if value is None:
+        return torch.zeros(config.B, config.H, dtype=dtype, device=config.device)
+    return value.to(dtype, copy=True, memory_format=torch.contiguous_format)
+
+
 def _bwd_chunk(
-    config: LoopConfig, fields: dict, dh: Tensor, dc: Tensor | None, use_graph: bool | None
-) -> tuple[Tensor, Tensor]:
-    """Reverse loop over one chunk; updates dh, dc in place; returns (dG, hidden-side dG)."""
-    if _graphed(config, use_graph):
+    config: LoopConfig, fields: dict, recompute: bool, dh, dc, carried: bool, graphed: bool
+) -> tuple[_BwdBuffers, Callable[[], None]]:
+    """The buffers of one chunk's reverse loop and the call that runs it (updating
+    ``dg``, ``dgh``, ``dh``, ``dc`` of the buffers). ``recompute``: ``pre`` is left for
+    the caller to fill (else ``fields["pre"]`` holds it). dh, dc: the state gradients at
+    the chunk's last step, None for zeros; ``carried``: they are the previous chunk's
+    results, ours to overwrite. Graphed, the buffers are a captured loop's static ones:
+    the caller reads them (in stream order) before that loop runs again.
+    """
+    lstm = config.mode == "lstm"
+    if graphed:
         key = (config, "bwd", fields["dy"] is not None)
 
         def make():
             static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
-            return _bwd_buffers(config, **static)
+            if recompute:
+                static["pre"] = config.empty(config.T, config.B, config.stash_width)
+            dc_buffer = config.empty(config.B, config.H, dtype=torch.float32) if lstm else None
+            return _bwd_buffers(config, **static, dh=config.empty(config.B, config.H), dc=dc_buffer)
 
-        buf = graphs.captured(key, config.device, make, lambda b: _bwd_loop(config, b))
-        static = buf.buffers
+        cap = graphs.captured(key, config.device, make, lambda b: _bwd_loop(config, b))
+        buf = cap.buffers
         for name, value in fields.items():
             if value is not None:
-                getattr(static, name).copy_(value)
-        static.dh.copy_(dh)
-        if dc is not None:
-            static.dc.copy_(dc)
-        buf.graph.replay()
-        dh.copy_(static.dh)
-        if dc is not None:
-            dc.copy_(static.dc)
-        # Read by the GEMMs below before the next replay overwrites them (stream order).
-        return static.dg, static.dgh if static.dgh is not None else static.dg
-    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc)
-    _bwd_loop(config, buf)
-    return buf.dg, buf.dgh if buf.dgh is not None else buf.dg
+                getattr(buf, name).copy_(value)
+        _set_state(buf.dh, dh)
+        if lstm:
+            _set_state(buf.dc, dc)
+        return buf, cap.graph.replay
+    if recompute:
+        fields = {**fields, "pre": config.empty(config.T, config.B, config.stash_width)}
+    dh = dh if carried else _owned_state(config, dh, config.dtype)
+    if lstm:
+        dc = dc if carried else _owned_state(config, dc, torch.float32)
+    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None)
+    return buf, lambda: _bwd_loop(config, buf)
+
+
+def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """total + a @ b; a @ b alone for the first chunk (no zero-filled accumulator)."""
+    return torch.mm(a, b) if total is None else total.addmm_(a, b)
+
+
+def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
+    return a.sum(0) if total is None else total.add_(a.sum(0))
 
 
 @torch.no_grad()
@@ -813,37 +847,28 @@ def layer_backward(
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
     config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
-    T, B, H, gh = config.T, config.B, config.H, config.gh
+    T, B, gh = config.T, config.B, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
     y = y.contiguous()
     dy = grad_y.contiguous() if grad_y is not None else None
     cells = saved[-1] if mode == "lstm" else None
     grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
-    grad_wih = torch.zeros_like(w_ih) if need_wih else None
-    grad_whh = torch.zeros_like(w_hh) if need_whh else None
-    grad_bih = torch.zeros_like(b_ih) if need_bih else None
-    grad_bhh = torch.zeros_like(b_hh) if need_bhh else None
-    dh = config.empty(B, H)
-    _init_grad(dh, grad_hn)
-    dc = config.empty(B, H, dtype=torch.float32) if mode == "lstm" else None
-    if dc is not None:
-        _init_grad(dc, grad_cn)
+    grad_wih = grad_whh = grad_bih = grad_bhh = None
+    dh, dc = grad_hn, grad_cn if mode == "lstm" else None
+    any_graphed = False
     steps = _chunk_steps(T, B)
     for t1 in range(T, 0, -steps):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
         chunk = replace(config, T=n)
+        graphed = _graphed(chunk, use_graph)
+        any_graphed |= graphed
         h_first = h0 if t0 == 0 else y[t0 - 1]
-        if mode.startswith("rnn"):
-            pre = None
-        elif memory == "stash":
-            pre = saved[0][t0:t1]
-        else:
-            pre = _recompute_pre(chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh)
+        recompute = memory == "recompute" and not mode.startswith("rnn")
         # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
         fields = dict(
-            pre=pre,
+            pre=saved[0][t0:t1] if memory == "stash" and not mode.startswith("rnn") else None,
             cells=cells[t0 : t1 + 1] if cells is not None else None,
             h0=h_first if mode == "gru" else None,
             y=y[t0:t1] if mode != "lstm" else None,
@@ -851,32 +876,41 @@ def layer_backward(
             w_hh=w_hh,
             lengths=lengths - t0 if lengths is not None else None,
         )
-        dg, dgh = _bwd_chunk(chunk, fields, dh, dc, use_graph)
-        dg, dgh = dg.view(n * B, gh), dgh.view(n * B, gh)
+        buf, run = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed)
+        hprev = None
+        if recompute:  # straight into the loop's buffer: no copy
+            hprev = _recompute_pre(
+                chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh, out=buf.pre
+            )
+        run()
+        dh, dc = buf.dh, buf.dc
+        dg = buf.dg.view(n * B, gh)
+        dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
         if need_x:
             torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
         if need_wih:
-            grad_wih.addmm_(dg.t(), x2d[rows])
+            grad_wih = _add_mm(grad_wih, dg.t(), x2d[rows])
         if need_bih:
-            grad_bih += dg.sum(0)
+            grad_bih = _add_sum(grad_bih, dg)
         if need_bhh:
-            grad_bhh += dgh.sum(0)
+            grad_bhh = _add_sum(grad_bhh, dgh)
         if need_whh:
-            # h_{t-1} of the chunk's steps: h0 for step 0, then y.
-            first = 0
-            if t0 == 0:
-                grad_whh.addmm_(dgh[:B].t(), h0)
-                first = B
-            if n * B > first:
-                hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
-                grad_whh.addmm_(dgh[first:].t(), hprev)
-    grad_h0 = dh if need_h0 else None
+            grad_whh = _whh_grad(grad_whh, dgh, hprev, h0, y, t0, t1, B)
+    # A static buffer is overwritten by the loop's next run: hand out a copy.
+    grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
     return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
 
 
-def _init_grad(buffer: Tensor, grad: Tensor | None) -> None:
-    if grad is None:
-        buffer.zero_()
-    else:
-        buffer.copy_(grad)
+def _whh_grad(total, dgh: Tensor, hprev: Tensor | None, h0: Tensor, y: Tensor, t0, t1, B):
+    """dW_hh of one chunk added to ``total``: dG_hidden^T @ h_{t-1} (h0 for step 0, then
+    y); one GEMM where the recompute already stacked h_{t-1}."""
+    if hprev is not None:
+        return _add_mm(total, dgh.t(), hprev)
+    first = 0
+    if t0 == 0:
+        total = _add_mm(total, dgh[:B].t(), h0)
+        first = B
+    if dgh.shape[0] > first:
+        total = _add_mm(total, dgh[first:].t(), y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1]))
+    return total
