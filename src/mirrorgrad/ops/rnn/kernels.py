@@ -26,9 +26,11 @@ from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -603,20 +605,39 @@ def _default_fused(B: int) -> bool:
 def _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> LoopConfig:
     T, B, _ = x.shape
     tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return LoopConfig(
-        mode=mode,
-        T=T,
-        B=B,
-        H=w_hh.shape[1],
-        dtype=x.dtype,
-        device=x.device,
-        has_lengths=lengths is not None,
-        clip=tuple(float(v) for v in state_clip) if state_clip is not None else None,
-        memory=memory,
-        has_bias=b_ih is not None or b_hh is not None,
-        fused=_default_fused(B) if fused is None else fused,
-        precision="tf32" if tf32 else "ieee",
+    return _config(
+        mode,
+        T,
+        B,
+        w_hh.shape[1],
+        x.dtype,
+        x.device,
+        lengths is not None,
+        tuple(float(v) for v in state_clip) if state_clip is not None else None,
+        memory,
+        b_ih is not None or b_hh is not None,
+        _default_fused(B) if fused is None else fused,
+        "tf32" if tf32 else "ieee",
     )
+
+
+# One object per configuration: building and hashing a frozen dataclass on every call
+# costs host time that a launch-bound loop pays in full.
+@functools.lru_cache(maxsize=1024)
+def _config(mode, T, B, H, dtype, device, has_lengths, clip, memory, has_bias, fused, precision):
+    return LoopConfig(mode=mode, T=T, B=B, H=H, dtype=dtype, device=device,
+                      has_lengths=has_lengths, clip=clip, memory=memory, has_bias=has_bias,
+                      fused=fused, precision=precision)  # fmt: skip
+
+
+def _with_steps(config: LoopConfig, T: int) -> LoopConfig:
+    """``config`` for a chunk of T steps."""
+    if T == config.T:
+        return config
+    return _config(*(T if name == "T" else getattr(config, name) for name in _CONFIG_FIELDS))
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(LoopConfig))
 
 
 @torch.no_grad()
@@ -861,7 +882,7 @@ def layer_backward(
     for t1 in range(T, 0, -steps):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
-        chunk = replace(config, T=n)
+        chunk = _with_steps(config, n)
         graphed = _graphed(chunk, use_graph)
         any_graphed |= graphed
         h_first = h0 if t0 == 0 else y[t0 - 1]
