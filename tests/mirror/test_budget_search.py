@@ -1,11 +1,13 @@
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import mirrorgrad
 from mirrorgrad import _compat
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import op_name
@@ -133,9 +135,9 @@ def test_explain_table_and_json():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"mode": "fast"}, "mode must be"),
+        ({"mode": "fast"}, "choose one of"),
         ({"mode": "budget"}, "needs budget"),
-        ({"mode": "budget", "budget": -1}, "budget must be > 0"),
+        ({"mode": "budget", "budget": -1}, "finite and > 0"),
         ({"max_overhead": -0.1}, "max_overhead"),
     ],
 )
@@ -159,3 +161,45 @@ def test_lifetime_repair_cuts_the_residual_stream():
     assert p.peak_after < 0.9 * balanced_peak
     stashed_block_outputs = {n.name for n in p.saved} & {n.name for n in balanced.mirrored}
     assert any(name.startswith("relu") for name in stashed_block_outputs)
+
+
+def _three_bottlenecks():
+    model = torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(3)))
+    return joint_of(model, torch.randn(8, 16, 16, 16), decompose=True)
+
+
+def test_an_unreachable_budget_is_declared_once_with_its_floor():
+    joint = _three_bottlenecks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(joint, PlanOptions(mode="budget", budget=0.05))
+    (w,) = [w for w in caught if issubclass(w.category, mirrorgrad.MirrorgradBudgetWarning)]
+    assert p.budget_met is False and p.peak_after > 1.05 * p.budget_bytes
+    floor = p.floor.to_dict()
+    # The kinds add up to the peak; the largest values are named, largest first.
+    assert sum(floor["bytes_by_kind"].values()) == floor["peak_bytes"] == p.peak_after
+    # The three blocks' convolution weights and BatchNorm affine parameters, fp32.
+    params = sum(
+        4 * q.numel()
+        for q in torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(3))).parameters()
+    )
+    assert floor["bytes_by_kind"]["parameters"] == params
+    sizes = [row["bytes"] for row in floor["largest"]]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) == 8
+    message = str(w.message)
+    assert "not met" in message and floor["largest"][0]["name"] in message
+    assert "parameters" in message and "gradients" in message
+    assert p.to_dict()["budget_met"] is False and "floor:" in str(p)
+
+
+def test_a_reachable_budget_gives_no_warning():
+    joint = _three_bottlenecks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mirrorgrad.MirrorgradBudgetWarning)
+        p = plan(joint, PlanOptions(mode="budget", budget=0.9))
+        balance = plan(joint, PlanOptions(mode="balance"))
+    assert p.budget_met is True and p.peak_after <= 1.05 * p.budget_bytes
+    assert (
+        balance.budget_met is None
+        and balance.to_dict()["floor"]["peak_bytes"] == balance.peak_after
+    )

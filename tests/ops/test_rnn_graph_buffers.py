@@ -1,50 +1,29 @@
-"""The captured-loop path of the Triton layer with CUDA Graph replay emulated on CPU: a
-"replay" reruns the loop on the same static buffers, as a real graph would, so the
-copies into and out of those buffers (and state gradients carried across backward
-chunks through them) are checked without a GPU."""
+"""The captured-loop path of the Triton layer on CPU (conftest's ``cpu_graphs``: a replay
+reruns the loop on the same buffers, as a real graph would): the state gradients that
+start in, and are carried across backward chunks through, the loops' shared buffers,
+and the recompute written straight into them."""
 
 import pytest
 import torch
 from tests.ops.test_rnn_kernels import KERNELS, _check_layer
 
-from mirrorgrad.ops.rnn import graphs, kernels
-
-
-@pytest.fixture
-def emulated_graphs(monkeypatch):
-    """graphs.captured as a cache of buffers whose replay runs the loop in Python."""
-    cache, captures = {}, []
-
-    class _Replay:
-        def __init__(self, loop, buffers):
-            self.replay = lambda: loop(buffers)
-
-    def captured(key, device, make_buffers, loop):
-        if key not in cache:
-            buffers = make_buffers()
-            cache[key] = graphs.Captured(graph=_Replay(loop, buffers), buffers=buffers)
-            captures.append(key)
-        return cache[key]
-
-    monkeypatch.setattr(graphs, "use_graph", lambda device, elements, requested: True)
-    monkeypatch.setattr(graphs, "captured", captured)
-    return captures
+from mirrorgrad.ops.rnn import kernels
 
 
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_replayed_loops_match_the_oracle(mode, memory, fused, emulated_graphs, monkeypatch):
+def test_replayed_loops_match_the_oracle(mode, memory, fused, cpu_graphs, monkeypatch):
     """Twice (the second call replays with new values), with backward chunks of 2, 2 and
-    1 steps: the first two share one graph (the state gradient stays in its buffers), the
-    last has a graph of its own."""
+    1 steps: the first two share one config (the state gradient stays in its buffers),
+    the last has buffers of its own."""
     monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
     for _ in range(2):
         _check_layer(mode, memory=memory, lengths=[2, 5, 1], fused=fused, t=5)
-    assert len(emulated_graphs) == 3, "forward, backward chunk of 2 steps, chunk of 1 step"
+    assert cpu_graphs, "the loops ran captured"
 
 
-def test_results_are_not_static_buffers(emulated_graphs):
+def test_results_are_not_static_buffers(cpu_graphs):
     """What a call returns survives the next call (which reruns the same graphs)."""
     g = kernels.GATES["lstm"]
     x, h0, c0 = torch.randn(3, 2, 4), torch.randn(2, 5), torch.randn(2, 5)

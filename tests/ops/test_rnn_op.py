@@ -424,3 +424,64 @@ def test_triton_support_check_is_a_constant_under_compile():
         warnings.simplefilter("always")
         torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def _storage_bytes(tensors):
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor) and t.numel()}  # fmt: skip
+    return sum(storages.values())
+
+
+def _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
+    """(declared, seen) temporaries of rnn_forward and of rnn_backward, float32."""
+    from mirrorgrad import formulas
+
+    from .memory_tracker import PeakTracker
+
+    x, weights, hx, cx = stack_inputs(mode, layers=layers, bidirectional=bidirectional, T=10,
+                                      B=8, n_in=12, H=16)  # fmt: skip
+    x, hx, weights = x.detach().float(), hx.detach().float(), [w.detach().float() for w in weights]
+    cx = None if cx is None else cx.detach().float()
+    args = (x, weights, hx, cx, None, torch.tensor(3), mode, layers, bidirectional, True, 0,
+            dropout, memory, None, impl, True)  # fmt: skip
+    inputs = [t for t in (x, hx, cx, *weights) if t is not None]
+    with PeakTracker(*inputs) as tracker:
+        y, h_n, c_n, saved = op.rnn_forward._init_fn(*args)
+    forward = (formulas.memory_formula(torch.ops.mirrorgrad.rnn_forward)(*args),
+               tracker.peak - _storage_bytes([y, h_n, c_n, *saved]))  # fmt: skip
+    grads = [torch.randn_like(y), torch.randn_like(h_n), torch.randn_like(c_n) if cx is not None
+             else None]  # fmt: skip
+    needs = [True, True, cx is not None, *([True] * len(weights))]
+    back = (*grads, *args[:6], y, saved, *args[6:15], needs)
+    with PeakTracker(*inputs, y, h_n, c_n, *saved, *[g for g in grads if g is not None]) as tracker:
+        gx, ghx, gcx, gw = op.rnn_backward._init_fn(*back)
+    backward = (formulas.memory_formula(torch.ops.mirrorgrad.rnn_backward)(*back),
+                tracker.peak - _storage_bytes([gx, ghx, gcx, *gw]))  # fmt: skip
+    return forward, backward
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize(("layers", "bidirectional", "dropout"), [(1, False, 0.0), (2, False, 0.5),
+                                                                  (2, True, 0.0)])  # fmt: skip
+def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, memory, layers,
+                                                      bidirectional, dropout):  # fmt: skip
+    """The declared temporaries (what the planner's simulation adds while the op runs)
+    against the bytes the op allocates through ATen beyond its inputs and outputs:
+    within 10% for the Triton path's unidirectional stacks (the GPU path the planner
+    plans for), an overestimate of at most 1.5x for bidirectional ones (copies of
+    reversed directions counted at their worst) and for the reference path (estimated
+    per-step temporaries)."""
+    if impl == "triton":
+        if op.triton_module() is None or not op.triton_module().supports(
+            mode, proj=False, dtype=torch.float32, device=torch.device("cpu")
+        ):
+            pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+        # The interpreter's reference cycles keep kernel arguments alive until the next
+        # GC; what the loops compute does not change what is allocated.
+        monkeypatch.setattr(op.triton_module(), "_fwd_loop", lambda config, buf: None)
+        monkeypatch.setattr(op.triton_module(), "_bwd_loop", lambda config, buf: None)
+    for declared, seen in _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
+        low, high = (0.9, 1.5) if bidirectional or impl == "reference" else (0.9, 1.1)
+        assert low * seen <= declared <= high * seen, (declared, seen)

@@ -8,7 +8,7 @@ from typing import Any
 
 from mirrorgrad import compiler
 from mirrorgrad.bench.runner import DTYPES, default_device
-from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+from mirrorgrad.bench.suites import WORKLOADS, get_workload
 
 
 def parse_mode(text: str) -> dict[str, Any]:

@@ -10,7 +10,12 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
   their first use, in the order ``reordering_to_mimic_autograd_engine`` gives;
 - gradients (backward outputs) stay until the end of the step;
 - views share the storage of their base: a storage is freed when the last value
-  aliasing it dies; an op holds its inputs and its outputs at once.
+  aliasing it dies; an op holds its inputs and its outputs at once;
+- a custom op that declares its temporaries (``mirrorgrad.formulas.
+  register_memory_formula``: workspace, chunk buffers) holds them too while it runs.
+
+The planner simulates thousands of candidate plans on graphs of ~10k nodes, so the
+simulation runs on ``GraphIndex``: the graph as integer arrays, built once.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Node
 
-from mirrorgrad.graph.fusion import inlined
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem
+from mirrorgrad import _compat
+from mirrorgrad.formulas import memory_formula
+from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
+from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -37,32 +45,139 @@ class Liveness:
     peak_phase: str
     peak_node: str
     turn_bytes: int  # alive between forward and backward (primals, saved, outputs)
-    timeline: list[Event]
     peak_index: int = -1  # position of the peak event in the timeline
     live_values: list[Node] = field(default_factory=list)  # alive at event ``live_at``
+    # Bytes of the live storages at ``live_at`` (fused-away ones excluded), by storage.
+    live_storages: dict[Node, int] = field(default_factory=dict)
+    event_nodes: list[Node] = field(default_factory=list, repr=False)
+    event_bytes: list[int] = field(default_factory=list, repr=False)
+    forward_events: int = 0  # the first this many events are the forward pass
+
+    @property
+    def timeline(self) -> list[Event]:
+        return [
+            Event(
+                phase="forward" if i < self.forward_events else "backward",
+                node=n.name,
+                live_bytes=b,
+            )
+            for i, (n, b) in enumerate(zip(self.event_nodes, self.event_bytes))
+        ]
+
+
+class GraphIndex:
+    """A joint graph as integer arrays (node ids in graph order) for the simulation."""
+
+    def __init__(self, joint: JointGraph) -> None:
+        self.joint = joint
+        nodes = list(joint.gm.graph.nodes)
+        ix = {n: i for i, n in enumerate(nodes)}
+        self.nodes, self.ix = nodes, ix
+        self.inputs = [tuple(ix[a] for a in joint.inputs(n)) for n in nodes]
+        self.storage = [ix[joint.storage(n)] for n in nodes]
+        self.nbytes = [joint.nbytes(n) for n in nodes]
+        self.temporary = [temporary_bytes(n) for n in nodes]
+        self.tuple_valued = [isinstance(n.meta.get("val"), (tuple, list)) for n in nodes]
+        self.getitems = {
+            i: [ix[u] for u in n.users if is_getitem(u)]
+            for i, n in enumerate(nodes)
+            if self.tuple_valued[i]
+        }
+        self.view = [is_view(n) for n in nodes]
+        # May be computed in its readers' kernels (fusion.inlined, before the readers).
+        self.pointwise = [is_pointwise(n) and not self.view[i] for i, n in enumerate(nodes)]
+        self.fusible = [fusible_reader(n) for n in nodes]
+        self.forward = [i for i, n in enumerate(nodes) if n in joint.forward_set]
+        self.is_forward = bytearray(len(nodes))
+        for i in self.forward:
+            self.is_forward[i] = 1
+        self.backward = [ix[n] for n in joint.backward]
+        self.primals = [ix[n] for n in joint.primals]
+        self.tangents = [ix[n] for n in joint.tangents]
+        self.fwd_outputs = [ix[n] for n in joint.fwd_outputs]
+        self.bwd_outputs = [ix[n] for n in joint.bwd_outputs]
+
+    def ids(self, nodes: Iterable[Node]) -> list[int]:
+        return [self.ix[n] for n in nodes]
+
+    def forward_schedule(self, saved: list[int]) -> list[int]:
+        allowed = self.is_forward
+        roots = [n for n in (*self.fwd_outputs, *saved) if allowed[n]]
+        seen = self._closure(roots, allowed)
+        return [i for i in self.forward if seen[i]]
+
+    def backward_schedule(self, saved: list[int], mirrored: list[int]) -> list[int]:
+        size = len(self.nodes)
+        available = bytearray(size)
+        for i in (*saved, *self.tangents):
+            available[i] = 1
+        allowed = bytearray(size)
+        for i in (*self.backward, *mirrored):
+            if not available[i]:
+                allowed[i] = 1
+        roots = [n for n in self.bwd_outputs if not available[n]]
+        needed = self._closure(roots, allowed)
+        order = [i for i in range(size) if needed[i]]
+        for n in order:
+            for a in self.inputs[n]:
+                if not needed[a] and not available[a]:
+                    raise JointGraphError(
+                        f"backward node {self.nodes[n].name} reads {self.nodes[a].name}, "
+                        "which is neither saved nor recomputed"
+                    )
+        return self._autograd_order(order, needed)
+
+    def _closure(self, roots: list[int], allowed: bytearray) -> bytearray:
+        inputs = self.inputs
+        seen = bytearray(len(self.nodes))
+        stack = [r for r in roots if allowed[r]]
+        while stack:
+            n = stack.pop()
+            if seen[n]:
+                continue
+            seen[n] = 1
+            stack.extend(a for a in inputs[n] if allowed[a] and not seen[a])
+        return seen
+
+    def _autograd_order(self, ordered: list[int], nodes: bytearray) -> list[int]:
+        """Mimic ``reordering_to_mimic_autograd_engine``: walk the nodes from the first
+        tangent reader in graph order; before each, run its not-yet-run inputs."""
+        inputs = self.inputs
+        tangents = set(self.tangents)
+        first = next((k for k, n in enumerate(ordered) if tangents.intersection(inputs[n])), None)
+        if first is None:
+            return ordered
+        done = bytearray(len(self.nodes))
+        schedule: list[int] = []
+        for n in ordered[first:]:
+            if done[n]:
+                continue
+            deps: list[int] = []
+            stack = [n]
+            while stack:
+                d = stack.pop()
+                if done[d]:
+                    continue
+                done[d] = 1
+                deps.append(d)
+                stack.extend(a for a in inputs[d] if nodes[a] and not done[a])
+            deps.sort()
+            schedule.extend(deps)
+        return schedule
 
 
 def forward_schedule(joint: JointGraph, saved: Iterable[Node]) -> list[Node]:
     """Forward nodes the forward module runs: those its outputs and saved values need."""
-    roots = [n for n in (*joint.fwd_outputs, *saved) if n in joint.forward_set]
-    return joint.sorted(_closure(joint, roots, joint.forward_set))
+    index = GraphIndex(joint)
+    return [index.nodes[i] for i in index.forward_schedule(index.ids(saved))]
 
 
 def backward_schedule(
     joint: JointGraph, saved: Iterable[Node], mirrored: Iterable[Node]
 ) -> list[Node]:
     """Backward-module nodes in execution order, recomputation just before first use."""
-    available = set(saved) | set(joint.tangents)
-    allowed = (set(joint.backward) | set(mirrored)) - available
-    roots = [n for n in joint.bwd_outputs if n not in available]
-    needed = _closure(joint, roots, allowed)
-    for n in needed:
-        for a in joint.inputs(n):
-            if a not in needed and a not in available:
-                raise JointGraphError(
-                    f"backward node {n.name} reads {a.name}, which is neither saved nor recomputed"
-                )
-    return _autograd_order(joint, needed)
+    index = GraphIndex(joint)
+    return [index.nodes[i] for i in index.backward_schedule(index.ids(saved), index.ids(mirrored))]
 
 
 def simulate(
@@ -72,166 +187,309 @@ def simulate(
     *,
     live_at: int | None = None,
     fusion: bool = False,
+    index: GraphIndex | None = None,
 ) -> Liveness:
     """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward.
 
     With ``live_at`` (a timeline position, e.g. a previous run's ``peak_index``), the
     result also lists the values alive at that event. With ``fusion``, pointwise
     values a fusing compiler keeps in registers are not allocated (Inductor).
+    ``index`` (``GraphIndex(joint)``) saves rebuilding it when simulating many plans.
     """
-    saved = list(saved)
-    mirrored = list(mirrored)
-    fwd = forward_schedule(joint, saved)
-    bwd = backward_schedule(joint, saved, mirrored)
-    sim = _Simulator(joint, live_at, fusion)
-    for p in joint.primals:
+    ix = index if index is not None else GraphIndex(joint)
+    saved_ids = ix.ids(saved)
+    fwd = ix.forward_schedule(saved_ids)
+    bwd = ix.backward_schedule(saved_ids, ix.ids(mirrored))
+    sim = _Simulator(ix, live_at, fusion)
+    for p in ix.primals:
         sim.hold(p)
-    kept_after_forward = set(saved) | set(joint.fwd_outputs) | set(joint.primals)
-    sim.run("forward", fwd, keep=kept_after_forward)
+    size = len(ix.nodes)
+    keep = bytearray(size)
+    for i in (*saved_ids, *ix.fwd_outputs, *ix.primals):
+        keep[i] = 1
+    sim.run(fwd, keep)
     turn = sim.live_bytes
-    sim.release_unread(saved, bwd)
-    for t in joint.tangents:
+    forward_events = len(sim.event_bytes)
+    sim.release_unread(saved_ids, bwd)
+    for t in ix.tangents:
         sim.hold(t)
-    kept_to_end = set(joint.bwd_outputs) | set(joint.fwd_outputs) | set(joint.primals)
-    sim.run("backward", bwd, keep=kept_to_end)
-    if not sim.timeline:
-        return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn, timeline=[])
-    index = max(range(len(sim.timeline)), key=lambda i: sim.timeline[i].live_bytes)
-    peak_event = sim.timeline[index]
+    keep = bytearray(size)
+    for i in (*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals):
+        keep[i] = 1
+    sim.run(bwd, keep)
+    nodes = [ix.nodes[i] for i in sim.event_nodes]
+    if not nodes:
+        return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn)
+    events = sim.event_bytes
+    index_ = max(range(len(events)), key=events.__getitem__)
     return Liveness(
-        peak=max(peak_event.live_bytes, turn),
-        peak_phase=peak_event.phase,
-        peak_node=peak_event.node,
+        peak=max(events[index_], turn),
+        peak_phase="forward" if index_ < forward_events else "backward",
+        peak_node=nodes[index_].name,
         turn_bytes=turn,
-        timeline=sim.timeline,
-        peak_index=index,
-        live_values=sim.snapshot,
+        peak_index=index_,
+        live_values=[ix.nodes[i] for i in sim.snapshot],
+        live_storages={ix.nodes[s]: b for s, b in sim.snapshot_storages},
+        event_nodes=nodes,
+        event_bytes=events,
+        forward_events=forward_events,
     )
 
 
 class _Simulator:
     """Reference-counted storages: a value holds its storage while it is alive."""
 
-    def __init__(self, joint: JointGraph, live_at: int | None = None, fusion: bool = False) -> None:
-        self.joint = joint
-        self.live_at = live_at
+    def __init__(self, ix: GraphIndex, live_at: int | None, fusion: bool) -> None:
+        size = len(ix.nodes)
+        self.ix = ix
+        self.live_at = -1 if live_at is None else live_at
         self.fusion = fusion
-        self.virtual: set[Node] = set()  # storages a fusing compiler never allocates
-        self.snapshot: list[Node] = []
-        self.refs: dict[Node, int] = {}  # storage -> number of live values on it
-        self.alive: set[Node] = set()
+        self.virtual = bytearray(size)  # storages a fusing compiler never allocates
+        self.refs = [0] * size  # storage -> number of live values on it
+        self.alive = bytearray(size)
         self.live_bytes = 0
-        self.timeline: list[Event] = []
+        self.event_nodes: list[int] = []
+        self.event_bytes: list[int] = []
+        self.snapshot: list[int] = []
+        self.snapshot_storages: list[tuple[int, int]] = []
 
-    def hold(self, value: Node) -> None:
-        if value in self.alive:
+    def hold(self, value: int) -> None:
+        if self.alive[value]:
             return
-        self.alive.add(value)
-        s = self.joint.storage(value)
-        self.refs[s] = self.refs.get(s, 0) + 1
-        if self.refs[s] == 1 and s not in self.virtual:
-            self.live_bytes += self.joint.nbytes(s)
+        self.alive[value] = 1
+        s = self.ix.storage[value]
+        self.refs[s] += 1
+        if self.refs[s] == 1 and not self.virtual[s]:
+            self.live_bytes += self.ix.nbytes[s]
 
-    def drop(self, value: Node) -> None:
-        if value not in self.alive:
+    def drop(self, value: int) -> None:
+        if not self.alive[value]:
             return
-        self.alive.remove(value)
-        s = self.joint.storage(value)
+        self.alive[value] = 0
+        s = self.ix.storage[value]
         self.refs[s] -= 1
-        if self.refs[s] == 0 and s not in self.virtual:
-            self.live_bytes -= self.joint.nbytes(s)
+        if self.refs[s] == 0 and not self.virtual[s]:
+            self.live_bytes -= self.ix.nbytes[s]
 
-    def release_unread(self, saved: list[Node], bwd: list[Node]) -> None:
-        read = {a for n in bwd for a in self.joint.inputs(n)}
-        kept = set(self.joint.fwd_outputs) | set(self.joint.primals)
+    def release_unread(self, saved: list[int], bwd: list[int]) -> None:
+        inputs = self.ix.inputs
+        read = {a for n in bwd for a in inputs[n]}
+        kept = {*self.ix.fwd_outputs, *self.ix.primals}
         for s in saved:
             if s not in read and s not in kept:
                 self.drop(s)
 
-    def run(self, phase: str, schedule: list[Node], keep: set[Node]) -> None:
-        last_use: dict[Node, int] = {}
-        inputs = [self.joint.inputs(n) for n in schedule]
-        for i, args in enumerate(inputs):
-            for a in args:
-                last_use[a] = i
-        scheduled = set(schedule)
+    def run(self, schedule: list[int], keep: bytearray) -> None:
+        ix = self.ix
+        inputs, storage, nbytes, getitems = ix.inputs, ix.storage, ix.nbytes, ix.getitems
+        last_use: dict[int, int] = {}
+        for pos, n in enumerate(schedule):
+            for a in inputs[n]:
+                last_use[a] = pos
         if self.fusion:
-            self.virtual |= _fused_away(self.joint, schedule, keep)
-        for i, n in enumerate(schedule):
+            for s in _fused_away(ix, schedule, keep):
+                self.virtual[s] = 1
+        alive, refs, virtual = self.alive, self.refs, self.virtual
+        scheduled = bytearray(len(ix.nodes))
+        for n in schedule:
+            scheduled[n] = 1
+        live = self.live_bytes
+        start = len(self.event_bytes)
+        event_nodes, event_bytes = self.event_nodes, self.event_bytes
+        for pos, n in enumerate(schedule):
             transient = 0
-            tuple_valued = _is_tuple(n)
-            if tuple_valued:
-                # A multi-output op allocates all its outputs; those nobody reads die at once.
-                produced = [u for u in n.users if is_getitem(u) and u in scheduled]
-                for g in produced:
-                    self.hold(g)
-                transient = self.joint.nbytes(n) - sum(self.joint.nbytes(g) for g in produced)
-            else:
-                self.hold(n)
-            self.timeline.append(
-                Event(phase=phase, node=n.name, live_bytes=self.live_bytes + max(transient, 0))
-            )
-            if len(self.timeline) - 1 == self.live_at:
-                self.snapshot = self.joint.sorted(self.alive)
-            for a in inputs[i]:
-                if last_use.get(a) == i and a not in keep:
-                    self.drop(a)
-            if n not in last_use and n not in keep and not tuple_valued:
-                self.drop(n)
+            produced = getitems.get(n)
+            held = [g for g in produced if scheduled[g]] if produced is not None else (n,)
+            for v in held:
+                if not alive[v]:
+                    alive[v] = 1
+                    s = storage[v]
+                    refs[s] += 1
+                    if refs[s] == 1 and not virtual[s]:
+                        live += nbytes[s]
+            if produced is not None:
+                transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
+            transient += ix.temporary[n]
+            event_nodes.append(n)
+            event_bytes.append(live + transient)
+            if start + pos == self.live_at:
+                self._snapshot()
+            dead = [a for a in inputs[n] if last_use[a] == pos and not keep[a]]
+            if produced is None and n not in last_use and not keep[n]:
+                dead.append(n)
+            for v in dead:
+                if alive[v]:
+                    alive[v] = 0
+                    s = storage[v]
+                    refs[s] -= 1
+                    if refs[s] == 0 and not virtual[s]:
+                        live -= nbytes[s]
+            self.live_bytes = live
+        self.live_bytes = live
+
+    def _snapshot(self) -> None:
+        ix = self.ix
+        self.snapshot = [i for i in range(len(ix.nodes)) if self.alive[i]]
+        self.snapshot_storages = [
+            (s, ix.nbytes[s])
+            for s in range(len(ix.nodes))
+            if self.refs[s] > 0 and not self.virtual[s]
+        ]
 
 
-def _fused_away(joint: JointGraph, schedule: list[Node], keep: set[Node]) -> set[Node]:
+def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
-    kernels and never writes to memory: not kept past the phase, read by at most a
-    few pointwise ops or reductions (through views), never by an extern kernel."""
-    readers: dict[Node, list[Node]] = {}
+    kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
+    read by at most a few pointwise ops or reductions (through views), never by an
+    extern kernel."""
+    size = len(ix.nodes)
+    inputs, storage, view, fusible = ix.inputs, ix.storage, ix.view, ix.fusible
+    direct = [0] * size  # non-view readers of each storage
+    unfusible = bytearray(size)
     for n in schedule:
-        for a in joint.inputs(n):
-            readers.setdefault(joint.storage(a), []).append(n)
-    kept_storages = {joint.storage(v) for v in keep}
-    return {n for n in schedule if n not in kept_storages and inlined(n, readers.get(n, []))}
-
-
-def _is_tuple(node: Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
-
-
-def _closure(
-    joint: JointGraph, roots: list[Node], allowed: set[Node] | frozenset[Node]
-) -> set[Node]:
-    seen: set[Node] = set()
-    stack = [r for r in roots if r in allowed]
-    while stack:
-        n = stack.pop()
-        if n in seen:
+        if view[n]:
             continue
-        seen.add(n)
-        stack.extend(a for a in joint.inputs(n) if a in allowed and a not in seen)
-    return seen
+        for a in inputs[n]:
+            s = storage[a]
+            direct[s] += 1
+            if not fusible[n]:
+                unfusible[s] = 1
+    kept = bytearray(size)
+    for i in range(size):
+        if keep[i]:
+            kept[storage[i]] = 1
+    pointwise = ix.pointwise
+    return [
+        n
+        for n in schedule
+        if pointwise[n] and not kept[n] and direct[n] <= INLINE_READERS and not unfusible[n]
+    ]
 
 
-def _autograd_order(joint: JointGraph, nodes: set[Node]) -> list[Node]:
-    """Mimic ``reordering_to_mimic_autograd_engine``: walk the nodes from the first
-    tangent reader in graph order; before each, run its not-yet-run inputs."""
-    ordered = joint.sorted(nodes)
-    tangents = set(joint.tangents)
-    first = next((i for i, n in enumerate(ordered) if tangents.intersection(joint.inputs(n))), None)
-    if first is None:
-        return ordered
-    done: set[Node] = set()
-    schedule: list[Node] = []
-    for n in ordered[first:]:
-        if n in done:
-            continue
-        deps: set[Node] = set()
-        stack = [n]
-        while stack:
-            d = stack.pop()
-            if d in deps or d in done:
-                continue
-            deps.add(d)
-            stack.extend(a for a in joint.inputs(d) if a in nodes)
-        for d in joint.sorted(deps):
-            done.add(d)
-            schedule.append(d)
-    return schedule
+# What holds memory at a peak, in the categories a memory snapshot is read in.
+KINDS = (
+    "parameters",
+    "gradients",
+    "inputs",
+    "saved activations",
+    "recomputed",
+    "forward temporaries",
+    "backward temporaries",
+    "forward outputs",
+    "op temporaries",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class PeakBreakdown:
+    """What is alive at a simulated peak: bytes by kind, and every live storage."""
+
+    peak: int
+    phase: str
+    node: str
+    bytes_by_kind: dict[str, int]
+    values: list[tuple[Node, str, int]]  # (storage, kind, bytes), largest first
+
+    def to_dict(self, largest: int = 8) -> dict:
+        return {
+            "peak_bytes": self.peak,
+            "phase": self.phase,
+            "node": self.node,
+            "bytes_by_kind": dict(self.bytes_by_kind),
+            "largest": [
+                {"name": n.name, "op": _op(n), "kind": kind, "bytes": b}
+                for n, kind, b in self.values[:largest]
+            ],
+        }
+
+
+def peak_breakdown(
+    joint: JointGraph,
+    saved: Iterable[Node],
+    mirrored: Iterable[Node],
+    *,
+    fusion: bool = False,
+    index: GraphIndex | None = None,
+) -> PeakBreakdown:
+    """Simulate the plan and sort what is alive at its peak into ``KINDS``.
+
+    Parameters are the primals that get a gradient; the other primals are inputs
+    (and buffers). ``op temporaries`` are bytes an op holds beyond its values (the
+    unread outputs of a multi-output op).
+    """
+    saved, mirrored = list(saved), list(mirrored)
+    index = index if index is not None else GraphIndex(joint)
+    first = simulate(joint, saved, mirrored, fusion=fusion, index=index)
+    sim = simulate(joint, saved, mirrored, fusion=fusion, index=index, live_at=first.peak_index)
+    kind_of = _kinds(joint, saved, mirrored, backward=sim.peak_phase == "backward")
+    by_kind = dict.fromkeys(KINDS, 0)
+    rows = []
+    for storage, nbytes in sim.live_storages.items():
+        kind = kind_of(storage)
+        by_kind[kind] += nbytes
+        rows.append((storage, kind, nbytes))
+    by_kind["op temporaries"] = max(sim.peak - sum(sim.live_storages.values()), 0)
+    rows.sort(key=lambda r: (-r[2], joint.order[r[0]]))
+    return PeakBreakdown(
+        peak=sim.peak, phase=sim.peak_phase, node=sim.peak_node, bytes_by_kind=by_kind, values=rows
+    )
+
+
+def _kinds(joint: JointGraph, saved: list[Node], mirrored: list[Node], *, backward: bool):
+    """storage -> its kind, for the storages alive at a peak in ``backward`` or not."""
+    out_args = list(next(n for n in joint.gm.graph.nodes if n.op == "output").args[0])
+    grads = out_args[joint.num_fwd_outputs :]
+    if len(grads) == len(joint.primals):
+        params = {p for p, g in zip(joint.primals, grads) if g is not None}
+    else:  # not AOTAutograd's layout: call every primal a parameter
+        params = set(joint.primals)
+    gradients = {joint.storage(g) for g in joint.bwd_outputs}
+    stashed = {joint.storage(s) for s in saved}
+    outputs = {joint.storage(o) for o in joint.fwd_outputs}
+    recomputed = set(mirrored)
+
+    def kind(storage: Node) -> str:
+        if storage.op == "placeholder":
+            if storage in joint.tangents:
+                return "backward temporaries"
+            return "parameters" if storage in params else "inputs"
+        if storage in gradients:
+            return "gradients"
+        if storage in outputs:
+            return "forward outputs"
+        if storage in stashed:
+            return "saved activations"
+        if storage in joint.forward_set:
+            return "recomputed" if backward and storage in recomputed else "forward temporaries"
+        return "backward temporaries"
+
+    return kind
+
+
+def _op(node: Node) -> str:
+    return op_name(node) if node.op == "call_function" else node.op
+
+
+def temporary_bytes(node: Node) -> int:
+    """Bytes ``node``'s op declares it allocates while it runs beyond its inputs and
+    outputs (``register_memory_formula``), from the fake values of its arguments; 0 for
+    an op that declares nothing."""
+    formula = memory_formula(node.target) if node.op == "call_function" else None
+    if formula is None:
+        return 0
+    args = [_fake(a) for a in node.args]
+    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    nbytes = formula(*args, **kwargs)
+    return (
+        _compat.optimization_hint(nbytes, fallback=0)
+        if isinstance(nbytes, torch.SymInt)
+        else int(nbytes)
+    )
+
+
+def _fake(a: object) -> object:
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fake(x) for x in a)
+    return a

@@ -19,18 +19,19 @@ backward read either saved or recomputed from saved values.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.fx import Node
 
+from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
+from mirrorgrad.options import MirrorOptions
 
-Mode = Literal["balance", "budget", "off"]
 # The lifetime repair stashes at most this many recomputed values, trying at most
 # REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
 MAX_REPAIR_TRIALS = 256
@@ -39,20 +40,25 @@ REPAIR_CANDIDATES = 4
 # in one step (larger steps are faster, smaller ones give budgets finer choices).
 MAX_BUDGET_TRIALS = 512
 MAX_CHUNK = 16
-MODES = ("balance", "budget", "off")
+# A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
+BUDGET_TOLERANCE = 0.05
+# The largest values alive at the peak that a plan's summary names.
+FLOOR_VALUES = 5
+
+
+class MirrorgradBudgetWarning(UserWarning):
+    """The plan's estimated peak misses the budget asked for; says what holds the floor."""
 
 
 class PlanError(RuntimeError):
     """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
 
 
-@dataclass(kw_only=True, slots=True)
-class PlanOptions:
-    mode: Mode = "balance"
-    # Peak budget in bytes, or (<= 1.0) a fraction of the unmirrored peak. Budget mode only.
-    budget: float | int | None = None
-    # Balance mode: most added time allowed, as a fraction of the estimated step time.
-    max_overhead: float = 0.05
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanOptions(MirrorOptions):
+    """The user's options (validated by ``MirrorOptions``) and what the planner learns
+    at compile time: the policy, the device, whether the backend fuses."""
+
     policy: MirrorPolicy | None = None
     # The accelerator's rates; by default looked up from the graph's device (rates_for).
     device: DeviceRates | None = None
@@ -60,16 +66,6 @@ class PlanOptions:
     # backward readers' kernels, and fused intermediates are never allocated. Set
     # False for backends that run each op on its own (backend="eager").
     fusion: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "budget" and self.budget is None:
-            raise ValueError("mode='budget' needs budget= (bytes, or a fraction <= 1.0)")
-        if self.budget is not None and not self.budget > 0:
-            raise ValueError(f"budget must be > 0 (bytes, or a fraction <= 1.0), got {self.budget}")
-        if not self.max_overhead >= 0:
-            raise ValueError(f"max_overhead must be >= 0, got {self.max_overhead}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +82,11 @@ class Plan:
     step_time_s: float
     mode: str
     budget_bytes: int | None = None
+    # Budget mode: whether the estimated peak is within BUDGET_TOLERANCE of the budget.
+    budget_met: bool | None = None
+    # What is alive at the estimated peak of this plan; when a budget is not met, the
+    # floor: what no mirroring can remove (parameters, gradients, inputs, ...).
+    floor: liveness.PeakBreakdown | None = field(default=None, repr=False)
     sizes: dict[Node, int] = field(default_factory=dict, repr=False)
 
     def _stashed(self) -> list[Node]:
@@ -109,7 +110,24 @@ class Plan:
             "added_flops": self.added_flops,
             "added_time_s": self.added_time_s,
             "step_time_s": self.step_time_s,
+            "budget_met": self.budget_met,
+            "floor": self.floor.to_dict() if self.floor is not None else None,
         }
+
+    def floor_summary(self) -> str:
+        """One line: the bytes alive at the estimated peak by kind, and the largest values."""
+        if self.floor is None:
+            return ""
+        kinds = ", ".join(
+            f"{kind} {_fmt(b)}" for kind, b in self.floor.bytes_by_kind.items() if b
+        )
+        largest = ", ".join(
+            f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.values[:FLOOR_VALUES]
+        )
+        return (
+            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds}; "
+            f"largest values: {largest}"
+        )
 
     def __str__(self) -> str:
         rows = [
@@ -136,6 +154,8 @@ class Plan:
         if self.budget_bytes is not None:
             met = "met" if self.peak_after <= self.budget_bytes else "NOT met"
             lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
+        if self.floor is not None:
+            lines.append(f"floor:          {self.floor_summary()}")
         return "\n".join(lines)
 
 
@@ -151,13 +171,6 @@ def _shape(n: Node) -> list | None:
     if isinstance(val, (tuple, list)):
         return [dims(v) for v in val]
     return dims(val)
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -242,7 +255,17 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
     sizes |= stash_sizes(joint, graph, chosen.partition.saved)
-    return Plan(
+    floor = liveness.peak_breakdown(
+        joint,
+        chosen.partition.saved + chosen.partition.saved_sym,
+        chosen.partition.mirrored,
+        fusion=options.fusion,
+        index=planner.index,
+    )
+    met = None
+    if budget_bytes is not None:
+        met = chosen.peak <= budget_bytes * (1 + BUDGET_TOLERANCE)
+    result = Plan(
         saved=chosen.partition.saved,
         saved_sym=chosen.partition.saved_sym,
         mirrored=chosen.partition.mirrored,
@@ -255,7 +278,22 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
         step_time_s=planner.step_time_s,
         mode=options.mode,
         budget_bytes=budget_bytes,
+        budget_met=met,
+        floor=floor,
         sizes=sizes,
+    )
+    if met is False:
+        warnings.warn(_budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
+    return result
+
+
+def _budget_message(p: Plan) -> str:
+    return (
+        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
+        f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
+        f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
+        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. Optimizer state and "
+        "anything outside the compiled graph come on top."
     )
 
 
@@ -285,6 +323,7 @@ class _Planner:
     ) -> None:
         self.joint, self.graph, self.rates, self.fusion = joint, graph, rates, fusion
         costs = StepCost(joint, rates, fusion=fusion)
+        self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
         self.recompute = {n: costs.run(n) for n in joint.forward}
 
@@ -295,7 +334,9 @@ class _Planner:
         partition = partition_for(self.joint, self.graph, units)
         available = partition.saved + partition.saved_sym
         try:
-            sim = liveness.simulate(self.joint, available, partition.mirrored, fusion=self.fusion)
+            sim = liveness.simulate(
+                self.joint, available, partition.mirrored, fusion=self.fusion, index=self.index
+            )
         except JointGraphError as e:
             raise PlanError(f"inconsistent partition: {e}") from e
         return _Candidate(
@@ -360,6 +401,7 @@ class _Planner:
                 p.mirrored,
                 live_at=current.peak_index,
                 fusion=self.fusion,
+                index=self.index,
             )
             if sim.peak_phase != "backward":
                 break

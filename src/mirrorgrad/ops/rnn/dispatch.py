@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from mirrorgrad import _compat
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
-from mirrorgrad.ops.rnn.op import EagerStack, triton_module
+from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, resolve_memory, triton_module
 
 IMPLS = ("auto", "triton", "reference", "cudnn")
 MEMORY = ("auto", *MEMORY_MODES)
@@ -116,36 +116,32 @@ def rnn(
     weights: torch.nn's flat order; hx [L*D,B,Hr]; cx [L*D,B,H] (lstm); lengths int64 [B]
     (any order) for padded variable-length batches. Dropout (p=``dropout``) applies
     between layers when ``training``. ``memory="auto"`` is "recompute" for an LSTM whose
-    gradients are needed (its stash is then cells only) and "stash" otherwise.
+    gradients are needed (its stash is then cells only) and "stash" otherwise; while
+    torch.compile traces, "auto" reaches the op, where ``mirrorgrad.compile``'s planner
+    may choose (``mirror/op_memory.py``), the same default otherwise.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if memory not in MEMORY:
-        raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if state_clip is not None and mode != "lstm":
-        raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
+    _check_arguments(x, mode, memory, impl, state_clip, proj_size > 0)
     p = float(dropout) if training and num_layers > 1 else 0.0
     tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
     grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
     need_saved = len(grad_inputs) > 0  # bool(list) does not trace in torch 2.11
-    if memory == "auto":
-        memory = "recompute" if mode == "lstm" and need_saved else "stash"
+    if memory == "auto" and not (need_saved and torch.compiler.is_compiling()):
+        # Under compile "auto" reaches the op: mirrorgrad's planner chooses (op_memory).
+        memory = resolve_memory(memory, mode) if need_saved else "stash"
     if lengths is not None:
         lengths = lengths.to(device=x.device, dtype=torch.int64)
 
+    if not torch.compiler.is_compiling() and _compat.needs_plain_autograd(tensors):
+        # Forward AD or a torch.func transform: the custom op has no rule for them.
+        y, h_n, c_n = differentiable_stack(
+            x, list(weights), hx, cx, lengths, _dropout_seed(p, x.device), mode, num_layers,
+            bidirectional, has_biases, proj_size, p, state_clip, "reference",
+        )  # fmt: skip
+        return y, h_n, c_n if mode == "lstm" else None
+
     def custom(chosen: str) -> Callable[[], tuple]:
         def call():
-            # Drawn from the default generator of x's device (torch.manual_seed reproduces
-            # masks) and kept there: a CPU seed would sync the host and, under
-            # torch.compile, put CPU kernels and a graph-breaking CPU tensor in the graph.
-            # Unused without dropout: left uninitialised (no fill kernel).
-            seed = (
-                torch.randint(0, 2**62, (), dtype=torch.int64, device=x.device)
-                if p > 0
-                else torch.empty((), dtype=torch.int64, device=x.device)
-            )
+            seed = _dropout_seed(p, x.device)
             config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
                       None if state_clip is None else list(state_clip), chosen)  # fmt: skip
             if need_saved and not torch.compiler.is_compiling():
@@ -165,7 +161,7 @@ def rnn(
 
     proj = proj_size > 0
     if impl == "auto":
-        if x.device.type != "cuda":
+        if x.device.type != "cuda" or x.shape[1] == 0:  # CPU, or an empty batch
             impl = "reference"
         else:
             # A custom op comes first: it is the pick while torch.compile traces (no timing).
@@ -177,14 +173,40 @@ def rnn(
                    num_layers, bidirectional, lengths is not None, memory, p > 0,
                    need_saved)  # fmt: skip
             impl = _choose_auto(key, candidates)
-    elif impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
+    return cudnn() if impl == "cudnn" else custom(impl)()
+
+
+def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, proj: bool):
+    """rnn()'s argument checks: ValueError for options, RuntimeError for an empty sequence."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if memory not in MEMORY:
+        raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if state_clip is not None and mode != "lstm":
+        raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
+    if impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
         raise ValueError(
             f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
             f"{x.device}: use impl='auto' or impl='reference'"
         )
-    elif impl == "cudnn" and state_clip is not None:
+    if impl == "cudnn" and state_clip is not None:
         raise ValueError("impl='cudnn' cannot clip the cell state: use impl='auto'")
-    return cudnn() if impl == "cudnn" else custom(impl)()
+    if x.shape[0] == 0:
+        raise RuntimeError(
+            "Expected sequence length to be larger than 0 in RNN: pass at least one step"
+        )
+
+
+def _dropout_seed(p: float, device: torch.device) -> Tensor:
+    """The op's dropout seed, drawn from the default generator of the input's ``device``
+    (torch.manual_seed reproduces masks) and kept there: a CPU seed would sync the host
+    and, under torch.compile, put CPU kernels and a CPU tensor (no CUDA Graphs) in the
+    graph. Never read when p == 0: left uninitialised (no fill kernel)."""
+    if p > 0:
+        return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device)
 
 
 def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:

@@ -29,8 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -330,6 +329,29 @@ def saved_layout(
     return []
 
 
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
+    and outputs: the pre-activations where they are not the stash, and per backward
+    chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
+    are left out."""
+    d = dtype.itemsize
+    gh = GATES[mode] * H
+    if not backward:
+        pre_is_saved = mode == "lstm" and memory == "stash"
+        return (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
+    rows = _chunk_steps(T, B) * B
+    dg = rows * gh * d * (2 if mode == "gru" else 1)
+    if memory == "stash" or mode.startswith("rnn"):
+        return dg
+    if mode == "lstm":
+        return rows * gh * d + dg
+    # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
+    pre = rows * 4 * H * d
+    return max(rows * H * d + 2 * rows * gh * d + pre, pre + dg)
+
+
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this GPU path runs ``mode`` for these tensors (no projection: reference path)."""
     device = torch.device(device)
@@ -421,15 +443,31 @@ class _FwdBuffers:
 
 
 def _fwd_buffers(
-    config: LoopConfig, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+    config: LoopConfig,
+    w: Tensor,
+    b_hh: Tensor | None,
+    lengths: Tensor | None,
+    workspace=None,
 ) -> _FwdBuffers:
+    """Buffers of one forward loop; ``workspace(name, make)``, when given, supplies those
+    that are not outputs (shared between captured loops of one config)."""
     gru, lstm = config.mode == "gru", config.mode == "lstm"
     gru_stash = gru and config.memory == "stash"
+    pre_is_stash = lstm and config.memory == "stash"
+
+    def scratch(name: str, make):
+        return make() if workspace is None else workspace(name, make)
+
+    def make_pre():
+        return config.empty(config.T, config.B, config.gh)
+
     return _FwdBuffers(
-        pre=config.empty(config.T, config.B, config.gh),
-        hh=config.empty(config.B, config.gh) if gru and not config.fused else None,
+        pre=make_pre() if pre_is_stash else scratch("pre", make_pre),
+        hh=scratch("hh", lambda: config.empty(config.B, config.gh))
+        if gru and not config.fused
+        else None,
         stash=config.empty(config.T, config.B, 4 * config.H) if gru_stash else None,
-        h=config.empty(2, config.B, config.H),
+        h=scratch("h", lambda: config.empty(2, config.B, config.H)),
         cells=config.empty(config.T + 1, config.B, config.H, dtype=torch.float32) if lstm else None,
         y=config.empty(config.T, config.B, config.H),
         lengths=lengths,
@@ -670,61 +708,77 @@ def layer_forward(
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     bias = _input_bias(mode, b_ih, b_hh)
     x2d = x.reshape(T * B, x.shape[2])
-    if _graphed(config, use_graph):
-        cap = graphs.captured(
-            (config, "fwd"),
-            config.device,
-            lambda: _fwd_buffers(
-                config,
-                w.clone(),
-                b_hh.clone() if b_hh is not None else None,
-                lengths.clone() if lengths is not None else None,
-            ),
-            lambda buf: _fwd_loop(config, buf),
-        )
-        buf = cap.buffers
-        buf.w.copy_(w)
-        if buf.b_hh is not None:
-            buf.b_hh.copy_(b_hh)
-        if buf.lengths is not None:
-            buf.lengths.copy_(lengths)
-    else:
-        cap = None
-        buf = _fwd_buffers(config, w, b_hh, lengths)
+    entry = _forward_entry(config, w, b_hh, lengths) if _graphed(config, use_graph) else None
+    buf = entry.buffers if entry is not None else _fwd_buffers(config, w, b_hh, lengths)
     _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
     buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
-    if cap is not None:
-        cap.graph.replay()
-        # The static buffers are overwritten by the next replay: hand out copies.
-        buf = _FwdBuffers(
-            pre=buf.pre.clone() if memory == "stash" and mode == "lstm" else buf.pre,
-            hh=None,
-            stash=buf.stash.clone() if buf.stash is not None else None,
-            h=_final_h(config, buf).clone(),
-            cells=buf.cells.clone() if buf.cells is not None else None,
-            y=buf.y.clone(),
-            lengths=lengths,
-            w=w,
-            b_hh=b_hh,
-        )
+    if entry is not None:
+        if buf.lengths is not None:
+            buf.lengths.copy_(lengths)
+        if config.fused:
+            buf.w.copy_(w)
+        entry.graph.replay()
+        # y, cells and the stash are handed out, as new views: the entry stays busy while
+        # any of them is referenced (graphs.py). h is shared workspace: copied.
+        h_n = _final_h(config, buf).clone()
+        buf = replace(buf, **{name: _alias(getattr(buf, name)) for name in _HANDED_OUT})
     else:
         _fwd_loop(config, buf)
-        buf.h = _final_h(config, buf)
+        h_n = _final_h(config, buf)
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    if mode == "lstm":
-        saved = (buf.pre, buf.cells) if memory == "stash" else (buf.cells,)
-    else:
-        saved = (buf.stash,) if buf.stash is not None else ()
-    return buf.y, buf.h, c_n, saved
+    return buf.y, h_n, c_n, _saved(config, buf)
+
+
+_HANDED_OUT = ("y", "pre", "stash", "cells")
+
+
+def _alias(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.view(t.shape)
+
+
+def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
+    """What ``layer_forward`` saves for backward (saved_layout)."""
+    if config.mode == "lstm":
+        return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
+    return (buf.stash,) if buf.stash is not None else ()
+
+
+def _forward_entry(
+    config: LoopConfig, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+) -> graphs.Entry | None:
+    """A captured forward loop whose outputs (y, cells, stash) are free to hand out.
+
+    W_hh and b_hh are read in place (their addresses are in the key); the transposed
+    copy of the fused path, the pre-activations where they are not the stash, the
+    hidden state and the lengths are per-config workspace."""
+
+    def shared(name: str, make):
+        return graphs.workspace(config, name, make)
+
+    def make() -> _FwdBuffers:
+        buf = _fwd_buffers(config, w, b_hh, lengths, workspace=shared)
+        if config.fused:
+            buf.w = shared("w", lambda: torch.empty_like(w))
+        if lengths is not None:
+            buf.lengths = shared("lengths", lambda: torch.empty_like(lengths))
+        return buf
+
+    def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
+        return (buf.y, *_saved(config, buf))
+
+    in_place = None if config.fused else w.data_ptr()
+    key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
+    return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
 
 
 def _recompute_pre(
     config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh, *, out: Tensor
-) -> Tensor:
+) -> None:
     """All pre-activations at once from x and h_{t-1} (= h0, then y), written into ``out``
-    [T,B,P]: no sequential step. Returns h_{t-1} of every step [T*B,H] (dW_hh's operand)."""
+    [T,B,P]: no sequential step. (The stacked h_{t-1} is freed here, not kept for dW_hh:
+    the op's declared temporaries (``workspace_bytes``) do not hold it past the recompute.)"""
     T, B, H = config.T, config.B, config.H
     n = T * B
     hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
@@ -732,7 +786,7 @@ def _recompute_pre(
     if config.mode != "gru":
         _input_gemm(x2d, w_ih, _input_bias(config.mode, b_ih, b_hh), pre)
         pre.addmm_(hprev, w_hh.t())
-        return hprev
+        return
     gi = config.empty(n, 3 * H)
     gh = config.empty(n, 3 * H)
     _input_gemm(x2d, w_ih, b_ih, gi)
@@ -740,22 +794,33 @@ def _recompute_pre(
     torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
     pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
     pre[:, 3 * H :] = gh[:, 2 * H :]
-    return hprev
 
 
 def _bwd_buffers(
-    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh, dc
+    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None
 ) -> _BwdBuffers:
+    """Buffers of one backward loop; ``workspace(config, name, make)``, when given,
+    supplies the gate gradients (shared between captured loops of one config)."""
+    lstm = config.mode == "lstm"
+
+    def gate_grads(name: str) -> Tensor:
+        def make():
+            return config.empty(config.T, config.B, config.gh)
+
+        return make() if workspace is None else workspace(config, f"bwd.{name}", make)
+
     return _BwdBuffers(
         pre=pre,
         cells=cells,
         h0=h0,
         y=y,
         dy=dy,
-        dh=dh,
-        dc=dc,
-        dg=config.empty(config.T, config.B, config.gh),
-        dgh=config.empty(config.T, config.B, config.gh) if config.mode == "gru" else None,
+        dh=dh if dh is not None else config.empty(config.B, config.H),
+        dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
+        if lstm
+        else None,
+        dg=gate_grads("dg"),
+        dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
     )
@@ -785,42 +850,46 @@ def _owned_state(config: LoopConfig, value: Tensor | None, dtype: torch.dtype) -
 
 
 def _bwd_chunk(
-    config: LoopConfig, fields: dict, recompute: bool, dh, dc, carried: bool, graphed: bool
-) -> tuple[_BwdBuffers, Callable[[], None]]:
-    """The buffers of one chunk's reverse loop and the call that runs it (updating
-    ``dg``, ``dgh``, ``dh``, ``dc`` of the buffers). ``recompute``: ``pre`` is left for
-    the caller to fill (else ``fields["pre"]`` holds it). dh, dc: the state gradients at
-    the chunk's last step, None for zeros; ``carried``: they are the previous chunk's
-    results, ours to overwrite. Graphed, the buffers are a captured loop's static ones:
-    the caller reads them (in stream order) before that loop runs again.
+    config: LoopConfig, fields: dict, recompute, dh, dc, carried: bool, graphed: bool
+) -> _BwdBuffers:
+    """Runs one chunk's reverse loop; returns its buffers (``dg``, ``dgh``, and ``dh``,
+    ``dc``: the state gradients at the chunk's first step). ``recompute(out=...)``, if
+    given, writes the pre-activations (else ``fields["pre"]`` holds them) straight into
+    the loop's buffer. dh, dc: the state gradients at the chunk's last step, None for
+    zeros; ``carried``: they are the previous chunk's results, ours to overwrite.
+    Graphed, the buffers are the captured loop's (shared per config): the caller reads
+    them (in stream order) before a loop of that config runs again.
     """
     lstm = config.mode == "lstm"
+    pre_width = config.stash_width
     if graphed:
-        key = (config, "bwd", fields["dy"] is not None)
-
-        def make():
-            static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
-            if recompute:
-                static["pre"] = config.empty(config.T, config.B, config.stash_width)
-            dc_buffer = config.empty(config.B, config.H, dtype=torch.float32) if lstm else None
-            return _bwd_buffers(config, **static, dh=config.empty(config.B, config.H), dc=dc_buffer)
-
-        cap = graphs.captured(key, config.device, make, lambda b: _bwd_loop(config, b))
-        buf = cap.buffers
-        for name, value in fields.items():
-            if value is not None:
-                getattr(buf, name).copy_(value)
+        if recompute is not None:
+            pre = graphs.workspace(
+                config, "bwd.pre", lambda: config.empty(config.T, config.B, pre_width)
+            )
+            fields = {**fields, "pre": pre}
+        entry, copied = _backward_entry(config, fields)
+        buf = entry.buffers
+        if recompute is not None:
+            recompute(out=buf.pre)
+        for name in copied:
+            if getattr(buf, name) is not fields[name]:
+                getattr(buf, name).copy_(fields[name])
         _set_state(buf.dh, dh)
         if lstm:
             _set_state(buf.dc, dc)
-        return buf, cap.graph.replay
-    if recompute:
-        fields = {**fields, "pre": config.empty(config.T, config.B, config.stash_width)}
+        entry.graph.replay()
+        return buf
+    if recompute is not None:  # before the gate gradients exist: a lower peak
+        pre = config.empty(config.T, config.B, pre_width)
+        recompute(out=pre)
+        fields = {**fields, "pre": pre}
     dh = dh if carried else _owned_state(config, dh, config.dtype)
     if lstm:
         dc = dc if carried else _owned_state(config, dc, torch.float32)
     buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None)
-    return buf, lambda: _bwd_loop(config, buf)
+    _bwd_loop(config, buf)
+    return buf
 
 
 def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
@@ -830,6 +899,46 @@ def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
 def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
     return a.sum(0) if total is None else total.add_(a.sum(0))
+
+
+def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, list[str]]:
+    """The captured backward loop for these inputs, and the names of the inputs to copy
+    into its buffers before each replay.
+
+    Outputs of a captured forward (stash, cells, y) and W_hh are read in place, their
+    addresses in the key; the rest (dy, h0, lengths, recomputed pre-activations) is
+    copied into per-config workspace, as are the gate gradients and state gradients."""
+    in_place = {
+        name: value.data_ptr()
+        for name, value in fields.items()
+        if isinstance(value, Tensor) and (name == "w_hh" or graphs.is_static(value))
+    }
+    copied = [n for n, v in fields.items() if isinstance(v, Tensor) and n not in in_place]
+
+    def make() -> _BwdBuffers:
+        def shared(name: str, value: Tensor) -> Tensor:
+            return graphs.workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
+
+        inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
+        dh = graphs.workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
+        dc = None
+        if config.mode == "lstm":
+            dc = graphs.workspace(
+                config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
+            )
+        return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=graphs.workspace)
+
+    key = (config, "bwd", tuple(sorted(in_place.items())), tuple(copied))
+    entry = graphs.acquire(
+        key,
+        config.device,
+        make,
+        lambda b: _bwd_loop(config, b),
+        lambda b: (),
+        reads_in_place=tuple(fields[n] for n in in_place if n != "w_hh"),
+    )
+    assert entry is not None  # a backward entry hands nothing out: it is always idle
+    return entry, copied
 
 
 @torch.no_grad()
@@ -886,7 +995,11 @@ def layer_backward(
         graphed = _graphed(chunk, use_graph)
         any_graphed |= graphed
         h_first = h0 if t0 == 0 else y[t0 - 1]
-        recompute = memory == "recompute" and not mode.startswith("rnn")
+        recompute = None
+        if memory == "recompute" and not mode.startswith("rnn"):
+            recompute = functools.partial(
+                _recompute_pre, chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh
+            )
         # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
         fields = dict(
             pre=saved[0][t0:t1] if memory == "stash" and not mode.startswith("rnn") else None,
@@ -897,13 +1010,7 @@ def layer_backward(
             w_hh=w_hh,
             lengths=lengths - t0 if lengths is not None else None,
         )
-        buf, run = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed)
-        hprev = None
-        if recompute:  # straight into the loop's buffer: no copy
-            hprev = _recompute_pre(
-                chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh, out=buf.pre
-            )
-        run()
+        buf = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed)
         dh, dc = buf.dh, buf.dc
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
@@ -916,22 +1023,21 @@ def layer_backward(
         if need_bhh:
             grad_bhh = _add_sum(grad_bhh, dgh)
         if need_whh:
-            grad_whh = _whh_grad(grad_whh, dgh, hprev, h0, y, t0, t1, B)
+            grad_whh = _whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
     # A static buffer is overwritten by the loop's next run: hand out a copy.
     grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
     return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
 
 
-def _whh_grad(total, dgh: Tensor, hprev: Tensor | None, h0: Tensor, y: Tensor, t0, t1, B):
+def _whh_grad(total, dgh: Tensor, h0: Tensor, y: Tensor, t0: int, t1: int, B: int) -> Tensor:
     """dW_hh of one chunk added to ``total``: dG_hidden^T @ h_{t-1} (h0 for step 0, then
-    y); one GEMM where the recompute already stacked h_{t-1}."""
-    if hprev is not None:
-        return _add_mm(total, dgh.t(), hprev)
+    y, read in place)."""
     first = 0
     if t0 == 0:
         total = _add_mm(total, dgh[:B].t(), h0)
         first = B
     if dgh.shape[0] > first:
-        total = _add_mm(total, dgh[first:].t(), y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1]))
+        hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
+        total = _add_mm(total, dgh[first:].t(), hprev)
     return total

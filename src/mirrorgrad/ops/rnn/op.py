@@ -11,13 +11,14 @@ one node. Which implementation runs is ``dispatch``'s decision.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
 
@@ -78,6 +79,15 @@ def _seed(kernels: ModuleType, seed: Tensor, dropout: float) -> Tensor | int:
     return seed
 
 
+def resolve_memory(memory: str, mode: str) -> str:
+    """The memory mode an op called with ``memory="auto"`` runs: recompute for an LSTM
+    (cells only: about 3x smaller stash for one extra GEMM), stash otherwise. Under
+    ``mirrorgrad.compile`` the planner rewrites "auto" to its own choice first."""
+    if memory != "auto":
+        return memory
+    return "recompute" if mode == "lstm" else "stash"
+
+
 def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     """How many tensors one layer-direction saves (shapes do not matter here)."""
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
@@ -103,22 +113,43 @@ def rnn_forward(
     need_saved: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
-    num_dirs = 2 if bidirectional else 1
     seed_value = _seed(kernels, seed, dropout)
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        return _dropout(kernels, layer_out, dropout, seed_value, layer)
+
+    return _stack(
+        kernels.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, memory, state_clip, need_saved,
+    )  # fmt: skip
+
+
+def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: Tensor | int, layer: int) -> Tensor:
+    """Dropout between layers (its own backward too); p = 1 gives zeros, as torch.nn."""
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    return kernels.dropout(x, p, seed, layer) if p > 0 else x
+
+
+def _stack(layer_forward: Callable, drop: Callable[[Tensor, int], Tensor], x, weights, hx, cx,
+           lengths, mode, num_layers, bidirectional, has_biases, proj_size, memory, state_clip,
+           need_saved):  # fmt: skip
+    """Layers x directions of ``layer_forward``, ``drop`` between layers: (y, h_n, c_n,
+    saved), saved holding each layer's saved tensors and every layer's output but the last."""
+    num_dirs = 2 if bidirectional else 1
     saved: list[Tensor] = []
     h_n, c_n = [], []
     layer_out = x
     for layer in range(num_layers):
-        layer_in = layer_out
-        if layer > 0 and dropout > 0:
-            layer_in = kernels.dropout(layer_out, dropout, seed_value, layer)
+        layer_in = drop(layer_out, layer) if layer > 0 else layer_out
         outs = []
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
             w = _layer_weights(weights, index, has_biases, proj_size)
             xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
-            y, h, c, layer_saved = kernels.layer_forward(
+            y, h, c, layer_saved = layer_forward(
                 mode, xin.contiguous(), hx[index].contiguous(),
                 None if cx is None else cx[index].contiguous(), *w,
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
@@ -135,8 +166,29 @@ def rnn_forward(
     return layer_out, torch.stack(h_n), c_out, saved
 
 
+def differentiable_stack(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                         has_biases, proj_size, dropout, state_clip, impl):  # fmt: skip
+    """The stack in plain PyTorch ops (the reference layers), differentiable at every
+    order and under forward AD and torch.func transforms: (y, h_n, c_n or empty).
+
+    The dropout masks are ``impl``'s own (drawn on a tensor of ones), so a forward that ran
+    ``impl`` and this recomputation agree."""
+    kernels = _kernels(impl)
+    seed_value = _seed(kernels, seed, dropout)
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        ones = torch.ones(layer_out.shape, dtype=layer_out.dtype, device=layer_out.device)
+        return layer_out * _dropout(kernels, ones, dropout, seed_value, layer)
+
+    y, h_n, c_n, _ = _stack(
+        reference.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, "recompute", state_clip, False,
+    )  # fmt: skip
+    return y, h_n, c_n
+
+
 @rnn_forward.register_fake
-def _rnn_forward_fake(
+def rnn_forward_fake(
     x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional, has_biases, proj_size,
     dropout, memory, state_clip, impl, need_saved,
 ):  # fmt: skip
@@ -144,7 +196,7 @@ def _rnn_forward_fake(
     num_dirs = 2 if bidirectional else 1
     H = weights[1].shape[0] // GATES[mode]
     Hr = hx.shape[-1]
-    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, x.dtype)
+    layout = _kernels(impl).saved_layout(mode, resolve_memory(memory, mode), T, B, H, x.dtype)
     saved = []
     if need_saved:
         for layer in range(num_layers):
@@ -184,6 +236,7 @@ def rnn_backward(
 
     needs_input_grad: [x, hx, cx, *weights].
     """
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
     n_w = _weights_per_layer(has_biases, proj_size)
@@ -215,8 +268,7 @@ def rnn_backward(
         layer_in = x
         if layer > 0:
             layer_in = layer_outputs[layer - 1]
-            if dropout > 0:
-                layer_in = kernels.dropout(layer_in, dropout, seed_value, layer)
+            layer_in = _dropout(kernels, layer_in, dropout, seed_value, layer)
         grad_in = None
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
@@ -250,8 +302,8 @@ def rnn_backward(
                 # Both are fresh tensors of this loop: sum in place, no third [T,B,I].
                 grad_in = gx if grad_in is None else grad_in.add_(gx)
         grad_out = grad_in
-        if layer > 0 and dropout > 0 and grad_out is not None:
-            grad_out = kernels.dropout(grad_out, dropout, seed_value, layer)
+        if layer > 0 and grad_out is not None:
+            grad_out = _dropout(kernels, grad_out, dropout, seed_value, layer)
 
     def stacked(grads: list[Tensor | None]) -> Tensor:
         return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
@@ -323,6 +375,9 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     cx = extra.pop(0) if ctx.has_cx else None
     lengths = extra.pop(0) if ctx.has_lengths else None
     cfg = ctx.config
+    if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable backward
+        inputs = (x, weights, hx, cx, lengths, seed)
+        return _differentiable_backward(inputs, cfg, (grad_y, grad_hn, grad_cn), needs)
     grad_x, grad_hx, grad_cx, grad_w = torch.ops.mirrorgrad.rnn_backward(
         grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
         cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
@@ -335,6 +390,27 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
         grad_cx if need_cx else None,
         [g if n else None for g, n in zip(grad_w, need_w)],
     )
+
+
+def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool]):
+    """The backward recomputed through ``differentiable_stack`` with a graph of its own, for
+    higher-order gradients: same return as _stack_backward."""
+    x, weights, hx, cx, lengths, seed = inputs
+    wanted = [t for t, n in zip([x, hx, cx, *weights], needs) if n]
+    outputs = differentiable_stack(
+        x, list(weights), hx, cx, lengths, seed, cfg["mode"], cfg["num_layers"],
+        cfg["bidirectional"], cfg["has_biases"], cfg["proj_size"], cfg["dropout"],
+        cfg["state_clip"], cfg["impl"],
+    )  # fmt: skip
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    computed = iter(())
+    if pairs and wanted:
+        computed = iter(torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs],
+            create_graph=True, allow_unused=True,
+        ))  # fmt: skip
+    result = [next(computed, None) if n else None for n in needs]
+    return result[0], result[1], result[2], result[3:]
 
 
 def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):
@@ -402,5 +478,77 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
                         *args, out_val=None, **kwargs) -> int:  # fmt: skip
     """Data and weight gradients: twice the forward; recompute adds one forward's GEMMs."""
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
-    recomputes = memory == "recompute" and mode in ("lstm", "gru")
+    recomputes = resolve_memory(memory, mode) == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
+
+
+def _stack_shape(x, weights, hx, mode):
+    """(T, B, I, H, Hr, bytes per element) of a stack call."""
+    T, B, n_in = x.shape
+    return T, B, n_in, weights[1].shape[0] // GATES[mode], hx.shape[-1], x.dtype.itemsize
+
+
+def layer_saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
+    """Bytes of one layer-direction's own saved tensors."""
+    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, dtype)
+    return sum(dt.itemsize * torch.Size(shape).numel() for shape, dt in layout)
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_layers,
+                                 bidirectional, has_biases, proj_size, dropout, memory,
+                                 state_clip, impl, need_saved) -> int:  # fmt: skip
+    """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
+    workspace beside its dropped-out input, the previous layer's output and the stash
+    where nothing is saved, a bidirectional layer's reversed input and its directions'
+    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d  # one direction's output
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
+    state = (3 if mode == "lstm" else 2) * B * H * d
+    peak = 0
+    for layer in range(num_layers):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = layer_in if layer > 0 and dropout > 0 else 0
+        if not need_saved:
+            held += D * layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
+            held += layer_in if layer > 0 else 0  # the previous output: not saved
+            held += D * unit if layer < num_layers - 1 else 0  # this one, the same
+        if D == 2:
+            held += layer_in + unit + max(work + unit, 2 * unit)
+        else:
+            held += work
+        peak = max(peak, held + (layer + 1) * D * state)
+    return peak
+
+
+@register_memory_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed,
+                                  y, saved, mode, num_layers, bidirectional, has_biases,
+                                  proj_size, dropout, memory, state_clip, impl,
+                                  needs_input_grad) -> int:  # fmt: skip
+    """Peak of one layer at a time, from the top: the gradient flowing in and the one
+    flowing out (but the op's own grad_x), the recomputed dropout of the layer input,
+    the layer's workspace, and a bidirectional layer's reversed input, output and output
+    gradient and both directions' input gradients."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
+    peak = 0
+    for layer in reversed(range(num_layers)):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = D * unit if layer < num_layers - 1 else 0  # gradient from above
+        held += layer_in if layer > 0 and dropout > 0 else 0  # recomputed dropout
+        grad_in = layer_in if layer > 0 else 0  # the op's grad_x at layer 0
+        if D == 2:
+            held += 2 * unit + layer_in + grad_in + max(work + layer_in, 2 * layer_in)
+        else:
+            held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
+        peak = max(peak, held)
+    return peak

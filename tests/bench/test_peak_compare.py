@@ -1,0 +1,68 @@
+"""peak_compare: the estimate-only mode on the CPU, and the replay of an allocator
+history (a hand-written snapshot, as torch.cuda.memory._snapshot returns it)."""
+
+import json
+
+from mirrorgrad.bench import peak_compare
+
+P, W, G, A1, A2, A3 = 0, 1024, 1536, 2560, 4608, 8704
+
+
+def _snapshot() -> dict:
+    # Before the recording: a parameter P and a workspace W. Forward: A1 (saved), A2
+    # (a temporary); backward: A3 (a temporary, the peak), then the gradient G.
+    trace = [
+        {"action": "alloc", "addr": A1, "size": 2048},
+        {"action": "alloc", "addr": A2, "size": 4096},
+        {"action": "free_completed", "addr": A2, "size": 4096},
+        {"action": "alloc", "addr": A3, "size": 8192},
+        {"action": "free_completed", "addr": A3, "size": 8192},
+        {"action": "alloc", "addr": G, "size": 1024},
+        {"action": "free_completed", "addr": A1, "size": 2048},
+    ]
+    blocks = [
+        {"size": 1024, "state": "active_allocated"},
+        {"size": 512, "state": "active_allocated"},
+        {"size": 1024, "state": "active_allocated"},
+        {"size": 16384, "state": "inactive"},
+    ]
+    return {"segments": [{"device": 0, "address": 0, "blocks": blocks}], "device_traces": [trace]}
+
+
+def test_replay_finds_the_peak_and_what_is_alive_there():
+    peak, at, blocks = peak_compare._replay(_snapshot(), 0)
+    assert (peak, at) == (1024 + 512 + 2048 + 8192, 3)
+    assert blocks == {P: (1024, -1), W: (512, -1), A1: (2048, 0), A3: (8192, 3)}
+
+
+def test_classify_sorts_the_peak_into_rows():
+    marks = {"forward": 3, "backward": 7}
+    pointers = {"parameters": {P}, "gradients": {G}}
+    measured = peak_compare._classify(_snapshot(), 0, marks, pointers)
+    rows = {k: v for k, v in measured["by_row"].items() if v}
+    assert rows == {
+        "parameters": 1024,
+        "workspace": 512,
+        "saved activations": 2048,
+        "backward temporaries": 8192,
+    }
+    assert measured["phase"] == "backward" and measured["peak"] == sum(rows.values())
+
+
+def test_match_pairs_blocks_with_values_of_the_same_rounded_size():
+    measured = [{"row": "backward temporaries", "bytes": 8192}, {"row": "inputs", "bytes": 2048}]
+    estimated = [{"name": "mm", "row": "backward temporaries", "bytes": 8000}]
+    estimated.append({"name": "tiny", "row": "inputs", "bytes": 100})
+    missed, extra = peak_compare._match(measured, estimated)
+    assert missed == [measured[1]] and [v["name"] for v in extra] == ["tiny"]
+
+
+def test_cpu_mode_reports_the_estimate(tmp_path, capsys):
+    argv = ["--quick", "--workloads", "mlp", "--plans", "balance", "--out", str(tmp_path)]
+    assert peak_compare.main(argv) == 0
+    (result,) = json.loads((tmp_path / "peak_compare.json").read_text())
+    est = result["estimated"]
+    assert "measured" not in result and result["device"] == "cpu"
+    assert sum(est["by_row"].values()) == est["peak"] > 0
+    assert est["by_row"]["parameters"] > 0 and est["by_row"]["gradients"] > 0
+    assert "mlp / balance on cpu" in capsys.readouterr().out
