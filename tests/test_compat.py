@@ -54,6 +54,7 @@ def test_graph_reorder_helpers_take_a_graph_module():
 def test_compile_fx_takes_model_and_example_inputs():
     params = list(inspect.signature(_compat.compile_fx).parameters)
     assert params[:2] == ["model_", "example_inputs_"]
+    assert "config_patches" in params  # patches the lazily compiled backward too
 
 
 def test_joint_graph_role_helpers():
@@ -122,6 +123,30 @@ def test_inductor_decompositions_decompose_batch_norm():
 
     table = _compat.inductor_decompositions()
     assert torch.ops.aten._native_batch_norm_legit_functional.default in table
+
+
+def test_cudagraph_trees_warming_up_reads_the_tree_manager_state():
+    """The trees' per-thread containers, their manager and its warm-up state, as Inductor
+    keeps them (a manager is made by hand: the real one needs a GPU)."""
+    import torch
+    from torch._inductor import cudagraph_trees as trees
+
+    device = torch.device("cuda", 0)
+    containers = trees.get_obj(trees.local, "tree_manager_containers")
+    assert torch._C._is_key_in_tls("tree_manager_containers")
+    assert 0 not in containers
+    assert not _compat.cudagraph_trees_warming_up(device)
+    container = trees.TreeManagerContainer(0)
+    manager = object.__new__(trees.CUDAGraphTreeManager)
+    manager.path_state = trees.ExecutionState.WARMUP
+    container.tree_manager = manager
+    containers[0] = container
+    try:
+        assert _compat.cudagraph_trees_warming_up(device)
+        manager.path_state = trees.ExecutionState.EXECUTION
+        assert not _compat.cudagraph_trees_warming_up(device)
+    finally:
+        del containers[0]
 
 
 def test_inductor_setting_names_hold_the_torch_compile_options():

@@ -128,6 +128,23 @@ def without_autograd_cache():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
+# --- Inductor's CUDA Graph trees (used by ops/rnn/graphs.py) ----------------------------
+def cudagraph_trees_warming_up(device: torch.device) -> bool:
+    """Whether Inductor's CUDA Graph trees are warming up a graph on ``device`` (in this
+    thread): that eager run allocates from the trees' private memory pool, where a kernel
+    must neither capture a graph of its own nor cache buffers. False where Inductor's
+    trees were never imported or made no manager for the device."""
+    import sys
+
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or not torch._C._is_key_in_tls("tree_manager_containers"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    container = trees.get_obj(trees.local, "tree_manager_containers").get(index)
+    manager = container.tree_manager if container is not None else None
+    return manager is not None and manager.in_warmup
+
+
 # --- Dynamo's tracing context (used by compiler.py's first-call guard) -------------------
 def tracing_context():
     """The ``torch._guards.TracingContext`` of the compile in progress (None outside one)."""
@@ -181,6 +198,7 @@ __all__ = [
     "aot_module_simplified",
     "boxed_nop",
     "compile_fx",
+    "cudagraph_trees_warming_up",
     "default_partition",
     "eager_backward_compile",
     "extract_fwd_bwd_modules",

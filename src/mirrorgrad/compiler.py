@@ -332,7 +332,13 @@ def _warn_fallback(cause: str) -> None:
 def _compile_min_cut(
     gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    with _compat.without_autograd_cache(), _compat.inductor_config.patch(settings):
+    # The backward compiles now too, inside the patch (options such as triton.cudagraphs
+    # would miss a backward compiled at the first backward call, after this returns).
+    with (
+        _compat.without_autograd_cache(),
+        _compat.inductor_config.patch(settings),
+        _compat.eager_backward_compile(),
+    ):
         return _compat.compile_fx(gm, example_inputs)
 
 

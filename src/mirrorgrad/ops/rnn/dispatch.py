@@ -69,11 +69,14 @@ def _choose_auto(
 
     While torch.compile traces, the first candidate (the fused custom op) is taken
     untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
-    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13)."""
+    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13). So is it while
+    a CUDA Graph is captured (timing would synchronize), without caching the pick."""
     if torch.compiler.is_compiling():
         return next(iter(candidates))
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return next(iter(candidates))
     if len(candidates) == 1:
         choice = next(iter(candidates))
     else:
@@ -131,14 +134,14 @@ def rnn(
     if not torch.compiler.is_compiling() and _compat.needs_plain_autograd(tensors):
         # Forward AD or a torch.func transform: the custom op has no rule for them.
         y, h_n, c_n = differentiable_stack(
-            x, list(weights), hx, cx, lengths, _dropout_seed(p), mode, num_layers,
+            x, list(weights), hx, cx, lengths, _dropout_seed(p, x.device), mode, num_layers,
             bidirectional, has_biases, proj_size, p, state_clip, "reference",
         )  # fmt: skip
         return y, h_n, c_n if mode == "lstm" else None
 
     def custom(chosen: str) -> Callable[[], tuple]:
         def call():
-            seed = _dropout_seed(p)
+            seed = _dropout_seed(p, x.device)
             config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
                       None if state_clip is None else list(state_clip), chosen)  # fmt: skip
             if need_saved and not torch.compiler.is_compiling():
@@ -197,12 +200,14 @@ def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, p
         )
 
 
-def _dropout_seed(p: float) -> Tensor:
-    """The op's dropout seed, drawn from torch's default generator (so torch.manual_seed
-    reproduces masks); no draw when p == 0."""
+def _dropout_seed(p: float, device: torch.device) -> Tensor:
+    """The op's dropout seed, drawn from the default generator of the input's ``device``
+    (torch.manual_seed reproduces masks) and kept there: a CPU seed would sync the host
+    and, under torch.compile, put CPU kernels and a CPU tensor (no CUDA Graphs) in the
+    graph. Never read when p == 0: left uninitialised (no fill kernel)."""
     if p > 0:
-        return torch.randint(0, 2**62, (), dtype=torch.int64)
-    return torch.zeros((), dtype=torch.int64)
+        return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+    return torch.empty((), dtype=torch.int64, device=device)
 
 
 def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:

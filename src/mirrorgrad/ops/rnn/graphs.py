@@ -68,9 +68,13 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
-    """Whether to capture: on CUDA outside another capture; ``requested`` (None: when
-    the loop's largest buffer has at most GRAPH_MAX_ELEMENTS elements)."""
+    """Whether to capture: on CUDA outside another capture and outside the warm-up of
+    Inductor's CUDA Graph trees (which run the loop plainly, then capture it in theirs);
+    ``requested`` (None: when the loop's largest buffer has at most GRAPH_MAX_ELEMENTS
+    elements)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    if _compat.cudagraph_trees_warming_up(device):
         return False
     if requested is not None:
         return requested

@@ -26,6 +26,8 @@ from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -67,7 +69,8 @@ def _tile(ptr, rows, cols, mask, width, offset):
     )
 
 
-@triton.jit
+# One compile for every step: Triton would specialise t on its divisibility by 16.
+@triton.jit(do_not_specialize=["t"])
 def _rnn_fwd_kernel(
     pre_ptr,  # [B, G*H] input-side pre-activations of step t (split lstm/rnn: hidden part added)
     hh_ptr,  # split gru: [B, 3H] hidden side W_hh h + b_hh
@@ -185,7 +188,8 @@ def _rnn_fwd_kernel(
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
 
 
-@triton.jit
+# One compile for every step: Triton would specialise t on its divisibility by 16.
+@triton.jit(do_not_specialize=["t"])
 def _rnn_bwd_kernel(
     pre_ptr,  # [B, P] pre-activations of step t (stash layout)
     cprev_ptr,  # lstm: [B, H] fp32 c_{t-1}
@@ -298,11 +302,12 @@ def _rnn_bwd_kernel(
 
 
 @triton.jit
-def _dropout_kernel(x_ptr, out_ptr, n, p, seed, offset, BLOCK: tl.constexpr):
+def _dropout_kernel(x_ptr, out_ptr, n, p, seed_ptr, offset, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # [BLOCK]
     mask = idx < n
     x = tl.load(x_ptr + idx, mask=mask, other=0.0)
-    keep = tl.rand(seed, offset + idx) >= p
+    # The seed is read on the device: no host sync, and CUDA Graphs replay fresh seeds.
+    keep = tl.rand(tl.load(seed_ptr), offset + idx) >= p
     out = tl.where(keep, x.to(tl.float32) / (1.0 - p), 0.0)
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -354,20 +359,26 @@ def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device 
     return mode in MODES and not proj and dtype in _DTYPES and on_device
 
 
-def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
+def dropout(x: Tensor, p: float, seed: Tensor | int, offset: int = 0) -> Tensor:
     """Inverted dropout with a Philox mask drawn in-kernel from (seed, offset + index).
 
-    The mask is never stored: the backward is ``dropout(grad, p, seed, offset)``.
+    ``seed``: a 0-dim int64 tensor, read by the kernel (on ``x``'s device: no host sync);
+    an int is copied to one. The mask is never stored: the backward is
+    ``dropout(grad, p, seed, offset)``.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability has to be in [0, 1), got {p}")
     if p == 0.0:
         return x.clone()
+    if not isinstance(seed, Tensor):
+        seed = torch.tensor(seed, dtype=torch.int64, device=x.device)
+    elif seed.device != x.device:
+        seed = seed.to(x.device)
     src = x.contiguous()
     out = torch.empty_like(src)
     n = src.numel()
     _dropout_kernel[(triton.cdiv(n, _BLOCK),)](
-        src, out, n, float(p), int(seed), int(offset), BLOCK=_BLOCK
+        src, out, n, float(p), seed, int(offset), BLOCK=_BLOCK
     )
     return out
 
@@ -632,20 +643,39 @@ def _default_fused(B: int) -> bool:
 def _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> LoopConfig:
     T, B, _ = x.shape
     tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return LoopConfig(
-        mode=mode,
-        T=T,
-        B=B,
-        H=w_hh.shape[1],
-        dtype=x.dtype,
-        device=x.device,
-        has_lengths=lengths is not None,
-        clip=tuple(float(v) for v in state_clip) if state_clip is not None else None,
-        memory=memory,
-        has_bias=b_ih is not None or b_hh is not None,
-        fused=_default_fused(B) if fused is None else fused,
-        precision="tf32" if tf32 else "ieee",
+    return _config(
+        mode,
+        T,
+        B,
+        w_hh.shape[1],
+        x.dtype,
+        x.device,
+        lengths is not None,
+        tuple(float(v) for v in state_clip) if state_clip is not None else None,
+        memory,
+        b_ih is not None or b_hh is not None,
+        _default_fused(B) if fused is None else fused,
+        "tf32" if tf32 else "ieee",
     )
+
+
+# One object per configuration: building and hashing a frozen dataclass on every call
+# costs host time that a launch-bound loop pays in full.
+@functools.lru_cache(maxsize=1024)
+def _config(mode, T, B, H, dtype, device, has_lengths, clip, memory, has_bias, fused, precision):
+    return LoopConfig(mode=mode, T=T, B=B, H=H, dtype=dtype, device=device,
+                      has_lengths=has_lengths, clip=clip, memory=memory, has_bias=has_bias,
+                      fused=fused, precision=precision)  # fmt: skip
+
+
+def _with_steps(config: LoopConfig, T: int) -> LoopConfig:
+    """``config`` for a chunk of T steps."""
+    if T == config.T:
+        return config
+    return _config(*(T if name == "T" else getattr(config, name) for name in _CONFIG_FIELDS))
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(LoopConfig))
 
 
 @torch.no_grad()
@@ -744,26 +774,26 @@ def _forward_entry(
 
 
 def _recompute_pre(
-    config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh
-) -> Tensor:
-    """All pre-activations at once from x and h_{t-1} (= h0, then y): no sequential step."""
+    config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh, *, out: Tensor
+) -> None:
+    """All pre-activations at once from x and h_{t-1} (= h0, then y), written into ``out``
+    [T,B,P]: no sequential step. (The stacked h_{t-1} is freed here, not kept for dW_hh:
+    the op's declared temporaries (``workspace_bytes``) do not hold it past the recompute.)"""
     T, B, H = config.T, config.B, config.H
     n = T * B
     hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
+    pre = out.view(n, out.shape[-1])
     if config.mode != "gru":
-        pre = config.empty(n, config.gh)
         _input_gemm(x2d, w_ih, _input_bias(config.mode, b_ih, b_hh), pre)
         pre.addmm_(hprev, w_hh.t())
-        return pre.view(T, B, config.gh)
+        return
     gi = config.empty(n, 3 * H)
     gh = config.empty(n, 3 * H)
     _input_gemm(x2d, w_ih, b_ih, gi)
     _input_gemm(hprev, w_hh, b_hh, gh)
-    pre = config.empty(n, 4 * H)
     torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
     pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
     pre[:, 3 * H :] = gh[:, 2 * H :]
-    return pre.view(T, B, 4 * H)
 
 
 def _bwd_buffers(
@@ -803,27 +833,72 @@ def _chunk_steps(T: int, B: int) -> int:
     return -(-T // chunks)
 
 
+def _set_state(buffer: Tensor, value: Tensor | None) -> None:
+    """A running state gradient's start: zeros (None), or ``value`` unless it is already
+    ``buffer`` (carried over from the previous chunk of the same graph)."""
+    if value is None:
+        buffer.zero_()
+    elif value is not buffer:
+        buffer.copy_(value)
+
+
+def _owned_state(config: LoopConfig, value: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """A running state gradient of our own to update in place (the caller's is read only)."""
+    if value is None:
+        return torch.zeros(config.B, config.H, dtype=dtype, device=config.device)
+    return value.to(dtype, copy=True, memory_format=torch.contiguous_format)
+
+
 def _bwd_chunk(
-    config: LoopConfig, fields: dict, dh: Tensor, dc: Tensor | None, use_graph: bool | None
-) -> tuple[Tensor, Tensor]:
-    """Reverse loop over one chunk; updates dh, dc in place; returns (dG, hidden-side dG)."""
-    if _graphed(config, use_graph):
+    config: LoopConfig, fields: dict, recompute, dh, dc, carried: bool, graphed: bool
+) -> _BwdBuffers:
+    """Runs one chunk's reverse loop; returns its buffers (``dg``, ``dgh``, and ``dh``,
+    ``dc``: the state gradients at the chunk's first step). ``recompute(out=...)``, if
+    given, writes the pre-activations (else ``fields["pre"]`` holds them) straight into
+    the loop's buffer. dh, dc: the state gradients at the chunk's last step, None for
+    zeros; ``carried``: they are the previous chunk's results, ours to overwrite.
+    Graphed, the buffers are the captured loop's (shared per config): the caller reads
+    them (in stream order) before a loop of that config runs again.
+    """
+    lstm = config.mode == "lstm"
+    pre_width = config.stash_width
+    if graphed:
+        if recompute is not None:
+            pre = graphs.workspace(
+                config, "bwd.pre", lambda: config.empty(config.T, config.B, pre_width)
+            )
+            fields = {**fields, "pre": pre}
         entry, copied = _backward_entry(config, fields)
-        static = entry.buffers
+        buf = entry.buffers
+        if recompute is not None:
+            recompute(out=buf.pre)
         for name in copied:
-            getattr(static, name).copy_(fields[name])
-        static.dh.copy_(dh)
-        if dc is not None:
-            static.dc.copy_(dc)
+            if getattr(buf, name) is not fields[name]:
+                getattr(buf, name).copy_(fields[name])
+        _set_state(buf.dh, dh)
+        if lstm:
+            _set_state(buf.dc, dc)
         entry.graph.replay()
-        dh.copy_(static.dh)
-        if dc is not None:
-            dc.copy_(static.dc)
-        # Read by the GEMMs below before the next replay overwrites them (stream order).
-        return static.dg, static.dgh if static.dgh is not None else static.dg
-    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc)
+        return buf
+    if recompute is not None:  # before the gate gradients exist: a lower peak
+        pre = config.empty(config.T, config.B, pre_width)
+        recompute(out=pre)
+        fields = {**fields, "pre": pre}
+    dh = dh if carried else _owned_state(config, dh, config.dtype)
+    if lstm:
+        dc = dc if carried else _owned_state(config, dc, torch.float32)
+    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None)
     _bwd_loop(config, buf)
-    return buf.dg, buf.dgh if buf.dgh is not None else buf.dg
+    return buf
+
+
+def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """total + a @ b; a @ b alone for the first chunk (no zero-filled accumulator)."""
+    return torch.mm(a, b) if total is None else total.addmm_(a, b)
+
+
+def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
+    return a.sum(0) if total is None else total.add_(a.sum(0))
 
 
 def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, list[str]]:
@@ -902,37 +977,32 @@ def layer_backward(
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
     config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
-    T, B, H, gh = config.T, config.B, config.H, config.gh
+    T, B, gh = config.T, config.B, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
     y = y.contiguous()
     dy = grad_y.contiguous() if grad_y is not None else None
     cells = saved[-1] if mode == "lstm" else None
     grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
-    grad_wih = torch.zeros_like(w_ih) if need_wih else None
-    grad_whh = torch.zeros_like(w_hh) if need_whh else None
-    grad_bih = torch.zeros_like(b_ih) if need_bih else None
-    grad_bhh = torch.zeros_like(b_hh) if need_bhh else None
-    dh = config.empty(B, H)
-    _init_grad(dh, grad_hn)
-    dc = config.empty(B, H, dtype=torch.float32) if mode == "lstm" else None
-    if dc is not None:
-        _init_grad(dc, grad_cn)
+    grad_wih = grad_whh = grad_bih = grad_bhh = None
+    dh, dc = grad_hn, grad_cn if mode == "lstm" else None
+    any_graphed = False
     steps = _chunk_steps(T, B)
     for t1 in range(T, 0, -steps):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
-        chunk = replace(config, T=n)
+        chunk = _with_steps(config, n)
+        graphed = _graphed(chunk, use_graph)
+        any_graphed |= graphed
         h_first = h0 if t0 == 0 else y[t0 - 1]
-        if mode.startswith("rnn"):
-            pre = None
-        elif memory == "stash":
-            pre = saved[0][t0:t1]
-        else:
-            pre = _recompute_pre(chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh)
+        recompute = None
+        if memory == "recompute" and not mode.startswith("rnn"):
+            recompute = functools.partial(
+                _recompute_pre, chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh
+            )
         # Only gru's kernel reads h_{t-1} and only rnn's reads y_t: copy no more into a graph.
         fields = dict(
-            pre=pre,
+            pre=saved[0][t0:t1] if memory == "stash" and not mode.startswith("rnn") else None,
             cells=cells[t0 : t1 + 1] if cells is not None else None,
             h0=h_first if mode == "gru" else None,
             y=y[t0:t1] if mode != "lstm" else None,
@@ -940,32 +1010,34 @@ def layer_backward(
             w_hh=w_hh,
             lengths=lengths - t0 if lengths is not None else None,
         )
-        dg, dgh = _bwd_chunk(chunk, fields, dh, dc, use_graph)
-        dg, dgh = dg.view(n * B, gh), dgh.view(n * B, gh)
+        buf = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed)
+        dh, dc = buf.dh, buf.dc
+        dg = buf.dg.view(n * B, gh)
+        dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
         if need_x:
             torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
         if need_wih:
-            grad_wih.addmm_(dg.t(), x2d[rows])
+            grad_wih = _add_mm(grad_wih, dg.t(), x2d[rows])
         if need_bih:
-            grad_bih += dg.sum(0)
+            grad_bih = _add_sum(grad_bih, dg)
         if need_bhh:
-            grad_bhh += dgh.sum(0)
+            grad_bhh = _add_sum(grad_bhh, dgh)
         if need_whh:
-            # h_{t-1} of the chunk's steps: h0 for step 0, then y.
-            first = 0
-            if t0 == 0:
-                grad_whh.addmm_(dgh[:B].t(), h0)
-                first = B
-            if n * B > first:
-                hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
-                grad_whh.addmm_(dgh[first:].t(), hprev)
-    grad_h0 = dh if need_h0 else None
+            grad_whh = _whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
+    # A static buffer is overwritten by the loop's next run: hand out a copy.
+    grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
     return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
 
 
-def _init_grad(buffer: Tensor, grad: Tensor | None) -> None:
-    if grad is None:
-        buffer.zero_()
-    else:
-        buffer.copy_(grad)
+def _whh_grad(total, dgh: Tensor, h0: Tensor, y: Tensor, t0: int, t1: int, B: int) -> Tensor:
+    """dW_hh of one chunk added to ``total``: dG_hidden^T @ h_{t-1} (h0 for step 0, then
+    y, read in place)."""
+    first = 0
+    if t0 == 0:
+        total = _add_mm(total, dgh[:B].t(), h0)
+        first = B
+    if dgh.shape[0] > first:
+        hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
+        total = _add_mm(total, dgh[first:].t(), hprev)
+    return total

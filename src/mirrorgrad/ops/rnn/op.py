@@ -70,6 +70,15 @@ def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
     return None if state_clip is None else (state_clip[0], state_clip[1])
 
 
+def _seed(kernels: ModuleType, seed: Tensor, dropout: float) -> Tensor | int:
+    """The dropout seed as ``kernels.dropout`` takes it: the Triton kernels read the tensor
+    on the device (no host sync, CUDA Graph safe); the reference layer seeds a generator
+    with an int. Without dropout the seed is never read (and left uninitialised)."""
+    if kernels is reference:
+        return int(seed.item()) if dropout > 0 else 0
+    return seed
+
+
 def resolve_memory(memory: str, mode: str) -> str:
     """The memory mode an op called with ``memory="auto"`` runs: recompute for an LSTM
     (cells only: about 3x smaller stash for one extra GEMM), stash otherwise. Under
@@ -106,7 +115,7 @@ def rnn_forward(
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
     memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
-    seed_value = int(seed.item())
+    seed_value = _seed(kernels, seed, dropout)
 
     def drop(layer_out: Tensor, layer: int) -> Tensor:
         return _dropout(kernels, layer_out, dropout, seed_value, layer)
@@ -117,7 +126,7 @@ def rnn_forward(
     )  # fmt: skip
 
 
-def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: int, layer: int) -> Tensor:
+def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: Tensor | int, layer: int) -> Tensor:
     """Dropout between layers (its own backward too); p = 1 gives zeros, as torch.nn."""
     if p >= 1.0:
         return torch.zeros_like(x)
@@ -165,7 +174,7 @@ def differentiable_stack(x, weights, hx, cx, lengths, seed, mode, num_layers, bi
     The dropout masks are ``impl``'s own (drawn on a tensor of ones), so a forward that ran
     ``impl`` and this recomputation agree."""
     kernels = _kernels(impl)
-    seed_value = int(seed.item())
+    seed_value = _seed(kernels, seed, dropout)
 
     def drop(layer_out: Tensor, layer: int) -> Tensor:
         ones = torch.ones(layer_out.shape, dtype=layer_out.dtype, device=layer_out.device)
@@ -233,7 +242,7 @@ def rnn_backward(
     n_w = _weights_per_layer(has_biases, proj_size)
     need_x, need_hx, need_cx = needs_input_grad[:3]
     need_w = needs_input_grad[3:]
-    seed_value = int(seed.item())
+    seed_value = _seed(kernels, seed, dropout)
     Hr = hx.shape[-1]
     if mode != "lstm":
         grad_cn = None

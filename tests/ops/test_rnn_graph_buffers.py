@@ -1,0 +1,43 @@
+"""The captured-loop path of the Triton layer on CPU (conftest's ``cpu_graphs``: a replay
+reruns the loop on the same buffers, as a real graph would): the state gradients that
+start in, and are carried across backward chunks through, the loops' shared buffers,
+and the recompute written straight into them."""
+
+import pytest
+import torch
+from tests.ops.test_rnn_kernels import KERNELS, _check_layer
+
+from mirrorgrad.ops.rnn import kernels
+
+
+@KERNELS
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_replayed_loops_match_the_oracle(mode, memory, fused, cpu_graphs, monkeypatch):
+    """Twice (the second call replays with new values), with backward chunks of 2, 2 and
+    1 steps: the first two share one config (the state gradient stays in its buffers),
+    the last has buffers of its own."""
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
+    for _ in range(2):
+        _check_layer(mode, memory=memory, lengths=[2, 5, 1], fused=fused, t=5)
+    assert cpu_graphs, "the loops ran captured"
+
+
+def test_results_are_not_static_buffers(cpu_graphs):
+    """What a call returns survives the next call (which reruns the same graphs)."""
+    g = kernels.GATES["lstm"]
+    x, h0, c0 = torch.randn(3, 2, 4), torch.randn(2, 5), torch.randn(2, 5)
+    w = (torch.randn(g * 5, 4), torch.randn(g * 5, 5), torch.randn(g * 5), torch.randn(g * 5))
+
+    def run(scale):
+        inputs = (x * scale, h0, c0, *w, None)
+        y, h_n, c_n, saved = kernels.layer_forward("lstm", *inputs, memory="recompute")
+        grads = kernels.layer_backward(
+            "lstm", saved, *inputs, y, torch.ones_like(y), h_n, c_n, memory="recompute"
+        )
+        return [t.clone() for t in (y, h_n, c_n, *grads[:7])], [y, h_n, c_n, *grads[:7]]
+
+    first, kept = run(1.0)
+    run(2.0)
+    for copy, result in zip(first, kept):
+        torch.testing.assert_close(result, copy)
