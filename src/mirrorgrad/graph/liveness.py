@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
-from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
+from mirrorgrad.graph.fusion import (
+    INLINE_READERS,
+    REALIZE_ACC_READS,
+    fusible_reader,
+    is_pointwise,
+)
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
 
 
@@ -281,8 +286,16 @@ class _Simulator:
             for a in inputs[n]:
                 last_use[a] = pos
         if self.fusion:
+            # Per phase: a value computed in registers in the forward pass may be
+            # written to memory when it is recomputed for an extern backward kernel.
+            self.virtual = bytearray(len(ix.nodes))
             for s in _fused_away(ix, schedule, keep):
                 self.virtual[s] = 1
+            _extend_reads_of_inlined(ix, schedule, last_use, self.virtual)
+        dies_at: list[list[int]] = [[] for _ in schedule]
+        for a, pos in last_use.items():
+            if not keep[a]:
+                dies_at[pos].append(a)
         alive, refs, virtual = self.alive, self.refs, self.virtual
         scheduled = bytearray(len(ix.nodes))
         for n in schedule:
@@ -307,7 +320,7 @@ class _Simulator:
             event_bytes.append(live + transient)
             if start + pos == self.live_at:
                 self._snapshot()
-            dead = [a for a in inputs[n] if last_use[a] == pos and not keep[a]]
+            dead = dies_at[pos]
             if produced is None and n not in last_use and not keep[n]:
                 dead.append(n)
             for v in dead:
@@ -330,11 +343,29 @@ class _Simulator:
         ]
 
 
+def _extend_reads_of_inlined(
+    ix: GraphIndex, schedule: list[int], last_use: dict[int, int], virtual: bytearray
+) -> None:
+    """An inlined value is computed inside the kernels of its readers: the values it
+    reads are read there too, so they live until its last reader has run."""
+    inputs, storage = ix.inputs, ix.storage
+    for pos in range(len(schedule) - 1, -1, -1):
+        n = schedule[pos]
+        if not virtual[storage[n]]:
+            continue
+        end = last_use.get(n, pos)
+        for a in inputs[n]:
+            if last_use[a] < end:
+                last_use[a] = end
+
+
 def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
     read by at most a few pointwise ops or reductions (through views), never by an
-    extern kernel."""
+    extern kernel. A chain whose code would read more than ``REALIZE_ACC_READS``
+    buffers is written out there (Inductor's realize_acc_reads_threshold), which ends
+    the lifetimes of the buffers it read (a gradient summed over many steps)."""
     size = len(ix.nodes)
     inputs, storage, view, fusible = ix.inputs, ix.storage, ix.view, ix.fusible
     direct = [0] * size  # non-view readers of each storage
@@ -351,12 +382,21 @@ def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[in
     for i in range(size):
         if keep[i]:
             kept[storage[i]] = 1
-    pointwise = ix.pointwise
-    return [
-        n
-        for n in schedule
-        if pointwise[n] and not kept[n] and direct[n] <= INLINE_READERS and not unfusible[n]
-    ]
+    pointwise, nbytes = ix.pointwise, ix.nbytes
+    reads: dict[int, set[int]] = {}  # inlined value -> the buffers its code reads
+    for n in schedule:
+        if not pointwise[n] or kept[n] or direct[n] > INLINE_READERS or unfusible[n]:
+            continue
+        buffers: set[int] = set()
+        for a in inputs[n]:
+            s = storage[a]
+            if s in reads:
+                buffers |= reads[s]
+            elif nbytes[s]:
+                buffers.add(s)
+        if len(buffers) <= REALIZE_ACC_READS:
+            reads[n] = buffers
+    return list(reads)
 
 
 # What holds memory at a peak, in the categories a memory snapshot is read in.

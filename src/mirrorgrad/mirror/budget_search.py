@@ -40,6 +40,8 @@ REPAIR_CANDIDATES = 4
 # in one step (larger steps are faster, smaller ones give budgets finer choices).
 MAX_BUDGET_TRIALS = 512
 MAX_CHUNK = 16
+# Units the final pruning tries to un-mirror (one liveness simulation each).
+PRUNE_TRIALS = 16
 MODES = ("balance", "budget", "off")
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
@@ -501,8 +503,24 @@ class _Planner:
         candidates = [*path, *self._trimmed_balance()]
         feasible = [c for c in candidates if c.peak <= budget_bytes]
         if feasible:
-            return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
+            return self._prune(min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash)))
         return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
+
+    def _prune(self, chosen: _Candidate) -> _Candidate:
+        """Un-mirror units that cost time and do not lower the peak, costliest first.
+
+        A chunk of the adding search takes in units that pay nothing at the peak
+        (recomputing a LayerNorm's statistics to free 4 KiB). The peak never rises,
+        so a lower budget still never gets a higher peak. Only where the budget is
+        met: short of it, among equal peaks the smaller stash is the headroom.
+        """
+        units = set(chosen.units)
+        ranked = self._costliest_first(units, set(chosen.partition.mirrored))
+        for unit in ranked[:PRUNE_TRIALS]:
+            trial = self.evaluate(set(chosen.units) - {unit})
+            if trial.peak <= chosen.peak and trial.added_time_s < chosen.added_time_s:
+                chosen = trial
+        return chosen
 
     def _adding_path(
         self, before: _Candidate, *, last_resort: bool, cap_s: float = float("inf")
