@@ -202,20 +202,13 @@ def simulate(
     sim = _Simulator(ix, live_at, fusion)
     for p in ix.primals:
         sim.hold(p)
-    size = len(ix.nodes)
-    keep = bytearray(size)
-    for i in (*saved_ids, *ix.fwd_outputs, *ix.primals):
-        keep[i] = 1
-    sim.run(fwd, keep)
+    sim.run(fwd, [*saved_ids, *ix.fwd_outputs, *ix.primals])
     turn = sim.live_bytes
     forward_events = len(sim.event_bytes)
     sim.release_unread(saved_ids, bwd)
     for t in ix.tangents:
         sim.hold(t)
-    keep = bytearray(size)
-    for i in (*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals):
-        keep[i] = 1
-    sim.run(bwd, keep)
+    sim.run(bwd, [*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals])
     nodes = [ix.nodes[i] for i in sim.event_nodes]
     if not nodes:
         return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn)
@@ -278,9 +271,12 @@ class _Simulator:
             if s not in read and s not in kept:
                 self.drop(s)
 
-    def run(self, schedule: list[int], keep: bytearray) -> None:
+    def run(self, schedule: list[int], keep_ids: list[int]) -> None:
         ix = self.ix
         inputs, storage, nbytes, getitems = ix.inputs, ix.storage, ix.nbytes, ix.getitems
+        keep = bytearray(len(ix.nodes))
+        for i in keep_ids:
+            keep[i] = 1
         last_use: dict[int, int] = {}
         for pos, n in enumerate(schedule):
             for a in inputs[n]:
@@ -289,13 +285,13 @@ class _Simulator:
             # Per phase: a value computed in registers in the forward pass may be
             # written to memory when it is recomputed for an extern backward kernel.
             self.virtual = bytearray(len(ix.nodes))
-            for s in _fused_away(ix, schedule, keep):
+            for s in _fused_away(ix, schedule, keep_ids):
                 self.virtual[s] = 1
             _extend_reads_of_inlined(ix, schedule, last_use, self.virtual)
-        dies_at: list[list[int]] = [[] for _ in schedule]
+        dies_at: dict[int, list[int]] = {}
         for a, pos in last_use.items():
             if not keep[a]:
-                dies_at[pos].append(a)
+                dies_at.setdefault(pos, []).append(a)
         alive, refs, virtual = self.alive, self.refs, self.virtual
         scheduled = bytearray(len(ix.nodes))
         for n in schedule:
@@ -303,26 +299,35 @@ class _Simulator:
         live = self.live_bytes
         start = len(self.event_bytes)
         event_nodes, event_bytes = self.event_nodes, self.event_bytes
+        snapshot_at = self.live_at - start
         for pos, n in enumerate(schedule):
-            transient = 0
             produced = getitems.get(n)
-            held = [g for g in produced if scheduled[g]] if produced is not None else (n,)
-            for v in held:
-                if not alive[v]:
-                    alive[v] = 1
-                    s = storage[v]
+            if produced is None:
+                transient = 0
+                if not alive[n]:
+                    alive[n] = 1
+                    s = storage[n]
                     refs[s] += 1
                     if refs[s] == 1 and not virtual[s]:
                         live += nbytes[s]
-            if produced is not None:
+            else:
+                # A multi-output op allocates all its outputs; those nobody reads die at once.
+                held = [g for g in produced if scheduled[g]]
+                for v in held:
+                    if not alive[v]:
+                        alive[v] = 1
+                        s = storage[v]
+                        refs[s] += 1
+                        if refs[s] == 1 and not virtual[s]:
+                            live += nbytes[s]
                 transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
             event_nodes.append(n)
             event_bytes.append(live + transient)
-            if start + pos == self.live_at:
+            if pos == snapshot_at:
                 self._snapshot()
-            dead = dies_at[pos]
+            dead = dies_at.get(pos, ())
             if produced is None and n not in last_use and not keep[n]:
-                dead.append(n)
+                dead = [*dead, n]
             for v in dead:
                 if alive[v]:
                     alive[v] = 0
@@ -330,7 +335,6 @@ class _Simulator:
                     refs[s] -= 1
                     if refs[s] == 0 and not virtual[s]:
                         live -= nbytes[s]
-            self.live_bytes = live
         self.live_bytes = live
 
     def _snapshot(self) -> None:
@@ -359,7 +363,7 @@ def _extend_reads_of_inlined(
                 last_use[a] = end
 
 
-def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[int]:
+def _fused_away(ix: GraphIndex, schedule: list[int], keep_ids: list[int]) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
     read by at most a few pointwise ops or reductions (through views), never by an
@@ -379,9 +383,8 @@ def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[in
             if not fusible[n]:
                 unfusible[s] = 1
     kept = bytearray(size)
-    for i in range(size):
-        if keep[i]:
-            kept[storage[i]] = 1
+    for i in keep_ids:
+        kept[storage[i]] = 1
     pointwise, nbytes = ix.pointwise, ix.nbytes
     reads: dict[int, set[int]] = {}  # inlined value -> the buffers its code reads
     for n in schedule:
