@@ -124,6 +124,18 @@ def test_inductor_decompositions_decompose_batch_norm():
     assert torch.ops.aten._native_batch_norm_legit_functional.default in table
 
 
+def test_inductor_setting_names_hold_the_torch_compile_options():
+    names = _compat.inductor_setting_names()
+    assert {"max_autotune", "triton.cudagraphs", "custom_partitioner_fn"} <= names
+
+
+def test_eager_backward_compile_patches_the_functorch_config():
+    assert _compat.functorch_config.force_non_lazy_backward_lowering is False
+    with _compat.eager_backward_compile():
+        assert _compat.functorch_config.force_non_lazy_backward_lowering is True
+    assert _compat.functorch_config.force_non_lazy_backward_lowering is False
+
+
 def test_memory_history_functions_take_what_peak_compare_passes():
     import torch
 
@@ -132,3 +144,50 @@ def test_memory_history_functions_take_what_peak_compare_passes():
         assert name in params, f"torch changed _record_memory_history: no {name!r}"
     assert callable(torch.cuda.memory._snapshot)
     assert callable(_compat.record_memory_history) and callable(_compat.memory_snapshot)
+
+
+def test_let_dynamo_trace_modules_lifts_the_rnn_refusal_for_those_classes_only():
+    import pytest
+    import torch
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    import mirrorgrad.nn  # registers mirrorgrad's RNN classes
+
+    assert hasattr(VariableBuilder.wrap_module, "_mirrorgrad_classes")
+
+    def step(rnn, x):
+        return rnn(x)[0]
+
+    x = torch.randn(3, 2, 4)
+    torch._dynamo.reset()
+    ours = mirrorgrad.nn.GRU(4, 5)
+    torch.compile(step, fullgraph=True, backend="eager")(ours, x)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"RNN, GRU, (or LSTM|LSTMs)"):
+        torch.compile(step, fullgraph=True, backend="eager")(torch.nn.GRU(4, 5), x)
+
+
+def test_needs_plain_autograd_sees_functorch_transforms_and_dual_tensors():
+    import torch
+    import torch.autograd.forward_ad as fwad
+
+    x = torch.randn(3)
+    assert not _compat.needs_plain_autograd([x])
+    seen = []
+    torch.func.vmap(lambda t: seen.append(_compat.needs_plain_autograd([t])) or t)(x[None])
+    torch.func.jvp(lambda t: seen.append(_compat.needs_plain_autograd([t])) or t, (x,), (x,))
+    assert seen == [True, True]
+    with fwad.dual_level():
+        assert not _compat.needs_plain_autograd([x])
+        assert _compat.needs_plain_autograd([x, fwad.make_dual(x, torch.ones(3))])
+
+
+def test_storage_use_count_sees_views_and_their_release():
+    import torch
+
+    t = torch.zeros(4)
+    alone = _compat.storage_use_count(t)
+    view = t[1:]
+    assert _compat.storage_use_count(t) == alone + 1
+    del view
+    assert _compat.storage_use_count(t) == alone

@@ -178,7 +178,10 @@ def test_compile_a_function():
         ({"mode": "fast"}, "mode"),
         ({"backend": "tvm"}, "choose one of inductor, eager"),
         ({"mode": "budget"}, "needs budget="),
-        ({"mode": "budget", "budget": -1}, "budget must be > 0"),
+        ({"mode": "budget", "budget": -1}, "finite and > 0"),
+        ({"mode": "budget", "budget": "abc"}, "a fraction of the unmirrored peak"),
+        ({"mode": "budget", "budget": 1.5}, "neither a fraction"),
+        ({"mode": "balance", "budget": 0.5}, "only used by mode='budget'"),
         ({"max_overhead": -0.1}, "max_overhead"),
         ({"backend": "eager", "options": {"max_autotune": True}}, "backend='inductor'"),
     ],
@@ -332,3 +335,115 @@ def test_explain_leaves_dynamo_room_for_the_users_compile():
     step = mirrorgrad.compile(Block(), backend="eager", fullgraph=True)
     step(torch.randn(4, 8)).backward()
     assert len(step._mirrorgrad_plans) == 1
+
+
+def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
+    # Inductor raising on the plan's backward must be caught while compiling (the backward
+    # compiles with the forward), then min-cut takes over: one warning, eager's gradients.
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from mirrorgrad import compiler
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    real_compile_fx = _compat.compile_fx
+
+    def reject_the_plans_backward(gm, inputs, **kwargs):
+        if kwargs.get("is_backward") and isinstance(
+            _compat.inductor_config.custom_partitioner_fn, MirrorPartitioner
+        ):
+            raise RuntimeError("injected: query: last dimension must be contiguous")
+        return compile_fx_inner(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(
+        compiler._compat,
+        "compile_fx",
+        lambda gm, inputs: real_compile_fx(gm, inputs, inner_compile=reject_the_plans_backward),
+    )
+    reference, inputs = build("mlp")
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="balance")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(compiled, inputs)
+        step(compiled, inputs, seed=2)
+    step(reference, inputs)
+    step(reference, inputs, seed=2)
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "Inductor rejected the plan" in message and "last dimension must be" in message
+    assert compiled._mirrorgrad_plans == []
+    assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def _dropout_batchnorm_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.GELU(),
+        torch.nn.Dropout(0.5), torch.nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def test_plan_failing_at_run_time_falls_back_once(monkeypatch):
+    # A planned forward that raises inside its compiled code (issue 18's attention layout)
+    # must not end the run: the call is run again by min-cut's code, with the RNG state
+    # and the BatchNorm statistics it changed before raising undone, so the step equals
+    # torch.compile's own (same dropout masks, statistics updated once).
+    from mirrorgrad import compiler
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    real_compile_fx = _compat.compile_fx
+    planned_calls = []
+
+    def fail_after_running(compiled):
+        def run(*args):
+            planned_calls.append(1)
+            compiled(*args)  # draws dropout, updates BatchNorm statistics
+            raise RuntimeError("injected: query: last dimension must be contiguous")
+
+        return run
+
+    def compile_fx(gm, inputs):
+        compiled = real_compile_fx(gm, inputs)
+        planned = isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
+        return fail_after_running(compiled) if planned else compiled
+
+    monkeypatch.setattr(compiler._compat, "compile_fx", compile_fx)
+    reference = _dropout_batchnorm_net()
+    model = copy.deepcopy(reference)
+    compiled = mirrorgrad.compile(model, mode="balance")
+    expected = torch.compile(reference)
+    x = torch.randn(32, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (1, 2):
+            step(compiled, (x,), seed=seed)
+            step(expected, (x,), seed=seed)
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "failed on its first call" in message and "last dimension must be" in message
+    assert len(planned_calls) == 1  # the second step ran min-cut's code directly
+    assert compiled._mirrorgrad_plans == []
+    assert_same_training_state(model, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_plan_running_fine_keeps_its_code(monkeypatch):
+    # The guard's bookkeeping stops after a first call that succeeds.
+    from mirrorgrad import compiler
+
+    undo_logs = []
+    real_before = compiler._UndoLog.before
+
+    def counting_before(*args, **kwargs):
+        undo_logs.append(1)
+        return real_before(*args, **kwargs)
+
+    monkeypatch.setattr(compiler._UndoLog, "before", counting_before)
+    model = _dropout_batchnorm_net()
+    compiled = mirrorgrad.compile(model, mode="balance")
+    with no_fallback():
+        for seed in (1, 2, 3):
+            step(compiled, (torch.randn(32, 8),), seed=seed)
+    assert len(undo_logs) == 1
+    assert len(compiled._mirrorgrad_plans) == 1

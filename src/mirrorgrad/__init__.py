@@ -2,7 +2,9 @@
 
 Public API:
 - ``mirrorgrad.compile(model, mode=...)``: torch.compile with the mirror planner.
-- ``mirrorgrad.backend(...)``: the planner as a ``torch.compile`` backend.
+- ``mirrorgrad.backend(...)``: the planner as a ``torch.compile`` backend; once
+  installed, also ``torch.compile(model, backend="mirrorgrad", options={...})``.
+- ``mirrorgrad.MirrorOptions``: the planner's options (mode, budget, overhead cap).
 - ``mirrorgrad.explain(model, *inputs)``: the plan, printable and JSON-able.
 - ``mirrorgrad.mark(module, mirror=...)``: per-module override of the policy.
 - ``mirrorgrad.nn``: drop-in ``LSTM``, ``GRU``, ``RNN``.
@@ -12,8 +14,12 @@ Public API:
 from __future__ import annotations
 
 import importlib
+from importlib import metadata
 
-__version__ = "0.1.0"
+try:
+    __version__ = metadata.version("mirrorgrad")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 # Imported on first use: `import mirrorgrad` stays cheap and a CLI subcommand loads
 # only what it needs.
@@ -22,6 +28,7 @@ _LAZY = {
     "backend": ("mirrorgrad.compiler", "backend"),
     "explain": ("mirrorgrad.compiler", "explain"),
     "mark": ("mirrorgrad.mirror.policy", "mark"),
+    "MirrorOptions": ("mirrorgrad.options", "MirrorOptions"),
     "MirrorgradFallbackWarning": ("mirrorgrad.mirror.partition", "MirrorgradFallbackWarning"),
     "MirrorgradBudgetWarning": ("mirrorgrad.mirror.budget_search", "MirrorgradBudgetWarning"),
     "nn": ("mirrorgrad.nn", None),

@@ -36,6 +36,11 @@ INDUCTOR_PARTITIONER_CONFIG = "custom_partitioner_fn"
 # torch.compile(mode="max-autotune", ...) -> the Inductor settings that mode stands for.
 inductor_mode_options = torch._inductor.list_mode_options
 
+
+def inductor_setting_names() -> set[str]:
+    """The names ``torch.compile(options={...})`` accepts as Inductor settings."""
+    return set(inductor_config.get_config_copy())
+
 # --- Joint-graph node roles and sizes (used by graph/joint.py) ---------------------------
 from torch._functorch._aot_autograd.utils import _is_primal as is_primal  # noqa: E402
 from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent  # noqa: E402
@@ -73,11 +78,25 @@ def activation_memory_budget(fraction: float):
     return functorch_config.patch(activation_memory_budget=fraction)
 
 
-# --- torch's own RNN functions (used by ops/rnn/op.py for impl="cudnn") -------------------
+# --- torch's own RNN functions (used by ops/rnn/dispatch.py for impl="cudnn") -------------------
 def vf_rnn(mode: str):
     """``torch._VF.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu``: what torch.nn's RNN
     modules call (cuDNN on CUDA); ``mode`` is mirrorgrad's lower-case mode name."""
     return getattr(torch._VF, mode)
+
+
+# --- AOTAutograd's backward compile (used by compiler.py) -------------------------------
+def eager_backward_compile():
+    """Context manager: AOTAutograd compiles the backward with the forward instead of at
+    the first backward call (``force_non_lazy_backward_lowering``), and raises its errors."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+# --- storage references (used by ops/rnn/graphs.py) -------------------------------------
+def storage_use_count(t: torch.Tensor) -> int:
+    """How many references (tensors, views, storage objects) hold ``t``'s storage; the
+    same private counter cudagraph_trees reads to know whether an output is still alive."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 # --- AOTAutograd's cache (used by compiler.py) ----------------------------------------
@@ -85,6 +104,32 @@ def without_autograd_cache():
     """Context manager: AOTAutograd's cache off, so every compile runs the partitioner (a
     hit would skip it, and its plan); Inductor's FX graph cache of the code stays on."""
     return functorch_config.patch(enable_autograd_cache=False)
+
+
+# --- Dynamo's tracing context (used by compiler.py's first-call guard) -------------------
+def tracing_context():
+    """The ``torch._guards.TracingContext`` of the compile in progress (None outside one)."""
+    return torch._guards.TracingContext.try_get()
+
+
+def tracing(context):
+    """Context manager: ``context`` is the current tracing context again (a compile
+    after the original one returned sees the same fake mode, shapes and metadata)."""
+    return torch._guards.tracing(context)
+
+
+def mutated_input_indices(context, num_inputs: int) -> list[int] | None:
+    """Positions of the compiled graph's inputs that its forward mutates (BatchNorm's
+    running statistics), from AOTAutograd's metadata; None where that metadata is
+    missing or does not line up with the ``num_inputs`` inputs."""
+    metadata = getattr(context, "fw_metadata", None)
+    if metadata is None or len(metadata.input_info) != num_inputs:
+        return None
+    return [
+        i
+        for i, info in enumerate(metadata.input_info)
+        if info.mutates_data or info.mutates_metadata
+    ]
 
 
 # --- The CUDA allocator's history (used by bench/peak_compare.py) ------------------------
@@ -113,22 +158,67 @@ __all__ = [
     "boxed_nop",
     "compile_fx",
     "default_partition",
+    "eager_backward_compile",
     "extract_fwd_bwd_modules",
     "functorch_config",
     "get_hash_for_files",
     "inductor_config",
     "inductor_decompositions",
     "inductor_mode_options",
+    "inductor_setting_names",
     "is_primal",
     "is_tangent",
     "memory_snapshot",
     "min_cut_rematerialization_partition",
     "must_be_in_backward",
+    "mutated_input_indices",
     "op_schema",
     "optimization_hint",
     "raise_getitems",
     "record_memory_history",
     "reordering_to_mimic_autograd_engine",
+    "storage_use_count",
+    "tracing",
+    "tracing_context",
     "vf_rnn",
     "without_autograd_cache",
 ]
+
+
+# --- Dynamo and RNN modules (used by nn/rnn.py) -------------------------------------------
+def let_dynamo_trace_modules(classes: tuple[type, ...]) -> None:
+    """Let Dynamo trace instances of ``classes`` (subclasses of torch.nn.LSTM/GRU/RNN).
+
+    Dynamo's ``VariableBuilder.wrap_module`` refuses every torch.nn.RNN/GRU/LSTM instance
+    unless ``torch._dynamo.config.allow_rnn`` is set, which would also make it trace
+    torch.nn's own RNNs. This lifts the refusal for ``classes`` only, while one is wrapped.
+    """
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.variables.builder import VariableBuilder
+
+    original = VariableBuilder.wrap_module
+    if hasattr(original, "_mirrorgrad_classes"):  # patched already: widen the set
+        original._mirrorgrad_classes += tuple(classes)
+        return
+
+    def wrap_module(self, value):
+        if isinstance(value, wrap_module._mirrorgrad_classes):
+            with dynamo_config.patch(allow_rnn=True):
+                return original(self, value)
+        return original(self, value)
+
+    wrap_module._mirrorgrad_classes = tuple(classes)
+    VariableBuilder.wrap_module = wrap_module
+
+
+# --- Forward AD and torch.func transforms (used by ops/rnn/dispatch.py) -------------------
+def needs_plain_autograd(tensors) -> bool:
+    """True while a torch.func transform (grad, vmap, jvp, ...) is active, or forward AD
+    has a dual tensor among ``tensors``: then only plain PyTorch ops are differentiable."""
+    import torch.autograd.forward_ad as fwad
+
+    if torch._C._functorch.maybe_current_level() is not None:
+        return True
+    if fwad._current_level < 0:  # no dual_level() context open
+        return False
+    return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)

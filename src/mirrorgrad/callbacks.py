@@ -6,7 +6,7 @@ Usable from any training loop::
     for step in range(1, steps + 1):
         ...
         logger.on_train_step(step, {"loss": loss.item(), "lr": lr, "samples_per_s": s})
-    logger.on_validation(step, {"loss": val_loss, "perplexity": math.exp(val_loss)})
+    logger.on_validation(step, {"loss": val_loss})  # perplexity = exp(loss) is added
     logger.close()
 
 With PyTorch Lightning installed, ``logger.as_lightning_callback()`` returns a
@@ -15,13 +15,14 @@ With PyTorch Lightning installed, ``logger.as_lightning_callback()`` returns a
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from mirrorgrad.train.metrics import perplexity
 
 __all__ = ["Callback", "TensorBoardLogger"]
 
@@ -102,7 +103,7 @@ class TensorBoardLogger(Callback):
             return
         scalars = {k if "/" in k else f"train/{k}": v for k, v in metrics.items()}
         if "train/loss" in scalars and "train/perplexity" not in scalars:
-            scalars["train/perplexity"] = _perplexity(scalars["train/loss"])
+            scalars["train/perplexity"] = perplexity(scalars["train/loss"])
         scalars.update(_device_memory_mib(self.device))
         self._write(step, scalars)
 
@@ -111,7 +112,7 @@ class TensorBoardLogger(Callback):
             return
         scalars = {f"validation/{k}": v for k, v in metrics.items()}
         if "validation/loss" in scalars and "validation/perplexity" not in scalars:
-            scalars["validation/perplexity"] = _perplexity(scalars["validation/loss"])
+            scalars["validation/perplexity"] = perplexity(scalars["validation/loss"])
         self._write(step, scalars)
         self._writer.flush()
 
@@ -127,10 +128,6 @@ class TensorBoardLogger(Callback):
     def as_lightning_callback(self) -> Any:
         """A ``lightning.pytorch.Callback`` that feeds this logger (needs ``lightning``)."""
         return _lightning_adapter()(self)
-
-
-def _perplexity(loss: float) -> float:
-    return math.exp(min(float(loss), 700.0))  # exp(710) overflows a float
 
 
 def _lightning_adapter() -> type:

@@ -1,10 +1,12 @@
-"""`mirrorgrad train | bench | explain`: each subcommand lives with its package."""
+"""`mirrorgrad train | bench | explain`, `--version`: each subcommand lives with its package."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from mirrorgrad import __version__
 
 # subcommand -> module that defines add_arguments(parser) and run(args) -> int
 _COMMANDS = {
@@ -15,23 +17,28 @@ _COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before a subcommand installs its own handler (imports, argument parsing).
+        print("mirrorgrad: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mirrorgrad", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mirrorgrad {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    # Only the chosen subcommand's module is imported: bench pulls in much more than train.
+    chosen = next((a for a in argv if a in _COMMANDS), None)
+    module = None
     for name, (module_name, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
+        if name == chosen:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue
-        module.add_arguments(p)
-        modules[name] = module
+            module.add_arguments(p)
     args = parser.parse_args(argv)
-    if args.command not in modules:
-        parser.error(f"`{args.command}` is not available in this build")
-    return int(modules[args.command].run(args) or 0)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ graphs run as they are (``backend="eager"``: no code generation).
 from __future__ import annotations
 
 import functools
-import math
 import types
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -24,8 +24,14 @@ from torch.fx import GraphModule
 
 from mirrorgrad import _compat
 from mirrorgrad.mirror.budget_search import Plan, PlanOptions
-from mirrorgrad.mirror.partition import MirrorPartitioner, PlanCallback, partition
+from mirrorgrad.mirror.partition import (
+    MirrorgradFallbackWarning,
+    MirrorPartitioner,
+    PlanCallback,
+    partition,
+)
 from mirrorgrad.mirror.policy import policy_for
+from mirrorgrad.options import DEFAULT_MAX_OVERHEAD, MirrorOptions, Mode
 
 CODEGENS = ("inductor", "eager")
 
@@ -39,9 +45,7 @@ class MirrorBackend:
     with each as well.
     """
 
-    mode: str = "balance"
-    budget: float | None = None
-    max_overhead: float = 0.05
+    options: MirrorOptions = field(default_factory=MirrorOptions)
     codegen: str = "inductor"
     # Plan for Inductor's fusion (pointwise values kept in registers); default: on
     # exactly when Inductor generates the code.
@@ -57,17 +61,17 @@ class MirrorBackend:
             raise ValueError(f"backend={self.codegen!r}: choose one of {', '.join(CODEGENS)}")
         if self.inductor_options and self.codegen != "inductor":
             raise ValueError("options= are Inductor settings: use them with backend='inductor'")
-        self.plan_options()  # PlanOptions checks mode, budget and max_overhead
 
     def plan_options(self) -> PlanOptions:
         """Options as of now: ``mark``s and ``MIRRORGRAD_MIRROR`` are read at compile time."""
         policy = policy_for(self.root_module)
         # MIRRORGRAD_MIRROR=0 disables the policy: the graph still goes through our
         # partition, stashing everything, and the plan says mode "off".
+        mirror = self.options if policy.enabled else MirrorOptions(mode="off")
         return PlanOptions(
-            mode=self.mode if policy.enabled else "off",
-            budget=self.budget,
-            max_overhead=self.max_overhead,
+            mode=mirror.mode,
+            budget=mirror.budget,
+            max_overhead=mirror.max_overhead,
             policy=policy,
             fusion=self.codegen == "inductor" if self.fusion is None else self.fusion,
         )
@@ -96,16 +100,51 @@ class MirrorBackend:
         with _compat.without_autograd_cache():
             if self.codegen == "eager":
                 return self._aot_eager()(gm, example_inputs)
-            partitioner = MirrorPartitioner(self.plan_options(), on_plan=self._record)
             settings = {
                 **(_compat.inductor_mode_options(mode) if mode else {}),
                 **self.inductor_options,
                 **(options or {}),
-                # Patched for this compilation only: other torch.compile calls keep min-cut.
-                _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner,
             }
-            with _compat.inductor_config.patch(settings):
-                return _compat.compile_fx(gm, example_inputs)
+            return self._inductor(gm, example_inputs, settings)
+
+    def _inductor(
+        self, gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
+    ) -> Callable[..., Any]:
+        """Inductor with our partition; if Inductor rejects the plan's forward or backward,
+        PyTorch's partition (min-cut) with one ``MirrorgradFallbackWarning``."""
+        applied: list[Plan] = []
+        partitioner = MirrorPartitioner(self.plan_options(), on_plan=applied.append)
+        # Patched for this compilation only: other torch.compile calls keep min-cut. The
+        # backward compiles now, not at the first backward, so that a plan Inductor
+        # rejects is found while PyTorch's partition can still take over.
+        patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        context = _compat.tracing_context()
+        try:
+            with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
+                compiled = _compat.compile_fx(gm, example_inputs)
+        except Exception as exc:
+            if self.strict or not applied:  # no plan of ours was in it: not ours to fix
+                raise
+            compiled = _compile_min_cut(gm, example_inputs, settings)
+            _warn_fallback(f"Inductor rejected the plan ({_describe(exc)})")
+            return compiled
+        for applied_plan in applied:
+            self._record(applied_plan)
+        if not applied or self.strict:  # min-cut ran (planning fell back): nothing to guard
+            return compiled
+
+        def fall_back(exc: BaseException) -> Callable[..., Any]:
+            for applied_plan in applied:
+                self.plans.remove(applied_plan)
+            with _compat.tracing(context):
+                fallback = _compile_min_cut(gm, example_inputs, settings)
+            cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
+            _warn_fallback(cause)
+            return fallback
+
+        return FirstCallGuard(
+            compiled, fall_back, _compat.mutated_input_indices(context, len(example_inputs))
+        )
 
     def _aot_eager(self) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
@@ -126,9 +165,9 @@ class MirrorBackend:
 
 def backend(
     *,
-    mode: str = "balance",
-    budget: float | None = None,
-    max_overhead: float = 0.05,
+    mode: Mode = "balance",
+    budget: float | int | str | None = None,
+    max_overhead: float = DEFAULT_MAX_OVERHEAD,
     backend: str = "inductor",
     on_plan: PlanCallback | None = None,
     root_module: nn.Module | None = None,
@@ -139,40 +178,49 @@ def backend(
     planner see ``mirrorgrad.mark``s; ``on_plan`` receives each plan applied.
     """
     return MirrorBackend(
-        mode=mode,
-        budget=budget,
-        max_overhead=max_overhead,
+        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
         codegen=backend,
         root_module=root_module,
         on_plan=on_plan,
     )
 
 
-def parse_mode(text: str) -> dict[str, Any]:
-    """``balance`` | ``off`` | ``budget:F`` (fraction of the unmirrored peak, 0 < F <= 1)
-    | ``budget:BYTES`` -> the ``mode=`` and ``budget=`` options of ``compile``/``explain``.
+def registered_backend(
+    gm: GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+):
+    """``torch.compile(model, backend="mirrorgrad", options={...})``: the backend that the
+    ``torch_dynamo_backends`` entry point names.
 
-    The one parser behind the CLIs' mode flags; ValueError on anything else."""
-    name, _, value = text.partition(":")
-    if name in ("balance", "off") and not value:
-        return {"mode": name}
-    if name == "budget" and value:
-        try:
-            budget = float(value)
-        except ValueError:
-            pass
-        else:
-            if math.isfinite(budget) and budget > 0:
-                return {"mode": "budget", "budget": budget if budget <= 1 else int(budget)}
-    raise ValueError(f"mode {text!r}: use balance, off, or budget:FRACTION (0-1] / budget:BYTES")
+    ``options`` holds the planner's keys (``mode``, ``budget``, ``max_overhead``; see
+    ``MirrorOptions``) and, beside them, Inductor settings; ``mode`` is
+    ``torch.compile``'s own (an Inductor mode such as ``"max-autotune"``). Without the
+    model at hand, ``mirrorgrad.mark``s are not seen: use ``mirrorgrad.compile`` for them.
+    """
+    mirror_keys = {f.name for f in fields(MirrorOptions)}
+    options = dict(options or {})
+    mirror = {k: options.pop(k) for k in list(options) if k in mirror_keys}
+    unknown = sorted(set(options) - _compat.inductor_setting_names())
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for backend='mirrorgrad': "
+            f"the planner's are {', '.join(sorted(mirror_keys))}; any other must be an "
+            "Inductor setting (torch._inductor.config)"
+        )
+    return MirrorBackend(options=MirrorOptions(**mirror))(
+        gm, example_inputs, mode=mode, options=options
+    )
 
 
 def compile(
     model_or_fn: nn.Module | Callable[..., Any],
     *,
-    mode: str = "balance",
-    budget: float | None = None,
-    max_overhead: float = 0.05,
+    mode: Mode = "balance",
+    budget: float | int | str | None = None,
+    max_overhead: float = DEFAULT_MAX_OVERHEAD,
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
@@ -181,7 +229,7 @@ def compile(
     - ``mode="balance"``: the lowest estimated peak within ``max_overhead`` (a fraction
       of the step time) of added recompute time.
     - ``mode="budget"``: the least added time whose estimated peak meets ``budget``
-      (bytes, or a fraction <= 1 of the unmirrored peak).
+      (a fraction in (0, 1] of the unmirrored peak, or bytes: an int or ``"2GiB"``).
     - ``mode="off"``: stash every value the backward reads (no mirroring).
     - ``backend="inductor"`` generates code; ``"eager"`` runs AOTAutograd's graphs
       without code generation.
@@ -192,9 +240,7 @@ def compile(
     """
     inductor_options = torch_compile_kwargs.pop("options", None) or {}
     mirror_backend = MirrorBackend(
-        mode=mode,
-        budget=budget,
-        max_overhead=max_overhead,
+        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
         codegen=backend,
         inductor_options=inductor_options,
         root_module=model_or_fn if isinstance(model_or_fn, nn.Module) else None,
@@ -209,9 +255,9 @@ def compile(
 def explain(
     model: nn.Module | Callable[..., Any],
     *example_inputs: Any,
-    mode: str = "balance",
-    budget: float | None = None,
-    max_overhead: float = 0.05,
+    mode: Mode = "balance",
+    budget: float | int | str | None = None,
+    max_overhead: float = DEFAULT_MAX_OVERHEAD,
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Plan:
@@ -228,9 +274,7 @@ def explain(
     if backend not in CODEGENS:
         raise ValueError(f"backend={backend!r}: choose one of {', '.join(CODEGENS)}")
     mirror_backend = MirrorBackend(
-        mode=mode,
-        budget=budget,
-        max_overhead=max_overhead,
+        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
         codegen="eager",
         fusion=backend == "inductor",
         root_module=model if isinstance(model, nn.Module) else None,
@@ -255,6 +299,117 @@ def explain(
         )
     # With fullgraph=False a graph break gives several plans: the largest one is shown.
     return max(mirror_backend.plans, key=lambda p: p.peak_before)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _warn_fallback(cause: str) -> None:
+    warnings.warn(
+        f"mirrorgrad: {cause}; using PyTorch's min-cut partition for this graph instead",
+        MirrorgradFallbackWarning,
+        stacklevel=3,
+    )
+
+
+def _compile_min_cut(
+    gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
+) -> Callable[..., Any]:
+    with _compat.without_autograd_cache(), _compat.inductor_config.patch(settings):
+        return _compat.compile_fx(gm, example_inputs)
+
+
+class FirstCallGuard:
+    """A planned graph's compiled code, and what to do if its first call fails.
+
+    Compile-time checks cannot see every layout Inductor settles on, so an error can
+    surface only when the generated code runs (issue 18). The first call that raises
+    inside the planned code is run again by ``fall_back(exc)``'s graph (PyTorch's own
+    partition, compiled then), and every later call goes there too.
+
+    Re-running the call is sound because a forward that raised returned nothing and
+    queued no backward, and because its only other effects are undone first: the RNG
+    state (restored, so dropout draws what it would have drawn) and the inputs the
+    graph mutates (BatchNorm statistics: copies taken before the first call). Anything
+    else the compiled forward wrote to (outside its inputs) is assumed not to exist.
+    A failure in the backward, which runs later, is not covered.
+    """
+
+    def __init__(
+        self,
+        planned: Callable[..., Any],
+        fall_back: Callable[[BaseException], Callable[..., Any]],
+        mutated_inputs: Sequence[int] | None,
+    ) -> None:
+        self.planned = planned
+        self.fall_back = fall_back
+        self.mutated_inputs = mutated_inputs  # None: unknown, every non-grad tensor
+        self.verified = False
+        self.fallback: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fallback is not None:
+            return self.fallback(*args)
+        if self.verified:
+            return self.planned(*args)
+        # A list argument (compiled autograd's boxed inputs) is emptied by the call.
+        kept = [list(a) if isinstance(a, list) else a for a in args]
+        undo = _UndoLog.before(args, self.mutated_inputs)
+        try:
+            out = self.planned(*args)
+        except Exception as exc:
+            undo.restore()
+            self.fallback = self.fall_back(exc)
+            return self.fallback(*kept)
+        self.verified = True
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # What else Dynamo and AOTAutograd read off the compiled function (named_parameters,
+        # zero_grad, serialize) is the planned code's.
+        if name == "planned":
+            raise AttributeError(name)
+        return getattr(self.planned, name)
+
+
+@dataclass(slots=True)
+class _UndoLog:
+    """What a first call changes outside its outputs: the RNG states and mutated inputs."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: dict[int, torch.Tensor]
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def before(cls, args: Sequence[Any], mutated: Sequence[int] | None) -> _UndoLog:
+        flat = [x for a in args for x in (a if isinstance(a, list) else [a])]
+        tensors = [(i, a) for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        devices = sorted({a.device.index or 0 for _, a in tensors if a.is_cuda})
+        wanted = set(mutated) if mutated is not None else set()
+        chosen = [
+            a for i, a in tensors if (not a.requires_grad if mutated is None else i in wanted)
+        ]
+        with torch.no_grad():
+            copies = [(a, a.detach().clone()) for a in chosen]
+        return cls(
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng={d: torch.cuda.get_rng_state(d) for d in devices},
+            inputs=copies,
+        )
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_rng)
+        for device, state in self.cuda_rng.items():
+            torch.cuda.set_rng_state(state, device)
+        with torch.no_grad():
+            for tensor, copy in self.inputs:
+                tensor.copy_(copy)
 
 
 def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:

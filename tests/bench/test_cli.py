@@ -8,7 +8,8 @@ import pytest
 from tqdm import tqdm
 
 from mirrorgrad import cli
-from mirrorgrad.bench.command import _Bench, _Phase, _share
+from mirrorgrad.bench import zoo
+from mirrorgrad.bench.command import _Bench, _share, _WorkerSettings
 from mirrorgrad.bench.explain import parse_mode
 
 METHODS = ["eager", "checkpoint", "compile-budget-0.5", "mirror-balance"]
@@ -72,9 +73,10 @@ def test_report_redrawn_from_json(bench_out, tmp_path):
     assert (tmp_path / "peak_vs_time.png").exists()
 
 
-def test_unknown_names_are_rejected(tmp_path):
-    with pytest.raises(SystemExit, match="unknown method nope"):
-        cli.main(["bench", "--quick", "--methods", "eager,nope", "--out", str(tmp_path)])
+def test_unknown_names_are_rejected(tmp_path, capsys):
+    argv = ["bench", "--quick", "--methods", "eager,nope", "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    assert "unknown method nope" in capsys.readouterr().err
 
 
 def test_hung_methods_time_out_and_the_rest_still_run(tmp_path):
@@ -88,10 +90,11 @@ def test_hung_methods_time_out_and_the_rest_still_run(tmp_path):
         dtype="fp32",
         device=None,
         no_progress=True,
+        profile=False,
     )
     bench = _Bench(args)
     bench.logs.mkdir()
-    phase = _Phase(steps=1, warmup=1, name="run")
+    phase = _WorkerSettings(steps=1, warmup=1, name="run")
     with tqdm(disable=True) as bar:
         results = bench.run_workload("mlp", ["eager", "checkpoint"], phase, bar)
     assert [(r["method"], r["status"]) for r in results] == [
@@ -112,10 +115,11 @@ def test_time_limit_stops_a_busy_worker(tmp_path):
         dtype="fp32",
         device=None,
         no_progress=True,
+        profile=False,
     )
     bench = _Bench(args)
     bench.logs.mkdir()
-    phase = _Phase(steps=1, warmup=1, name="run", kill_at=time.time() + 0.01)
+    phase = _WorkerSettings(steps=1, warmup=1, name="run", kill_at=time.time() + 0.01)
     with tqdm(disable=True) as bar:
         (result,) = bench.run_workload("mlp", ["eager"], phase, bar)
     assert (result["status"], result["error"]) == ("skipped", "stopped at the time limit")
@@ -159,3 +163,53 @@ def test_time_shares_pass_unused_time_on():
     # A workload that finished early leaves its time to the next ones.
     assert _share(110.0, 190.0, 2) == 150.0
     assert _share(200.0, 190.0, 1) == 200.0
+
+
+@pytest.mark.parametrize("content", [None, "not json", '{"no": "workloads"}'])
+def test_from_json_of_a_bad_file_is_one_line(tmp_path, capsys, content):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    assert cli.main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mirrorgrad bench: ") and "\n" not in err and str(path) in err
+
+
+@pytest.mark.parametrize("option", ["--steps", "--warmup", "--jobs", "--limit"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_counts_below_one_are_rejected(tmp_path, capsys, option, value):
+    argv = ["bench", "--quick", "--workloads", "mlp", option, value, "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"mirrorgrad bench: {option} must be >= 1, got {value}"
+    )
+
+
+def test_an_unwritable_output_folder_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["bench", "--quick", "--workloads", "mlp", "--out", str(blocker / "sub")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mirrorgrad bench: cannot write") and "\n" not in err
+
+
+def test_suites_select_their_workloads_and_methods(tmp_path):
+    out = tmp_path / "zoo"
+    argv = ["bench", "--suite", "zoo-sweep", "--quick", "--workloads", "ours-m*", "--limit", "1"]
+    argv += ["--out", str(out), "--steps", "1", "--warmup", "1", "--no-progress"]
+    assert cli.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["suite"] == "zoo-sweep" and list(doc["workloads"]) == ["ours-mlp"]
+    methods = doc["workloads"]["ours-mlp"]["methods"]
+    assert [m["method"] for m in methods] == list(zoo.METHODS)
+    assert all(m["status"] == "ok" for m in methods)
+    assert all(m["grads_ok"] for m in methods if m["method"] != "compile")
+    assert "Model x mode results: 5 ok." in (out / "results.md").read_text()
+
+
+def test_list_names_every_suite(capsys):
+    assert cli.main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    for suite in ("planner:", "rnn-kernels:", "zoo-sweep:", "word-lm:"):
+        assert suite in out

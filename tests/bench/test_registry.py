@@ -5,8 +5,10 @@ import math
 import pytest
 import torch
 
-from mirrorgrad.bench.methods import METHODS, MGNN_BASES, default_methods, get_method
-from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+from mirrorgrad.bench import rnn_kernels, word_lm, zoo
+from mirrorgrad.bench.methods import MGNN_BASES, default_methods
+from mirrorgrad.bench.suites import METHODS, get_method, get_workload
+from mirrorgrad.bench.workloads import WORKLOADS
 
 ALL_WORKLOADS = (
     "lstm-lm-medium",
@@ -26,21 +28,25 @@ BASE_METHODS = (
     "mirror-balance",
     "mirror-budget-0.5",
     "mirror-budget-0.3",
+    "cuda-graph",
 )
 
 
 def test_workload_names():
     assert tuple(WORKLOADS) == ALL_WORKLOADS
-    with pytest.raises(KeyError, match="choose from"):
-        get_workload("resnet18")
+    with pytest.raises(KeyError, match="mirrorgrad bench --list"):
+        get_workload("resnet-18")
 
 
 def test_method_names():
-    assert set(METHODS) == set(BASE_METHODS) | {f"{m}+mgnn" for m in BASE_METHODS}
+    suites = set(rnn_kernels.METHODS) | set(word_lm.METHODS) | set(zoo.METHODS)
+    mgnn = {f"{m}+mgnn" for m in BASE_METHODS}
+    assert set(METHODS) == set(BASE_METHODS) | mgnn | suites
     assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
     assert set(MGNN_BASES) <= set(BASE_METHODS)
-    assert default_methods(recurrent=False) == list(BASE_METHODS)
-    assert default_methods(recurrent=True) == [*BASE_METHODS, *(f"{m}+mgnn" for m in MGNN_BASES)]
+    planner = [m for m in BASE_METHODS if m != "cuda-graph"]
+    assert default_methods(recurrent=False) == planner
+    assert default_methods(recurrent=True) == [*planner, *(f"{m}+mgnn" for m in MGNN_BASES)]
     assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}
     with pytest.raises(KeyError, match="choose from"):
         get_method("compile-budget-0.2")

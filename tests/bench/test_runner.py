@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mirrorgrad.bench import report
-from mirrorgrad.bench.methods import Method, get_method
+from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.runner import FATAL_EXIT, MARKER, RunOptions, measure, probe
-from mirrorgrad.bench.workloads import WORKLOADS
+from mirrorgrad.bench.suites import WORKLOADS, get_method
 
 OPTS = RunOptions(quick=True, steps=2, warmup=1, backend="eager")
 
@@ -120,7 +120,8 @@ def test_ratios_and_markdown():
     assert "peak_vs_compile" not in methods[3]
     for m in methods[:3]:
         m.update(batch=4, p20_ms=m["median_ms"], p80_ms=m["median_ms"], samples_per_s=1.0)
-    table = report.workload_table("w", {"description": "d", "methods": methods})
+    doc = {"env": {}, "options": {"dtype": "fp32"}}
+    table = report.workload_table("w", {"description": "d", "methods": methods}, doc)
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + len(methods)
     assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
@@ -145,7 +146,7 @@ def test_cuda_error_reports_then_exits_the_worker():
     code = """
 from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.runner import RunOptions, measure
-from mirrorgrad.bench.workloads import WORKLOADS
+from mirrorgrad.bench.suites import WORKLOADS
 
 def wrap(model, blocks, backend):
     def step_fn(*batch):
@@ -162,3 +163,56 @@ print("not reached")
     record = json.loads(line[len(MARKER) :])
     assert (record["method"], record["status"]) == ("x", "failed")
     assert "illegal memory access" in record["error"]
+
+
+class MirrorgradFallbackWarning(UserWarning):
+    """Stands in for the planner's warning: the runner matches it by class name."""
+
+
+def _warning_eager(model, blocks, backend):
+    import warnings
+
+    warnings.warn(MirrorgradFallbackWarning("planner failed: cause\nmore"), stacklevel=1)
+    return model
+
+
+def test_fallback_warning_is_recorded_with_its_cause():
+    method = Method(name="warns", description="", wrap=_warning_eager, compiles=False)
+    result = measure(WORKLOADS["mlp"], method, OPTS)
+    assert result.status == "ok" and result.fallback == "planner failed: cause"
+
+
+def test_wrong_gradients_are_caught(tmp_path):
+    from mirrorgrad.bench.gradients import GradCheck
+
+    def doubled(model, blocks, backend):
+        def step_fn(*batch):
+            return 2 * model(*batch)
+
+        return step_fn
+
+    grads = GradCheck("eager", tmp_path / "g.pt", "fp32")
+    assert measure(WORKLOADS["mlp"], get_method("eager"), OPTS, grads).status == "ok"
+    same = measure(WORKLOADS["mlp"], get_method("checkpoint"), OPTS, grads)
+    assert same.grads_ok and same.grad_error < 1e-6
+    wrong = Method(name="doubled", description="", wrap=doubled, compiles=False)
+    found = measure(WORKLOADS["mlp"], wrong, OPTS, grads)
+    assert found.grads_ok is False and found.grad_error == pytest.approx(1.0, rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_replays_the_eager_step():
+    opts = dataclasses.replace(OPTS, device="cuda", quick=True)
+    eager = measure(WORKLOADS["mlp"], get_method("eager"), opts)
+    graphed = measure(WORKLOADS["mlp"], get_method("cuda-graph"), opts)
+    assert graphed.status == "ok", graphed.error
+    # Three warm-up steps run before the capture: the first replayed loss is a later step's.
+    assert graphed.first_loss == pytest.approx(eager.first_loss, rel=0.05)
+
+
+def test_profile_writes_a_kernel_table(tmp_path):
+    opts = dataclasses.replace(OPTS, profile_dir=tmp_path)
+    assert measure(WORKLOADS["mlp"], get_method("eager"), opts).status == "ok"
+    text = (tmp_path / "mlp.eager.txt").read_text()
+    assert text.startswith("5 steps of mlp.eager") and "aten::" in text

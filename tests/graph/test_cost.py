@@ -108,6 +108,41 @@ def test_rates_follow_the_device():
 class _LinearCrossEntropy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.decoder = nn.Linear(8, 50)
+
+    def forward(self, hidden, target):
+        from mirrorgrad.ops import linear_cross_entropy
+
+        return linear_cross_entropy(hidden, self.decoder.weight, self.decoder.bias, target, 6)
+
+
+def test_custom_op_bytes_come_from_its_declared_formula():
+    """The chunked loss op moves its [rows, vocab] logits several times though it reads
+    and writes only [rows]-sized tensors: op_cost and StepCost take its bytes formula."""
+    from mirrorgrad import formulas
+
+    joint = joint_of(_LinearCrossEntropy(), torch.randn(20, 8), torch.randint(0, 50, (20,)))
+    nodes = [n for n in joint.gm.graph.nodes if "linear_cross_entropy" in str(n.target)]
+    assert len(nodes) == 2  # forward and backward
+    for n in nodes:
+        declared = formulas.bytes_formula(n.target)(*[_meta(a) for a in n.args])
+        assert declared > 20 * 50 * 4  # at least the logits once
+        assert op_cost(n, RATES).bytes == declared
+        assert StepCost(joint, RATES, fusion=True).run(n).bytes == declared
+    assert op_cost(nodes[0], RATES).flops == 2 * 20 * 8 * 50
+
+
+def _meta(a):
+    if isinstance(a, fx.Node):
+        return a.meta["val"]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_meta(x) for x in a)
+    return a
+
+
+class _HeadCrossEntropy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
         self.head = nn.Linear(64, 1000)
 
     def forward(self, x, target):
@@ -119,7 +154,7 @@ def test_inductor_lowerings_that_are_pointwise_are_inlined():
     # scatter_upon_const_tensor computes both inside the log-softmax backward kernel,
     # and the target's gather inside the loss reduction: none is written to memory.
     joint = joint_of(
-        _LinearCrossEntropy(), torch.randn(32, 64), torch.randint(0, 1000, (32,)), decompose=True
+        _HeadCrossEntropy(), torch.randn(32, 64), torch.randint(0, 1000, (32,)), decompose=True
     )
     inlined_ops = {n.target.overloadpacket.__name__ for n in StepCost(joint, fusion=True).inlined}
     assert {"full", "scatter", "gather"} <= inlined_ops

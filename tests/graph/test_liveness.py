@@ -7,6 +7,7 @@ import torch
 from torch import fx
 
 from mirrorgrad import _compat
+from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
@@ -115,3 +116,108 @@ def test_backward_schedule_matches_the_autograd_engine_reordering():
     real = [n.name for n in reordered.graph.nodes if n.op == "call_function"]
     ours = liveness.backward_schedule(joint, p.saved + p.saved_sym, p.mirrored)
     assert [n.name for n in ours] == real
+
+
+# --- custom ops that declare their temporaries (mirrorgrad.formulas) ---------------
+
+
+@torch.library.custom_op("mirrorgrad_test::scratch_sin", mutates_args=())
+def _scratch_sin(x: torch.Tensor) -> torch.Tensor:
+    return x.sin()
+
+
+@torch.library.custom_op("mirrorgrad_test::scratch_cos", mutates_args=())
+def _scratch_cos(x: torch.Tensor) -> torch.Tensor:
+    return x.cos()
+
+
+@register_memory_formula(torch.ops.mirrorgrad_test.scratch_sin)
+def _scratch_sin_bytes(x):
+    return 2 * x.numel() * x.element_size()  # 2 MiB for 512x512 fp32
+
+
+@register_memory_formula(torch.ops.mirrorgrad_test.scratch_cos)
+def _scratch_cos_bytes(x):
+    return 3 * x.numel() * x.element_size()  # 3 MiB
+
+
+def _hand_built_with_scratch() -> JointGraph:
+    """_hand_built with sin and cos as custom ops declaring 2 and 3 MiB of scratch."""
+    joint = _hand_built()
+    for n in joint.gm.graph.nodes:
+        if n.target == aten.sin.default:
+            n.target = torch.ops.mirrorgrad_test.scratch_sin.default
+        elif n.target == aten.cos.default:
+            n.target = torch.ops.mirrorgrad_test.scratch_cos.default
+    return JointGraph.from_fx(joint.gm, num_fwd_outputs=1)
+
+
+def test_declared_temporaries_add_to_the_op_that_runs():
+    # test_peak_with_relu_stashed's timeline [2, 3, 5, 6, 5] MiB, with sin's 2 MiB of
+    # scratch while sin runs (3 + 2) and cos's 3 while cos runs (5 + 3, the new peak).
+    joint = _hand_built_with_scratch()
+    sim = liveness.simulate(joint, _by_name(joint, "relu"), [])
+    assert [e.live_bytes // MiB for e in sim.timeline] == [2, 5, 8, 6, 5]
+    assert sim.turn_bytes == 3 * MiB  # scratch is gone once the op returns
+    assert (sim.peak, sim.peak_phase, sim.peak_node) == (8 * MiB, "backward", "cos")
+
+
+def test_declared_temporaries_under_fusion():
+    # A custom op is never fused away: cos keeps its output and its 3 MiB of scratch.
+    joint = _hand_built_with_scratch()
+    sim = liveness.simulate(joint, _by_name(joint, "relu"), [], fusion=True)
+    assert liveness.temporary_bytes(_by_name(joint, "cos")[0]) == 3 * MiB
+    assert sim.peak >= 3 * MiB + 4 * MiB
+
+
+class _LstmThenLoss(torch.nn.Module):
+    """The LM pattern: mirrorgrad.nn.LSTM (reference impl on CPU) and the chunked loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import mirrorgrad.nn as mnn
+
+        self.rnn = mnn.LSTM(4, 6, impl="reference", memory="recompute")
+        self.decoder = torch.nn.Linear(6, 10)
+
+    def forward(self, x, target):
+        from mirrorgrad.ops import linear_cross_entropy
+
+        y, _ = self.rnn(x)
+        w, b = self.decoder.weight, self.decoder.bias
+        return linear_cross_entropy(y, w, b, target, chunk_size=5)
+
+
+def test_rnn_and_loss_ops_declare_their_temporaries_to_the_simulation():
+    """T=5, B=3, I=4, H=6 float32, one LSTM layer, recompute; 15 rows of 10 classes in
+    chunks of 5. Bytes worked out by hand from the ops' formulas."""
+    joint = joint_of(_LstmThenLoss(), torch.randn(5, 3, 4), torch.randint(0, 10, (5, 3)))
+    declared = {
+        str(n.target): liveness.temporary_bytes(n)
+        for n in joint.gm.graph.nodes
+        if "mirrorgrad." in str(n.target)
+    }
+    unit = 5 * 3 * 6 * 4  # [T, B, H] fp32
+    assert declared == {
+        # the input GEMM's [T, B, 4H] and 3 steps' [B, 4H] temporaries, 3 [B, H] states
+        "mirrorgrad.rnn_forward.default": 4 * unit + 3 * 3 * 24 * 4 + 3 * 3 * 6 * 4,
+        # every gate factor for all steps (14 units) and the rebuilt pre-activations (4)
+        "mirrorgrad.rnn_backward.default": 18 * unit,
+        # one [5, 10] chunk of logits and logsumexp's temporary
+        "mirrorgrad.linear_cross_entropy_forward.default": 2 * 5 * 10 * 4,
+        # one chunk of logit gradients and its [5, 6] product with the weight
+        "mirrorgrad.linear_cross_entropy_backward.default": 5 * 10 * 4 + 5 * 6 * 4,
+    }
+    backward = set(joint.backward)
+    saved = [n for n in (*joint.primals, *joint.forward) if backward.intersection(n.users)]
+    sim = liveness.simulate(joint, saved, [])
+    with_scratch = {e.node: e.live_bytes for e in sim.timeline}
+    register = liveness.temporary_bytes
+    try:
+        liveness.temporary_bytes = lambda node: 0
+        without = {e.node: e.live_bytes for e in liveness.simulate(joint, saved, []).timeline}
+    finally:
+        liveness.temporary_bytes = register
+    for n in joint.gm.graph.nodes:
+        if "mirrorgrad." in str(n.target):
+            assert with_scratch[n.name] - without[n.name] == declared[str(n.target)]

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.autograd import gradgradcheck
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import mirrorgrad.nn as mnn
@@ -395,3 +396,396 @@ def test_inductor_with_permuted_input_matches_eager_and_torch_nn(kind):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+# --- Drop-in parity (issue 15) ------------------------------------------------------------
+
+CELLS = [
+    ("lstm_cell", mnn.LSTMCell, torch.nn.LSTMCell, {}),
+    ("gru_cell", mnn.GRUCell, torch.nn.GRUCell, {}),
+    ("rnn_cell_tanh", mnn.RNNCell, torch.nn.RNNCell, {"nonlinearity": "tanh"}),
+    ("rnn_cell_relu", mnn.RNNCell, torch.nn.RNNCell, {"nonlinearity": "relu"}),
+]
+
+
+def flat_outputs(out):
+    """(y, h) or (y, (h, c)) or a cell's h or (h, c) -> a flat tuple of tensors."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    return tuple(
+        t for o in out for t in (flat_outputs(o) if not isinstance(o, torch.Tensor) else (o,))
+    )
+
+
+def test_modules_and_cells_are_torch_nn_instances():
+    for _, ours, theirs, fixed in KINDS + CELLS:
+        module = ours(3, 4, **fixed)
+        assert isinstance(module, theirs), ours
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_repr_is_torch_nn_repr_plus_non_default_options(kind):
+    _, ours, theirs, fixed = kind
+    kwargs = dict(num_layers=2, bidirectional=True, **fixed)
+    assert repr(ours(3, 4, **kwargs)) == repr(theirs(3, 4, **kwargs))
+    assert repr(ours(3, 4, memory="stash", **kwargs)).endswith("memory='stash')")
+
+
+def test_pickle_deepcopy_and_torch_save_keep_class_and_options():
+    import copy
+    import io
+    import pickle
+
+    mod = mnn.LSTM(3, 4, num_layers=2, memory="stash", state_clip=(-2.0, 2.0), dtype=DT)
+    buf = io.BytesIO()
+    torch.save(mod, buf)
+    buf.seek(0)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    for clone in (pickle.loads(pickle.dumps(mod)), copy.deepcopy(mod),
+                  torch.load(buf, weights_only=False)):  # fmt: skip
+        assert type(clone) is mnn.LSTM
+        assert (clone.memory, clone.state_clip) == ("stash", (-2.0, 2.0))
+        torch.testing.assert_close(clone(x)[0], mod(x)[0])
+
+
+@pytest.mark.parametrize("impl", ["op", "torch", "auto"])
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_cells_match_torch_cells_with_gradients(cell, impl):
+    _, ours, theirs, fixed = cell
+    ref = theirs(3, 5, dtype=DT, **fixed)
+    mod = ours(3, 5, dtype=DT, impl=impl, **fixed)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    h = torch.randn(4, 5, dtype=DT, requires_grad=True)
+    c = torch.randn(4, 5, dtype=DT, requires_grad=True)
+    hx = (h, c) if theirs is torch.nn.LSTMCell else h
+    leaves = [x, h, c] if theirs is torch.nn.LSTMCell else [x, h]
+    results = []
+    for module in (ref, mod):
+        outs = flat_outputs(module(x, hx))
+        loss = sum((o * (i + 1.5) * o).sum() for i, o in enumerate(outs))
+        results.append((*outs, *torch.autograd.grad(loss, [*leaves, *module.parameters()])))
+    for a, b in zip(results[1], results[0]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("cell", CELLS[:2], ids=[c[0] for c in CELLS[:2]])
+def test_cell_op_path_unbatched_and_default_state_match_torch(cell):
+    _, ours, theirs, fixed = cell
+    ref = theirs(3, 5, dtype=DT, **fixed)
+    mod = ours(3, 5, dtype=DT, impl="op", **fixed)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(3, dtype=DT)
+    for a, b in zip(flat_outputs(mod(x)), flat_outputs(ref(x))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_cell_op_path_raises_like_torch_cells(cell):
+    _, ours, theirs, fixed = cell
+    lstm = theirs is torch.nn.LSTMCell
+    bad = [
+        (torch.randn(2, 3, 3), None),  # 3-D input
+        (torch.randn(2, 4), None),  # wrong input size
+        (torch.randn(2, 3), (torch.randn(1, 5),) * 2 if lstm else torch.randn(1, 5)),  # batch
+        (torch.randn(2, 3), (torch.randn(2, 4),) * 2 if lstm else torch.randn(2, 4)),  # hidden
+    ]
+    for x, hx in bad:
+        with pytest.raises(Exception) as torch_error:
+            theirs(3, 5, **fixed)(x, hx)
+        with pytest.raises(torch_error.type):
+            ours(3, 5, impl="op", **fixed)(x, hx)
+
+
+def test_convert_swaps_cells_too():
+    model = torch.nn.ModuleDict(
+        {"a": torch.nn.LSTMCell(3, 4), "b": torch.nn.GRUCell(4, 4),
+         "c": torch.nn.RNNCell(4, 2, nonlinearity="relu", bias=False)}
+    ).double()  # fmt: skip
+    x = torch.randn(2, 3, dtype=DT)
+    h, _ = model["a"](x)
+    expected = model["c"](model["b"](h))
+    mnn.convert(model)
+    assert [type(m) for m in model.values()] == [mnn.LSTMCell, mnn.GRUCell, mnn.RNNCell]
+    assert model["c"].nonlinearity == "relu" and model["c"].bias is False
+    h, _ = model["a"](x)
+    torch.testing.assert_close(model["c"](model["b"](h)), expected, atol=1e-12, rtol=0)
+
+
+PARITY_CONFIGS = [
+    ("1layer", {}),
+    ("2layers-bidir", {"num_layers": 2, "bidirectional": True}),
+]
+
+
+@pytest.mark.parametrize("config", PARITY_CONFIGS, ids=[c[0] for c in PARITY_CONFIGS])
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_gradgradcheck(kind, config):
+    """Double backward: the op's backward under create_graph recomputes through the
+    differentiable reference stack. Checked w.r.t. input, states and every weight."""
+    num = (2 if config[1].get("bidirectional") else 1) * config[1].get("num_layers", 1)
+    T, B, H = (3, 2, 3) if num == 1 else (2, 1, 2)  # every weight is an input: keep it small
+    _, mod = make_pair(kind, config[1], 2, H)
+    x = torch.randn(T, B, 2, dtype=DT, requires_grad=True)
+    h0 = torch.randn(num, B, H, dtype=DT, requires_grad=True)
+    params = list(mod.parameters())
+    lstm = kind[0] == "lstm"
+
+    def run(x, h0, *weights):
+        return torch.func.functional_call(
+            mod,
+            dict(zip(mod._flat_weights_names, weights)),
+            (x, (h0, torch.tanh(h0)) if lstm else h0),
+        )
+
+    inputs = (x, h0, *[p.detach().requires_grad_() for p in params])
+    assert gradgradcheck(lambda *a: flat_outputs(run(*a)), inputs)
+
+
+def test_gradgradcheck_of_packed_lstm_with_projection():
+    _, mod = make_pair(KINDS[0], {"proj_size": 2, "bidirectional": True}, 2, 3)
+    x = torch.randn(4, 3, 2, dtype=DT, requires_grad=True)
+    lengths = torch.tensor([4, 2, 3])
+
+    def f(x):
+        y, (h, c) = mod(pack_padded_sequence(x, lengths, enforce_sorted=False))
+        return y.data, h, c
+
+    assert gradgradcheck(f, (x,))
+
+
+def test_create_graph_gradient_penalty_matches_torch_nn():
+    """A gradient penalty (create_graph=True, then backward of the gradient's norm)."""
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2}, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=DT, requires_grad=True)
+    results = []
+    for module in (ref, mod):
+        (gx,) = torch.autograd.grad(module(x)[0].square().sum(), x, create_graph=True)
+        penalty = gx.square().sum()
+        results.append(torch.autograd.grad(penalty, [x, *module.parameters()]))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("config", PARITY_CONFIGS, ids=[c[0] for c in PARITY_CONFIGS])
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_forward_mode_ad_matches_torch_nn(kind, config):
+    """torch.func.jvp and torch.autograd.forward_ad take the differentiable stack."""
+    import torch.autograd.forward_ad as fwad
+
+    ref, mod = make_pair(kind, config[1], 3, 4)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    v = torch.randn_like(x)
+    _, expected = torch.func.jvp(lambda x: flat_outputs(ref(x)), (x,), (v,))
+    _, tangents = torch.func.jvp(lambda x: flat_outputs(mod(x)), (x,), (v,))
+    with fwad.dual_level():
+        dual_tangents = [
+            fwad.unpack_dual(o).tangent for o in flat_outputs(mod(fwad.make_dual(x, v)))
+        ]
+    for a, b, c in zip(tangents, dual_tangents, expected):
+        torch.testing.assert_close(a, c, atol=1e-12, rtol=0)
+        torch.testing.assert_close(b, c, atol=1e-12, rtol=0)
+
+
+def test_vmap_over_a_batch_of_sequences_matches_a_loop():
+    mod = mnn.GRU(3, 4, dtype=DT)
+    xs = torch.randn(6, 5, 2, 3, dtype=DT)
+    out = torch.func.vmap(lambda x: mod(x)[0])(xs)
+    torch.testing.assert_close(out, torch.stack([mod(x)[0] for x in xs]))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_dropout_one_in_training_gives_torch_nn_zeros(kind):
+    ref, mod = make_pair(kind, {"num_layers": 3, "dropout": 1.0}, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=DT, requires_grad=True)
+    probes = random_weights(*ref(x))
+    results = []
+    for module in (ref, mod):
+        y, h = module(x)
+        results.append((y, *states(h), *torch.autograd.grad(weighted_loss(y, h, probes), x)))
+    assert not any(t.isnan().any() for t in results[1])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
+def test_length_zero_rejected_like_torch_nn(kind, batched):
+    _, ours, theirs, fixed = kind
+    x = torch.randn(0, 2, 3) if batched else torch.randn(0, 3)
+    with pytest.raises(RuntimeError, match="Expected sequence length to be larger than 0"):
+        theirs(3, 4, **fixed)(x)
+    with pytest.raises(RuntimeError, match="Expected sequence length to be larger than 0"):
+        ours(3, 4, **fixed)(x)
+
+
+@pytest.mark.parametrize("kind", KINDS[1:3], ids=[k[0] for k in KINDS[1:3]])
+def test_proj_size_on_gru_and_rnn_raises_value_error_like_torch_nn(kind):
+    _, ours, theirs, fixed = kind
+    message = "proj_size argument is only supported for LSTM, not RNN or GRU"
+    for cls in (theirs, ours):
+        with pytest.raises(ValueError, match=message):
+            cls(3, 4, proj_size=2, **fixed)
+
+
+def test_cell_state_of_another_dtype_is_accepted_like_torch_nn():
+    ref, mod = make_pair(KINDS[0], {}, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    hx = (torch.randn(1, 2, 4, dtype=DT), torch.randn(1, 2, 4, dtype=torch.float32))
+    y_ref, (_, c_ref) = ref(x, hx)
+    y_mod, (_, c_mod) = mod(x, hx)
+    assert c_mod.dtype == c_ref.dtype == DT
+    torch.testing.assert_close(y_mod, y_ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(c_mod, c_ref, atol=1e-12, rtol=0)
+
+
+def test_hidden_state_of_another_dtype_raises_runtime_error_like_torch_nn():
+    ref, mod = make_pair(KINDS[0], {}, 3, 4)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    hx = (torch.randn(1, 2, 4, dtype=torch.float32), torch.randn(1, 2, 4, dtype=DT))
+    for module in (ref, mod):
+        with pytest.raises(RuntimeError):
+            module(x, hx)
+
+
+@pytest.mark.parametrize("enforce_sorted", [False, True], ids=["unsorted", "sorted"])
+def test_packed_sequence_under_fullgraph_compile(enforce_sorted):
+    """PackedSequence in, our LSTM, PackedSequence out, in one Dynamo graph (the module
+    unpacks and repacks with index arithmetic: torch.nn.utils.rnn's functions, which
+    Dynamo refuses to trace, stay outside). Values and gradients equal torch.nn's."""
+    ref, mod = make_pair(KINDS[0], {"bidirectional": True, "num_layers": 2}, 3, 4)
+    lengths = [5, 3, 2] if enforce_sorted else [2, 5, 3]
+    x = torch.randn(5, 3, 3, dtype=DT, requires_grad=True)
+
+    def step(module, packed):
+        y, (h, c) = module(packed)
+        return y.data, h, c
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn, module in ((compiled, mod), (step, ref)):
+        outs = fn(module, pack_padded_sequence(x, lengths, enforce_sorted=enforce_sorted))
+        loss = sum((o * o * (i + 1)).sum() for i, o in enumerate(outs))
+        grads = torch.autograd.grad(loss, [x, *module.parameters()])
+        results.append((*outs, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def tf32_off():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("cell", CELLS, ids=[c[0] for c in CELLS])
+def test_cells_op_path_on_the_gpu_matches_torch_cells(cell, tf32_off):
+    _, ours, theirs, fixed = cell
+    ref = theirs(64, 128, device="cuda", **fixed)
+    mod = ours(64, 128, device="cuda", impl="op", **fixed)
+    mod.load_state_dict(ref.state_dict())
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    results = []
+    for module in (ref, mod):
+        outs = flat_outputs(module(x))
+        loss = sum((o * o * (i + 1)).sum() for i, o in enumerate(outs))
+        results.append((*outs, *torch.autograd.grad(loss, [x, *module.parameters()])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+DEVICES = [
+    "cpu",  # the Triton kernels under TRITON_INTERPRET=1
+    pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["LSTM", "GRU"])
+def test_create_graph_backward_with_fused_dropout_equals_the_plain_backward(mode, device, tf32_off):
+    """The create_graph backward recomputes through the reference stack with the fused
+    kernels' own dropout masks: its first-order gradients equal the fused backward's."""
+    size = 4 if device == "cpu" else 32
+    mod = getattr(mnn, mode)(size, size, num_layers=3, dropout=0.5, impl="triton", device=device)
+    x = torch.randn(3, 2, size, device=device, requires_grad=True)
+    rng = torch.get_rng_state()
+    grads = []
+    for create_graph in (False, True):
+        torch.set_rng_state(rng)  # the same dropout seed for both calls
+        y = mod(x)[0]
+        grads.append(torch.autograd.grad(y.square().sum(), [x, *mod.parameters()],
+                                         create_graph=create_graph))  # fmt: skip
+    for plain, graph in zip(*grads):
+        torch.testing.assert_close(graph, plain, atol=1e-4, rtol=1e-4)
+    assert grads[1][0].requires_grad
+
+
+# (id, kind index, input, hx): calls torch.nn rejects; ours must say the same words.
+MESSAGE_CALLS = [
+    ("lstm-4d", 0, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("gru-4d", 1, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("rnn-4d", 2, lambda: torch.randn(3, 2, 4, 1), lambda: None),
+    ("lstm-unbatched-hx-dims", 0, lambda: torch.randn(3, 4),
+     lambda: (torch.zeros(1, 1, 5), torch.zeros(1, 5))),
+    ("lstm-batched-hx-dims", 0, lambda: torch.randn(3, 1, 4),
+     lambda: (torch.zeros(1, 5), torch.zeros(1, 5))),
+    ("gru-batched-hx-dims", 1, lambda: torch.randn(3, 1, 4), lambda: torch.zeros(1, 5)),
+    ("gru-hidden-size", 1, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(1, 3, 5)),
+    ("rnn-hidden-size", 2, lambda: torch.randn(3, 2, 4), lambda: torch.zeros(2, 2, 5)),
+    ("lstm-cell-size", 0, lambda: torch.randn(3, 2, 4),
+     lambda: (torch.zeros(1, 2, 5), torch.zeros(1, 2, 6))),
+    ("input-size", 0, lambda: torch.randn(3, 2, 3), lambda: None),
+    ("input-dtype", 1, lambda: torch.randn(3, 2, 4, dtype=DT), lambda: None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "x", "hx"), [c[1:] for c in MESSAGE_CALLS], ids=[c[0] for c in MESSAGE_CALLS]
+)
+def test_error_messages_start_with_torch_nn_words(kind, x, hx):
+    """Same type, and ours begins with torch.nn's message (it may add the fix after)."""
+    _, ours, theirs, fixed = KINDS[kind]
+    x, hx = x(), hx()
+    with pytest.raises(Exception) as torch_error:
+        theirs(4, 5, **fixed)(x, hx)
+    with pytest.raises(torch_error.type) as our_error:
+        ours(4, 5, **fixed)(x, hx)
+    assert str(our_error.value).startswith(str(torch_error.value))
+
+
+@pytest.mark.parametrize("impl", ["auto", "op"])
+def test_cell_compiles_in_one_graph(impl):
+    cell = mnn.LSTMCell(3, 4, impl=impl, dtype=DT)
+    x = torch.randn(2, 3, dtype=DT)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: cell(x), fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(x), cell(x)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_parametrized_weight_norm_matches_torch_nn():
+    from torch.nn.utils.parametrizations import weight_norm
+
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2}, 3, 4)
+    for module in (ref, mod):
+        weight_norm(module, "weight_hh_l1")
+        with torch.no_grad():
+            module.parametrizations.weight_hh_l1.original0.mul_(2)  # the norm g: doubles W
+    assert isinstance(mod, torch.nn.LSTM)
+    x = torch.randn(5, 2, 3, dtype=DT)
+    probes = random_weights(*ref(x))
+    results = []
+    for module in (ref, mod):
+        y, h = module(x)
+        grads = torch.autograd.grad(weighted_loss(y, h, probes), list(module.parameters()))
+        results.append((y, *states(h), *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=0)

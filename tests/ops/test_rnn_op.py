@@ -9,15 +9,15 @@ from torch._dynamo.backends.common import aot_autograd
 from torch.utils.flop_counter import FlopCounterMode
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import op, reference, reverse_within_lengths, rnn
+from mirrorgrad.ops.rnn import dispatch, op, reference, reverse_within_lengths, rnn
+from mirrorgrad.ops.rnn.cells import GATES, MODES
 
 DT = torch.float64
-MODES = reference.MODES
 
 
 def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, proj=0, bias=True):
     """Random inputs of rnn_forward in torch.nn's weight order (float64, requiring grad)."""
-    G = reference.GATES[mode]
+    G = GATES[mode]
     D = 2 if bidirectional else 1
     Hr = proj or H
     weights = []
@@ -102,7 +102,7 @@ def test_fake_kernel_matches_real_shapes_for_every_memory_mode():
 
 
 def test_eager_function_agrees_with_the_registered_autograd():
-    """rnn() in eager mode runs autograd through op._EagerStack, the op called directly
+    """rnn() in eager mode runs autograd through op.EagerStack, the op called directly
     through its torch.library registration: same outputs and the same gradients of x,
     states and weights (dropout, unsorted lengths, both directions, h_n/c_n used)."""
     x, weights, hx, cx = stack_inputs("lstm", T=4, B=3)
@@ -111,7 +111,7 @@ def test_eager_function_agrees_with_the_registered_autograd():
     torch.manual_seed(3)
     eager = rnn(x, weights, hx, cx, mode="lstm", num_layers=2, bidirectional=True, dropout=0.4,
                 training=True, lengths=lengths, memory="recompute", impl="reference")  # fmt: skip
-    assert type(eager[0].grad_fn).__name__ == "_EagerStackBackward"
+    assert type(eager[0].grad_fn).__name__ == "EagerStackBackward"
     torch.manual_seed(3)
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # what rnn() drew
     args = forward_args("lstm", x, weights, hx, cx, lengths=lengths, dropout=0.4, seed=seed,
@@ -290,11 +290,11 @@ def test_cudnn_impl_is_torch_own_rnn():
     torch.testing.assert_close(mod(x)[0], ref(x)[0])
 
 
-@pytest.mark.skipif(op._triton_module() is None, reason="triton not installed")
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_impl_through_the_op_matches_reference(mode):
     """The op composes R2's Triton layer (interpreted on CPU) like the reference layer."""
-    if not op._triton_module().supports(mode, proj=False, dtype=torch.float32,
+    if not op.triton_module().supports(mode, proj=False, dtype=torch.float32,
                                         device=torch.device("cpu")):  # fmt: skip
         pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
     torch.manual_seed(0)
@@ -314,7 +314,7 @@ def test_triton_impl_through_the_op_matches_reference(mode):
 
 
 def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
-    monkeypatch.setattr(op, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     timings = {"triton": 2.0, "cudnn": 3.0}
     timed = []
 
@@ -323,10 +323,10 @@ def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
         return timings[timed[-1]]
 
     candidates = {"triton": lambda: "triton", "cudnn": lambda: "cudnn"}
-    assert op._choose_auto(("k", 1), candidates, timer) == "triton"
+    assert dispatch._choose_auto(("k", 1), candidates, timer) == "triton"
     timings["triton"] = 9.0
-    assert op._choose_auto(("k", 1), candidates, timer) == "triton"  # cached
-    assert op._choose_auto(("k", 2), candidates, timer) == "cudnn"  # new shape: timed again
+    assert dispatch._choose_auto(("k", 1), candidates, timer) == "triton"  # cached
+    assert dispatch._choose_auto(("k", 2), candidates, timer) == "cudnn"  # new shape: timed again
     assert timed == ["triton", "cudnn", "triton", "cudnn"]
 
 
@@ -417,9 +417,71 @@ def test_triton_support_check_is_a_constant_under_compile():
     # On a GPU, impl="auto" asks this while Dynamo traces the module: it must not trace
     # into the cached import (Dynamo warned about the functools.cache on every compile).
     def f(x):
-        return x * 2 if op._triton_supports("lstm", False, x.dtype, torch.device("cuda")) else x
+        supported = dispatch._triton_supports("lstm", False, x.dtype, torch.device("cuda"))
+        return x * 2 if supported else x
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def _storage_bytes(tensors):
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors if isinstance(t, torch.Tensor) and t.numel()}  # fmt: skip
+    return sum(storages.values())
+
+
+def _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
+    """(declared, seen) temporaries of rnn_forward and of rnn_backward, float32."""
+    from mirrorgrad import formulas
+
+    from .memory_tracker import PeakTracker
+
+    x, weights, hx, cx = stack_inputs(mode, layers=layers, bidirectional=bidirectional, T=10,
+                                      B=8, n_in=12, H=16)  # fmt: skip
+    x, hx, weights = x.detach().float(), hx.detach().float(), [w.detach().float() for w in weights]
+    cx = None if cx is None else cx.detach().float()
+    args = (x, weights, hx, cx, None, torch.tensor(3), mode, layers, bidirectional, True, 0,
+            dropout, memory, None, impl, True)  # fmt: skip
+    inputs = [t for t in (x, hx, cx, *weights) if t is not None]
+    with PeakTracker(*inputs) as tracker:
+        y, h_n, c_n, saved = op.rnn_forward._init_fn(*args)
+    forward = (formulas.memory_formula(torch.ops.mirrorgrad.rnn_forward)(*args),
+               tracker.peak - _storage_bytes([y, h_n, c_n, *saved]))  # fmt: skip
+    grads = [torch.randn_like(y), torch.randn_like(h_n), torch.randn_like(c_n) if cx is not None
+             else None]  # fmt: skip
+    needs = [True, True, cx is not None, *([True] * len(weights))]
+    back = (*grads, *args[:6], y, saved, *args[6:15], needs)
+    with PeakTracker(*inputs, y, h_n, c_n, *saved, *[g for g in grads if g is not None]) as tracker:
+        gx, ghx, gcx, gw = op.rnn_backward._init_fn(*back)
+    backward = (formulas.memory_formula(torch.ops.mirrorgrad.rnn_backward)(*back),
+                tracker.peak - _storage_bytes([gx, ghx, gcx, *gw]))  # fmt: skip
+    return forward, backward
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize(("layers", "bidirectional", "dropout"), [(1, False, 0.0), (2, False, 0.5),
+                                                                  (2, True, 0.0)])  # fmt: skip
+def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, memory, layers,
+                                                      bidirectional, dropout):  # fmt: skip
+    """The declared temporaries (what the planner's simulation adds while the op runs)
+    against the bytes the op allocates through ATen beyond its inputs and outputs:
+    within 10% for the Triton path's unidirectional stacks (the GPU path the planner
+    plans for), an overestimate of at most 1.5x for bidirectional ones (copies of
+    reversed directions counted at their worst) and for the reference path (estimated
+    per-step temporaries)."""
+    if impl == "triton":
+        if op.triton_module() is None or not op.triton_module().supports(
+            mode, proj=False, dtype=torch.float32, device=torch.device("cpu")
+        ):
+            pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+        # The interpreter's reference cycles keep kernel arguments alive until the next
+        # GC; what the loops compute does not change what is allocated.
+        monkeypatch.setattr(op.triton_module(), "_fwd_loop", lambda config, buf: None)
+        monkeypatch.setattr(op.triton_module(), "_bwd_loop", lambda config, buf: None)
+    for declared, seen in _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
+        low, high = (0.9, 1.5) if bidirectional or impl == "reference" else (0.9, 1.1)
+        assert low * seen <= declared <= high * seen, (declared, seen)

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from mirrorgrad.ops.rnn import reference
+from mirrorgrad.ops.rnn.cells import GATES, MEMORY_MODES, MODES
 
 DT = torch.float64
 
 
 def layer_cases():
-    for mode in reference.MODES:
-        for memory in reference.MEMORY_MODES:
+    for mode in MODES:
+        for memory in MEMORY_MODES:
             for varlen in (False, True):
                 extras = [("plain", False, None)]
                 if mode == "lstm":
@@ -22,7 +23,7 @@ def layer_cases():
 
 
 def layer_inputs(mode, proj, T=5, B=3, n_in=4, H=6):
-    G = reference.GATES[mode]
+    G = GATES[mode]
     Hr = 3 if proj else H
     x = torch.randn(T, B, n_in, dtype=DT)
     h0 = torch.randn(B, Hr, dtype=DT)
@@ -60,8 +61,8 @@ def test_layer_backward_matches_autograd(mode, memory, varlen, proj, clip):
             torch.testing.assert_close(g, next(expected), atol=1e-11, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("mode", reference.MODES)
-@pytest.mark.parametrize("memory", reference.MEMORY_MODES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("memory", MEMORY_MODES)
 def test_saved_layout_describes_saved(mode, memory):
     T, B, H = 4, 2, 6
     inputs = layer_inputs(mode, False, T=T, B=B, H=H)
@@ -102,6 +103,6 @@ def test_lengths_keep_state_and_zero_outputs_on_padding():
 
 def test_supports_everything_but_projection_outside_lstm():
     cpu = torch.device("cpu")
-    assert all(reference.supports(m, proj=False, dtype=DT, device=cpu) for m in reference.MODES)
+    assert all(reference.supports(m, proj=False, dtype=DT, device=cpu) for m in MODES)
     assert reference.supports("lstm", proj=True, dtype=torch.bfloat16, device=cpu)
     assert not reference.supports("gru", proj=True, dtype=DT, device=cpu)

@@ -25,3 +25,9 @@ def write_corpus(folder: Path, *, lines: tuple[int, int, int] = (120, 20, 20), s
 @pytest.fixture
 def corpus(tmp_path):
     return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def make_corpus():
+    """``write_corpus`` for fixtures of a wider scope than ``corpus``."""
+    return write_corpus

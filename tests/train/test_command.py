@@ -52,9 +52,9 @@ def test_bad_data_is_a_clear_error(tmp_path, capsys, kind, message):
 
 
 def test_bad_mirror_option(corpus, tmp_path, capsys):
-    rc = main(["train", "lm", f"--data={corpus}", "--mirror=budget:2"])
+    rc = main(["train", "lm", f"--data={corpus}", "--mirror=budget:1.5"])
     assert rc == 2
-    assert "budget:FRACTION" in capsys.readouterr().err
+    assert "--mirror 'budget:1.5'" in capsys.readouterr().err
 
 
 def test_download_failure_names_the_fix(tmp_path, monkeypatch):

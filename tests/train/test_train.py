@@ -11,8 +11,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mirrorgrad.callbacks import Callback
+from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint
-from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+from mirrorgrad.train.config import PRESETS, TrainConfig
 from mirrorgrad.train.distributed import World
 from mirrorgrad.train.loop import train
 from mirrorgrad.train.model import LanguageModel
@@ -41,7 +42,7 @@ def make_config(corpus, logdir, **overrides) -> TrainConfig:
     # 6 windows per epoch on the fixture corpus.
     values = dict(
         data=corpus, batch_size=8, bptt=20, epochs=2, log_freq=1, logdir=logdir, seed=3,
-        mirror=Mirror.parse("balance"),
+        mirror=MirrorOptions.from_cli("balance"),
     )  # fmt: skip
     values.update(overrides)
     return TrainConfig.from_preset("tiny", **values)
@@ -72,7 +73,8 @@ def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
     assert first.train | second.train == full.train  # exactly equal, step by step
     assert second.valid == full.valid
     assert resumed.test_perplexity == summary.test_perplexity
-    state = torch.load(tmp_path / "part" / "checkpoints" / "last.pt", weights_only=True)
+    assert resumed.train_perplexity == summary.train_perplexity  # steps before the resume count
+    state = checkpoint.load(tmp_path / "part" / "checkpoints" / "last.pt")
     assert state["position"] == {"step": steps, "epoch": 1, "window": 4}
 
     events = EventAccumulator(str(tmp_path / "full"))
@@ -87,7 +89,7 @@ def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
 
 
 def test_resume_with_other_vocabulary_or_world_size_fails(corpus, tmp_path):
-    train(make_config(corpus, tmp_path, max_steps=2, mirror=Mirror.parse("off")))
+    train(make_config(corpus, tmp_path, max_steps=2, mirror=MirrorOptions.from_cli("off")))
     config = make_config(
         corpus, tmp_path, max_steps=4, vocab_size=10, resume=tmp_path / "checkpoints"
     )
@@ -128,7 +130,10 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp
     from mirrorgrad.train import loop
 
     run = loop._Run(
-        make_config(corpus, None, mirror=Mirror.parse("off")), World(), torch.device("cpu"), []
+        make_config(corpus, None, mirror=MirrorOptions.from_cli("off")),
+        World(),
+        torch.device("cpu"),
+        [],
     )
     compiled, real_compile = [], mirrorgrad.compile
 

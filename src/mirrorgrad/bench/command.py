@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import fnmatch
 import json
+import math
 import os
 import queue
 import shlex
@@ -28,11 +30,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from mirrorgrad.bench import report
-from mirrorgrad.bench.methods import METHODS, default_methods
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
-from mirrorgrad.bench.workloads import WORKLOADS
+from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, suite_of
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
@@ -44,16 +45,45 @@ _PRECOMPILE_SHARE = 0.4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _selection_arguments(parser)
+    _measurement_arguments(parser)
+    _batch_search_arguments(parser)
+    _time_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--workloads", nargs="+", metavar="NAME", help=f"default: all of {', '.join(WORKLOADS)}"
+        "--from-json",
+        type=Path,
+        metavar="RESULTS",
+        help="run nothing: redraw the markdown and plots of a results.json into --out",
     )
+
+
+def _selection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suite",
+        choices=list(SUITES),
+        default="planner",
+        help="which suite: its workloads and methods (default planner); --list names them",
+    )
+    parser.add_argument("--list", action="store_true", help="list suites and workloads, run none")
+    parser.add_argument(
+        "--workloads",
+        "--models",
+        nargs="+",
+        metavar="NAME",
+        help="workloads (shell patterns, e.g. 'hf-*'); default: all of the suite's",
+    )
+    parser.add_argument("--limit", type=int, help="only the first N workloads selected")
     parser.add_argument(
         "--methods",
         nargs="+",
         metavar="NAME",
         help=f"default: all that apply to each workload, of {', '.join(METHODS)}",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+
+
+def _batch_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cap-gb", type=float, help="search the largest batch whose step fits in this many GB"
     )
@@ -66,7 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds of --time-limit kept for the batch search (default: a quarter)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+
+
+def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
     )
@@ -79,10 +112,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile 5 more per method: logs/<workload>.<method>.txt",
+    )
+
+
+def _time_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--time-limit", type=float, help="seconds; methods not started by then are skipped"
     )
     parser.add_argument(
         "--method-timeout", type=float, help="seconds one method (or probe) may take"
+    )
+    parser.add_argument(
+        "--workload-time",
+        type=float,
+        help="seconds one workload's methods may take in all; the rest are skipped",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="workloads measured at a time (default 1). Peaks and gradients stay exact; "
+        "with more than one, times share the device and are only indicative",
     )
     parser.add_argument(
         "--precompile-jobs",
@@ -91,13 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="first compile every compiling method N processes at a time, so the timed "
         "runs find Inductor's caches warm (their compile times are then warm; the cold "
         "ones, N-way parallel, go to results.json)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        metavar="RESULTS",
-        help="run nothing: redraw the markdown and plots of a results.json into --out",
     )
 
 
@@ -111,9 +157,7 @@ def _names(values: list[str] | None) -> list[str] | None:
 def _check(names: list[str] | None, known: dict[str, Any], what: str) -> None:
     unknown = [n for n in names or [] if n not in known]
     if unknown:
-        raise SystemExit(
-            f"mirrorgrad bench: unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}"
-        )
+        raise _Fail(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(known)}")
 
 
 class _Worker:
@@ -148,8 +192,8 @@ def _not_run(workload: str, method: str, status: str, error: str) -> dict[str, A
 
 
 @dataclass(kw_only=True, slots=True)
-class _Phase:
-    """How the workers of one phase run."""
+class _WorkerSettings:
+    """How the workers of one phase (precompile, timed run, probes) run."""
 
     steps: int
     warmup: int
@@ -171,46 +215,69 @@ class _Bench:
         self.logs = args.out / "logs"
 
     def worker_cmd(
-        self, workload: str, methods: list[str], phase: _Phase, **extra: Any
+        self, workload: str, methods: list[str], settings: _WorkerSettings, **extra: Any
     ) -> list[str]:
         a = self.args
         cmd = [sys.executable, "-m", "mirrorgrad.bench.runner", "--workload", workload]
         cmd += ["--methods", ",".join(methods), "--dtype", a.dtype, "--backend", self.backend]
         options = {
-            "steps": phase.steps,
-            "warmup": phase.warmup,
+            "steps": settings.steps,
+            "warmup": settings.warmup,
             "device": a.device,
-            "deadline": phase.deadline,
+            "deadline": settings.deadline,
         }
         for key, value in (options | extra).items():
             if value is not None:
                 cmd += [f"--{key.replace('_', '-')}", str(value)]
         if a.quick:
             cmd.append("--quick")
+        if settings.name == "run" and WORKLOADS[workload].grad_reference is not None:
+            cmd += ["--grads-file", str(self.grads_file(workload))]
+        if settings.name == "run" and a.profile:
+            cmd += ["--profile-dir", str(self.logs)]
         return cmd
 
-    def _timeout(self, phase: _Phase) -> float | None:
+    def grads_file(self, workload: str) -> Path:
+        return self.logs / f"{workload}.reference-grads.pt"
+
+    def worker_env(self, jobs: int) -> dict[str, str] | None:
+        """With several workers at a time, Inductor's compile threads are shared out."""
+        if jobs <= 1:
+            return None
+        threads = max(1, (os.cpu_count() or 2) // jobs)
+        return os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(threads)}
+
+    def _timeout(self, settings: _WorkerSettings) -> float | None:
         """Seconds to wait for the next record: the method timeout, or less near kill_at."""
         limits = [self.args.method_timeout]
-        if phase.kill_at is not None:
-            limits.append(max(0.0, phase.kill_at - time.time()))
+        if settings.kill_at is not None:
+            limits.append(max(0.0, settings.kill_at - time.time()))
         return min((t for t in limits if t is not None), default=None)
 
     def run_workload(
-        self, workload: str, methods: list[str], phase: _Phase, bar: tqdm
+        self, workload: str, methods: list[str], settings: _WorkerSettings, bar: tqdm
     ) -> list[dict[str, Any]]:
         results: dict[str, dict[str, Any]] = {}
-        pending = list(methods)
-        with open(self.logs / f"{workload}.{phase.name}.log", "a") as log:
+        missing = WORKLOADS[workload].missing_packages()
+        if missing:
+            bar.update(len(methods))
+            reason = f"not installed: {', '.join(missing)}"
+            return [_not_run(workload, name, "skipped", reason) for name in methods]
+        # The gradient reference runs first: the others compare with its gradients.
+        reference = WORKLOADS[workload].grad_reference
+        pending = sorted(methods, key=lambda name: name != reference)
+        if reference in methods:  # an earlier run's reference must not stand in for it
+            self.grads_file(workload).unlink(missing_ok=True)
+        with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
             while pending:
-                if phase.deadline is not None and time.time() > phase.deadline:
+                if settings.deadline is not None and time.time() > settings.deadline:
                     for name in pending:
                         results[name] = _not_run(workload, name, "skipped", "time limit reached")
                     bar.update(len(pending))
                     break
-                worker = _Worker(self.worker_cmd(workload, pending, phase), log, phase.env)
+                worker = _Worker(self.worker_cmd(workload, pending, settings), log, settings.env)
                 try:
-                    lost = self._collect(worker, workload, pending, results, phase, bar)
+                    lost = self._collect(worker, workload, pending, results, settings, bar)
                 finally:
                     worker.stop()
                 if lost is not None:
@@ -227,7 +294,7 @@ class _Bench:
         workload: str,
         pending: list[str],
         results: dict[str, dict[str, Any]],
-        phase: _Phase,
+        settings: _WorkerSettings,
         bar: tqdm,
     ) -> tuple[str, str] | None:
         """Move the worker's results from ``pending`` to ``results``; (status, reason)
@@ -235,16 +302,16 @@ class _Bench:
         while pending:
             bar.set_description(f"{workload} / {pending[0]}")
             try:
-                record = worker.next(self._timeout(phase))
+                record = worker.next(self._timeout(settings))
             except queue.Empty:
-                if phase.kill_at is not None and time.time() >= phase.kill_at:
+                if settings.kill_at is not None and time.time() >= settings.kill_at:
                     return "skipped", "stopped at the time limit"
                 return "failed", f"timed out after {self.args.method_timeout:g} s"
             if record is None:
                 code = worker.stop()
                 if code == FATAL_EXIT:  # it reported the method that broke CUDA
                     return None
-                log = f"logs/{workload}.{phase.name}.log"
+                log = f"logs/{workload}.{settings.name}.log"
                 return "failed", f"worker exited with code {code}; see {log}"
             if record.pop("kind") == "env":
                 self.env = self.env or record
@@ -263,32 +330,35 @@ class _Bench:
         todo = [(w, m) for w, ms in plan.items() for m in ms if METHODS[m].compiles]
         # Longest first: the slowest compiles do not start last and hold up the phase.
         todo.sort(key=lambda job: -WORKLOADS[job[0]].compile_weight)
-        threads = max(1, (os.cpu_count() or 2) // jobs)
-        phase = _Phase(
+        settings = _WorkerSettings(
             steps=1,
             warmup=1,
             name="precompile",
             deadline=deadline,
             kill_at=deadline,
-            env=os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(threads)},
+            env=self.worker_env(jobs) or dict(os.environ),
         )
         bar = tqdm(total=len(todo), unit="compile", disable=self.args.no_progress, file=sys.stderr)
         with bar, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            futures = {pool.submit(self.run_workload, w, [m], phase, bar): (w, m) for w, m in todo}
+            futures = {
+                pool.submit(self.run_workload, w, [m], settings, bar): (w, m) for w, m in todo
+            }
             return {futures[f]: f.result()[0] for f in concurrent.futures.as_completed(futures)}
 
     def probe(
-        self, workload: str, method: str, batch: int, cap_bytes: int, phase: _Phase
+        self, workload: str, method: str, batch: int, cap_bytes: int, settings: _WorkerSettings
     ) -> dict[str, Any]:
-        with open(self.logs / f"{workload}.{phase.name}.log", "a") as log:
-            cmd = self.worker_cmd(workload, [method], phase, batch=batch, probe_cap_bytes=cap_bytes)
-            worker = _Worker(cmd, log, phase.env)
+        with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
+            cmd = self.worker_cmd(
+                workload, [method], settings, batch=batch, probe_cap_bytes=cap_bytes
+            )
+            worker = _Worker(cmd, log, settings.env)
             try:
-                while (record := worker.next(self._timeout(phase))) is not None:
+                while (record := worker.next(self._timeout(settings))) is not None:
                     if record.pop("kind") == "probe":
                         return record
             except queue.Empty:
-                if phase.kill_at is not None and time.time() >= phase.kill_at:
+                if settings.kill_at is not None and time.time() >= settings.kill_at:
                     raise TimeoutError from None  # unknown, not "does not fit"
                 return {"batch": batch, "fits": False, "error": "probe timed out"}
             finally:
@@ -300,14 +370,14 @@ class _Bench:
     ) -> dict[str, Any]:
         """The largest batch of ``result``'s method under ``cap_bytes``, from a guess
         extrapolated from its measured peak (parameters and gradients held fixed)."""
-        phase = _Phase(name="probes", deadline=None, kill_at=deadline, **_PROBE_STEPS)
+        settings = _WorkerSettings(name="probes", deadline=None, kill_at=deadline, **_PROBE_STEPS)
         found = BatchSearch()
         records: list[dict[str, Any]] = []
 
         def fits(batch: int) -> tuple[bool, int | None]:
             if deadline is not None and time.time() > deadline:
                 raise TimeoutError
-            records.append(self.probe(workload, result["method"], batch, cap_bytes, phase))
+            records.append(self.probe(workload, result["method"], batch, cap_bytes, settings))
             return bool(records[-1]["fits"]), records[-1].get("peak_bytes")
 
         guess = guess_batch(
@@ -331,13 +401,15 @@ class _Bench:
 
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["mirrorgrad", "bench"]
+    if args.suite != "planner":
+        parts += ["--suite", args.suite]
     for key in ("workloads", "methods", "search_methods"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", *getattr(args, key)]
-    keys = ("dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit")
+    keys = ("limit", "dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit")
     if args.cap_gb:
         keys += ("max_probes", "search_time")
-    for key in (*keys, "method_timeout", "precompile_jobs"):
+    for key in (*keys, "method_timeout", "workload_time", "jobs", "precompile_jobs"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.quick:
@@ -361,44 +433,58 @@ def _write_report(doc: dict[str, Any], out: Path) -> None:
     print(table)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.from_json is not None:
-        doc = json.loads(args.from_json.read_text())
-        for workload in doc["workloads"].values():
-            report.add_ratios(workload["methods"])  # files older than a ratio get it too
-        _write_report(doc, args.out)
-        return 0
-    start = time.time()
-    workloads = _names(args.workloads) or list(WORKLOADS)
+def _redraw(path: Path, out: Path) -> int:
+    """``--from-json``: tables and plots of a saved results file."""
+    try:
+        doc = json.loads(path.read_text())
+        workloads = doc["workloads"].values()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _Fail(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+        raise _Fail(f"{path} is not a results.json of mirrorgrad bench") from None
+    for workload in workloads:
+        # Files older than a ratio get it too.
+        report.add_ratios(workload["methods"], report.baselines_of(doc))
+    _write_report(doc, out)
+    return 0
+
+
+class _Fail(Exception):
+    """An error the command reports in one line (exit code 1)."""
+
+
+def _select(args: argparse.Namespace) -> tuple[Suite, dict[str, list[str]]]:
+    """The suite and its plan: workload -> methods, after --workloads, --methods, --limit."""
+    suite = SUITES[args.suite]
+    names = suite.workload_names(args.quick)
+    patterns = _names(args.workloads)
+    if patterns:
+        unknown = [p for p in patterns if not fnmatch.filter(WORKLOADS, p)]
+        if unknown:
+            raise _Fail(
+                f"unknown workload {', '.join(unknown)}; `mirrorgrad bench --list` names them"
+            )
+        pool = names if all(fnmatch.filter(names, p) for p in patterns) else list(WORKLOADS)
+        names = [n for n in pool if any(fnmatch.fnmatch(n, p) for p in patterns)]
+    if args.limit is not None:
+        names = names[: args.limit]
     requested = _names(args.methods)
-    search_methods = _names(args.search_methods)
-    _check(workloads, WORKLOADS, "workload")
     _check(requested, METHODS, "method")
-    _check(search_methods, METHODS, "method")
-    bench = _Bench(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    bench.logs.mkdir(exist_ok=True)
-
+    _check(_names(args.search_methods), METHODS, "method")
     plan = {}
-    for name in workloads:
-        recurrent = WORKLOADS[name].recurrent
-        names = requested or default_methods(recurrent)
-        plan[name] = [n for n in names if recurrent or not METHODS[n].swap_rnn]
+    for name in names:
+        workload = WORKLOADS[name]
+        methods = requested or suite_of(name).methods_for(workload)
+        plan[name] = [m for m in methods if workload.recurrent or not METHODS[m].swap_rnn]
+    return suite, plan
 
-    # With --time-limit: the batch search keeps --search-time, pre-compiling may
-    # take up to 40% of the rest, and each workload a fair share of what is left.
-    end = start + args.time_limit if args.time_limit else None
-    timed_end = end
-    if end is not None and args.cap_gb:
-        timed_end = end - (args.search_time or _SEARCH_SHARE * args.time_limit)
-    cold: dict[tuple[str, str], dict[str, Any]] = {}
-    if args.precompile_jobs:
-        warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
-        cold = bench.precompile(plan, args.precompile_jobs, warm_end)
 
+def _document(args: argparse.Namespace, bench: _Bench, suite: Suite) -> dict[str, Any]:
     commit, dirty = git_commit()
-    doc: dict[str, Any] = {
+    return {
         "schema": 1,
+        "suite": suite.name,
+        "baselines": list(report.SUITE_BASELINES.get(suite.name, report.BASELINES)),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": _command_line(args),
         "git_commit": commit,
@@ -410,46 +496,131 @@ def run(args: argparse.Namespace) -> int:
             "backend": bench.backend,
             "quick": args.quick,
             "cap_gb": args.cap_gb,
+            "jobs": args.jobs,
             "precompile_jobs": args.precompile_jobs,
         },
         "env": {},
         "workloads": {},
     }
+
+
+def _timed_runs(
+    bench: _Bench,
+    plan: dict[str, list[str]],
+    doc: dict[str, Any],
+    timed_end: float | None,
+    cold: dict[tuple[str, str], dict[str, Any]],
+) -> None:
+    """Every workload's methods, ``--jobs`` workers at a time; results into ``doc``."""
+    args = bench.args
     total = sum(len(methods) for methods in plan.values())
-    with tqdm(total=total, unit="method", disable=args.no_progress, file=sys.stderr) as bar:
-        for i, (name, methods) in enumerate(plan.items()):
-            phase = _Phase(
-                steps=bench.steps,
-                warmup=bench.warmup,
-                name="run",
-                deadline=_share(time.time(), timed_end, len(plan) - i),
-                kill_at=timed_end,
-            )
-            results = bench.run_workload(name, methods, phase, bar)
-            for m in results:
-                warm = cold.get((name, m["method"]))
-                if warm is not None:
-                    m["cold_compile_s"] = warm.get("compile_s")
-                    m["precompile_error"] = warm.get("error")
-            report.add_ratios(results)
+    lock = threading.Lock()
+    counter = iter(range(len(plan)))
+
+    def one(name: str, methods: list[str]) -> None:
+        with lock:
+            left = len(plan) - next(counter)
+        now = time.time()
+        # A fair share of the time left, or with --workload-time that much (a sweep of
+        # many models: a slow one must not take the time of the next).
+        deadline = _share(now, timed_end, max(1, -(-left // args.jobs)))
+        kill_at = timed_end
+        if args.workload_time:
+            deadline = kill_at = min(timed_end or math.inf, now + args.workload_time)
+        settings = _WorkerSettings(
+            steps=bench.steps, warmup=bench.warmup, name="run", deadline=deadline,
+            kill_at=kill_at, env=bench.worker_env(args.jobs),
+        )  # fmt: skip
+        results = bench.run_workload(name, methods, settings, bar)
+        for m in results:
+            warm = cold.get((name, m["method"]))
+            if warm is not None:
+                m["cold_compile_s"] = warm.get("compile_s")
+                m["precompile_error"] = warm.get("error")
+        report.add_ratios(results, doc["baselines"])
+        with lock:
             doc["workloads"][name] = {
                 "description": WORKLOADS[name].description,
                 "methods": results,
             }
+
+    bar = tqdm(total=total, unit="method", disable=args.no_progress, file=sys.stderr)
+    with bar, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for future in [pool.submit(one, name, methods) for name, methods in plan.items()]:
+            future.result()
+    doc["workloads"] = {name: doc["workloads"][name] for name in plan}
+
+
+def _batch_searches(bench: _Bench, doc: dict[str, Any], end: float | None) -> None:
+    args = bench.args
+    cap_bytes = int(args.cap_gb * 1e9)
+    search_methods = _names(args.search_methods)
+    targets = [
+        (name, m)
+        for name, w in doc["workloads"].items()
+        for m in w["methods"]
+        if m["status"] == "ok" and (search_methods is None or m["method"] in search_methods)
+    ]
+    with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
+        for name, m in bar:
+            bar.set_description(f"max batch {name} / {m['method']}")
+            m["max_batch"] = bench.search(name, m, cap_bytes, end)
+
+
+def _list_suites() -> int:
+    for suite in SUITES.values():
+        cpu = suite.workload_names(quick=True)
+        print(f"{suite.name}: {suite.description}")
+        print(f"  methods: {', '.join(suite.methods or ('the planner suite methods',))}")
+        for name, w in suite.workloads.items():
+            mark = " (cpu slice)" if name in cpu and len(cpu) < len(suite.workloads) else ""
+            print(f"  {name}{mark}: {w.description}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list_suites()
+    if args.from_json is not None:
+        return _redraw(args.from_json, args.out)
+    start = time.time()
+    suite, plan = _select(args)
+    bench = _Bench(args)
+    bench.logs.mkdir(parents=True, exist_ok=True)
+    # With --time-limit: the batch search keeps --search-time, pre-compiling may
+    # take up to 40% of the rest, and each workload a fair share of what is left.
+    end = start + args.time_limit if args.time_limit else None
+    timed_end = end
+    if end is not None and args.cap_gb:
+        timed_end = end - (args.search_time or _SEARCH_SHARE * args.time_limit)
+    cold: dict[tuple[str, str], dict[str, Any]] = {}
+    if args.precompile_jobs:
+        warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
+        cold = bench.precompile(plan, args.precompile_jobs, warm_end)
+    doc = _document(args, bench, suite)
+    _timed_runs(bench, plan, doc, timed_end, cold)
     if args.cap_gb:
-        cap_bytes = int(args.cap_gb * 1e9)
-        targets = [
-            (name, m)
-            for name, w in doc["workloads"].items()
-            for m in w["methods"]
-            if m["status"] == "ok" and (search_methods is None or m["method"] in search_methods)
-        ]
-        with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
-            for name, m in bar:
-                bar.set_description(f"max batch {name} / {m['method']}")
-                m["max_batch"] = bench.search(name, m, cap_bytes, end)
+        _batch_searches(bench, doc, end)
     doc["env"] = bench.env
     doc["wall_s"] = round(time.time() - start, 1)
-
     _write_report(doc, args.out)
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mirrorgrad bench`: errors of the user's making and of the file system are one line."""
+    for name in ("steps", "warmup", "jobs", "limit", "max_probes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"mirrorgrad bench: --{name.replace('_', '-')} must be >= 1, got {value}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    try:
+        return _run(args)
+    except _Fail as e:
+        print(f"mirrorgrad bench: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        print(f"mirrorgrad bench: cannot write{where}: {e.strerror or e}", file=sys.stderr)
+        return 1

@@ -6,17 +6,19 @@ import argparse
 import json
 from typing import Any
 
-from mirrorgrad import compiler
 from mirrorgrad.bench.runner import DTYPES, default_device
-from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+from mirrorgrad.bench.suites import WORKLOADS, get_workload
+from mirrorgrad.options import MirrorOptions
 
 
 def parse_mode(text: str) -> dict[str, Any]:
-    """``--mode``: ``mirrorgrad.compiler.parse_mode`` as an argparse type."""
+    """``--mode``: ``MirrorOptions.from_cli`` as an argparse type, as the keywords
+    ``mode`` and ``budget`` (``--max-overhead`` sets the cap apart)."""
     try:
-        return compiler.parse_mode(text)
+        options = MirrorOptions.from_cli(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return {"mode": options.mode} | ({} if options.budget is None else {"budget": options.budget})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

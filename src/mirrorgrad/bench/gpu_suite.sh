@@ -9,6 +9,11 @@
 #                                              # deepspeech2, nmt-attention, lstm-lm-large)
 #                                              # with torch.nn vs mirrorgrad.nn RNNs
 #   bash src/mirrorgrad/bench/gpu_suite.sh 4   # largest batch under 4 GB
+#   bash src/mirrorgrad/bench/gpu_suite.sh 5   # rnn-kernels suite, LSTM + GRU fp32 (issue 16)
+#   bash src/mirrorgrad/bench/gpu_suite.sh 6   # rnn-kernels suite, LSTM + GRU bf16 (issue 16)
+#   bash src/mirrorgrad/bench/gpu_suite.sh 7   # zoo sweep of public models (issue 18)
+#   bash src/mirrorgrad/bench/gpu_suite.sh 8   # word-lm: PyTorch's example vs train lm (issue 14)
+#   bash src/mirrorgrad/bench/gpu_suite.sh 9   # rnn-kernels suite, RNN-tanh fp32 and bf16
 #
 # Results go to $OUT/partN (results.json, results.md, peak_vs_time.png, max_batch.png,
 # logs.tar.gz); the markdown tables are printed last. Redraw a report elsewhere with
@@ -19,7 +24,7 @@
 # ~1/6 of the wall time), then the timed runs go one workload at a time, one process
 # per workload, with the caches warm. Each workload gets a fair share of the time left.
 set -euo pipefail
-part=${1:?usage: gpu_suite.sh 1|2|3|4}
+part=${1:?usage: gpu_suite.sh 1|2|3|4|5|6|7|8|9}
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -32,6 +37,14 @@ common=(--no-progress --precompile-jobs 8 --method-timeout 300 --steps 40 --warm
 zoo_methods=(eager compile mirror-balance compile-budget-0.5 mirror-budget-0.5
     compile-budget-0.1 mirror-budget-0.3 checkpoint)
 bench() { "$py" -m mirrorgrad bench "${common[@]}" "$@"; }
+# rnn_suite DTYPE OUT PATTERN... [--time-limit S]: the rnn-kernels suite, one process per shape.
+rnn_suite() {
+    local dtype=$1 dest=$2
+    shift 2
+    "$py" -m mirrorgrad bench --suite rnn-kernels --dtype "$dtype" --no-progress --steps 20 \
+        --warmup 3 --time-limit 540 --workload-time 30 --method-timeout 60 --out "$dest" \
+        --methods eager cuda-graph eager+mgnn cuda-graph+mgnn kernel-auto --workloads "$@"
+}
 
 case "$part" in
 1)
@@ -68,15 +81,42 @@ case "$part" in
         --cap-gb 4 --search-time 300 --max-probes 3 --search-methods eager eager+mgnn checkpoint
     runs=(batch)
     ;;
+5 | 6)
+    # Module level first (torch.nn = cuDNN, cuDNN in one CUDA Graph, mirrorgrad.nn), the
+    # op's kernels beside: LSTM and GRU at every shape of issues 3 and 16.
+    dtype=$([ "$part" = 5 ] && echo fp32 || echo bf16)
+    rnn_suite "$dtype" "$work/rnn-kernels-$dtype" 'rnn-lstm-*' 'rnn-gru-*'
+    runs=("rnn-kernels-$dtype")
+    ;;
+9)
+    # RNN-tanh, fp32 then bf16 (half the time each).
+    rnn_suite fp32 "$work/rnn-tanh-fp32" 'rnn-rnn_tanh-*' --time-limit 260
+    rnn_suite bf16 "$work/rnn-tanh-bf16" 'rnn-rnn_tanh-*' --time-limit 260
+    runs=(rnn-tanh-fp32 rnn-tanh-bf16)
+    ;;
+7)
+    # Every installed model family through eager, torch.compile and the planner's modes,
+    # 12 models at a time (peaks and gradients exact; times share the GPU: indicative).
+    "$py" -m mirrorgrad bench --suite zoo-sweep --no-progress --jobs 12 --steps 3 \
+        --warmup 1 --time-limit 500 --workload-time 150 --method-timeout 120 \
+        --out "$work/zoo-sweep"
+    runs=(zoo-sweep)
+    ;;
+8)
+    # The LM step of PyTorch's word_language_model against `mirrorgrad train lm`'s,
+    # medium and large at batch 20, medium at 128; compiles first, 6 at a time.
+    bench --suite word-lm --time-limit 540 --precompile-jobs 6 --out "$work/word-lm"
+    runs=(word-lm)
+    ;;
 *)
-    echo "usage: gpu_suite.sh 1|2|3|4" >&2
+    echo "usage: gpu_suite.sh 1|2|3|4|5|6|7|8|9" >&2
     exit 2
     ;;
 esac
 
 # At most 8 files come back from a device command: results, one figure each, logs.
 for run in "${runs[@]}"; do
-    for f in results.json results.md peak_vs_time.png max_batch.png; do
+    for f in results.json results.md peak_vs_time.png max_batch.png ratios.png; do
         if [ -f "$work/$run/$f" ]; then cp "$work/$run/$f" "$out/$run.$f"; fi
     done
 done

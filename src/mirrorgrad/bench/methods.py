@@ -20,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 Backend = Literal["inductor", "eager"]
 StepFn = Callable[..., Tensor]
+# (model, batch, backend) -> step(): a method that brings its own training step
+StepMaker = Callable[[nn.Module, tuple[Tensor, ...], Backend], Callable[[], Tensor]]
 # (model, checkpoint block names, backend) -> step function
 Wrap = Callable[[nn.Module, tuple[str, ...], Backend], StepFn]
 
@@ -37,6 +39,12 @@ class Method:
     # mirrorgrad.compile options; the runner asks the planner for its estimated peak.
     mirror_options: dict[str, Any] | None = None
     swap_rnn: bool = False
+    # The whole step (forward, backward, update) captured in one CUDA Graph and replayed.
+    cuda_graph: bool = False
+    # Replaces the workload's model before anything else (word-lm: the train package's).
+    rebuild: Callable[[nn.Module], nn.Module] | None = None
+    # A step of the method's own instead of zero_grad -> loss -> backward -> SGD.
+    make_step: StepMaker | None = None
 
     def prepare(self, model: nn.Module, *, blocks: tuple[str, ...], backend: Backend) -> StepFn:
         """Return ``step_fn(*batch) -> loss``; may modify ``model`` in place (RNN swap)."""
@@ -117,6 +125,15 @@ def _base_methods() -> list[Method]:
         )
     methods.append(
         Method(
+            name="cuda-graph",
+            description="plain PyTorch, the whole step captured in one CUDA Graph",
+            wrap=_eager,
+            compiles=False,
+            cuda_graph=True,
+        )
+    )
+    methods.append(
+        Method(
             name="checkpoint",
             description="torch.utils.checkpoint around each block of the workload",
             wrap=_checkpoint,
@@ -155,17 +172,25 @@ def _registry() -> dict[str, Method]:
     return methods
 
 
-METHODS: dict[str, Method] = _registry()
+# The general methods; suites.METHODS adds the rnn-kernels and word-lm suites' own.
+BASE_METHODS: dict[str, Method] = _registry()
 
 
-def get_method(name: str) -> Method:
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise KeyError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
+# The planner suite's methods (the other suites name their own).
+PLANNER_METHODS = (
+    "eager",
+    "compile",
+    "compile-budget-0.5",
+    "compile-budget-0.1",
+    "checkpoint",
+    "mirror-balance",
+    "mirror-budget-0.5",
+    "mirror-budget-0.3",
+)
 
 
 def default_methods(recurrent: bool) -> list[str]:
-    """Every method without RNN swap, and on recurrent workloads the MGNN_BASES ones with."""
+    """The planner suite's methods, and on recurrent workloads the MGNN_BASES ones with
+    mirrorgrad.nn RNNs."""
     mgnn = [f"{base}+mgnn" for base in MGNN_BASES] if recurrent else []
-    return [name for name, m in METHODS.items() if not m.swap_rnn] + mgnn
+    return [*PLANNER_METHODS, *mgnn]

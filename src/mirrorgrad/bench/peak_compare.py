@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mirrorgrad.bench.runner import DTYPES, default_device
-from mirrorgrad.bench.workloads import WORKLOADS, get_workload
+from mirrorgrad.bench.suites import WORKLOADS, get_workload
 
 # Comparison rows: (row, the liveness kinds estimated under it).
 ROWS = (
@@ -219,7 +219,7 @@ def _match(measured: list[dict], estimated: list[dict]) -> tuple[list[dict], lis
 def compare(workload_name: str, plan_text: str, args: argparse.Namespace) -> dict[str, Any]:
     """Plan (and, on CUDA, measure) one workload under one plan."""
     import mirrorgrad
-    from mirrorgrad.compiler import parse_mode
+    from mirrorgrad.bench.explain import parse_mode
 
     options = parse_mode(plan_text)
     device = args.device or default_device(args.quick)

@@ -10,30 +10,39 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mirrorgrad._units import format_bytes
+
 MIB = 2**20
 # Ratios are taken against these methods, measured in the same process run.
 BASELINES = ("eager", "compile")
+SUITE_BASELINES = {
+    "rnn-kernels": ("eager", "cuda-graph"),
+    "word-lm": ("pytorch-example",),
+}
 
 
-def add_ratios(methods: list[dict[str, Any]]) -> None:
+def baselines_of(doc: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(doc.get("baselines") or BASELINES)
+
+
+def add_ratios(methods: list[dict[str, Any]], baselines: tuple[str, ...] = BASELINES) -> None:
     """Set ``peak_vs_<base>`` and ``time_vs_<base>`` (medians) on each successful result,
-    ``fastest_vs_compile`` (fastest steps: noise only slows steps down, so where a run was
-    disturbed this is the better estimate of the cost), and ``est_vs_measured`` where the
-    planner estimated the peak."""
+    ``fastest_vs_<last base>`` (fastest steps: noise only slows steps down, so where a
+    run was disturbed this is the better estimate of the cost), and ``est_vs_measured``
+    where the planner estimated the peak."""
     by_name = {m["method"]: m for m in methods if m["status"] == "ok"}
-    compile_steps = by_name.get("compile", {}).get("step_ms")
+    first = baselines[-1]
+    first_steps = by_name.get(first, {}).get("step_ms")
     for m in by_name.values():
         if m.get("est_peak_bytes"):
             m["est_vs_measured"] = m["est_peak_bytes"] / m["peak_bytes"]
-        for base_name in BASELINES:
+        for base_name in baselines:
             base = by_name.get(base_name)
             ok = base is not None and base["peak_bytes"] and base["median_ms"]
             m[f"peak_vs_{base_name}"] = m["peak_bytes"] / base["peak_bytes"] if ok else None
             m[f"time_vs_{base_name}"] = m["median_ms"] / base["median_ms"] if ok else None
         steps = m.get("step_ms")
-        m["fastest_vs_compile"] = (
-            min(steps) / min(compile_steps) if steps and compile_steps else None
-        )
+        m[f"fastest_vs_{first}"] = min(steps) / min(first_steps) if steps and first_steps else None
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -45,11 +54,7 @@ def _ratio(value: float | None) -> str:
 
 
 def _mib(value: int | None) -> str:
-    if value is None:
-        return "—"
-    mib = value / MIB
-    # Three significant digits down to the KiB scale of `--quick` runs.
-    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.3g}"
+    return format_bytes(value, "MiB")
 
 
 def _max_batch(m: dict[str, Any]) -> str:
@@ -70,63 +75,89 @@ def _compile_time(m: dict[str, Any]) -> str:
     return f"{m['compile_s']:.1f} / {m['cold_compile_s']:.1f}"
 
 
-_COLUMNS = (
-    "method",
-    "median ms",
-    "p20 / p80 ms",
-    "peak MiB",
-    "est. peak MiB",
-    "peak / compile",
-    "time / compile",
-    "fastest step / compile",
-    "peak / eager",
-    "time / eager",
-    "samples/s",
-    "compile s",
-    "max batch",
-)
+def _peak_share(m: dict[str, Any], doc: dict[str, Any]) -> str:
+    peaks = doc["env"].get("peak_tflops") or {}
+    peak = peaks.get(doc["options"]["dtype"])
+    return "—" if not (peak and m.get("tflops")) else f"{100 * m['tflops'] / peak:.1f}%"
 
 
-def workload_table(name: str, workload: dict[str, Any]) -> str:
+def _grads(m: dict[str, Any]) -> str:
+    if m.get("grad_error") is None:
+        return "ref." if m.get("grad_note") is None and m.get("grads_ok") is None else "—"
+    return f"{m['grad_error']:.1e}" + ("" if m.get("grads_ok") else " WRONG")
+
+
+def _columns(methods: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(header, cell of a result) for the columns the results have something in."""
+    cols: list[tuple[str, Any]] = [
+        ("median ms", lambda m: _num(m["median_ms"], 2)),
+        ("p20 / p80 ms", lambda m: f"{_num(m['p20_ms'], 2)} / {_num(m['p80_ms'], 2)}"),
+        ("peak MiB", lambda m: _mib(m["peak_bytes"])),
+    ]
+    if any(m.get("est_peak_bytes") for m in methods):
+        cols.append(("est. peak MiB", lambda m: _mib(m.get("est_peak_bytes"))))
+    for base in reversed(baselines_of(doc)):
+        if not any(m.get(f"time_vs_{base}") for m in methods):
+            continue
+        cols.append((f"peak / {base}", lambda m, b=base: _ratio(m.get(f"peak_vs_{b}"))))
+        cols.append((f"time / {base}", lambda m, b=base: _ratio(m.get(f"time_vs_{b}"))))
+        if any(m.get(f"fastest_vs_{base}") for m in methods):
+            cols.append(
+                (f"fastest step / {base}", lambda m, b=base: _ratio(m.get(f"fastest_vs_{b}")))
+            )
+    if any(m.get("tokens_per_s") for m in methods):
+        cols.append(("tokens/s", lambda m: _num(m.get("tokens_per_s"), 0)))
+    else:
+        cols.append(("samples/s", lambda m: _num(m["samples_per_s"], 0)))
+    if any(m.get("tflops") for m in methods):
+        cols.append(("TFLOP/s", lambda m: _num(m.get("tflops"), 2)))
+        cols.append(("of peak", lambda m: _peak_share(m, doc)))
+    if any(m.get("grad_error") is not None for m in methods):
+        cols.append(("grad error", _grads))
+    if any(m.get("compile_s") is not None for m in methods):
+        cols.append(("compile s", _compile_time))
+    if any(m.get("max_batch") for m in methods):
+        cols.append(("max batch", _max_batch))
+    return cols
+
+
+def _notes(m: dict[str, Any]) -> list[str]:
+    name = m["method"]
+    if m["status"] != "ok":
+        return [f"- `{name}` {m['status']}: {m['error']}"]
+    notes = [f"- `{name}` fell back: {m['fallback']}"] if m.get("fallback") else []
+    if m.get("budget_warning"):
+        notes.append(f"- `{name}` budget not met: {m['budget_warning']}")
+    if m.get("est_error"):
+        notes.append(f"- `{name}`: no planner estimate ({m['est_error']})")
+    elif m.get("est_graphs", 0) > 1:
+        notes.append(
+            f"- `{name}`: graph breaks; the estimate is the largest of "
+            f"{m['est_graphs']} compiled graphs' peaks, not the step's"
+        )
+    return notes
+
+
+def workload_table(name: str, workload: dict[str, Any], doc: dict[str, Any]) -> str:
     methods = workload["methods"]
     batch = next((m["batch"] for m in methods if m.get("batch")), None)
+    ok = [m for m in methods if m["status"] == "ok"]
+    cols = _columns(ok, doc)
     lines = [
         f"### {name}",
         "",
         f"{workload['description']}; batch {batch}.",
         "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "|".join("---" if c == "method" else "---:" for c in _COLUMNS) + "|",
+        "| method | " + " | ".join(header for header, _ in cols) + " |",
+        "|---|" + "---:|" * len(cols),
     ]
     notes = []
     for m in methods:
         if m["status"] != "ok":
-            lines.append(f"| {m['method']} | {m['status']} |" + " — |" * (len(_COLUMNS) - 2))
-            notes.append(f"- `{m['method']}` {m['status']}: {m['error']}")
-            continue
-        cells = [
-            m["method"],
-            _num(m["median_ms"], 2),
-            f"{_num(m['p20_ms'], 2)} / {_num(m['p80_ms'], 2)}",
-            _mib(m["peak_bytes"]),
-            _mib(m.get("est_peak_bytes")),
-            _ratio(m.get("peak_vs_compile")),
-            _ratio(m.get("time_vs_compile")),
-            _ratio(m.get("fastest_vs_compile")),
-            _ratio(m.get("peak_vs_eager")),
-            _ratio(m.get("time_vs_eager")),
-            _num(m["samples_per_s"], 0),
-            _compile_time(m),
-            _max_batch(m),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-        if m.get("est_error"):
-            notes.append(f"- `{m['method']}`: no planner estimate ({m['est_error']})")
-        elif m.get("est_graphs", 0) > 1:
-            notes.append(
-                f"- `{m['method']}`: graph breaks; the estimate is the largest of "
-                f"{m['est_graphs']} compiled graphs' peaks, not the step's"
-            )
+            lines.append(f"| {m['method']} | {m['status']} |" + " — |" * (len(cols) - 1))
+        else:
+            lines.append(f"| {m['method']} | " + " | ".join(cell(m) for _, cell in cols) + " |")
+        notes += _notes(m)
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)
@@ -153,8 +184,13 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Command: `{doc['command']}`",
     ]
-    tables = [workload_table(name, w) for name, w in doc["workloads"].items()]
-    return "\n\n".join(["\n".join(header), *tables]) + "\n"
+    from mirrorgrad.bench import suite_tables
+
+    lead = suite_tables.lead_table(doc)
+    if doc.get("suite") == "zoo-sweep":  # one line per model; the JSON has every number
+        return "\n\n".join(["\n".join(header), lead]) + "\n"
+    tables = [workload_table(name, w, doc) for name, w in doc["workloads"].items()]
+    return "\n\n".join(t for t in ["\n".join(header), lead, *tables] if t) + "\n"
 
 
 def _peak_source(doc: dict[str, Any]) -> str:
@@ -189,9 +225,62 @@ def summary(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# More workloads than this: one scatter of ratios instead of a panel per workload.
+_MAX_PANELS = 12
+
+
+def _ratio_plot(doc: dict[str, Any], measured: dict[str, list], out_dir: Path, plt: Any) -> Path:
+    """``ratios.png``: every method's peak against its time, both over the last baseline's,
+    one point per workload."""
+    base = baselines_of(doc)[-1]
+    fig, ax = plt.subplots(figsize=(8, 6))
+    methods = dict.fromkeys(m["method"] for ms in measured.values() for m in ms)
+    for method in methods:
+        points = [
+            (m[f"time_vs_{base}"], m[f"peak_vs_{base}"])
+            for ms in measured.values()
+            for m in ms
+            if m["method"] == method and m.get(f"time_vs_{base}") and m["method"] != base
+        ]
+        if points:
+            ax.scatter(*zip(*points), s=18, label=method, alpha=0.7)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.axvline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel(f"step time / {base}")
+    ax.set_ylabel(f"peak memory / {base}")
+    ax.set_title(f"{len(measured)} workloads on {doc['env'].get('gpu') or 'CPU'}", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "ratios.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _max_batch_plot(
+    doc: dict[str, Any], searched: dict[str, list], out_dir: Path, plt: Any
+) -> Path:
+    """``max_batch.png``: the largest batch under the cap, per method."""
+    fig, axes = plt.subplots(len(searched), 1, figsize=(8, 3 * len(searched)), squeeze=False)
+    for ax, (name, ms) in zip(axes[:, 0], searched.items()):
+        labels = [m["method"] for m in ms]
+        values = [m["max_batch"]["largest_fit"] for m in ms]
+        ax.bar(labels, values)
+        ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
+        ax.set_ylabel("batch")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    fig.tight_layout()
+    path = out_dir / "max_batch.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
-    labelled point per method; ``max_batch.png``: the largest batch per method."""
+    labelled point per method (``ratios.png`` with more than a dozen workloads);
+    ``max_batch.png``: the largest batch per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +293,9 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         for name, w in doc["workloads"].items()
     }
     measured = {name: ms for name, ms in measured.items() if ms}
-    if measured:
+    if len(measured) > _MAX_PANELS:
+        written.append(_ratio_plot(doc, measured, out_dir, plt))
+    elif measured:
         cols = min(3, len(measured))
         rows = -(-len(measured) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
@@ -234,17 +325,5 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     }
     searched = {name: ms for name, ms in searched.items() if ms}
     if searched:
-        fig, axes = plt.subplots(len(searched), 1, figsize=(8, 3 * len(searched)), squeeze=False)
-        for ax, (name, ms) in zip(axes[:, 0], searched.items()):
-            labels = [m["method"] for m in ms]
-            values = [m["max_batch"]["largest_fit"] for m in ms]
-            ax.bar(labels, values)
-            ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
-            ax.set_ylabel("batch")
-            ax.tick_params(axis="x", rotation=30, labelsize=8)
-        fig.tight_layout()
-        path = out_dir / "max_batch.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_max_batch_plot(doc, searched, out_dir, plt))
     return written

@@ -23,20 +23,23 @@ import os
 import platform
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from mirrorgrad.bench.methods import Backend, Method, StepFn, get_method
-from mirrorgrad.bench.workloads import Built, Workload, get_workload
+from mirrorgrad.bench.gradients import GradCheck
+from mirrorgrad.bench.methods import Backend, Method, StepFn
+from mirrorgrad.bench.suites import get_method, get_workload
+from mirrorgrad.bench.timing import synchronize, time_calls
+from mirrorgrad.bench.workloads import Built, Workload
 
 MARKER = "@@mirrorgrad "
 # Exit code after a method left the CUDA context unusable (its result was reported).
 FATAL_EXIT = 3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_LR = 1e-4
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +53,8 @@ class RunOptions:
     batch: int | None = None
     # Unix time after which methods not yet started are skipped.
     deadline: float | None = None
+    # Where a kernel-time profile of a few steps goes, one file per method (None: none).
+    profile_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +89,18 @@ class MethodResult:
     param_bytes: int | None = None
     first_loss: float | None = None
     step_ms: list[float] = field(default_factory=list)
+    # Model FLOPs per step over the median step (workloads that declare their FLOPs).
+    tflops: float | None = None
+    tokens_per_s: float | None = None
+    # mirrorgrad's MirrorgradFallbackWarning / MirrorgradBudgetWarning, first line.
+    fallback: str | None = None
+    budget_warning: str | None = None
+    # First-step gradients against the workload's reference method (gradients.py).
+    grad_error: float | None = None
+    grad_worst: str | None = None
+    grad_worst_error: float | None = None
+    grads_ok: bool | None = None
+    grad_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,18 +128,35 @@ def environment(device: str) -> dict[str, Any]:
         env["gpu_memory_bytes"] = props.total_memory
         env["capability"] = f"{props.major}.{props.minor}"
         env["cudnn"] = torch.backends.cudnn.version()
+        env["peak_tflops"] = dense_peak_tflops(props.name)
     else:
         env["gpu"] = None
     return env
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
+# Dense tensor-core peaks (TFLOP/s) from the vendor's data sheets, by a substring of the
+# device name: fp32 is TF32 (the suite runs fp32 GEMMs in TF32), bf16 without sparsity.
+_DENSE_PEAKS = {
+    "H200": {"fp32": 494.7, "bf16": 989.4},
+    "H100 PCIe": {"fp32": 378.0, "bf16": 756.0},
+    "H100": {"fp32": 494.7, "bf16": 989.4},
+    "A100": {"fp32": 156.0, "bf16": 312.0},
+}
+
+
+def dense_peak_tflops(gpu_name: str) -> dict[str, float] | None:
+    """The device's dense peak per dtype, or None for a device not in the table."""
+    for key, peaks in _DENSE_PEAKS.items():
+        if key in gpu_name:
+            return peaks
+    return None
 
 
 def _fresh_allocator(device: str) -> None:
-    torch._dynamo.reset()
+    torch.compiler.reset()
+    graphs = sys.modules.get("mirrorgrad.ops.rnn.graphs")
+    if graphs is not None:  # captured RNN step loops hold static buffers
+        graphs.clear_graphs()
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -148,37 +182,52 @@ class _SavedBytes:
         return sum(self._seen.values())
 
 
-def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple) -> Any:
-    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple, workload: Workload) -> Any:
+    """zero_grad -> loss -> backward -> (clip) -> SGD, as the workload asks."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=workload.lr) if workload.update else None
 
     def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
         loss = step_fn(*batch)
         loss.backward()
-        opt.step()
+        if workload.clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, workload.clip)
+        if opt is not None:
+            opt.step()
         return loss
 
     return step
 
 
-def _timed_steps(step: Any, n: int, device: str) -> list[float]:
-    if device.startswith("cuda"):
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(n)
-        ]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) for start, end in events]
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+def _graphed(step: Any, device: str) -> Any:
+    """``step`` captured whole in one CUDA Graph on its first call, replayed after."""
+    if not device.startswith("cuda"):
+        raise RuntimeError("CUDA Graphs need a CUDA device")
+    captured: list[Any] = []
+
+    def capture() -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm-up outside the graph: kernels built, caches filled
+                step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = step()
+        captured.append((graph, loss))
+        return loss
+
+    def replay() -> torch.Tensor:
+        if not captured:
+            capture()
+        graph, loss = captured[0]
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def _cpu_peak(step: Any, model: torch.nn.Module) -> int:
@@ -222,72 +271,165 @@ def _is_fatal(e: BaseException) -> bool:
     return "CUDA error" in text or "illegal memory access" in text or "CUBLAS_STATUS" in text
 
 
-def measure(workload: Workload, method: Method, opts: RunOptions) -> MethodResult:
+def _skip_reason(workload: Workload, method: Method, opts: RunOptions) -> str | None:
+    if method.swap_rnn and not workload.recurrent:
+        return "no torch.nn RNN modules to swap"
+    if opts.deadline is not None and time.time() > opts.deadline:
+        return "time limit reached before this method"
+    missing = workload.missing_packages()
+    if missing:
+        return f"not installed: {', '.join(missing)}"
+    return None
+
+
+def _prepare(
+    workload: Workload, method: Method, opts: RunOptions, result: MethodResult
+) -> tuple[Built, tuple, StepFn, Any]:
+    """Build the model and batch, wrap them by the method: (built, batch, step_fn, step)."""
+    built = workload.build(
+        batch=opts.batch, dtype=DTYPES[opts.dtype], device=opts.device, quick=opts.quick
+    )
+    if method.rebuild is not None:
+        built.model = method.rebuild(built.model)
+    result.batch = built.batch
+    result.param_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    batch = built.make_batch()
+    if method.make_step is not None:
+        step_fn = built.model
+        step = method.make_step(built.model, batch, opts.backend)
+    else:
+        step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
+        step = _make_step(step_fn, built.model, batch, workload)
+    if method.cuda_graph:
+        step = _graphed(step, opts.device)
+    return built, batch, step_fn, step
+
+
+def _first_steps(step: Any, opts: RunOptions, result: MethodResult, after_first: Any) -> None:
+    """The first call (timed alone: it compiles), ``after_first()``, the other warm-ups."""
+    synchronize(opts.device)
+    t0 = time.perf_counter()
+    result.first_loss = step().detach().item()
+    synchronize(opts.device)
+    result.first_step_s = time.perf_counter() - t0
+    after_first()
+    for _ in range(opts.warmup - 1):
+        step()
+    synchronize(opts.device)
+
+
+def _timed_steps(
+    step: Any, workload: Workload, built: Built, opts: RunOptions, result: MethodResult
+) -> None:
+    device = opts.device
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    timing = time_calls(step, repeats=opts.steps, device=device)
+    if device.startswith("cuda"):
+        result.peak_bytes = torch.cuda.max_memory_allocated(device)
+        result.peak_source = "cuda"
+    else:
+        result.peak_bytes = _cpu_peak(step, built.model)
+        result.peak_source = "cpu-estimate"
+    result.step_ms = [round(t, 4) for t in timing.samples_ms]
+    result.median_ms, result.p20_ms = timing.median_ms, timing.p20_ms
+    result.p80_ms = timing.p80_ms
+    result.samples_per_s = built.batch / (timing.median_ms / 1e3)
+    if built.flops is not None:
+        result.tflops = built.flops / (timing.median_ms / 1e3) / 1e12
+    if workload.tokens_per_sample is not None:
+        result.tokens_per_s = result.samples_per_s * workload.tokens_per_sample(opts.quick)
+
+
+def _profile(step: Any, opts: RunOptions, path: Path, steps: int = 5) -> None:
+    """Device (or CPU) time per kernel over ``steps`` steps, as torch.profiler tables it."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    sort = "cpu_time_total"
+    if opts.device.startswith("cuda"):
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sort = "cuda_time_total"
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(opts.device)
+    table = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+    path.write_text(f"{steps} steps of {path.stem}\n{table}\n")
+
+
+def measure(
+    workload: Workload, method: Method, opts: RunOptions, grads: GradCheck | None = None
+) -> MethodResult:
     """Run warm-up and timed steps of ``method`` on ``workload``; never raises on
     a method failure (OOM, compile error): the result says ``failed`` and why."""
     result = MethodResult(workload=workload.name, method=method.name, status="ok")
-    if method.swap_rnn and not workload.recurrent:
-        result.status, result.error = "skipped", "no torch.nn RNN modules to swap"
+    skip = _skip_reason(workload, method, opts)
+    if skip is not None:
+        result.status, result.error = "skipped", skip
         return result
-    if opts.deadline is not None and time.time() > opts.deadline:
-        result.status, result.error = "skipped", "time limit reached before this method"
-        return result
-    device = opts.device
-    _fresh_allocator(device)
-    try:
-        built = workload.build(
-            batch=opts.batch, dtype=DTYPES[opts.dtype], device=device, quick=opts.quick
-        )
-        result.batch = built.batch
-        result.param_bytes = sum(p.numel() * p.element_size() for p in built.model.parameters())
-        batch = built.make_batch()
-        step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
-        step = _make_step(step_fn, built.model, batch)
-
-        _sync(device)
-        t0 = time.perf_counter()
-        result.first_loss = step().detach().item()
-        _sync(device)
-        result.first_step_s = time.perf_counter() - t0
-        for _ in range(opts.warmup - 1):
-            step()
-        _sync(device)
-
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats(device)
-        times = _timed_steps(step, opts.steps, device)
-        if device.startswith("cuda"):
-            result.peak_bytes = torch.cuda.max_memory_allocated(device)
-            result.peak_source = "cuda"
-        else:
-            result.peak_bytes = _cpu_peak(step, built.model)
-            result.peak_source = "cpu-estimate"
-
-        p20, median, p80 = np.percentile(times, [20, 50, 80]).tolist()
-        result.step_ms = [round(t, 4) for t in times]
-        result.median_ms, result.p20_ms, result.p80_ms = median, p20, p80
-        result.samples_per_s = built.batch / (median / 1e3)
-        if method.compiles:
-            result.compile_s = max(0.0, result.first_step_s - median / 1e3)
-    except Exception as e:  # a failing method is a result, not the end of the run
-        result.status, result.error = "failed", _short_error(e)
-        if _is_fatal(e):
-            _emit({"kind": "result", **result.to_dict()})
-            # Exit now: any cleanup would touch the broken context and fail again.
-            os._exit(FATAL_EXIT)
-    else:
+    _fresh_allocator(opts.device)
+    built = batch = step_fn = step = None
+    with _MirrorgradWarnings(result):
         try:
-            (
-                result.est_peak_bytes,
-                result.est_peak_unmirrored_bytes,
-                result.est_graphs,
-            ) = _planner_estimate(method, step_fn, built, batch)
-        except Exception as e:  # the measurement stands without the estimate
-            result.est_error = _short_error(e)
-    finally:
-        built = batch = step_fn = step = None
-        _fresh_allocator(device)
+            built, batch, step_fn, step = _prepare(workload, method, opts, result)
+
+            def check_gradients() -> None:
+                if grads is not None:
+                    for key, value in grads.check(method.name, built.model).items():
+                        setattr(result, key, value)
+
+            _first_steps(step, opts, result, check_gradients)
+            _timed_steps(step, workload, built, opts, result)
+            if opts.profile_dir is not None:
+                _profile(step, opts, opts.profile_dir / f"{workload.name}.{method.name}.txt")
+            if method.compiles:
+                result.compile_s = max(0.0, result.first_step_s - result.median_ms / 1e3)
+        except Exception as e:  # a failing method is a result, not the end of the run
+            result.status, result.error = "failed", _short_error(e)
+            if _is_fatal(e):
+                _emit({"kind": "result", **result.to_dict()})
+                # Exit now: any cleanup would touch the broken context and fail again.
+                os._exit(FATAL_EXIT)
+        else:
+            try:
+                (
+                    result.est_peak_bytes,
+                    result.est_peak_unmirrored_bytes,
+                    result.est_graphs,
+                ) = _planner_estimate(method, step_fn, built, batch)
+            except Exception as e:  # the measurement stands without the estimate
+                result.est_error = _short_error(e)
+        finally:
+            built = batch = step_fn = step = None
+            _fresh_allocator(opts.device)
     return result
+
+
+# mirrorgrad's warnings, by class name -> the result field that records the first one.
+_WARNING_FIELDS = {
+    "MirrorgradFallbackWarning": "fallback",
+    "MirrorgradBudgetWarning": "budget_warning",
+}
+
+
+class _MirrorgradWarnings:
+    """Records mirrorgrad's fallback and budget warnings on the result; others pass on."""
+
+    def __init__(self, result: MethodResult) -> None:
+        self.result = result
+        self._catch = warnings.catch_warnings(record=True)
+
+    def __enter__(self) -> None:
+        self._caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc: object) -> None:
+        self._catch.__exit__(*exc)
+        for w in self._caught:
+            field_name = _WARNING_FIELDS.get(type(w.message).__name__)
+            if field_name is None:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+            elif getattr(self.result, field_name) is None:
+                setattr(self.result, field_name, _short_error(w.message).split(": ", 1)[1])
 
 
 @dataclass(kw_only=True, slots=True)
@@ -355,6 +497,10 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--deadline", type=float, default=None)
     parser.add_argument("--probe-cap-bytes", type=int, default=None)
+    parser.add_argument(
+        "--grads-file", type=Path, default=None, help="compare gradients with the reference's"
+    )
+    parser.add_argument("--profile-dir", type=Path, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,9 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         batch=args.batch,
         deadline=args.deadline,
+        profile_dir=args.profile_dir,
     )
     workload = get_workload(args.workload)
     methods = [get_method(name) for name in args.methods.split(",") if name]
+    grads = None
+    if args.grads_file is not None and workload.grad_reference is not None:
+        grads = GradCheck(workload.grad_reference, args.grads_file, args.dtype)
     _emit({"kind": "env", **environment(device)})
     with contextlib.ExitStack() as stack:
         if any(m.compiles for m in methods):
@@ -393,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             _emit({"kind": "probe", **found.to_dict()})
             return 0
         for method in methods:
-            _emit({"kind": "result", **measure(workload, method, opts).to_dict()})
+            _emit({"kind": "result", **measure(workload, method, opts, grads).to_dict()})
     return 0
 
 

@@ -6,6 +6,7 @@ Synthetic tokens and images: the shapes are what matter for memory and time.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ class Built:
     # Qualified names of the submodules `checkpoint` wraps (resolved after RNN swaps).
     blocks: tuple[str, ...]
     batch: int
+    # Model FLOPs of one step, where the workload knows them (TFLOP/s in the tables).
+    flops: float | None = None
 
 
 # (batch, quick) -> (model, sample(generator) -> batch tensors, block names)
@@ -44,6 +47,24 @@ class Workload:
     # Rough relative cost of one cold compile: `--precompile-jobs` starts costly ones first.
     compile_weight: int
     builder: Builder
+    # The step: SGD at ``lr`` after clipping the gradient norm to ``clip``; ``update=False``
+    # measures forward and backward alone (the RNN kernel suite).
+    lr: float = 1e-4
+    clip: float | None = None
+    update: bool = True
+    # quick -> tokens per sample (language models: tokens/s in the tables).
+    tokens_per_sample: Callable[[bool], int] | None = None
+    # (batch, quick) -> model FLOPs of one step.
+    flops: Callable[[int, bool], float] | None = None
+    # The method whose first-step gradients the others' are compared with (dropout off).
+    grad_reference: str | None = None
+    # Modules the builder imports; a workload whose packages are missing is skipped.
+    packages: tuple[str, ...] = ()
+    # In the CPU slice of its suite (what `--quick` runs).
+    cpu_slice: bool = True
+
+    def missing_packages(self) -> list[str]:
+        return [name for name in self.packages if importlib.util.find_spec(name) is None]
 
     def build(
         self,
@@ -69,7 +90,10 @@ class Workload:
                 for t in sample(generator)
             )
 
-        return Built(model=model, make_batch=make_batch, blocks=tuple(blocks), batch=batch)
+        flops = None if self.flops is None else self.flops(batch, quick)
+        return Built(
+            model=model, make_batch=make_batch, blocks=tuple(blocks), batch=batch, flops=flops
+        )
 
 
 def _lstm_lm(hidden: int, dropout: float):
@@ -226,10 +250,3 @@ WORKLOADS: dict[str, Workload] = {
         ),
     )
 }
-
-
-def get_workload(name: str) -> Workload:
-    try:
-        return WORKLOADS[name]
-    except KeyError:
-        raise KeyError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}") from None

@@ -3,7 +3,9 @@
 FLOPs come from ``torch.utils.flop_counter``'s formula registry where it has one
 (mm, addmm, bmm, convolution, attention, and any op registered with
 ``register_flop_formula`` such as our RNN ops), else one FLOP per output element.
-Bytes moved are the op's tensor inputs plus outputs; views move nothing.
+Bytes moved are the op's tensor inputs plus outputs, or what the op declares with
+``mirrorgrad.formulas.register_bytes_formula`` (a chunked op that writes and
+reads its intermediates); views move nothing.
 
 Under a fusing compiler (Inductor) the bytes are those of its kernels
 (``StepCost``): a pointwise op computed inside its readers' kernels
@@ -23,6 +25,7 @@ from torch.fx import Node
 from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
+from mirrorgrad.formulas import bytes_formula
 from mirrorgrad.graph.fusion import inlined
 from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view, value_nbytes
 
@@ -114,6 +117,16 @@ def registered_flops(node: Node) -> int | None:
     return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def registered_bytes(node: Node) -> int | None:
+    """Bytes moved as the op declares them (``register_bytes_formula``), or None."""
+    formula = bytes_formula(node.target)
+    if formula is None:
+        return None
+    args = [_meta(a) for a in node.args]
+    kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
+    return _hint(formula(*args, **kwargs))
+
+
 def _flops_and_rate(node: Node, rates: DeviceRates) -> tuple[int, float]:
     """FLOPs from the registry at the matmul rate, else one per output element at the
     vector rate."""
@@ -127,8 +140,10 @@ def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:
     """Estimated cost of running ``node`` once."""
     if node.op != "call_function" or is_getitem(node) or is_view(node):
         return OpCost(flops=0, bytes=0, seconds=0.0)
-    moved = _tensor_bytes(node.args) + _tensor_bytes(list(node.kwargs.values()))
-    moved += value_nbytes(node.meta.get("val"))
+    moved = registered_bytes(node)
+    if moved is None:
+        moved = _tensor_bytes(node.args) + _tensor_bytes(list(node.kwargs.values()))
+        moved += value_nbytes(node.meta.get("val"))
     flops, rate = _flops_and_rate(node, rates)
     seconds = max(flops / rate, moved / rates.bytes_per_s)
     return OpCost(flops=flops, bytes=moved, seconds=seconds)
@@ -168,8 +183,10 @@ class StepCost:
         flops, rate = _flops_and_rate(node, self.rates)
         if node in self.inlined:
             return OpCost(flops=flops, bytes=0, seconds=flops / rate)
-        reads = set().union(*(self._read(a) for a in node.all_input_nodes))
-        moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
+        moved = registered_bytes(node)
+        if moved is None:
+            reads = set().union(*(self._read(a) for a in node.all_input_nodes))
+            moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
         return OpCost(
             flops=flops, bytes=moved, seconds=max(flops / rate, moved / self.rates.bytes_per_s)
         )

@@ -10,7 +10,9 @@ The step runs the forward module, then the backward module, as AOTAutograd does:
   their first use, in the order ``reordering_to_mimic_autograd_engine`` gives;
 - gradients (backward outputs) stay until the end of the step;
 - views share the storage of their base: a storage is freed when the last value
-  aliasing it dies; an op holds its inputs and its outputs at once.
+  aliasing it dies; an op holds its inputs and its outputs at once;
+- a custom op that declares its temporaries (``mirrorgrad.formulas.
+  register_memory_formula``: workspace, chunk buffers) holds them too while it runs.
 
 The planner simulates thousands of candidate plans on graphs of ~10k nodes, so the
 simulation runs on ``GraphIndex``: the graph as integer arrays, built once.
@@ -21,8 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch.fx import Node
 
+from mirrorgrad import _compat
+from mirrorgrad.formulas import memory_formula
 from mirrorgrad.graph.fusion import (
     INLINE_READERS,
     REALIZE_ACC_READS,
@@ -76,6 +81,7 @@ class GraphIndex:
         self.inputs = [tuple(ix[a] for a in joint.inputs(n)) for n in nodes]
         self.storage = [ix[joint.storage(n)] for n in nodes]
         self.nbytes = [joint.nbytes(n) for n in nodes]
+        self.temporary = [temporary_bytes(n) for n in nodes]
         self.tuple_valued = [isinstance(n.meta.get("val"), (tuple, list)) for n in nodes]
         self.getitems = {
             i: [ix[u] for u in n.users if is_getitem(u)]
@@ -321,6 +327,7 @@ class _Simulator:
                         if refs[s] == 1 and not virtual[s]:
                             live += nbytes[s]
                 transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
+            transient += ix.temporary[n]
             event_nodes.append(n)
             event_bytes.append(live + transient)
             if pos == snapshot_at:
@@ -504,3 +511,28 @@ def _kinds(joint: JointGraph, saved: list[Node], mirrored: list[Node], *, backwa
 
 def _op(node: Node) -> str:
     return op_name(node) if node.op == "call_function" else node.op
+
+
+def temporary_bytes(node: Node) -> int:
+    """Bytes ``node``'s op declares it allocates while it runs beyond its inputs and
+    outputs (``register_memory_formula``), from the fake values of its arguments; 0 for
+    an op that declares nothing."""
+    formula = memory_formula(node.target) if node.op == "call_function" else None
+    if formula is None:
+        return 0
+    args = [_fake(a) for a in node.args]
+    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    nbytes = formula(*args, **kwargs)
+    return (
+        _compat.optimization_hint(nbytes, fallback=0)
+        if isinstance(nbytes, torch.SymInt)
+        else int(nbytes)
+    )
+
+
+def _fake(a: object) -> object:
+    if isinstance(a, Node):
+        return a.meta.get("val")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fake(x) for x in a)
+    return a

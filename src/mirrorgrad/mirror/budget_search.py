@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
 
 from torch.fx import Node
 
+from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
+from mirrorgrad.options import MirrorOptions
 
-Mode = Literal["balance", "budget", "off"]
 # The lifetime repair stashes at most this many recomputed values, trying at most
 # REPAIR_CANDIDATES of them per step (each try is one liveness simulation).
 MAX_REPAIR_TRIALS = 256
@@ -46,7 +46,6 @@ MAX_CHUNK = 16
 CHUNK_SHARE = 1 / 128
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
-MODES = ("balance", "budget", "off")
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
 # The largest values alive at the peak that a plan's summary names.
@@ -61,13 +60,11 @@ class PlanError(RuntimeError):
     """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
 
 
-@dataclass(kw_only=True, slots=True)
-class PlanOptions:
-    mode: Mode = "balance"
-    # Peak budget in bytes, or (<= 1.0) a fraction of the unmirrored peak. Budget mode only.
-    budget: float | int | None = None
-    # Balance mode: most added time allowed, as a fraction of the estimated step time.
-    max_overhead: float = 0.05
+@dataclass(kw_only=True, slots=True, frozen=True)
+class PlanOptions(MirrorOptions):
+    """The user's options (validated by ``MirrorOptions``) and what the planner learns
+    at compile time: the policy, the device, whether the backend fuses."""
+
     policy: MirrorPolicy | None = None
     # The accelerator's rates; by default looked up from the graph's device (rates_for).
     device: DeviceRates | None = None
@@ -75,16 +72,6 @@ class PlanOptions:
     # backward readers' kernels, and fused intermediates are never allocated. Set
     # False for backends that run each op on its own (backend="eager").
     fusion: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "budget" and self.budget is None:
-            raise ValueError("mode='budget' needs budget= (bytes, or a fraction <= 1.0)")
-        if self.budget is not None and not self.budget > 0:
-            raise ValueError(f"budget must be > 0 (bytes, or a fraction <= 1.0), got {self.budget}")
-        if not self.max_overhead >= 0:
-            raise ValueError(f"max_overhead must be >= 0, got {self.max_overhead}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,13 +177,6 @@ def _shape(n: Node) -> list | None:
     if isinstance(val, (tuple, list)):
         return [dims(v) for v in val]
     return dims(val)
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 @dataclass(kw_only=True, slots=True)

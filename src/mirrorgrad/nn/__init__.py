@@ -1,6 +1,7 @@
-"""Drop-in replacements for torch.nn recurrent modules, and memory-lean functionals."""
+"""Drop-in replacements for torch.nn recurrent modules and cells, and memory-lean functionals."""
 
 from mirrorgrad.nn import functional
+from mirrorgrad.nn.cells import GRUCell, LSTMCell, RNNCell
 from mirrorgrad.nn.rnn import GRU, LSTM, RNN, convert
 
-__all__ = ["GRU", "LSTM", "RNN", "convert", "functional"]
+__all__ = ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "convert", "functional"]

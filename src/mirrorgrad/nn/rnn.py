@@ -1,7 +1,8 @@
 """Drop-in ``LSTM``, ``GRU`` and ``RNN`` running mirrorgrad's RNN op.
 
-Same constructor arguments, parameter names, shapes and initialisation as torch.nn
-(they subclass ``torch.nn.RNNBase``), so ``load_state_dict`` works both ways; same
+Subclasses of ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` (so ``isinstance`` checks hold): same
+constructor arguments, parameter names, shapes and initialisation, so
+``load_state_dict`` works both ways; same
 forward signature and outputs (optional hx, unbatched input, ``batch_first``,
 ``PackedSequence`` in and out). Extra keyword-only arguments: ``memory`` and ``impl``
 (see ``mirrorgrad.ops.rnn.rnn``) and, for LSTM, ``state_clip=(lo, hi)``.
@@ -11,26 +12,20 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence
 
+from mirrorgrad import _compat
+from mirrorgrad.nn.cells import cell_replacement
 from mirrorgrad.ops.rnn import IMPLS, MEMORY, rnn
 
 _OP_MODE = {"LSTM": "lstm", "GRU": "gru", "RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu"}
 
 
-class _RNNBase(torch.nn.RNNBase):
-    """Shared forward of the three modules; torch.nn.RNNBase owns parameters and checks."""
+class _FusedRNN:
+    """The forward of mirrorgrad's LSTM/GRU/RNN, mixed in before torch.nn's class, which
+    owns parameters, ``_flat_weights``, checks, ``state_dict`` and pickling."""
 
-    def __init__(
-        self,
-        mode: str,
-        *args,
-        memory: str = "auto",
-        impl: str = "auto",
-        state_clip: tuple[float, float] | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(mode, *args, **kwargs)
+    def _init_options(self, memory: str, impl: str, state_clip) -> None:
         if memory not in MEMORY:
             raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
         if impl not in IMPLS:
@@ -45,7 +40,10 @@ class _RNNBase(torch.nn.RNNBase):
         self.state_clip = state_clip
 
     def extra_repr(self) -> str:
-        s = super().extra_repr() + f", memory={self.memory!r}, impl={self.impl!r}"
+        """torch.nn's repr, plus our options where they are not the defaults."""
+        s = super().extra_repr()
+        s += f", memory={self.memory!r}" if self.memory != "auto" else ""
+        s += f", impl={self.impl!r}" if self.impl != "auto" else ""
         return s + (f", state_clip={self.state_clip}" if self.state_clip is not None else "")
 
     def _check_devices_and_dtypes(self, x: Tensor, hx: Tensor, cx: Tensor | None) -> None:
@@ -57,67 +55,29 @@ class _RNNBase(torch.nn.RNNBase):
                 f"input.to({str(weight.device)!r}) or model.to({str(x.device)!r})"
             )
         for name, state in (("hx", hx), ("cx", cx)):
-            if state is None:
-                continue
-            if state.device != x.device:
+            if state is not None and state.device != x.device:
                 raise RuntimeError(
                     f"Input and hidden tensors are not at the same device, found input tensor at "
                     f"{x.device} and hidden tensor at {state.device}: use "
                     f"{name}.to({str(x.device)!r})"
                 )
-            if state.dtype != x.dtype:
-                raise RuntimeError(
-                    f"hidden state {name} dtype ({state.dtype}) does not match input dtype "
-                    f"({x.dtype}): use {name}.to({x.dtype})"
-                )
+        if hx.dtype != x.dtype:
+            raise RuntimeError(
+                f"hidden state hx dtype ({hx.dtype}) does not match input dtype "
+                f"({x.dtype}): use hx.to({x.dtype})"
+            )
 
     def forward(self, input, hx=None):
         is_lstm = self.mode == "LSTM"
-        num_dirs = 2 if self.bidirectional else 1
-        hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
         packed = isinstance(input, PackedSequence)
-        lengths = None
-        is_batched = True
         if packed:
             self.check_input(input.data, input.batch_sizes)
-            x, lengths = pad_packed_sequence(input)  # time-major, the caller's batch order
-            batch = x.shape[1]
+            x, h0, c0, lengths, rows = _unpack(input, hx, is_lstm)
+            is_batched = True
         else:
-            if input.dim() not in (2, 3):
-                raise ValueError(
-                    f"{type(self).__name__}: Expected input to be 2D or 3D, got {input.dim()}D "
-                    "instead: pass (T, B, input_size), (B, T, input_size) with batch_first, "
-                    "or (T, input_size)"
-                )
-            is_batched = input.dim() == 3
-            batch_dim = 0 if self.batch_first else 1
-            if not is_batched:
-                input = input.unsqueeze(batch_dim)
-            self.check_input(input, None)
-            x = input.transpose(0, 1) if self.batch_first else input
-            batch = x.shape[1]
-        h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
-        expected_dim = 3 if is_batched else 2
-        for name, state in (("hx", h0), ("cx", c0)):
-            if state is not None and state.dim() != expected_dim:
-                kind = "batched 3-D" if is_batched else "unbatched 2-D"
-                raise RuntimeError(
-                    f"For {kind} input, {name} should also be {expected_dim}-D but got "
-                    f"{state.dim()}-D tensor"
-                )
-        if not is_batched:
-            h0 = None if h0 is None else h0.unsqueeze(1)
-            c0 = None if c0 is None else c0.unsqueeze(1)
-        expected_h = (self.num_layers * num_dirs, batch, hidden)
-        expected_c = (self.num_layers * num_dirs, batch, self.hidden_size)
-        if h0 is None:
-            h0 = x.new_zeros(expected_h)
-        if is_lstm and c0 is None:
-            c0 = x.new_zeros(expected_c)
-        self.check_hidden_size(h0, expected_h, "Expected hidden[0] size {}, got {}")
-        if is_lstm:
-            self.check_hidden_size(c0, expected_c, "Expected hidden[1] size {}, got {}")
-        self._check_devices_and_dtypes(x, h0, c0)
+            x, h0, c0, is_batched = self._time_major(input, hx, is_lstm)
+            lengths = rows = None
+        h0, c0 = self._initial_states(x, h0, c0)
         weights = [getattr(self, name) for name in self._flat_weights_names]
         if torch.is_autocast_enabled(x.device.type):
             # As torch.nn's RNNs under autocast: run in the autocast dtype.
@@ -125,6 +85,8 @@ class _RNNBase(torch.nn.RNNBase):
             x, h0 = x.to(dtype), h0.to(dtype)
             c0 = None if c0 is None else c0.to(dtype)
             weights = [w.to(dtype) for w in weights]
+        elif c0 is not None and c0.dtype != x.dtype:
+            c0 = c0.to(x.dtype)  # torch.nn accepts a cell state of another float dtype
         y, h_n, c_n = rnn(
             x, weights, h0, c0, mode=_OP_MODE[self.mode], num_layers=self.num_layers,
             bidirectional=self.bidirectional, has_biases=self.bias, proj_size=self.proj_size,
@@ -132,8 +94,8 @@ class _RNNBase(torch.nn.RNNBase):
             state_clip=self.state_clip, impl=self.impl,
         )  # fmt: skip
         if packed:
-            y = _repack(y, lengths, input)
-        elif not is_batched:
+            return _repack(y, h_n, c_n, rows, input, is_lstm)
+        if not is_batched:
             y = y.squeeze(1)
             h_n = h_n.squeeze(1)
             c_n = None if c_n is None else c_n.squeeze(1)
@@ -141,99 +103,138 @@ class _RNNBase(torch.nn.RNNBase):
             y = y.transpose(0, 1)
         return (y, (h_n, c_n)) if is_lstm else (y, h_n)
 
+    def _time_major(self, input: Tensor, hx, is_lstm: bool):
+        """(x [T,B,I], h0, c0, is_batched) from a batched or unbatched tensor input."""
+        if input.dim() not in (2, 3):
+            tensor = " tensor" if self.mode.startswith("RNN") else ""  # torch.nn's wording
+            raise ValueError(
+                f"{type(self).__name__}: Expected input to be 2D or 3D, got {input.dim()}D"
+                f"{tensor} instead: pass (T, B, input_size), (B, T, input_size) with "
+                "batch_first, or (T, input_size)"
+            )
+        is_batched = input.dim() == 3
+        if not is_batched:
+            input = input.unsqueeze(0 if self.batch_first else 1)
+        self.check_input(input, None)
+        x = input.transpose(0, 1) if self.batch_first else input
+        h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
+        expected, kind = (3, "batched 3-D") if is_batched else (2, "unbatched 2-D")
+        if is_lstm and hx is not None and (h0.dim(), c0.dim()) != (expected, expected):
+            raise RuntimeError(
+                f"For {kind} input, hx and cx should also be {expected}-D but got "
+                f"({h0.dim()}-D, {c0.dim()}-D) tensors"
+            )
+        if not is_lstm and h0 is not None and h0.dim() != expected:
+            raise RuntimeError(
+                f"For {kind} input, hx should also be {expected}-D but got {h0.dim()}-D tensor"
+            )
+        if not is_batched:
+            h0 = None if h0 is None else h0.unsqueeze(1)
+            c0 = None if c0 is None else c0.unsqueeze(1)
+        return x, h0, c0, is_batched
 
-def _repack(y: Tensor, lengths: Tensor, like: PackedSequence) -> PackedSequence:
-    """Pack y [T,B,...] (caller's order) with exactly ``like``'s batch sizes and indices."""
-    if like.sorted_indices is not None:
-        y = y.index_select(1, like.sorted_indices)
-        lengths = lengths.index_select(0, like.sorted_indices.cpu())
-    data = pack_padded_sequence(y, lengths, enforce_sorted=True).data
-    return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+    def _initial_states(self, x: Tensor, h0: Tensor | None, c0: Tensor | None):
+        """Zero states where none were given; sizes, devices and dtypes checked."""
+        num_dirs = 2 if self.bidirectional else 1
+        batch = x.shape[1]
+        hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
+        expected_h = (self.num_layers * num_dirs, batch, hidden)
+        expected_c = (self.num_layers * num_dirs, batch, self.hidden_size)
+        if h0 is None:
+            h0 = x.new_zeros(expected_h)
+        if self.mode == "LSTM" and c0 is None:
+            c0 = x.new_zeros(expected_c)
+        if self.mode == "LSTM":  # torch.nn's messages: hidden[0] / hidden[1] for the LSTM
+            self.check_hidden_size(h0, expected_h, "Expected hidden[0] size {}, got {}")
+            self.check_hidden_size(c0, expected_c, "Expected hidden[1] size {}, got {}")
+        else:
+            self.check_hidden_size(h0, expected_h)
+        self._check_devices_and_dtypes(x, h0, c0)
+        return h0, c0
 
 
-class LSTM(_RNNBase):
-    """``torch.nn.LSTM`` on mirrorgrad's op; ``state_clip=(lo, hi)`` clamps the cell state
+# A PackedSequence is unpacked and repacked with index arithmetic on the known shapes of
+# its tensors (no .item(), no torch.nn.utils.rnn call, which Dynamo refuses to trace), so
+# the module stays one graph under torch.compile(fullgraph=True).
+def _packed_rows(batch_sizes: Tensor, n_rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(step, slot) of each row of a PackedSequence's data; slots in the packed order."""
+    ends = batch_sizes.cumsum(0)  # [T], on the CPU like batch_sizes
+    rows = torch.arange(n_rows)
+    step = torch.searchsorted(ends, rows, right=True)
+    slot = rows - (ends - batch_sizes)[step]
+    return step.to(device), slot.to(device)
+
+
+def _unpack(input: PackedSequence, hx, is_lstm: bool):
+    """(x [T,B,I] padded, h0, c0, lengths, rows), all in the packed (sorted) batch order."""
+    data, batch_sizes, sorted_indices = input.data, input.batch_sizes, input.sorted_indices
+    h0, c0 = (hx if hx is not None else (None, None)) if is_lstm else (hx, None)
+    if sorted_indices is not None:
+        batch = sorted_indices.shape[0]
+    elif h0 is not None and torch.compiler.is_compiling():
+        batch = h0.shape[1]  # no .item() inside a graph; eager checks h0 against the data
+    else:
+        batch = int(batch_sizes[0])
+    rows = _packed_rows(batch_sizes, data.shape[0], data.device)
+    x = data.new_zeros(batch_sizes.shape[0], batch, data.shape[-1]).index_put(rows, data)
+    lengths = (batch_sizes[:, None] > torch.arange(batch)[None, :]).sum(0).to(data.device)
+    if sorted_indices is not None:
+        h0 = None if h0 is None else h0.index_select(1, sorted_indices)
+        c0 = None if c0 is None else c0.index_select(1, sorted_indices)
+    return x, h0, c0, lengths, rows
+
+
+def _repack(y: Tensor, h_n: Tensor, c_n, rows, like: PackedSequence, is_lstm: bool):
+    """The module's output for a PackedSequence: y packed like ``like``, states in the
+    caller's batch order."""
+    out = PackedSequence(y[rows], like.batch_sizes, like.sorted_indices, like.unsorted_indices)
+    if like.unsorted_indices is not None:
+        h_n = h_n.index_select(1, like.unsorted_indices)
+        c_n = None if c_n is None else c_n.index_select(1, like.unsorted_indices)
+    return (out, (h_n, c_n)) if is_lstm else (out, h_n)
+
+
+class LSTM(_FusedRNN, torch.nn.LSTM):
+    """``torch.nn.LSTM`` (a subclass: same arguments, parameters and checks) on
+    mirrorgrad's op. Keyword-only extras: ``memory``, ``impl`` (see
+    ``mirrorgrad.ops.rnn.rnn``) and ``state_clip=(lo, hi)``, which clamps the cell state
     every step (its gradient is zero where clamped), as MXNet's lstm_state_clip_min/max."""
 
     def __init__(
         self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        proj_size: int = 0,
-        device=None,
-        dtype=None,
-        *,
+        *args,
         memory: str = "auto",
         impl: str = "auto",
         state_clip: tuple[float, float] | None = None,
+        **kwargs,
     ) -> None:
-        super().__init__(
-            "LSTM", input_size, hidden_size, num_layers, bias, batch_first, dropout,
-            bidirectional, proj_size, device, dtype,
-            memory=memory, impl=impl, state_clip=state_clip,
-        )  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self._init_options(memory, impl, state_clip)
 
 
-class GRU(_RNNBase):
-    """``torch.nn.GRU`` on mirrorgrad's op (PyTorch's formula: r multiplies W_hn h + b_hn)."""
+class GRU(_FusedRNN, torch.nn.GRU):
+    """``torch.nn.GRU`` (a subclass) on mirrorgrad's op (PyTorch's formula: r multiplies
+    W_hn h + b_hn). Keyword-only extras: ``memory``, ``impl``."""
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        memory: str = "auto",
-        impl: str = "auto",
-    ) -> None:
-        super().__init__(
-            "GRU", input_size, hidden_size, num_layers, bias, batch_first, dropout,
-            bidirectional, 0, device, dtype, memory=memory, impl=impl,
-        )  # fmt: skip
+    def __init__(self, *args, memory: str = "auto", impl: str = "auto", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_options(memory, impl, None)
 
 
-class RNN(_RNNBase):
-    """``torch.nn.RNN`` (nonlinearity "tanh" or "relu") on mirrorgrad's op."""
+class RNN(_FusedRNN, torch.nn.RNN):
+    """``torch.nn.RNN`` (a subclass; nonlinearity "tanh" or "relu") on mirrorgrad's op.
+    Keyword-only extras: ``memory``, ``impl``."""
 
-    def __init__(
-        self,
-        input_size: int,
-        hidden_size: int,
-        num_layers: int = 1,
-        nonlinearity: str = "tanh",
-        bias: bool = True,
-        batch_first: bool = False,
-        dropout: float = 0.0,
-        bidirectional: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        memory: str = "auto",
-        impl: str = "auto",
-    ) -> None:
-        if nonlinearity not in ("tanh", "relu"):
-            raise ValueError(
-                f"Unknown nonlinearity '{nonlinearity}'. Select from 'tanh' or 'relu'."
-            )
-        self.nonlinearity = nonlinearity
-        super().__init__(
-            f"RNN_{nonlinearity.upper()}", input_size, hidden_size, num_layers, bias,
-            batch_first, dropout, bidirectional, 0, device, dtype, memory=memory, impl=impl,
-        )  # fmt: skip
+    def __init__(self, *args, memory: str = "auto", impl: str = "auto", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_options(memory, impl, None)
 
 
-def _replacement(module: torch.nn.Module, **options) -> _RNNBase | None:
+# Dynamo refuses every torch.nn.LSTM/GRU/RNN instance unless told otherwise; ours trace.
+_compat.let_dynamo_trace_modules((LSTM, GRU, RNN))
+
+
+def _replacement(module: torch.nn.Module, **options) -> torch.nn.Module | None:
     """mirrorgrad's twin of a torch.nn LSTM/GRU/RNN with the same weights, else None."""
     kind = type(module)
     if kind not in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
@@ -256,22 +257,27 @@ def _replacement(module: torch.nn.Module, **options) -> _RNNBase | None:
     return _with_weights(new, module)
 
 
-def _with_weights(new: _RNNBase, module: torch.nn.Module) -> _RNNBase:
+def _with_weights(new: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Module:
     new.load_state_dict(module.state_dict())
     return new.train(module.training)
 
 
 def convert(model: torch.nn.Module, **options) -> torch.nn.Module:
-    """Swap every ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` in ``model`` (in place) for
-    mirrorgrad's module with the same weights; ``options`` (memory, impl, state_clip for
-    LSTMs) go to the new modules. Returns ``model``, or its replacement if ``model`` is
+    """Swap every ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` and ``LSTMCell`` / ``GRUCell`` /
+    ``RNNCell`` in ``model`` (in place) for mirrorgrad's module with the same weights;
+    ``options`` (memory, impl, state_clip for LSTMs) go to the new sequence modules, the
+    cells take their defaults. Returns ``model``, or its replacement if ``model`` is
     itself one of those modules."""
-    top = _replacement(model, **options)
+
+    def twin(module: torch.nn.Module) -> torch.nn.Module | None:
+        return _replacement(module, **options) or cell_replacement(module)
+
+    top = twin(model)
     if top is not None:
         return top
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            new = _replacement(child, **options)
+            new = twin(child)
             if new is not None:
                 setattr(parent, name, new)
     return model

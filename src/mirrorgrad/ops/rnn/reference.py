@@ -1,9 +1,9 @@
 """Plain-PyTorch RNN layer with an explicit backward: the CPU path and the test oracle.
 
-Per-layer contract, shared with ``rnn_triton.py`` (same names, same meaning). One
+Per-layer contract, shared with ``kernels.py`` (same names, same meaning). One
 layer, one direction, time-major::
 
-    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = GATES[mode] = 4, 3, 1, 1
+    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = cells.GATES[mode] = 4, 3, 1, 1
 
     layer_forward(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, *,
                   lengths=None, memory="stash", state_clip=None)
@@ -31,6 +31,10 @@ layer, one direction, time-major::
 
     supports(mode, *, proj, dtype, device) -> bool: what this implementation handles.
 
+    workspace_bytes(mode, memory, T, B, H, dtype, *, backward) -> int
+      Peak bytes one layer_forward / layer_backward allocates beyond its inputs and
+      outputs; the op's memory formula composes it over layers and directions.
+
     saved_layout(mode, memory, T, B, H, dtype) -> [(shape, dtype), ...]
       Exactly what ``saved`` holds; the op's fake kernel builds its outputs from it.
       Each implementation defines its own layout (only its own backward reads it).
@@ -53,9 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-MEMORY_MODES = ("stash", "recompute")
+from mirrorgrad.ops.rnn.cells import GATES, MODES
 
 # Mixes (seed, offset) into one generator seed; odd 64-bit constant of the golden ratio.
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -74,6 +76,23 @@ def saved_layout(
     return [(shape, dtype) for shape in shapes]
 
 
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """Estimated peak bytes one ``layer_forward`` (``layer_backward``) allocates beyond
+    its inputs and outputs, in units of [T, B, H]: forward the input GEMM's output (G
+    units) and a step's temporaries; backward every gate activation and per-step factor
+    at once, computed for all steps before the loop (lstm 14 units, gru 11, rnn 2;
+    recompute adds the rebuilt pre-activations)."""
+    unit = T * B * H * dtype.itemsize
+    gates = GATES[mode]
+    if not backward:
+        return gates * unit + 3 * B * gates * H * dtype.itemsize
+    per_step = {"lstm": 14, "gru": 11}.get(mode, 2)
+    rebuilt = {"lstm": 4, "gru": 4}.get(mode, 0) if memory == "recompute" else 0
+    return (per_step + rebuilt) * unit
+
+
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
     """The reference handles every mode, dtype and device."""
     return mode in MODES and (not proj or mode == "lstm")
@@ -83,6 +102,8 @@ def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
     """Inverted dropout with a mask that (seed, offset) fully determine."""
     if p == 0.0:
         return x
+    if p >= 1.0:  # torch.nn's dropout(p=1): zeros, not 0/0
+        return x * 0.0
     gen = torch.Generator(device=x.device)
     gen.manual_seed((seed * _SEED_MIX + offset) % 2**63)
     keep = torch.rand(x.shape, generator=gen, device=x.device) >= p

@@ -1,4 +1,6 @@
-"""GPU path of the RNN ops: fused Triton pointwise kernels around cuBLAS GEMMs.
+"""Triton kernels of the RNN layer and their host launchers (the GPU path).
+
+Fused pointwise kernels around cuBLAS GEMMs.
 
 Per layer and direction (time-major, x [T, B, I]):
 
@@ -12,9 +14,7 @@ Per layer and direction (time-major, x [T, B, I]):
 * ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
   slower than cuBLAS on an H200 so far (docs/notes/rnn-gpu.md), hence off by default.
 
-On CUDA the step loops are captured once per shape in a CUDA Graph and replayed with
-static buffers (the loop is bound by host launches, not by the GPU); inside an outer
-capture they run plainly and become part of it.
+On CUDA the step loops are captured in CUDA Graphs and replayed (``graphs.py``).
 
 Stash layout (``saved``), pre-activations P per step (biases folded):
   lstm:     stash (P [T,B,4H], cells [T+1,B,H] fp32)  recompute (cells,)
@@ -27,7 +27,6 @@ from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,16 +34,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
-_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
+from mirrorgrad.ops.rnn import graphs
+from mirrorgrad.ops.rnn.cells import GATES, MEMORY_MODES, MODES
+
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 512
-# NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
-# table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only the memory held by the
-# static buffers of each captured shape bounds it.
-GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
-_GRAPH_CACHE_SIZE = 16
 # NOTE: the in-kernel hidden GEMM lost to cuBLAS + pointwise at every size measured
 # (L2 H650 B20 T35 fp32: 3.40 ms against 2.89 ms), so it runs only when asked for.
 FUSED_MAX_BATCH = int(os.environ.get("MIRRORGRAD_RNN_FUSED_MAX_BATCH", 0))
@@ -329,6 +324,29 @@ def saved_layout(
     return []
 
 
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
+    and outputs: the pre-activations where they are not the stash, and per backward
+    chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
+    are left out."""
+    d = dtype.itemsize
+    gh = GATES[mode] * H
+    if not backward:
+        pre_is_saved = mode == "lstm" and memory == "stash"
+        return (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
+    rows = _chunk_steps(T, B) * B
+    dg = rows * gh * d * (2 if mode == "gru" else 1)
+    if memory == "stash" or mode.startswith("rnn"):
+        return dg
+    if mode == "lstm":
+        return rows * gh * d + dg
+    # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
+    pre = rows * 4 * H * d
+    return max(rows * H * d + 2 * rows * gh * d + pre, pre + dg)
+
+
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this GPU path runs ``mode`` for these tensors (no projection: reference path)."""
     device = torch.device(device)
@@ -355,7 +373,7 @@ def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class _Spec:
+class LoopConfig:
     """Everything a captured step loop depends on besides tensor values."""
 
     mode: str
@@ -373,7 +391,7 @@ class _Spec:
 
     @property
     def gh(self) -> int:
-        return _GATES[self.mode] * self.H
+        return GATES[self.mode] * self.H
 
     @property
     def stash_width(self) -> int:
@@ -383,21 +401,21 @@ class _Spec:
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
 
 
-def _tiles(spec: _Spec) -> tuple[int, int, int]:
+def _tiles(config: LoopConfig) -> tuple[int, int, int]:
     """(BB, BN, BK): rows of the batch, hidden columns and GEMM depth per program."""
-    if spec.fused:
+    if config.fused:
         # NOTE: small column tiles give more programs to stream W_hh at small batch.
-        return min(64, max(16, triton.next_power_of_2(spec.B))), 16 if spec.B <= 32 else 32, 64
-    return min(4, triton.next_power_of_2(spec.B)), 128, 16
+        return min(64, max(16, triton.next_power_of_2(config.B))), 16 if config.B <= 32 else 32, 64
+    return min(4, triton.next_power_of_2(config.B)), 128, 16
 
 
-def _grid(spec: _Spec) -> tuple[int, int]:
-    bb, bn, _ = _tiles(spec)
-    return (triton.cdiv(spec.B, bb), triton.cdiv(spec.H, bn))
+def _grid(config: LoopConfig) -> tuple[int, int]:
+    bb, bn, _ = _tiles(config)
+    return (triton.cdiv(config.B, bb), triton.cdiv(config.H, bn))
 
 
-def _clip_args(spec: _Spec) -> tuple[float, float]:
-    return (float(spec.clip[0]), float(spec.clip[1])) if spec.clip is not None else (0.0, 0.0)
+def _clip_args(config: LoopConfig) -> tuple[float, float]:
+    return (float(config.clip[0]), float(config.clip[1])) if config.clip is not None else (0.0, 0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -414,40 +432,57 @@ class _FwdBuffers:
 
 
 def _fwd_buffers(
-    spec: _Spec, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+    config: LoopConfig,
+    w: Tensor,
+    b_hh: Tensor | None,
+    lengths: Tensor | None,
+    workspace=None,
 ) -> _FwdBuffers:
-    gru, lstm = spec.mode == "gru", spec.mode == "lstm"
+    """Buffers of one forward loop; ``workspace(name, make)``, when given, supplies those
+    that are not outputs (shared between captured loops of one config)."""
+    gru, lstm = config.mode == "gru", config.mode == "lstm"
+    gru_stash = gru and config.memory == "stash"
+    pre_is_stash = lstm and config.memory == "stash"
+
+    def scratch(name: str, make):
+        return make() if workspace is None else workspace(name, make)
+
+    def make_pre():
+        return config.empty(config.T, config.B, config.gh)
+
     return _FwdBuffers(
-        pre=spec.empty(spec.T, spec.B, spec.gh),
-        hh=spec.empty(spec.B, spec.gh) if gru and not spec.fused else None,
-        stash=spec.empty(spec.T, spec.B, 4 * spec.H) if gru and spec.memory == "stash" else None,
-        h=spec.empty(2, spec.B, spec.H),
-        cells=spec.empty(spec.T + 1, spec.B, spec.H, dtype=torch.float32) if lstm else None,
-        y=spec.empty(spec.T, spec.B, spec.H),
+        pre=make_pre() if pre_is_stash else scratch("pre", make_pre),
+        hh=scratch("hh", lambda: config.empty(config.B, config.gh))
+        if gru and not config.fused
+        else None,
+        stash=config.empty(config.T, config.B, 4 * config.H) if gru_stash else None,
+        h=scratch("h", lambda: config.empty(2, config.B, config.H)),
+        cells=config.empty(config.T + 1, config.B, config.H, dtype=torch.float32) if lstm else None,
+        y=config.empty(config.T, config.B, config.H),
         lengths=lengths,
         w=w,
         b_hh=b_hh if gru else None,
     )
 
 
-def _final_h(spec: _Spec, buf: _FwdBuffers) -> Tensor:
-    return buf.h[spec.T % 2] if spec.fused else buf.h[0]
+def _final_h(config: LoopConfig, buf: _FwdBuffers) -> Tensor:
+    return buf.h[config.T % 2] if config.fused else buf.h[0]
 
 
-def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
+def _fwd_loop(config: LoopConfig, buf: _FwdBuffers) -> None:
     """The sequential part of the forward: per step one fused kernel (split: plus one GEMM)."""
-    lo, hi = _clip_args(spec)
-    bb, bn, bk = _tiles(spec)
+    lo, hi = _clip_args(config)
+    bb, bn, bk = _tiles(config)
     dummy = buf.y
-    lstm_stash = spec.mode == "lstm" and spec.memory == "stash"
-    if spec.B == 0:  # an empty batch: nothing to launch
+    lstm_stash = config.mode == "lstm" and config.memory == "stash"
+    if config.B == 0:  # an empty batch: nothing to launch
         return
-    for t in range(spec.T):
-        if spec.fused:
+    for t in range(config.T):
+        if config.fused:
             h_in, h_out = buf.h[t % 2], buf.h[(t + 1) % 2]
         else:
             h_in = h_out = buf.h[0]
-            if spec.mode != "gru":
+            if config.mode != "gru":
                 buf.pre[t].addmm_(h_in, buf.w.t())
             elif buf.b_hh is not None:
                 torch.addmm(buf.b_hh, h_in, buf.w.t(), out=buf.hh)
@@ -457,9 +492,9 @@ def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
         stash = (
             buf.stash[t]
             if buf.stash is not None
-            else (buf.pre[t] if spec.fused and lstm_stash else None)
+            else (buf.pre[t] if config.fused and lstm_stash else None)
         )
-        _rnn_fwd_kernel[_grid(spec)](
+        _rnn_fwd_kernel[_grid(config)](
             buf.pre[t],
             buf.hh if buf.hh is not None else dummy,
             stash if stash is not None else dummy,
@@ -472,18 +507,18 @@ def _fwd_loop(spec: _Spec, buf: _FwdBuffers) -> None:
             buf.y[t],
             buf.lengths if buf.lengths is not None else dummy,
             t,
-            spec.B,
-            spec.H,
+            config.B,
+            config.H,
             lo,
             hi,
-            MODE=_MODE_ID[spec.mode],
-            G=_GATES[spec.mode],
+            MODE=_MODE_ID[config.mode],
+            G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
-            CLIP=spec.clip is not None,
+            CLIP=config.clip is not None,
             WRITE_STASH=stash is not None,
-            FUSED=spec.fused,
+            FUSED=config.fused,
             HAS_HB=buf.b_hh is not None,
-            DOT_PRECISION=spec.precision,
+            DOT_PRECISION=config.precision,
             BB=bb,
             BN=bn,
             BK=bk,
@@ -505,23 +540,23 @@ class _BwdBuffers:
     w_hh: Tensor
 
 
-def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
+def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
     """The sequential part of the backward: per step one fused kernel (split: plus one GEMM)."""
-    lo, hi = _clip_args(spec)
-    bb, bn, bk = _tiles(spec)
+    lo, hi = _clip_args(config)
+    bb, bn, bk = _tiles(config)
     dummy = buf.dh
     dg_hidden = buf.dgh if buf.dgh is not None else buf.dg  # what flows through W_hh
-    if spec.B == 0:  # an empty batch: nothing to launch
+    if config.B == 0:  # an empty batch: nothing to launch
         return
-    for t in reversed(range(spec.T)):
+    for t in reversed(range(config.T)):
         cells = buf.cells
-        has_next = spec.fused and t + 1 < spec.T
-        _rnn_bwd_kernel[_grid(spec)](
+        has_next = config.fused and t + 1 < config.T
+        _rnn_bwd_kernel[_grid(config)](
             buf.pre[t] if buf.pre is not None else dummy,
             cells[t] if cells is not None else dummy,
             cells[t + 1] if cells is not None else dummy,
-            (buf.y[t - 1] if t > 0 else buf.h0) if spec.mode == "gru" else dummy,
-            buf.y[t] if spec.mode.startswith("rnn") else dummy,
+            (buf.y[t - 1] if t > 0 else buf.h0) if config.mode == "gru" else dummy,
+            buf.y[t] if config.mode.startswith("rnn") else dummy,
             buf.dy[t] if buf.dy is not None else dummy,
             buf.dh,
             buf.dc if buf.dc is not None else dummy,
@@ -531,70 +566,24 @@ def _bwd_loop(spec: _Spec, buf: _BwdBuffers) -> None:
             buf.w_hh,
             buf.lengths if buf.lengths is not None else dummy,
             t,
-            spec.B,
-            spec.H,
+            config.B,
+            config.H,
             lo,
             hi,
-            MODE=_MODE_ID[spec.mode],
-            G=_GATES[spec.mode],
+            MODE=_MODE_ID[config.mode],
+            G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
             HAS_DY=buf.dy is not None,
-            CLIP=spec.clip is not None,
-            FUSED=spec.fused,
+            CLIP=config.clip is not None,
+            FUSED=config.fused,
             HAS_NEXT=has_next,
-            DOT_PRECISION=spec.precision,
+            DOT_PRECISION=config.precision,
             BB=bb,
             BN=bn,
             BK=bk,
         )
-        if not spec.fused or t == 0:
+        if not config.fused or t == 0:
             buf.dh.addmm_(dg_hidden[t], buf.w_hh)
-
-
-@dataclass(kw_only=True, slots=True)
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    buffers: _FwdBuffers | _BwdBuffers
-
-
-_GRAPHS: OrderedDict[tuple, _Captured] = OrderedDict()
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _use_graph(spec: _Spec, use_graph: bool | None) -> bool:
-    if spec.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return False
-    if use_graph is not None:
-        return use_graph
-    return spec.T * spec.B * spec.stash_width <= GRAPH_MAX_ELEMENTS
-
-
-def _captured(key: tuple, make_buffers, loop) -> _Captured:
-    """Capture ``loop(buffers)`` once per key; later calls replay it."""
-    hit = _GRAPHS.get(key)
-    if hit is not None:
-        _GRAPHS.move_to_end(key)
-        return hit
-    buffers = make_buffers()
-    device = key[0].device
-    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        loop(buffers)
-    hit = _Captured(graph=graph, buffers=buffers)
-    _GRAPHS[key] = hit
-    if len(_GRAPHS) > _GRAPH_CACHE_SIZE:
-        _GRAPHS.popitem(last=False)
-    return hit
-
-
-def clear_graphs() -> None:
-    """Drop every captured step loop and its static buffers."""
-    _GRAPHS.clear()
 
 
 def _input_bias(mode: str, b_ih: Tensor | None, b_hh: Tensor | None) -> Tensor | None:
@@ -614,15 +603,15 @@ def _input_gemm(x2d: Tensor, w_ih: Tensor, bias: Tensor | None, out: Tensor) -> 
 def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -> None:
     if mode not in MODES:
         raise ValueError(f"unknown RNN mode {mode!r}; expected one of {MODES}")
-    if memory not in ("stash", "recompute"):
-        raise ValueError(f"memory must be 'stash' or 'recompute', got {memory!r}")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
     if w_hr is not None:
         raise NotImplementedError(
-            "rnn_triton has no projection (proj_size > 0): use the reference path"
+            "the Triton RNN kernels have no projection (proj_size > 0): use the reference path"
         )
     if x.dtype not in _DTYPES:
         raise TypeError(
-            f"rnn_triton supports {_DTYPES}, got {x.dtype}; cast or use the reference path"
+            f"the Triton RNN kernels take {_DTYPES}, got {x.dtype}: cast, or use impl='reference'"
         )
     if state_clip is not None and mode != "lstm":
         raise ValueError("state_clip applies to mode='lstm' only")
@@ -631,14 +620,19 @@ def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -
         raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
 
 
+def _graphed(config: LoopConfig, use_graph: bool | None) -> bool:
+    """Whether this loop runs as a captured CUDA Graph (sized by its stash)."""
+    return graphs.use_graph(config.device, config.T * config.B * config.stash_width, use_graph)
+
+
 def _default_fused(B: int) -> bool:
     return B <= FUSED_MAX_BATCH
 
 
-def _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> _Spec:
+def _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> LoopConfig:
     T, B, _ = x.shape
     tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return _Spec(
+    return LoopConfig(
         mode=mode,
         T=T,
         B=B,
@@ -678,79 +672,94 @@ def layer_forward(
     ``fused``: run the hidden GEMM inside the step kernel (None: by batch size).
     """
     _check(mode, x, w_hr, memory, state_clip)
-    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
-    w = w_hh.t().contiguous() if spec.fused else w_hh
-    T, B = spec.T, spec.B
+    config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    w = w_hh.t().contiguous() if config.fused else w_hh
+    T, B = config.T, config.B
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     bias = _input_bias(mode, b_ih, b_hh)
     x2d = x.reshape(T * B, x.shape[2])
-    if _use_graph(spec, use_graph):
-        key = (spec, "fwd")
-        cap = _captured(
-            key,
-            lambda: _fwd_buffers(
-                spec,
-                w.clone(),
-                b_hh.clone() if b_hh is not None else None,
-                lengths.clone() if lengths is not None else None,
-            ),
-            lambda buf: _fwd_loop(spec, buf),
-        )
-        buf = cap.buffers
-        buf.w.copy_(w)
-        if buf.b_hh is not None:
-            buf.b_hh.copy_(b_hh)
-        if buf.lengths is not None:
-            buf.lengths.copy_(lengths)
-    else:
-        cap = None
-        buf = _fwd_buffers(spec, w, b_hh, lengths)
-    _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, spec.gh))
+    entry = _forward_entry(config, w, b_hh, lengths) if _graphed(config, use_graph) else None
+    buf = entry.buffers if entry is not None else _fwd_buffers(config, w, b_hh, lengths)
+    _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
     buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
-    if cap is not None:
-        cap.graph.replay()
-        # The static buffers are overwritten by the next replay: hand out copies.
-        buf = _FwdBuffers(
-            pre=buf.pre.clone() if memory == "stash" and mode == "lstm" else buf.pre,
-            hh=None,
-            stash=buf.stash.clone() if buf.stash is not None else None,
-            h=_final_h(spec, buf).clone(),
-            cells=buf.cells.clone() if buf.cells is not None else None,
-            y=buf.y.clone(),
-            lengths=lengths,
-            w=w,
-            b_hh=b_hh,
-        )
+    if entry is not None:
+        if buf.lengths is not None:
+            buf.lengths.copy_(lengths)
+        if config.fused:
+            buf.w.copy_(w)
+        entry.graph.replay()
+        # y, cells and the stash are handed out, as new views: the entry stays busy while
+        # any of them is referenced (graphs.py). h is shared workspace: copied.
+        h_n = _final_h(config, buf).clone()
+        buf = replace(buf, **{name: _alias(getattr(buf, name)) for name in _HANDED_OUT})
     else:
-        _fwd_loop(spec, buf)
-        buf.h = _final_h(spec, buf)
+        _fwd_loop(config, buf)
+        h_n = _final_h(config, buf)
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    if mode == "lstm":
-        saved = (buf.pre, buf.cells) if memory == "stash" else (buf.cells,)
-    else:
-        saved = (buf.stash,) if buf.stash is not None else ()
-    return buf.y, buf.h, c_n, saved
+    return buf.y, h_n, c_n, _saved(config, buf)
+
+
+_HANDED_OUT = ("y", "pre", "stash", "cells")
+
+
+def _alias(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.view(t.shape)
+
+
+def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
+    """What ``layer_forward`` saves for backward (saved_layout)."""
+    if config.mode == "lstm":
+        return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
+    return (buf.stash,) if buf.stash is not None else ()
+
+
+def _forward_entry(
+    config: LoopConfig, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
+) -> graphs.Entry | None:
+    """A captured forward loop whose outputs (y, cells, stash) are free to hand out.
+
+    W_hh and b_hh are read in place (their addresses are in the key); the transposed
+    copy of the fused path, the pre-activations where they are not the stash, the
+    hidden state and the lengths are per-config workspace."""
+
+    def shared(name: str, make):
+        return graphs.workspace(config, name, make)
+
+    def make() -> _FwdBuffers:
+        buf = _fwd_buffers(config, w, b_hh, lengths, workspace=shared)
+        if config.fused:
+            buf.w = shared("w", lambda: torch.empty_like(w))
+        if lengths is not None:
+            buf.lengths = shared("lengths", lambda: torch.empty_like(lengths))
+        return buf
+
+    def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
+        return (buf.y, *_saved(config, buf))
+
+    in_place = None if config.fused else w.data_ptr()
+    key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
+    return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
 
 
 def _recompute_pre(
-    spec: _Spec, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh
+    config: LoopConfig, x2d: Tensor, h0: Tensor, y: Tensor, w_ih, w_hh, b_ih, b_hh
 ) -> Tensor:
     """All pre-activations at once from x and h_{t-1} (= h0, then y): no sequential step."""
-    T, B, H = spec.T, spec.B, spec.H
+    T, B, H = config.T, config.B, config.H
     n = T * B
     hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
-    if spec.mode != "gru":
-        pre = spec.empty(n, spec.gh)
-        _input_gemm(x2d, w_ih, _input_bias(spec.mode, b_ih, b_hh), pre)
+    if config.mode != "gru":
+        pre = config.empty(n, config.gh)
+        _input_gemm(x2d, w_ih, _input_bias(config.mode, b_ih, b_hh), pre)
         pre.addmm_(hprev, w_hh.t())
-        return pre.view(T, B, spec.gh)
-    gi = spec.empty(n, 3 * H)
-    gh = spec.empty(n, 3 * H)
+        return pre.view(T, B, config.gh)
+    gi = config.empty(n, 3 * H)
+    gh = config.empty(n, 3 * H)
     _input_gemm(x2d, w_ih, b_ih, gi)
     _input_gemm(hprev, w_hh, b_hh, gh)
-    pre = spec.empty(n, 4 * H)
+    pre = config.empty(n, 4 * H)
     torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
     pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
     pre[:, 3 * H :] = gh[:, 2 * H :]
@@ -758,21 +767,30 @@ def _recompute_pre(
 
 
 def _bwd_buffers(
-    spec: _Spec, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None
+    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None
 ) -> _BwdBuffers:
-    lstm = spec.mode == "lstm"
+    """Buffers of one backward loop; ``workspace(config, name, make)``, when given,
+    supplies the gate gradients (shared between captured loops of one config)."""
+    lstm = config.mode == "lstm"
+
+    def gate_grads(name: str) -> Tensor:
+        def make():
+            return config.empty(config.T, config.B, config.gh)
+
+        return make() if workspace is None else workspace(config, f"bwd.{name}", make)
+
     return _BwdBuffers(
         pre=pre,
         cells=cells,
         h0=h0,
         y=y,
         dy=dy,
-        dh=dh if dh is not None else spec.empty(spec.B, spec.H),
-        dc=(dc if dc is not None else spec.empty(spec.B, spec.H, dtype=torch.float32))
+        dh=dh if dh is not None else config.empty(config.B, config.H),
+        dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
         if lstm
         else None,
-        dg=spec.empty(spec.T, spec.B, spec.gh),
-        dgh=spec.empty(spec.T, spec.B, spec.gh) if spec.mode == "gru" else None,
+        dg=gate_grads("dg"),
+        dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
     )
@@ -786,33 +804,66 @@ def _chunk_steps(T: int, B: int) -> int:
 
 
 def _bwd_chunk(
-    spec: _Spec, fields: dict, dh: Tensor, dc: Tensor | None, use_graph: bool | None
+    config: LoopConfig, fields: dict, dh: Tensor, dc: Tensor | None, use_graph: bool | None
 ) -> tuple[Tensor, Tensor]:
     """Reverse loop over one chunk; updates dh, dc in place; returns (dG, hidden-side dG)."""
-    if _use_graph(spec, use_graph):
-        key = (spec, "bwd", fields["dy"] is not None)
-
-        def make():
-            static = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in fields.items()}
-            return _bwd_buffers(spec, **static)
-
-        buf = _captured(key, make, lambda b: _bwd_loop(spec, b))
-        static = buf.buffers
-        for name, value in fields.items():
-            if value is not None:
-                getattr(static, name).copy_(value)
+    if _graphed(config, use_graph):
+        entry, copied = _backward_entry(config, fields)
+        static = entry.buffers
+        for name in copied:
+            getattr(static, name).copy_(fields[name])
         static.dh.copy_(dh)
         if dc is not None:
             static.dc.copy_(dc)
-        buf.graph.replay()
+        entry.graph.replay()
         dh.copy_(static.dh)
         if dc is not None:
             dc.copy_(static.dc)
         # Read by the GEMMs below before the next replay overwrites them (stream order).
         return static.dg, static.dgh if static.dgh is not None else static.dg
-    buf = _bwd_buffers(spec, **fields, dh=dh, dc=dc)
-    _bwd_loop(spec, buf)
+    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc)
+    _bwd_loop(config, buf)
     return buf.dg, buf.dgh if buf.dgh is not None else buf.dg
+
+
+def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, list[str]]:
+    """The captured backward loop for these inputs, and the names of the inputs to copy
+    into its buffers before each replay.
+
+    Outputs of a captured forward (stash, cells, y) and W_hh are read in place, their
+    addresses in the key; the rest (dy, h0, lengths, recomputed pre-activations) is
+    copied into per-config workspace, as are the gate gradients and state gradients."""
+    in_place = {
+        name: value.data_ptr()
+        for name, value in fields.items()
+        if isinstance(value, Tensor) and (name == "w_hh" or graphs.is_static(value))
+    }
+    copied = [n for n, v in fields.items() if isinstance(v, Tensor) and n not in in_place]
+
+    def make() -> _BwdBuffers:
+        def shared(name: str, value: Tensor) -> Tensor:
+            return graphs.workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
+
+        inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
+        dh = graphs.workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
+        dc = None
+        if config.mode == "lstm":
+            dc = graphs.workspace(
+                config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
+            )
+        return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=graphs.workspace)
+
+    key = (config, "bwd", tuple(sorted(in_place.items())), tuple(copied))
+    entry = graphs.acquire(
+        key,
+        config.device,
+        make,
+        lambda b: _bwd_loop(config, b),
+        lambda b: (),
+        reads_in_place=tuple(fields[n] for n in in_place if n != "w_hh"),
+    )
+    assert entry is not None  # a backward entry hands nothing out: it is always idle
+    return entry, copied
 
 
 @torch.no_grad()
@@ -850,8 +901,8 @@ def layer_backward(
     need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
-    spec = _spec(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
-    T, B, H, gh = spec.T, spec.B, spec.H, spec.gh
+    config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    T, B, H, gh = config.T, config.B, config.H, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
     y = y.contiguous()
@@ -862,16 +913,16 @@ def layer_backward(
     grad_whh = torch.zeros_like(w_hh) if need_whh else None
     grad_bih = torch.zeros_like(b_ih) if need_bih else None
     grad_bhh = torch.zeros_like(b_hh) if need_bhh else None
-    dh = spec.empty(B, H)
+    dh = config.empty(B, H)
     _init_grad(dh, grad_hn)
-    dc = spec.empty(B, H, dtype=torch.float32) if mode == "lstm" else None
+    dc = config.empty(B, H, dtype=torch.float32) if mode == "lstm" else None
     if dc is not None:
         _init_grad(dc, grad_cn)
     steps = _chunk_steps(T, B)
     for t1 in range(T, 0, -steps):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
-        chunk = replace(spec, T=n)
+        chunk = replace(config, T=n)
         h_first = h0 if t0 == 0 else y[t0 - 1]
         if mode.startswith("rnn"):
             pre = None

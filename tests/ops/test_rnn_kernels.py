@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn import rnn_triton
+from mirrorgrad.ops.rnn import kernels
+from mirrorgrad.ops.rnn.cells import GATES
 
 T, B, IN, H = 4, 3, 5, 6
-GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -96,7 +96,7 @@ def _check_layer(
         zip([k for k, v in ref_in.items() if v is not None], torch.autograd.grad(loss, params))
     )
 
-    y, hn, cn, saved = rnn_triton.layer_forward(
+    y, hn, cn, saved = kernels.layer_forward(
         mode,
         *inp.values(),
         None,
@@ -112,7 +112,7 @@ def _check_layer(
         torch.testing.assert_close(cn.double(), cn_ref, atol=1e-5, rtol=1e-4)
     else:
         assert cn is None
-    grads = rnn_triton.layer_backward(
+    grads = kernels.layer_backward(
         mode,
         saved,
         *inp.values(),
@@ -170,17 +170,17 @@ def test_lstm_state_clip(memory, fused):
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
 def test_backward_in_chunks(mode, memory, fused, monkeypatch):
     # Chunks of 2, 2 and 1 steps: state gradients carried across chunk boundaries.
-    monkeypatch.setattr(rnn_triton, "BWD_CHUNK_ROWS", 2 * B)
-    assert rnn_triton._chunk_steps(5, B) == 2
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * B)
+    assert kernels._chunk_steps(5, B) == 2
     _check_layer(mode, memory=memory, lengths=[5, 2, 3], fused=fused, t=5)
 
 
 def test_chunk_rows_bounded_whatever_t():
     for batch in (1, 20, 256):
         for steps in (1, 35, 409, 410, 411, 5000):
-            chunk = rnn_triton._chunk_steps(steps, batch)
+            chunk = kernels._chunk_steps(steps, batch)
             assert 1 <= chunk <= steps
-            assert chunk * batch <= rnn_triton.BWD_CHUNK_ROWS + batch
+            assert chunk * batch <= kernels.BWD_CHUNK_ROWS + batch
 
 
 @KERNELS
@@ -192,16 +192,16 @@ def test_no_bias_no_grad_y(mode, fused):
 def test_state_clip_actually_clips():
     inp = _inputs("lstm")
     inp["c0"] = inp["c0"] * 4
-    _, _, cn, _ = rnn_triton.layer_forward("lstm", *inp.values(), None, state_clip=(-0.5, 0.5))
+    _, _, cn, _ = kernels.layer_forward("lstm", *inp.values(), None, state_clip=(-0.5, 0.5))
     assert cn.abs().max() <= 0.5 + 1e-6
     assert (cn.abs() > 0.5 - 1e-6).any()
 
 
 def test_needs_input_grad_skips_and_missing_grads():
     inp = _inputs("lstm")
-    y, _, _, saved = rnn_triton.layer_forward("lstm", *inp.values(), None)
+    y, _, _, saved = kernels.layer_forward("lstm", *inp.values(), None)
     gy = torch.randn_like(y)
-    grads = rnn_triton.layer_backward(
+    grads = kernels.layer_backward(
         "lstm",
         saved,
         *inp.values(),
@@ -213,7 +213,7 @@ def test_needs_input_grad_skips_and_missing_grads():
         needs_input_grad=(True,) + (False,) * 7,
     )
     assert grads[0] is not None and all(g is None for g in grads[1:])
-    none = rnn_triton.layer_backward(
+    none = kernels.layer_backward(
         "lstm", saved, *inp.values(), None, y, gy, None, None, needs_input_grad=(False,) * 8
     )
     assert none == (None,) * 8
@@ -223,8 +223,8 @@ def test_needs_input_grad_skips_and_missing_grads():
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
 def test_saved_layout_matches_saved(mode, memory):
     inp = _inputs(mode)
-    saved = rnn_triton.layer_forward(mode, *inp.values(), None, memory=memory)[3]
-    layout = rnn_triton.saved_layout(mode, memory, T, B, H, torch.float32)
+    saved = kernels.layer_forward(mode, *inp.values(), None, memory=memory)[3]
+    layout = kernels.saved_layout(mode, memory, T, B, H, torch.float32)
     assert [(tuple(s.shape), s.dtype) for s in saved] == layout
     expected = {("lstm", "stash"): 2, ("lstm", "recompute"): 1, ("gru", "stash"): 1}
     assert len(saved) == expected.get((mode, memory), 0)
@@ -233,52 +233,52 @@ def test_saved_layout_matches_saved(mode, memory):
 def test_bad_arguments():
     inp = _inputs("lstm")
     with pytest.raises(ValueError, match="memory"):
-        rnn_triton.layer_forward("lstm", *inp.values(), None, memory="none")
+        kernels.layer_forward("lstm", *inp.values(), None, memory="none")
     with pytest.raises(ValueError, match="mode"):
-        rnn_triton.layer_forward("lstmx", *inp.values(), None)
+        kernels.layer_forward("lstmx", *inp.values(), None)
     with pytest.raises(NotImplementedError, match="reference"):
-        rnn_triton.layer_forward("lstm", *inp.values(), torch.randn(H, H))
+        kernels.layer_forward("lstm", *inp.values(), torch.randn(H, H))
     with pytest.raises(ValueError, match="state_clip"):
         inp = _inputs("gru")
-        rnn_triton.layer_forward("gru", *inp.values(), None, state_clip=(-1.0, 1.0))
+        kernels.layer_forward("gru", *inp.values(), None, state_clip=(-1.0, 1.0))
 
 
 def test_empty_batch_and_empty_sequence():
     inp = _inputs("lstm")
     inp.update(x=inp["x"][:, :0], h0=inp["h0"][:0], c0=inp["c0"][:0])
-    y, hn, cn, saved = rnn_triton.layer_forward("lstm", *inp.values(), None)
+    y, hn, cn, saved = kernels.layer_forward("lstm", *inp.values(), None)
     assert y.shape == (T, 0, H) and hn.shape == (0, H) and cn.shape == (0, H)
-    grads = rnn_triton.layer_backward("lstm", saved, *inp.values(), None, y, y, None, None)
+    grads = kernels.layer_backward("lstm", saved, *inp.values(), None, y, y, None, None)
     assert grads[0].shape == (T, 0, IN)
     assert torch.equal(grads[3], torch.zeros_like(inp["w_ih"]))
     inp = _inputs("gru", t=1)
     inp["x"] = inp["x"][:0]
     with pytest.raises(RuntimeError, match="sequence length"):
-        rnn_triton.layer_forward("gru", *inp.values(), None)
+        kernels.layer_forward("gru", *inp.values(), None)
 
 
 def test_supports():
-    assert not rnn_triton.supports("lstm", proj=True, dtype=torch.float32, device="cuda")
-    assert not rnn_triton.supports("lstm", proj=False, dtype=torch.float64, device="cuda")
-    assert rnn_triton.supports("gru", proj=False, dtype=torch.bfloat16, device="cuda")
-    assert not rnn_triton.supports("rnn_gelu", proj=False, dtype=torch.float32, device="cuda")
+    assert not kernels.supports("lstm", proj=True, dtype=torch.float32, device="cuda")
+    assert not kernels.supports("lstm", proj=False, dtype=torch.float64, device="cuda")
+    assert kernels.supports("gru", proj=False, dtype=torch.bfloat16, device="cuda")
+    assert not kernels.supports("rnn_gelu", proj=False, dtype=torch.float32, device="cuda")
 
 
 def test_dropout_mask_deterministic_and_scaled():
     x = torch.randn(64, 257, device=DEVICE)
-    a = rnn_triton.dropout(x, 0.3, seed=7, offset=11)
-    b = rnn_triton.dropout(x, 0.3, seed=7, offset=11)
+    a = kernels.dropout(x, 0.3, seed=7, offset=11)
+    b = kernels.dropout(x, 0.3, seed=7, offset=11)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    c = rnn_triton.dropout(x, 0.3, seed=8, offset=11)
+    c = kernels.dropout(x, 0.3, seed=8, offset=11)
     assert not torch.equal(a, c)
     keep = a != 0
     assert abs(keep.float().mean().item() - 0.7) < 0.02
     torch.testing.assert_close(a[keep], x[keep] / 0.7)
     # Backward regenerates the same mask from (seed, offset).
-    grad = rnn_triton.dropout(torch.ones_like(x), 0.3, seed=7, offset=11)
+    grad = kernels.dropout(torch.ones_like(x), 0.3, seed=7, offset=11)
     assert torch.equal(grad != 0, keep)
     with pytest.raises(ValueError, match="probability"):
-        rnn_triton.dropout(x, 1.0, seed=0)
+        kernels.dropout(x, 1.0, seed=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

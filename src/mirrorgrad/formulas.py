@@ -1,0 +1,61 @@
+"""What our custom ops declare to the planner beyond FLOPs: bytes moved and memory.
+
+FLOPs go to torch's own registry (``torch.utils.flop_counter.register_flop_formula``).
+The planner also needs what fake tensors cannot show:
+
+- ``register_bytes_formula(op, fn)``: bytes the op reads and writes in memory (its
+  intermediates included), for the cost model's time estimate;
+- ``register_memory_formula(op, fn)``: the peak of the temporaries the op allocates
+  while it runs, beyond its inputs and outputs (workspace, chunk buffers), for the
+  liveness simulation. What an op saves for backward is one of its outputs and is
+  sized from its fake value like any other.
+
+Formulas receive the op's arguments with fake tensors (or real ones) in place of
+tensors, as ``fn(*args, **kwargs) -> int``; register them on the overload packet
+(``torch.ops.mirrorgrad.rnn_forward``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Formula = Callable[..., int]
+
+_BYTES: dict[Any, Formula] = {}
+_TEMPORARY: dict[Any, Formula] = {}
+
+
+def _packet(op: Any) -> Any:
+    return getattr(op, "overloadpacket", op)
+
+
+def register_bytes_formula(op: Any) -> Callable[[Formula], Formula]:
+    """Decorator: ``fn(*args, **kwargs)`` returns the bytes ``op`` moves in memory."""
+
+    def register(fn: Formula) -> Formula:
+        _BYTES[_packet(op)] = fn
+        return fn
+
+    return register
+
+
+def register_memory_formula(op: Any) -> Callable[[Formula], Formula]:
+    """Decorator: ``fn(*args, **kwargs)`` returns the peak bytes of the temporaries
+    ``op`` allocates while it runs, beyond its inputs and outputs."""
+
+    def register(fn: Formula) -> Formula:
+        _TEMPORARY[_packet(op)] = fn
+        return fn
+
+    return register
+
+
+def bytes_formula(op: Any) -> Formula | None:
+    """The registered bytes formula of ``op`` (an overload or its packet), or None."""
+    return _BYTES.get(_packet(op))
+
+
+def memory_formula(op: Any) -> Formula | None:
+    """The registered temporary-memory formula of ``op``, or None."""
+    return _TEMPORARY.get(_packet(op))

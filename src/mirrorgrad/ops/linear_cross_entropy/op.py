@@ -1,0 +1,283 @@
+"""Chunked linear + cross-entropy as two torch.library ops, with autograd and formulas.
+
+``mirrorgrad::linear_cross_entropy_forward`` keeps one log-sum-exp and one target
+logit per row, computing ``chunk_size`` rows of logits at a time;
+``mirrorgrad::linear_cross_entropy_backward`` recomputes each chunk's logits and turns
+them into their gradient in place. The ``[rows, vocab]`` logits never exist whole.
+Fake kernels, autograd, FLOP, bytes and memory formulas make compilers and the planner
+see (and cost) one node each way.
+
+Ops, not an autograd.Function: torch 2.11's Dynamo traced the Function's backward
+without its incoming gradient (every gradient came out zero under torch.compile).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from mirrorgrad.formulas import register_bytes_formula, register_memory_formula
+
+# Auto chunk size: rows whose float32 logits fit in this many bytes.
+CHUNK_BYTES = 64 * 2**20
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision logits are summed in float32; float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.library.custom_op("mirrorgrad::linear_cross_entropy_forward", mutates_args=())
+def linear_cross_entropy_forward(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """Per-row (log-sum-exp, target logit) of ``hidden @ weight.T + bias``, chunk by chunk.
+
+    hidden [N, H]; weight [V, H]; bias [V] or None; target int64 [N] in [0, V)."""
+    acc = accumulation_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    lse = hidden.new_empty(n, dtype=acc)
+    target_logit = hidden.new_empty(n, dtype=acc)
+    for start in range(0, n, chunk_size):
+        rows = slice(start, start + chunk_size)
+        logits = F.linear(hidden[rows], weight, bias).to(acc)  # [C, V]
+        torch.logsumexp(logits, dim=1, out=lse[rows])
+        torch.gather(logits, 1, target[rows, None], out=target_logit[rows, None])
+        del logits  # one chunk of logits alive at a time, not two
+    return lse, target_logit
+
+
+@linear_cross_entropy_forward.register_fake
+def _forward_fake(hidden, weight, bias, target, chunk_size):
+    acc = accumulation_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    return hidden.new_empty(n, dtype=acc), hidden.new_empty(n, dtype=acc)
+
+
+@torch.library.custom_op("mirrorgrad::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+    grad_lse: Tensor,
+    grad_target_logit: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    lse: Tensor,
+    chunk_size: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum(grad_lse * lse + grad_target_logit * target_logit), the logits
+    recomputed per chunk.
+
+    Unneeded gradients come back as empty tensors (an op cannot return None)."""
+    acc = lse.dtype
+    grad_hidden = hidden.new_empty(hidden.shape if need_hidden else 0)
+    grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    grad_bias = weight.new_zeros(weight.shape[0], dtype=acc) if need_bias else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows]
+        # [C, V]: the recomputed logits become their own gradient, in place.
+        grad_logits = F.linear(h, weight, bias).to(acc)
+        grad_logits.sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
+        grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
+        if need_hidden:
+            grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [C, V] @ [V, H]
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.T, h.to(acc))  # [V, C] @ [C, H]
+        if grad_bias is not None:
+            grad_bias += grad_logits.sum(0)
+        del grad_logits  # one chunk alive at a time
+    # Each output its own tensor, even the empty ones: outputs of an op may not alias.
+    return (
+        grad_hidden,
+        grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0),
+        grad_bias.to(bias.dtype) if grad_bias is not None else weight.new_empty(0),
+    )
+
+
+@linear_cross_entropy_backward.register_fake
+def _backward_fake(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
+                   need_hidden, need_weight, need_bias):  # fmt: skip
+    # new_empty, not empty_like: the real gradients are contiguous whatever the inputs'
+    # strides, and Inductor asserts the strides the fake kernel gave.
+    return (
+        hidden.new_empty(hidden.shape if need_hidden else 0),
+        weight.new_empty(weight.shape if need_weight else 0),
+        bias.new_empty(bias.shape) if need_bias else weight.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, target, chunk_size = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, output[0])
+    ctx.chunk_size = chunk_size
+
+
+def _backward(ctx, grad_lse: Tensor, grad_target_logit: Tensor):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    need_hidden, need_weight = ctx.needs_input_grad[:2]
+    need_bias = bias is not None and ctx.needs_input_grad[2]
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_target_logit is None:
+        grad_target_logit = torch.zeros_like(lse)
+    grads = torch.ops.mirrorgrad.linear_cross_entropy_backward(
+        grad_lse, grad_target_logit, hidden, weight, bias, target, lse, ctx.chunk_size,
+        need_hidden, need_weight, need_bias,
+    )  # fmt: skip
+    return (
+        grads[0] if need_hidden else None,
+        grads[1] if need_weight else None,
+        grads[2] if need_bias else None,
+        None,
+        None,
+    )
+
+
+linear_cross_entropy_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- formulas: FLOPs (torch's registry, shapes in place of tensors), bytes, memory ------
+
+
+@register_flop_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
+def _forward_flops(hidden, weight, *args, out_shape=None, **kwargs) -> int:
+    """The logits GEMM [N, H] @ [H, V]."""
+    return 2 * hidden[0] * hidden[1] * weight[0]
+
+
+@register_flop_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
+def _backward_flops(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
+                    need_hidden, need_weight, *args, out_shape=None, **kwargs) -> int:  # fmt: skip
+    """The logits recomputed, then one GEMM per gradient of hidden and of weight."""
+    gemm = 2 * hidden[0] * hidden[1] * weight[0]
+    return gemm * (1 + bool(need_hidden) + bool(need_weight))
+
+
+def _sizes(hidden: Tensor, weight: Tensor, chunk_size: int):
+    """(N, H, V, C, chunks, d, dw, a): rows, hidden size, vocabulary, rows per chunk,
+    chunks, and the bytes per element of hidden, weight and the accumulation dtype."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    c = min(chunk_size, n)
+    chunks = -(-n // chunk_size)
+    a = accumulation_dtype(hidden.dtype).itemsize
+    return n, h, v, c, chunks, hidden.dtype.itemsize, weight.dtype.itemsize, a
+
+
+@register_memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
+def _forward_temporary_bytes(hidden, weight, bias, target, chunk_size) -> int:
+    """One chunk of logits [C, V] (and its cast to the accumulation dtype), plus the
+    [C, V] temporary of logsumexp (``exp(logits - max)``)."""
+    _, _, v, c, _, d, _, a = _sizes(hidden, weight, chunk_size)
+    cast = d + a if d != a else 0
+    return c * v * max(cast, 2 * a)
+
+
+@register_memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
+def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias, target, lse,
+                              chunk_size, need_hidden, need_weight, need_bias) -> int:  # fmt: skip
+    """Peak during the chunk loop minus the outputs: one chunk of logit gradients [C, V]
+    and what each phase adds to it, beside grad_hidden and the accumulators of the
+    weight and bias gradients (the outputs themselves unless cast at the end)."""
+    n, h, v, c, _, d, dw, a = _sizes(hidden, weight, chunk_size)
+    db = bias.dtype.itemsize if need_bias else 0
+    outputs = n * h * d * need_hidden + v * h * dw * need_weight + v * db
+    early = n * h * d * need_hidden + v * h * a * need_weight + v * a * need_bias
+    # The chunk's phases: recompute (and cast), grad_hidden's GEMM, grad_weight's, bias sum.
+    loop = max(
+        c * v * (a + (d if d != a else 0)),
+        need_hidden * (c * v * (a + (dw if dw != a else 0)) + c * h * dw),
+        need_weight * (c * v * a + (c * h * a if d != a else 0)),
+        need_bias * (c * v * a + v * a),
+    )
+    late = v * h * dw * (need_weight and dw != a) + v * db * (need_bias and db != a)
+    return max(early + loop, early + late) - outputs
+
+
+@register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
+def _forward_bytes(hidden, weight, bias, target, chunk_size) -> int:
+    """Reads hidden once and weight once per chunk; the logits are written once (plus
+    the cast), then read and written by logsumexp's passes (max, subtract, exp, sum)."""
+    n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    cast = n * v * (d + a) if d != a else 0
+    return n * h * d + chunks * v * h * dw + n * v * d + cast + 6 * n * v * a
+
+
+@register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
+def _backward_bytes(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
+                    need_hidden, need_weight, need_bias) -> int:  # fmt: skip
+    """The forward's logits again, three in-place passes (subtract, exp, scale), one read
+    per gradient GEMM or sum, and the weight (gradient) read (and written) per chunk."""
+    n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    cast = n * v * (d + a) if d != a else 0
+    reads = bool(need_hidden) + bool(need_weight) + bool(need_bias)
+    total = n * h * d + chunks * v * h * dw + n * v * d + cast + (6 + reads) * n * v * a
+    if need_hidden:
+        total += chunks * v * h * dw + n * h * d
+    if need_weight:
+        total += 2 * chunks * v * h * a + n * h * d
+    return total
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    chunk_size: int | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> Tensor:
+    """Cross-entropy of a linear layer's output, without materialising the logits.
+
+    Equal in value and gradients to
+    ``F.cross_entropy(F.linear(hidden, weight, bias), target, reduction=...,
+    ignore_index=...)``. hidden: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or None;
+    target: ``[...]`` class indices. ``chunk_size`` rows of logits exist at a time
+    (default: as many rows as fit in 64 MiB of float32 logits); the backward
+    recomputes them instead of keeping them.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"{reduction!r} is not a valid value for reduction; use one of {REDUCTIONS}"
+        )
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(
+            f"Expected input batch shape {tuple(hidden.shape[:-1])} to match target shape "
+            f"{tuple(target.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise RuntimeError(
+            f"weight must be [vocab, {hidden.shape[-1]}] to match hidden, got {tuple(weight.shape)}"
+        )
+    if target.dtype != torch.int64:
+        raise RuntimeError(
+            f"target must hold int64 class indices, got {target.dtype}: pass target.long()"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise RuntimeError(
+            f"bias must be [{weight.shape[0]}] (one per class), got {tuple(bias.shape)}"
+        )
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_BYTES // (4 * weight.shape[0]))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat_target = target.reshape(-1)
+    valid = flat_target != ignore_index
+    safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
+    lse, target_logit = linear_cross_entropy_forward(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe_target, chunk_size
+    )
+    losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
+    out_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if reduction == "none":
+        return losses.reshape(target.shape).to(out_dtype)
+    total = losses.sum()
+    return (total / valid.sum() if reduction == "mean" else total).to(out_dtype)

@@ -1,0 +1,176 @@
+"""CUDA Graph capture and replay of the RNN step loops, holding no second copy of anything.
+
+The step loops are bound by host launches, not by the GPU, so each is captured once
+and replayed. A replay reads and writes fixed addresses; what lives there is chosen so
+that nothing is held twice for the whole run:
+
+- **outputs are handed out, not copied**: a captured loop writes its outputs (y, cells,
+  stash) into buffers that are given to the caller as they are. An ``Entry`` may
+  replay again only once every tensor it handed out is dropped (its storage is used by
+  the cache alone); until then another entry is captured (at most
+  ``ENTRIES_PER_KEY``), then the loop runs uncaptured;
+- **inputs are read where they are**: weights (parameters keep their address), and in
+  backward the outputs a captured forward handed out (``is_static``), are read in
+  place, their addresses part of the key; only small or transient inputs are copied;
+- **workspace is shared**: buffers that are dead after each call (pre-activations in
+  recompute mode, gate gradients, copied-in inputs) are one set per loop config,
+  ``workspace(...)``, shared by all its entries (one stream runs them in turn).
+
+Inside an outer capture the loops run plainly and become part of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mirrorgrad import _compat
+
+# NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
+# table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it.
+GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
+# Keys are per layer (weights are read in place): room for 16 layer-directions x 2 phases.
+_GRAPH_CACHE_SIZE = 32
+# Entries of one key alive at once: forward passes of one layer before their backward.
+ENTRIES_PER_KEY = 4
+
+
+@dataclass(kw_only=True, slots=True)
+class Entry:
+    """A captured step loop, the buffers it reads and writes, and those it hands out."""
+
+    graph: Any  # torch.cuda.CUDAGraph: .replay()
+    buffers: Any
+    handed_out: tuple[Tensor, ...]
+    idle_uses: tuple[int, ...]  # storage use counts when only the cache holds them
+
+    reads_in_place: tuple[Tensor, ...] = ()  # views of other entries' handed-out buffers
+
+    def idle(self) -> bool:
+        """No tensor this entry handed out is referenced outside the cache."""
+        uses = tuple(
+            _compat.storage_use_count(t) - _READERS.get(_ptr(t), 0) for t in self.handed_out
+        )
+        return uses == self.idle_uses
+
+
+_ENTRIES: OrderedDict[tuple, list[Entry]] = OrderedDict()
+_WORKSPACE: dict[tuple, Tensor] = {}
+_STATIC: dict[int, int] = {}  # data_ptr of a handed-out storage -> its nbytes
+_READERS: dict[int, int] = {}  # data_ptr of a handed-out storage -> views entries hold
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
+    """Whether to capture: on CUDA outside another capture; ``requested`` (None: when
+    the loop's largest buffer has at most GRAPH_MAX_ELEMENTS elements)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    if requested is not None:
+        return requested
+    return elements <= GRAPH_MAX_ELEMENTS
+
+
+def workspace(config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
+    """The buffer ``name`` shared by every captured loop of ``config`` (made once)."""
+    key = (config, name)
+    buffer = _WORKSPACE.get(key)
+    if buffer is None:
+        buffer = _WORKSPACE[key] = make()
+    return buffer
+
+
+def _ptr(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def is_static(t: Tensor) -> bool:
+    """``t`` lies in a buffer a captured loop handed out (its address is stable)."""
+    return _ptr(t) in _STATIC
+
+
+def acquire(
+    key: tuple,
+    device: torch.device,
+    make_buffers: Callable[[], Any],
+    loop: Callable[[Any], None],
+    handed_out: Callable[[Any], tuple[Tensor, ...]],
+    reads_in_place: tuple[Tensor, ...] = (),
+) -> Entry | None:
+    """An idle captured entry for ``key``, capturing a new one if all are busy; None
+    when ENTRIES_PER_KEY are busy (the caller then runs the loop uncaptured).
+
+    ``reads_in_place``: the views of other entries' handed-out buffers that the new
+    entry's buffers keep (they do not make those entries busy). The caller fills the
+    entry's input buffers, then calls ``entry.graph.replay()``."""
+    entries = _ENTRIES.setdefault(key, [])
+    _ENTRIES.move_to_end(key)
+    for entry in entries:
+        if entry.idle():
+            return entry
+    if len(entries) >= ENTRIES_PER_KEY:
+        return None
+    entry = _capture(device, make_buffers(), loop, handed_out)
+    entry.reads_in_place = tuple(t for t in reads_in_place if is_static(t))
+    for t in entry.reads_in_place:
+        _READERS[_ptr(t)] = _READERS.get(_ptr(t), 0) + 1
+    entries.append(entry)
+    while len(_ENTRIES) > _GRAPH_CACHE_SIZE:
+        _forget(_ENTRIES.popitem(last=False)[1])
+    return entry
+
+
+def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
+    """A CUDA Graph of ``loop(buffers)`` (tests stand in a replaying loop on CPU)."""
+    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        loop(buffers)
+    return graph
+
+
+def _capture(device, buffers, loop, handed_out) -> Entry:
+    graph = _record(device, buffers, loop)
+    out = tuple(handed_out(buffers))
+    for t in out:
+        _STATIC[_ptr(t)] = t.untyped_storage().nbytes()
+    idle_uses = tuple(_compat.storage_use_count(t) for t in out)
+    return Entry(graph=graph, buffers=buffers, handed_out=out, idle_uses=idle_uses)
+
+
+def _forget(entries: list[Entry]) -> None:
+    for entry in entries:
+        for t in entry.handed_out:
+            _STATIC.pop(_ptr(t), None)
+        for t in entry.reads_in_place:
+            _READERS[_ptr(t)] -= 1
+
+
+def held() -> list[Tensor]:
+    """One tensor per storage the cache holds: entries' handed-out buffers, workspace."""
+    tensors = [t for entries in _ENTRIES.values() for e in entries for t in e.handed_out]
+    return list({_ptr(t): t for t in (*tensors, *_WORKSPACE.values())}.values())
+
+
+def held_bytes() -> int:
+    """Bytes the cache holds: handed-out buffers of every entry, and the workspace."""
+    return sum(t.untyped_storage().nbytes() for t in held())
+
+
+def clear_graphs() -> None:
+    """Drop every captured step loop, its buffers and the shared workspace."""
+    for entries in _ENTRIES.values():
+        _forget(entries)
+    _ENTRIES.clear()
+    _WORKSPACE.clear()
+    _READERS.clear()

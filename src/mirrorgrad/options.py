@@ -1,0 +1,165 @@
+"""The planner's options (mode, budget, overhead cap): one type, parsed and validated once.
+
+Every way of choosing a plan ends here: ``mirrorgrad.compile(mode=, budget=,
+max_overhead=)``, the registered backend's ``torch.compile(..., options={...})`` and the
+CLIs' ``--mirror`` / ``--mode`` strings (``balance``, ``off``, ``budget:0.5``,
+``budget:2GiB``, ``budget:2000000000``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+Mode = Literal["balance", "budget", "off"]
+MODES: tuple[Mode, ...] = ("balance", "budget", "off")
+DEFAULT_MAX_OVERHEAD = 0.05
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+_BUDGET_HELP = (
+    "a fraction of the unmirrored peak in (0, 1] (budget=0.5), or bytes as a positive "
+    "integer (budget=2_000_000_000) or a size string (budget='2GiB')"
+)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class MirrorOptions:
+    """What the planner is asked for.
+
+    - ``mode="balance"``: the lowest estimated peak whose added recompute time stays
+      within ``max_overhead`` (a fraction of the step time).
+    - ``mode="budget"``: the least added time whose estimated peak meets ``budget``:
+      a float fraction in (0, 1] of the unmirrored peak, or an int number of bytes
+      (strings such as ``"2GiB"`` and ``"0.5"`` are parsed into one of those).
+    - ``mode="off"``: stash every value the backward reads (no mirroring).
+    """
+
+    mode: Mode = "balance"
+    budget: float | int | None = None
+    max_overhead: float = DEFAULT_MAX_OVERHEAD
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.mode == "budget" and self.budget is None:
+            raise ValueError(f"mode='budget' needs budget=: {_BUDGET_HELP}")
+        if self.mode != "budget" and self.budget is not None:
+            raise ValueError(
+                f"budget={self.budget!r} is only used by mode='budget' (mode={self.mode!r}): "
+                "pass mode='budget' or drop budget="
+            )
+        if self.budget is not None:
+            object.__setattr__(self, "budget", parse_budget(self.budget))
+        overhead = self.max_overhead
+        if (
+            isinstance(overhead, bool)
+            or not isinstance(overhead, numbers.Real)
+            or not math.isfinite(overhead)
+            or overhead < 0
+        ):
+            raise ValueError(
+                f"max_overhead={overhead!r}: a finite fraction of the step time >= 0 "
+                "(max_overhead=0.05 allows 5% more time)"
+            )
+        object.__setattr__(self, "max_overhead", float(overhead))
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> MirrorOptions:
+        """From ``torch.compile(..., backend="mirrorgrad", options={...})``; unknown keys
+        are a ValueError naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown mirrorgrad option(s) {', '.join(map(repr, unknown))}: "
+                f"known are {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    @classmethod
+    def from_cli(cls, text: str, *, max_overhead: float = DEFAULT_MAX_OVERHEAD) -> MirrorOptions:
+        """``balance`` | ``off`` | ``budget:FRACTION`` | ``budget:BYTES`` (``budget:2GiB``,
+        ``budget:2000000000``); ValueError on anything else."""
+        name, sep, value = text.strip().partition(":")
+        usage = (
+            "use balance, off, budget:FRACTION with 0 < FRACTION <= 1 (budget:0.5 halves "
+            "the unmirrored peak) or budget:BYTES (budget:2GiB, budget:2000000000)"
+        )
+        if name in ("balance", "off") and not sep:
+            return cls(mode=name, max_overhead=max_overhead)
+        if name == "budget" and value:
+            try:
+                budget = parse_budget(value)
+            except ValueError:
+                raise ValueError(f"{text!r}: {value!r} is not a budget; {usage}") from None
+            return cls(mode="budget", budget=budget, max_overhead=max_overhead)
+        raise ValueError(f"{text!r}: {usage}")
+
+    def to_cli(self) -> str:
+        """The CLI spelling: ``from_cli(o.to_cli())`` gives ``o`` back (max_overhead aside)."""
+        if self.mode != "budget":
+            return self.mode
+        return (
+            f"budget:{self.budget:g}"
+            if isinstance(self.budget, float)
+            else (f"budget:{self.budget}")
+        )
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``mirrorgrad.compile`` that give these options."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def parse_budget(value: object) -> float | int:
+    """A budget as the planner takes it: a float fraction in (0, 1] or int bytes > 1.
+
+    Numbers up to 1 are fractions (``1`` is the whole unmirrored peak); integers above
+    1 are bytes; a float above 1 is refused (1.5 bytes is a mistake, not a budget).
+    Strings: a number as above, or a size with a unit (``512MiB``, ``2GB``)."""
+    if isinstance(value, str):
+        return _parse_budget_text(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"budget={value!r}: {_BUDGET_HELP}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"budget={value!r} must be finite and > 0: {_BUDGET_HELP}")
+    if value <= 1:
+        return float(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if float(value).is_integer():
+        return int(value)  # 2e9 is as clear as 2_000_000_000
+    raise ValueError(f"budget={value!r} is neither a fraction <= 1 nor whole bytes: {_BUDGET_HELP}")
+
+
+def _parse_budget_text(text: str) -> float | int:
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"budget={text!r}: {_BUDGET_HELP}")
+    number, unit = match.groups()
+    if not unit:
+        value = float(number)
+        return parse_budget(int(value) if value > 1 and value.is_integer() else value)
+    scale = _UNITS.get(unit.lower())
+    if scale is None:
+        raise ValueError(
+            f"budget={text!r}: unknown unit {unit!r}; use one of {', '.join(_UNITS)} (any case)"
+        )
+    nbytes = float(number) * scale
+    if nbytes < 2:
+        raise ValueError(f"budget={text!r} is below 2 bytes: {_BUDGET_HELP}")
+    return int(nbytes)

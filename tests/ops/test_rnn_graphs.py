@@ -1,0 +1,100 @@
+"""The CUDA Graph cache of the RNN step loops (graphs.py), run on CPU with a stand-in
+graph that replays the captured loop on its captured buffers (graph_stand_in.py)."""
+
+import pytest
+import torch
+
+from mirrorgrad.ops.rnn import graphs, kernels
+
+from .test_rnn_kernels import B, H, T, _check_layer, _inputs
+
+pytestmark = pytest.mark.skipif(
+    not kernels.supports("lstm", proj=False, dtype=torch.float32, device=torch.device("cpu")),
+    reason="Triton kernels need TRITON_INTERPRET=1 on CPU",
+)
+
+CASES = [("lstm", "stash"), ("lstm", "recompute"), ("gru", "stash"), ("gru", "recompute"),
+         ("rnn_tanh", "stash")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_replays_match_the_oracle_call_after_call(cpu_graphs, mode, memory):
+    for _ in range(3):  # capture, then replays with new values
+        _check_layer(mode, memory=memory, lengths=[2, 4, 1], use_graph=True)
+    assert cpu_graphs and all(g.replays >= 1 for g in cpu_graphs)
+
+
+def _forward(inp, memory="stash"):
+    return kernels.layer_forward("lstm", *inp.values(), None, memory=memory, use_graph=True)
+
+
+def test_outputs_are_the_graph_buffers_and_are_never_overwritten_while_held(cpu_graphs):
+    inp = _inputs("lstm")
+    y1, _, _, saved1 = _forward(inp)
+    expected = [t.clone() for t in (y1, *saved1)]
+    (entry,) = graphs._ENTRIES[next(iter(graphs._ENTRIES))]
+    # Handed out, not copied: views of the entry's own buffers.
+    assert y1.data_ptr() == entry.buffers.y.data_ptr()
+    assert saved1[0].data_ptr() == entry.buffers.pre.data_ptr()
+    inp2 = {k: (v + 1 if v is not None else None) for k, v in inp.items()}
+    y2 = _forward(inp2)[0]  # y1 is held: a second entry captures
+    assert y2.data_ptr() != y1.data_ptr()
+    for held, value in zip((y1, *saved1), expected):
+        torch.testing.assert_close(held, value, rtol=0, atol=0)
+    ptr1 = y1.data_ptr()
+    del y1, saved1, expected, held
+    y3 = _forward(inp)[0]  # entry 1 is idle again: replayed, not recaptured
+    assert y3.data_ptr() == ptr1
+    assert len(cpu_graphs) == 2
+
+
+def test_busy_entries_beyond_the_limit_run_uncaptured(cpu_graphs, monkeypatch):
+    monkeypatch.setattr(graphs, "ENTRIES_PER_KEY", 1)
+    inp = _inputs("lstm")
+    first = _forward(inp)
+    second = _forward(inp)
+    assert len(cpu_graphs) == 1 and second[0].data_ptr() != first[0].data_ptr()
+    torch.testing.assert_close(second[0], first[0])
+
+
+def test_weights_are_read_in_place_not_copied(cpu_graphs):
+    inp = _inputs("lstm")
+    _forward(inp)
+    (entry,) = graphs._ENTRIES[next(iter(graphs._ENTRIES))]
+    assert entry.buffers.w.data_ptr() == inp["w_hh"].data_ptr()
+    inp["w_hh"].mul_(0.5)  # an optimizer step: same address, new values
+    y = _forward(inp)[0]
+    reference = kernels.layer_forward("lstm", *inp.values(), None, use_graph=False)[0]
+    torch.testing.assert_close(y, reference)
+    assert len(cpu_graphs) == 1
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+def test_backward_reads_the_forward_outputs_in_place(cpu_graphs, memory):
+    inp = _inputs("lstm")
+    y, _, _, saved = _forward(inp, memory)
+    fields = dict(pre=saved[0][:T] if memory == "stash" else torch.randn(T, B, 4 * H),
+                  cells=saved[-1], h0=None, y=None, dy=torch.randn_like(y),
+                  w_hh=inp["w_hh"], lengths=None)  # fmt: skip
+    config = kernels._loop_config("lstm", inp["x"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None,
+                                  memory, None, False)  # fmt: skip
+    _, copied = kernels._backward_entry(config, fields)
+    assert copied == (["dy"] if memory == "stash" else ["pre", "dy"])
+
+
+def test_the_cache_holds_one_set_of_outputs_per_layer_and_shared_workspace(cpu_graphs):
+    """LSTM stash, forward+backward twice: what the cache holds afterwards is each entry's
+    handed-out y, stash and cells, and one workspace per config: no clone of an output
+    and no copy of W_hh or of the stash."""
+    inp = _inputs("lstm")
+    for _ in range(2):
+        y, _, _, saved = _forward(inp)
+        kernels.layer_backward("lstm", saved, *inp.values(), None, y, torch.randn_like(y),
+                               None, None, use_graph=True)  # fmt: skip
+        del y, saved
+    f32 = 4
+    handed_out = T * B * H * f32 + T * B * 4 * H * f32 + (T + 1) * B * H * f32
+    forward_workspace = 2 * B * H * f32  # h ping-pong
+    backward_workspace = T * B * H * f32 + B * H * f32 * 2 + T * B * 4 * H * f32  # dy dh dc dg
+    assert graphs.held_bytes() == handed_out + forward_workspace + backward_workspace
+    assert len(cpu_graphs) == 2  # one forward entry, one backward entry
