@@ -43,7 +43,7 @@ MAX_CHUNK = 16
 # On large graphs a chunk may hold up to this share of the units, so the number of
 # simulations (each linear in the graph) stays about constant: planning time stays
 # about linear in the graph's size.
-CHUNK_SHARE = 1 / 128
+CHUNK_SHARE = 1 / 32
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
