@@ -138,3 +138,25 @@ def _meta(a):
     if isinstance(a, (list, tuple)):
         return type(a)(_meta(x) for x in a)
     return a
+
+
+class _HeadCrossEntropy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 1000)
+
+    def forward(self, x, target):
+        return nn.functional.cross_entropy(self.head(x), target)
+
+
+def test_inductor_lowerings_that_are_pointwise_are_inlined():
+    # The loss's backward scatters -1 onto a zero-filled [N, V] buffer: Inductor's
+    # scatter_upon_const_tensor computes both inside the log-softmax backward kernel,
+    # and the target's gather inside the loss reduction: none is written to memory.
+    joint = joint_of(
+        _HeadCrossEntropy(), torch.randn(32, 64), torch.randint(0, 1000, (32,)), decompose=True
+    )
+    inlined_ops = {n.target.overloadpacket.__name__ for n in StepCost(joint, fusion=True).inlined}
+    assert {"full", "scatter", "gather"} <= inlined_ops
+    # The logits and their gradient feed matmuls: they are written.
+    assert "mm" not in inlined_ops and "addmm" not in inlined_ops

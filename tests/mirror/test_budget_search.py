@@ -203,3 +203,30 @@ def test_a_reachable_budget_gives_no_warning():
         balance.budget_met is None
         and balance.to_dict()["floor"]["peak_bytes"] == balance.peak_after
     )
+
+
+def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
+    # Planning cost is (simulations) x (one simulation, linear in the graph): the
+    # graph is indexed once per plan, and the simulations stay few (chunks of the
+    # adding search grow with the graph). 2.3k nodes, 589 units: the first 12 blocks
+    # of the ResNet-152 layout.
+    joint = joint_of(resnet152_shaped(width=4)[:12], torch.randn(8, 3, 32, 32), decompose=True)
+    assert len(joint.gm.graph.nodes) > 2000
+    sims, indexes = [], []
+    simulate, index_init = liveness.simulate, liveness.GraphIndex.__init__
+    monkeypatch.setattr(liveness, "simulate", lambda *a, **k: sims.append(1) or simulate(*a, **k))
+
+    def counting_init(self, joint):
+        indexes.append(1)
+        index_init(self, joint)
+
+    monkeypatch.setattr(liveness.GraphIndex, "__init__", counting_init)
+    for options in (PlanOptions(mode="balance"), PlanOptions(mode="budget", budget=0.4)):
+        sims.clear(), indexes.clear()
+        p = plan(joint, options)
+        assert p.peak_after < p.peak_before
+        # the planner's index, and the final check's backward schedule
+        assert len(indexes) == 2
+        # 20 (balance) and 113 (budget) when written; a search that re-simulates per
+        # unit would need thousands
+        assert len(sims) <= 150, (options.mode, len(sims))

@@ -5,7 +5,9 @@ can take it (pointwise ops, the reductions it fuses with their producers, views)
 and there are at most a few of them (``realize_reads_threshold``). An extern kernel
 (mm, convolution, attention) reads its inputs from memory, so a value it reads is
 written there. This is a rule of thumb, not Inductor's scheduler: the liveness
-simulation and the cost model both use it, so they agree with each other.
+simulation and the cost model both use it, so they agree with each other (the
+simulation also writes out chains that read more than ``REALIZE_ACC_READS`` buffers,
+as Inductor does; the cost model does not, as its scheduler may fuse them again).
 """
 
 from __future__ import annotations
@@ -23,11 +25,38 @@ FUSIBLE_REDUCTIONS = frozenset(
 # Inductor inlines a pointwise value into its readers unless it has more than this
 # many (torch._inductor.config.realize_reads_threshold).
 INLINE_READERS = 4
+# Inductor writes an inlined chain out once its code reads more buffers than this
+# (realize_acc_reads_threshold); the liveness simulation ends lifetimes there.
+REALIZE_ACC_READS = 8
+
+
+# Not tagged pointwise, but Inductor lowers them to pointwise kernels: constant fills,
+# and loads through an index (gather, embedding, index): readers compute them inline.
+CONSTANT_FILLS = frozenset(
+    ("full", "zeros", "ones", "full_like", "zeros_like", "ones_like", "scalar_tensor")
+)
+POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(("gather", "embedding", "index"))
 
 
 def is_pointwise(node: Node) -> bool:
+    """Inductor computes ``node`` as a pointwise kernel (and so may inline it)."""
     target = node.target
-    return isinstance(target, _compat.OpOverload) and torch.Tag.pointwise in target.tags
+    if not isinstance(target, _compat.OpOverload):
+        return False
+    if torch.Tag.pointwise in target.tags:
+        return True
+    name = op_name(node).split("::")[-1]
+    if name in POINTWISE_LOWERINGS:
+        return True
+    # Inductor's scatter_upon_const_tensor: a scalar scattered onto a constant fill (the
+    # loss's nll_loss_backward) is a pointwise select, the fill never allocated.
+    base = node.args[0] if node.args else None
+    return (
+        name == "scatter"
+        and target._overloadname == "value"
+        and isinstance(base, Node)
+        and op_name(base).split("::")[-1] in CONSTANT_FILLS
+    )
 
 
 def fusible_reader(node: Node) -> bool:

@@ -28,7 +28,12 @@ from torch.fx import Node
 
 from mirrorgrad import _compat
 from mirrorgrad.formulas import memory_formula
-from mirrorgrad.graph.fusion import INLINE_READERS, fusible_reader, is_pointwise
+from mirrorgrad.graph.fusion import (
+    INLINE_READERS,
+    REALIZE_ACC_READS,
+    fusible_reader,
+    is_pointwise,
+)
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
 
 
@@ -203,20 +208,13 @@ def simulate(
     sim = _Simulator(ix, live_at, fusion)
     for p in ix.primals:
         sim.hold(p)
-    size = len(ix.nodes)
-    keep = bytearray(size)
-    for i in (*saved_ids, *ix.fwd_outputs, *ix.primals):
-        keep[i] = 1
-    sim.run(fwd, keep)
+    sim.run(fwd, [*saved_ids, *ix.fwd_outputs, *ix.primals])
     turn = sim.live_bytes
     forward_events = len(sim.event_bytes)
     sim.release_unread(saved_ids, bwd)
     for t in ix.tangents:
         sim.hold(t)
-    keep = bytearray(size)
-    for i in (*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals):
-        keep[i] = 1
-    sim.run(bwd, keep)
+    sim.run(bwd, [*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals])
     nodes = [ix.nodes[i] for i in sim.event_nodes]
     if not nodes:
         return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn)
@@ -279,16 +277,27 @@ class _Simulator:
             if s not in read and s not in kept:
                 self.drop(s)
 
-    def run(self, schedule: list[int], keep: bytearray) -> None:
+    def run(self, schedule: list[int], keep_ids: list[int]) -> None:
         ix = self.ix
         inputs, storage, nbytes, getitems = ix.inputs, ix.storage, ix.nbytes, ix.getitems
+        keep = bytearray(len(ix.nodes))
+        for i in keep_ids:
+            keep[i] = 1
         last_use: dict[int, int] = {}
         for pos, n in enumerate(schedule):
             for a in inputs[n]:
                 last_use[a] = pos
         if self.fusion:
-            for s in _fused_away(ix, schedule, keep):
+            # Per phase: a value computed in registers in the forward pass may be
+            # written to memory when it is recomputed for an extern backward kernel.
+            self.virtual = bytearray(len(ix.nodes))
+            for s in _fused_away(ix, schedule, keep_ids):
                 self.virtual[s] = 1
+            _extend_reads_of_inlined(ix, schedule, last_use, self.virtual)
+        dies_at: dict[int, list[int]] = {}
+        for a, pos in last_use.items():
+            if not keep[a]:
+                dies_at.setdefault(pos, []).append(a)
         alive, refs, virtual = self.alive, self.refs, self.virtual
         scheduled = bytearray(len(ix.nodes))
         for n in schedule:
@@ -296,27 +305,36 @@ class _Simulator:
         live = self.live_bytes
         start = len(self.event_bytes)
         event_nodes, event_bytes = self.event_nodes, self.event_bytes
+        snapshot_at = self.live_at - start
         for pos, n in enumerate(schedule):
-            transient = 0
             produced = getitems.get(n)
-            held = [g for g in produced if scheduled[g]] if produced is not None else (n,)
-            for v in held:
-                if not alive[v]:
-                    alive[v] = 1
-                    s = storage[v]
+            if produced is None:
+                transient = 0
+                if not alive[n]:
+                    alive[n] = 1
+                    s = storage[n]
                     refs[s] += 1
                     if refs[s] == 1 and not virtual[s]:
                         live += nbytes[s]
-            if produced is not None:
+            else:
+                # A multi-output op allocates all its outputs; those nobody reads die at once.
+                held = [g for g in produced if scheduled[g]]
+                for v in held:
+                    if not alive[v]:
+                        alive[v] = 1
+                        s = storage[v]
+                        refs[s] += 1
+                        if refs[s] == 1 and not virtual[s]:
+                            live += nbytes[s]
                 transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
             transient += ix.temporary[n]
             event_nodes.append(n)
             event_bytes.append(live + transient)
-            if start + pos == self.live_at:
+            if pos == snapshot_at:
                 self._snapshot()
-            dead = [a for a in inputs[n] if last_use[a] == pos and not keep[a]]
+            dead = dies_at.get(pos, ())
             if produced is None and n not in last_use and not keep[n]:
-                dead.append(n)
+                dead = [*dead, n]
             for v in dead:
                 if alive[v]:
                     alive[v] = 0
@@ -324,7 +342,6 @@ class _Simulator:
                     refs[s] -= 1
                     if refs[s] == 0 and not virtual[s]:
                         live -= nbytes[s]
-            self.live_bytes = live
         self.live_bytes = live
 
     def _snapshot(self) -> None:
@@ -337,11 +354,29 @@ class _Simulator:
         ]
 
 
-def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[int]:
+def _extend_reads_of_inlined(
+    ix: GraphIndex, schedule: list[int], last_use: dict[int, int], virtual: bytearray
+) -> None:
+    """An inlined value is computed inside the kernels of its readers: the values it
+    reads are read there too, so they live until its last reader has run."""
+    inputs, storage = ix.inputs, ix.storage
+    for pos in range(len(schedule) - 1, -1, -1):
+        n = schedule[pos]
+        if not virtual[storage[n]]:
+            continue
+        end = last_use.get(n, pos)
+        for a in inputs[n]:
+            if last_use[a] < end:
+                last_use[a] = end
+
+
+def _fused_away(ix: GraphIndex, schedule: list[int], keep_ids: list[int]) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
     read by at most a few pointwise ops or reductions (through views), never by an
-    extern kernel."""
+    extern kernel. A chain whose code would read more than ``REALIZE_ACC_READS``
+    buffers is written out there (Inductor's realize_acc_reads_threshold), which ends
+    the lifetimes of the buffers it read (a gradient summed over many steps)."""
     size = len(ix.nodes)
     inputs, storage, view, fusible = ix.inputs, ix.storage, ix.view, ix.fusible
     direct = [0] * size  # non-view readers of each storage
@@ -355,15 +390,23 @@ def _fused_away(ix: GraphIndex, schedule: list[int], keep: bytearray) -> list[in
             if not fusible[n]:
                 unfusible[s] = 1
     kept = bytearray(size)
-    for i in range(size):
-        if keep[i]:
-            kept[storage[i]] = 1
-    pointwise = ix.pointwise
-    return [
-        n
-        for n in schedule
-        if pointwise[n] and not kept[n] and direct[n] <= INLINE_READERS and not unfusible[n]
-    ]
+    for i in keep_ids:
+        kept[storage[i]] = 1
+    pointwise, nbytes = ix.pointwise, ix.nbytes
+    reads: dict[int, set[int]] = {}  # inlined value -> the buffers its code reads
+    for n in schedule:
+        if not pointwise[n] or kept[n] or direct[n] > INLINE_READERS or unfusible[n]:
+            continue
+        buffers: set[int] = set()
+        for a in inputs[n]:
+            s = storage[a]
+            if s in reads:
+                buffers |= reads[s]
+            elif nbytes[s]:
+                buffers.add(s)
+        if len(buffers) <= REALIZE_ACC_READS:
+            reads[n] = buffers
+    return list(reads)
 
 
 # What holds memory at a peak, in the categories a memory snapshot is read in.

@@ -40,6 +40,12 @@ REPAIR_CANDIDATES = 4
 # in one step (larger steps are faster, smaller ones give budgets finer choices).
 MAX_BUDGET_TRIALS = 512
 MAX_CHUNK = 16
+# On large graphs a chunk may hold up to this share of the units, so the number of
+# simulations (each linear in the graph) stays about constant: planning time stays
+# about linear in the graph's size.
+CHUNK_SHARE = 1 / 32
+# Units the final pruning tries to un-mirror (one liveness simulation each).
+PRUNE_TRIALS = 16
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
 # The largest values alive at the peak that a plan's summary names.
@@ -189,30 +195,72 @@ def partition_for(joint: JointGraph, graph: UnitGraph, mirror_units: set[Node]) 
     recomputed (and what it reads is needed in turn); any other forward value, and
     every primal, is saved. Forward outputs are always saved: they are alive anyway.
     """
+    facts = _partition_facts(joint, graph)
     saved, saved_sym, mirrored = set(), set(), set()
-    stack = [a for n in joint.backward for a in n.all_input_nodes if _is_fwd_value(joint, a)]
+    stack = list(facts.backward_reads)
     while stack:
         v = stack.pop()
         if v in saved or v in saved_sym or v in mirrored:
             continue
-        if is_sym(v):
+        kind = facts.kind[v]
+        if kind is _SYM:
             saved_sym.add(v)
             continue
-        unit = graph.producer(graph.root(v))
-        if v.op == "placeholder" or v in graph.fwd_outputs or unit not in mirror_units:
-            if isinstance(v.meta.get("val"), (tuple, list)):
+        if kind is _ALIVE or kind not in mirror_units:
+            if facts.tuple_valued[v]:
                 raise PlanError(f"cannot save the tuple-valued node {v.name}")
             saved.add(v)
             continue
         mirrored.add(v)
-        if is_getitem(v):
-            stack.append(v.args[0])
-        stack.extend(a for a in v.all_input_nodes if a not in mirrored)
+        stack.extend(facts.reads[v])
     return Partition(
         saved=joint.sorted(saved),
         saved_sym=joint.sorted(saved_sym),
         mirrored=joint.sorted(mirrored),
     )
+
+
+_SYM, _ALIVE = object(), object()
+
+
+@dataclass(kw_only=True, slots=True)
+class _PartitionFacts:
+    """What ``partition_for`` asks of every forward value, computed once per graph."""
+
+    backward_reads: list[Node]  # forward values the backward nodes read
+    kind: dict[Node, object]  # _SYM, _ALIVE (primal, forward output) or its unit
+    tuple_valued: dict[Node, bool]
+    reads: dict[Node, list[Node]]  # what recomputing the value reads
+
+
+def _partition_facts(joint: JointGraph, graph: UnitGraph) -> _PartitionFacts:
+    facts = graph.__dict__.get("_partition_facts")
+    if facts is not None:
+        return facts
+    values = [n for n in joint.gm.graph.nodes if _is_fwd_value(joint, n)]
+    kind: dict[Node, object] = {}
+    for v in values:
+        unit = graph.producer(graph.root(v))
+        if is_sym(v):
+            kind[v] = _SYM
+        elif v.op == "placeholder" or v in graph.fwd_outputs:
+            kind[v] = _ALIVE
+        else:
+            kind[v] = unit
+    reads = {
+        v: [v.args[0], *v.all_input_nodes] if is_getitem(v) else list(v.all_input_nodes)
+        for v in values
+    }
+    facts = _PartitionFacts(
+        backward_reads=[
+            a for n in joint.backward for a in n.all_input_nodes if _is_fwd_value(joint, a)
+        ],
+        kind=kind,
+        tuple_valued={v: isinstance(v.meta.get("val"), (tuple, list)) for v in values},
+        reads=reads,
+    )
+    graph.__dict__["_partition_facts"] = facts
+    return facts
 
 
 def _is_fwd_value(joint: JointGraph, node: Node) -> bool:
@@ -462,11 +510,12 @@ class _Planner:
         Candidates come from searches that do not depend on the budget:
 
         - adding: mirror more, best bytes per second first. Chunks of the ranking
-          double (up to ``MAX_CHUNK``) while the peak does not rise (a step that
-          leaves it unchanged can open a chain: mirroring a ReLU pays only once its
-          BatchNorm is mirrored too) and halve when it does; a unit that raises the
-          peak alone is never tried again. Every state on this path is a candidate,
-          and its last one after the lifetime repair.
+          double (up to ``MAX_CHUNK``, or ``CHUNK_SHARE`` of the units) while the
+          peak does not rise (a step that leaves it unchanged can open a chain:
+          mirroring a ReLU pays only once its BatchNorm is mirrored too) and halve
+          when it does; a unit that raises the peak alone is never tried again.
+          Every state on this path is a candidate, and its last one after the
+          lifetime repair.
         - trimming: one op at a time misses what only a group pays for (each
           decoder step's tanh needs its add mirrored too, all sharing U k), so
           the storage-balance plan (after the lifetime repair) and that plan with
@@ -481,8 +530,24 @@ class _Planner:
         candidates = [*path, *self._trimmed_balance()]
         feasible = [c for c in candidates if c.peak <= budget_bytes]
         if feasible:
-            return min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash))
+            return self._prune(min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash)))
         return min(candidates, key=lambda c: (c.peak, c.stash, c.added_time_s))
+
+    def _prune(self, chosen: _Candidate) -> _Candidate:
+        """Un-mirror units that cost time and do not lower the peak, costliest first.
+
+        A chunk of the adding search takes in units that pay nothing at the peak
+        (recomputing a LayerNorm's statistics to free 4 KiB). The peak never rises,
+        so a lower budget still never gets a higher peak. Only where the budget is
+        met: short of it, among equal peaks the smaller stash is the headroom.
+        """
+        units = set(chosen.units)
+        ranked = self._costliest_first(units, set(chosen.partition.mirrored))
+        for unit in ranked[:PRUNE_TRIALS]:
+            trial = self.evaluate(set(chosen.units) - {unit})
+            if trial.peak <= chosen.peak and trial.added_time_s < chosen.added_time_s:
+                chosen = trial
+        return chosen
 
     def _adding_path(
         self, before: _Candidate, *, last_resort: bool, cap_s: float = float("inf")
@@ -492,6 +557,7 @@ class _Planner:
         Added time only grows along the path: it stops once past ``cap_s``."""
         path = [before]
         current, rejected, k = before, set(), 1
+        max_chunk = max(MAX_CHUNK, int(len(self.graph.units) * CHUNK_SHARE))
         for _ in range(MAX_BUDGET_TRIALS):
             if current.added_time_s > cap_s:
                 break
@@ -501,7 +567,7 @@ class _Planner:
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
             if trial.peak <= current.peak:
-                current, k = trial, min(2 * k, MAX_CHUNK)
+                current, k = trial, min(2 * k, max_chunk)
                 path.append(current)
             elif k > 1:
                 k //= 2

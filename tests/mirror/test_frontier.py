@@ -1,0 +1,103 @@
+"""The budget search against PyTorch's min-cut partitioner with ``activation_memory_budget``.
+
+For each zoo graph and fraction, min-cut's saved set is judged by our liveness model
+and cost model (as Inductor runs the step); asked for min-cut's peak in bytes, our
+plan must reach it at no more estimated time.
+"""
+
+import copy
+import functools
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from mirrorgrad import _compat
+from mirrorgrad.graph import liveness
+from mirrorgrad.graph.cost import StepCost
+from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.mirror.budget_search import PlanOptions, plan
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of
+
+import zoo
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return zoo.loss_of(self.model(*inputs))
+
+
+def _zoo_joint(name: str) -> JointGraph:
+    model, inputs = zoo.build(name, torch.float32)
+    return joint_of(_WithLoss(model), *inputs, decompose=True)
+
+
+GRAPHS = {
+    **{name: (lambda name=name: _zoo_joint(name)) for name in zoo.ZOO},
+    "layernorm-gelu-linear": lambda: joint_of(
+        torch.nn.Sequential(*(LayerNormGeluLinear(512, 512) for _ in range(3))),
+        torch.randn(512, 512),
+        decompose=True,
+    ),
+    "bottlenecks": lambda: joint_of(
+        torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(6))),
+        torch.randn(8, 16, 16, 16),
+        decompose=True,
+    ),
+}
+# NOTE: on this toy LM (batch 3, 5 steps, hidden 10) min-cut's plan recomputes the
+# LSTMCell matmuls to reach 0.984x of the peak; our lowest is 0.990x.
+LOSSES = {"lstm_lm"}
+
+
+def min_cut_plan(joint: JointGraph, fraction: float) -> tuple[int, float]:
+    """(peak, added seconds) of min-cut's partition at ``fraction``, by our models."""
+    with _compat.activation_memory_budget(fraction):
+        fwd, _ = _compat.min_cut_rematerialization_partition(
+            copy.deepcopy(joint.gm), None, num_fwd_outputs=joint.num_fwd_outputs
+        )
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    saved = {by_name[a.name] for a in outputs[joint.num_fwd_outputs :] if a is not None}
+    # What the backward reads and min-cut did not save, it recomputes.
+    mirrored, stack = set(), [a for n in joint.backward for a in n.all_input_nodes]
+    while stack:
+        v = stack.pop()
+        if v.op == "placeholder" and v not in joint.tangents:
+            saved.add(v)
+        if v in saved or v in mirrored or v not in joint.forward_set:
+            continue
+        mirrored.add(v)
+        stack.extend(v.all_input_nodes)
+    cost = StepCost(joint, fusion=True)
+    peak = liveness.simulate(joint, saved, mirrored, fusion=True).peak
+    return peak, sum(cost.run(n).seconds for n in mirrored)
+
+
+@functools.cache
+def _joint(name: str) -> JointGraph:
+    return GRAPHS[name]()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_budget_plan_dominates_min_cut(name, fraction):
+    joint = _joint(name)
+    their_peak, their_seconds = min_cut_plan(joint, fraction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a min-cut peak we cannot reach is declared
+        ours = plan(joint, PlanOptions(mode="budget", budget=their_peak))
+    if name in LOSSES:
+        assert ours.peak_after > their_peak  # if this fails, the loss is gone: drop it
+        return
+    assert ours.peak_after <= their_peak
+    assert ours.added_time_s <= their_seconds * (1 + 1e-9)
