@@ -137,16 +137,17 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp
     )
     compiled, real_compile = [], mirrorgrad.compile
 
-    def compile_eagerly(model, *, mode, backend):
+    def compile_eagerly(model, *, mode, backend, **options):
+        assert "options" not in options  # measured without CUDA Graphs (replays allocate 0)
         compiled.append(mode)
-        return real_compile(model, mode=mode, backend="eager")
+        return real_compile(model, mode=mode, backend="eager", **options)
 
     peaks = iter([111, 222])  # read once per mode, after a compiling call and a measured one
     monkeypatch.setattr(loop.mirrorgrad, "compile", compile_eagerly)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
-    # --mirror off: "without" is the training model, "with" a balance-mode compile.
+    # --mirror off: "without" is a plain compile of the training mode, "with" balance.
     assert run._measure_step_peaks() == (111, 222)
-    assert compiled == ["balance"]
+    assert compiled == ["balance", "off"]
     assert all(p.grad is None for p in run.model.parameters())

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import mirrorgrad
 from mirrorgrad.callbacks import Callback, TensorBoardLogger
+from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint, data, distributed, preflight, step
 from mirrorgrad.train.checkpoint import CheckpointError
 from mirrorgrad.train.config import TrainConfig
@@ -281,12 +282,13 @@ class _Run:
         """
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
-        other_model = mirrorgrad.compile(self.model, mode=other, backend="inductor")
-        pair = (
-            (self.step_model, other_model)
-            if mirror.mode == "off"
-            else (other_model, self.step_model)
-        )
+        # Without CUDA Graphs: their replays allocate nothing, so the peak would read ~0.
+        def plain(options: MirrorOptions) -> nn.Module:
+            return step.compile_for_training(self.model, options, self.device, cuda_graphs=False)
+
+        other_model = plain(MirrorOptions(mode=other))
+        measured = plain(mirror)
+        pair = (measured, other_model) if mirror.mode == "off" else (other_model, measured)
         try:
             return tuple(self._step_peak(m) for m in pair)
         except Exception as e:  # a measurement for the summary must never stop training
