@@ -201,7 +201,10 @@ def _peak_source(doc: dict[str, Any]) -> str:
         if m.get("peak_source")
     }
     if sources == {"cuda"}:
-        return "torch.cuda.max_memory_allocated over full steps (fwd+bwd+SGD)"
+        return (
+            "torch.cuda.max_memory_allocated over the warm-ups after the compiling call "
+            "and the timed steps (fwd+bwd+SGD; a CUDA Graph method's recording included)"
+        )
     return "CPU estimate (parameters + gradients + tensors saved for backward)"
 
 
