@@ -35,7 +35,7 @@ import mirrorgrad
 from mirrorgrad.mirror.partition import MirrorgradFallbackWarning
 
 # d_model, heads, feed-forward, blocks, batch per rank, sequence, vocabulary
-SIZES = {"gpu": (512, 8, 2048, 4, 8, 1024, 8192), "cpu": (32, 4, 64, 2, 2, 10, 64)}
+SIZES = {"cuda": (512, 8, 2048, 4, 8, 1024, 8192), "cpu": (32, 4, 64, 2, 2, 10, 64)}
 
 
 class Transformer(nn.Module):
