@@ -41,3 +41,19 @@ def test_results_are_not_static_buffers(cpu_graphs):
     run(2.0)
     for copy, result in zip(first, kept):
         torch.testing.assert_close(result, copy)
+
+
+def test_compiled_steps_replay_the_entries_of_the_first(cpu_graphs):
+    """Under torch.compile (AOTAutograd) the second and later steps replay the loops the
+    first step captured, as eager steps do. (AOTAutograd saves a detached stash; the
+    backward entry reads it through a base-less reader, so nothing keeps it alive.)"""
+    import mirrorgrad.nn
+
+    torch.manual_seed(0)
+    rnn = mirrorgrad.nn.LSTM(4, 5, impl="triton")
+    loss = torch.compile(lambda x: rnn(x)[0].square().mean(), backend="aot_eager")
+    counts = []
+    for _ in range(3):
+        loss(torch.randn(3, 2, 4)).backward()
+        counts.append(len(cpu_graphs))
+    assert counts[0] > 0 and counts[1:] == [counts[0]] * 2, counts

@@ -99,6 +99,13 @@ def is_static(t: Tensor) -> bool:
     return _ptr(t) in _STATIC
 
 
+def reader(t: Tensor) -> Tensor:
+    """``t`` as a tensor with no base: it holds its storage once and nothing else alive.
+    (A view also keeps its base alive: under AOTAutograd a saved stash is a detached
+    tensor whose view, kept by a backward entry, would keep the forward entry busy.)"""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def acquire(
     key: tuple,
     device: torch.device,
@@ -110,7 +117,7 @@ def acquire(
     """An idle captured entry for ``key``, capturing a new one if all are busy; None
     when ENTRIES_PER_KEY are busy (the caller then runs the loop uncaptured).
 
-    ``reads_in_place``: the views of other entries' handed-out buffers that the new
+    ``reads_in_place``: the ``reader``s of other entries' handed-out buffers that the new
     entry's buffers keep (they do not make those entries busy). The caller fills the
     entry's input buffers, then calls ``entry.graph.replay()``."""
     entries = _ENTRIES.setdefault(key, [])

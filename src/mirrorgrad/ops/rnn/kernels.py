@@ -914,12 +914,16 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
         if isinstance(value, Tensor) and (name == "w_hh" or graphs.is_static(value))
     }
     copied = [n for n, v in fields.items() if isinstance(v, Tensor) and n not in in_place]
+    # Read in place through readers: the buffers must not keep a saved tensor's base alive.
+    readers = {n: graphs.reader(fields[n]) for n in in_place if n != "w_hh"}
 
     def make() -> _BwdBuffers:
         def shared(name: str, value: Tensor) -> Tensor:
             return graphs.workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
 
-        inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
+        inputs = {
+            n: (shared(n, v) if n in copied else readers.get(n, v)) for n, v in fields.items()
+        }
         dh = graphs.workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
         dc = None
         if config.mode == "lstm":
@@ -935,7 +939,7 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
         make,
         lambda b: _bwd_loop(config, b),
         lambda b: (),
-        reads_in_place=tuple(fields[n] for n in in_place if n != "w_hh"),
+        reads_in_place=tuple(readers.values()),
     )
     assert entry is not None  # a backward entry hands nothing out: it is always idle
     return entry, copied
