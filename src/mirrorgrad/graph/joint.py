@@ -72,6 +72,15 @@ def value_nbytes(val: object) -> int:
     return 0
 
 
+def fake_value(arg: object) -> object:
+    """A node argument as its fake value: nodes by their meta "val", lists/tuples element-wise."""
+    if isinstance(arg, Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(fake_value(x) for x in arg)
+    return arg
+
+
 @dataclass(kw_only=True, slots=True)
 class JointGraph:
     gm: GraphModule

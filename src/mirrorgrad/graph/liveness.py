@@ -34,7 +34,14 @@ from mirrorgrad.graph.fusion import (
     fusible_reader,
     is_pointwise,
 )
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
+from mirrorgrad.graph.joint import (
+    JointGraph,
+    JointGraphError,
+    fake_value,
+    is_getitem,
+    is_view,
+    op_name,
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -520,19 +527,11 @@ def temporary_bytes(node: Node) -> int:
     formula = memory_formula(node.target) if node.op == "call_function" else None
     if formula is None:
         return 0
-    args = [_fake(a) for a in node.args]
-    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    args = [fake_value(a) for a in node.args]
+    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
     nbytes = formula(*args, **kwargs)
     return (
         _compat.optimization_hint(nbytes, fallback=0)
         if isinstance(nbytes, torch.SymInt)
         else int(nbytes)
     )
-
-
-def _fake(a: object) -> object:
-    if isinstance(a, Node):
-        return a.meta.get("val")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_fake(x) for x in a)
-    return a
