@@ -316,24 +316,18 @@ class _Simulator:
         for pos, n in enumerate(schedule):
             produced = getitems.get(n)
             if produced is None:
-                transient = 0
-                if not alive[n]:
-                    alive[n] = 1
-                    s = storage[n]
+                allocated, transient = (n,), 0
+            else:
+                # A multi-output op allocates all its outputs; those nobody reads die at once.
+                allocated = [g for g in produced if scheduled[g]]
+                transient = max(nbytes[n] - sum(nbytes[g] for g in allocated), 0)
+            for v in allocated:
+                if not alive[v]:
+                    alive[v] = 1
+                    s = storage[v]
                     refs[s] += 1
                     if refs[s] == 1 and not virtual[s]:
                         live += nbytes[s]
-            else:
-                # A multi-output op allocates all its outputs; those nobody reads die at once.
-                held = [g for g in produced if scheduled[g]]
-                for v in held:
-                    if not alive[v]:
-                        alive[v] = 1
-                        s = storage[v]
-                        refs[s] += 1
-                        if refs[s] == 1 and not virtual[s]:
-                            live += nbytes[s]
-                transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
             transient += ix.temporary[n]
             event_nodes.append(n)
             event_bytes.append(live + transient)
