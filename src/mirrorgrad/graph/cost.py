@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry
 from mirrorgrad import _compat
 from mirrorgrad.formulas import bytes_formula
 from mirrorgrad.graph.fusion import inlined
-from mirrorgrad.graph.joint import JointGraph, fake_value, is_getitem, is_view, value_nbytes
+from mirrorgrad.graph.joint import JointGraph, fake_args, is_getitem, is_view, value_nbytes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -104,8 +104,7 @@ def registered_flops(node: Node) -> int | None:
     formula = flop_registry.get(packet)
     if formula is None:
         return None
-    args = [fake_value(a) for a in node.args]
-    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
@@ -114,8 +113,7 @@ def registered_bytes(node: Node) -> int | None:
     formula = bytes_formula(node.target)
     if formula is None:
         return None
-    args = [fake_value(a) for a in node.args]
-    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     return _hint(formula(*args, **kwargs))
 
 

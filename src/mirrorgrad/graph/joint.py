@@ -81,6 +81,11 @@ def fake_value(arg: object) -> object:
     return arg
 
 
+def fake_args(node: Node) -> tuple[list[object], dict[str, object]]:
+    """``node``'s (args, kwargs) as fake values, to call a formula of its op with."""
+    return [fake_value(a) for a in node.args], {k: fake_value(v) for k, v in node.kwargs.items()}
+
+
 @dataclass(kw_only=True, slots=True)
 class JointGraph:
     gm: GraphModule

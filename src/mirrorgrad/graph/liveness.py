@@ -37,7 +37,7 @@ from mirrorgrad.graph.fusion import (
 from mirrorgrad.graph.joint import (
     JointGraph,
     JointGraphError,
-    fake_value,
+    fake_args,
     is_getitem,
     is_view,
     op_name,
@@ -521,8 +521,7 @@ def temporary_bytes(node: Node) -> int:
     formula = memory_formula(node.target) if node.op == "call_function" else None
     if formula is None:
         return 0
-    args = [fake_value(a) for a in node.args]
-    kwargs = {k: fake_value(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     nbytes = formula(*args, **kwargs)
     return (
         _compat.optimization_hint(nbytes, fallback=0)
