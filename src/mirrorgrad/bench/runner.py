@@ -514,17 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda"):
         # Same for every method; TF32 GEMMs are what anyone training in fp32 would use.
         torch.set_float32_matmul_precision("high")
-    opts = RunOptions(
-        dtype=args.dtype,
-        steps=args.steps,
-        warmup=args.warmup,
-        quick=args.quick,
-        backend=args.backend,
-        device=device,
-        batch=args.batch,
-        deadline=args.deadline,
-        profile_dir=args.profile_dir,
-    )
+    given = ("dtype", "steps", "warmup", "quick", "backend", "batch", "deadline", "profile_dir")
+    opts = RunOptions(device=device, **{name: getattr(args, name) for name in given})
     workload = get_workload(args.workload)
     methods = [get_method(name) for name in args.methods.split(",") if name]
     grads = None

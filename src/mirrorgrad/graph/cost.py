@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry
 from mirrorgrad import _compat
 from mirrorgrad.formulas import bytes_formula
 from mirrorgrad.graph.fusion import inlined
-from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view, value_nbytes
+from mirrorgrad.graph.joint import JointGraph, fake_args, is_getitem, is_view, value_nbytes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -89,14 +89,6 @@ def _tensor_bytes(args) -> int:
     return total
 
 
-def _meta(a: object) -> object:
-    if isinstance(a, Node):
-        return a.meta.get("val")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_meta(x) for x in a)
-    return a
-
-
 def _numel(val: object) -> int:
     if isinstance(val, torch.Tensor):
         return _hint(val.numel())
@@ -112,8 +104,7 @@ def registered_flops(node: Node) -> int | None:
     formula = flop_registry.get(packet)
     if formula is None:
         return None
-    args = [_meta(a) for a in node.args]
-    kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     return _hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
 
 
@@ -122,8 +113,7 @@ def registered_bytes(node: Node) -> int | None:
     formula = bytes_formula(node.target)
     if formula is None:
         return None
-    args = [_meta(a) for a in node.args]
-    kwargs = {k: _meta(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     return _hint(formula(*args, **kwargs))
 
 

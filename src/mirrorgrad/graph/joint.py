@@ -72,6 +72,20 @@ def value_nbytes(val: object) -> int:
     return 0
 
 
+def fake_value(arg: object) -> object:
+    """A node argument as its fake value: nodes by their meta "val", lists/tuples element-wise."""
+    if isinstance(arg, Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(fake_value(x) for x in arg)
+    return arg
+
+
+def fake_args(node: Node) -> tuple[list[object], dict[str, object]]:
+    """``node``'s (args, kwargs) as fake values, to call a formula of its op with."""
+    return [fake_value(a) for a in node.args], {k: fake_value(v) for k, v in node.kwargs.items()}
+
+
 @dataclass(kw_only=True, slots=True)
 class JointGraph:
     gm: GraphModule

@@ -34,7 +34,14 @@ from mirrorgrad.graph.fusion import (
     fusible_reader,
     is_pointwise,
 )
-from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_view, op_name
+from mirrorgrad.graph.joint import (
+    JointGraph,
+    JointGraphError,
+    fake_args,
+    is_getitem,
+    is_view,
+    op_name,
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -309,24 +316,18 @@ class _Simulator:
         for pos, n in enumerate(schedule):
             produced = getitems.get(n)
             if produced is None:
-                transient = 0
-                if not alive[n]:
-                    alive[n] = 1
-                    s = storage[n]
+                allocated, transient = (n,), 0
+            else:
+                # A multi-output op allocates all its outputs; those nobody reads die at once.
+                allocated = [g for g in produced if scheduled[g]]
+                transient = max(nbytes[n] - sum(nbytes[g] for g in allocated), 0)
+            for v in allocated:
+                if not alive[v]:
+                    alive[v] = 1
+                    s = storage[v]
                     refs[s] += 1
                     if refs[s] == 1 and not virtual[s]:
                         live += nbytes[s]
-            else:
-                # A multi-output op allocates all its outputs; those nobody reads die at once.
-                held = [g for g in produced if scheduled[g]]
-                for v in held:
-                    if not alive[v]:
-                        alive[v] = 1
-                        s = storage[v]
-                        refs[s] += 1
-                        if refs[s] == 1 and not virtual[s]:
-                            live += nbytes[s]
-                transient = max(nbytes[n] - sum(nbytes[g] for g in held), 0)
             transient += ix.temporary[n]
             event_nodes.append(n)
             event_bytes.append(live + transient)
@@ -520,19 +521,10 @@ def temporary_bytes(node: Node) -> int:
     formula = memory_formula(node.target) if node.op == "call_function" else None
     if formula is None:
         return 0
-    args = [_fake(a) for a in node.args]
-    kwargs = {k: _fake(v) for k, v in node.kwargs.items()}
+    args, kwargs = fake_args(node)
     nbytes = formula(*args, **kwargs)
     return (
         _compat.optimization_hint(nbytes, fallback=0)
         if isinstance(nbytes, torch.SymInt)
         else int(nbytes)
     )
-
-
-def _fake(a: object) -> object:
-    if isinstance(a, Node):
-        return a.meta.get("val")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_fake(x) for x in a)
-    return a

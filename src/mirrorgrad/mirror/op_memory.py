@@ -28,6 +28,7 @@ from torch.fx import GraphModule, Node
 from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad.graph.cost import H100, DeviceRates
+from mirrorgrad.graph.joint import fake_value
 from mirrorgrad.ops.rnn import op as rnn_op
 from mirrorgrad.ops.rnn.cells import GATES
 
@@ -120,16 +121,8 @@ def _is_auto(node: Node) -> bool:
     return node.target is _FORWARD and node.args[_FWD_MEMORY] == "auto"
 
 
-def _fake(a: object) -> object:
-    if isinstance(a, Node):
-        return a.meta.get("val")
-    if isinstance(a, (list, tuple)):
-        return type(a)(_fake(x) for x in a)
-    return a
-
-
 def _candidate(forward: Node, rates: DeviceRates) -> _Candidate:
-    args = [_fake(a) for a in forward.args]
+    args = [fake_value(a) for a in forward.args]
     backward = [u for u in _users_through_getitems(forward) if u.target is _BACKWARD]
     sizes = {m: _saved_bytes(args, m) for m in ("stash", "recompute")}
     flops = flop_registry[torch.ops.mirrorgrad.rnn_forward]
@@ -173,7 +166,7 @@ def _rewrite(gm: GraphModule, c: _Candidate, memory: str) -> None:
     args = list(forward.args)
     args[_FWD_MEMORY] = memory
     forward.args = tuple(args)
-    fake_args = [_fake(a) for a in args]
+    fake_args = [fake_value(a) for a in args]
     value = rnn_op.rnn_forward_fake(*fake_args)
     forward.meta["val"] = value
     saved_list = next(

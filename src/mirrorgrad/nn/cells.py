@@ -25,7 +25,9 @@ class _FusedCell:
     _op_mode: str
     _n_states: int  # 2 for the LSTM (h, c), 1 otherwise
 
-    def _init_impl(self, impl: str) -> None:
+    def __init__(self, *args, impl: str = "auto", **kwargs) -> None:
+        # torch.nn's cell class comes next in the MRO: it takes the other arguments.
+        super().__init__(*args, **kwargs)
         if impl not in CELL_IMPLS:
             raise ValueError(f"impl must be one of {CELL_IMPLS}, got {impl!r}")
         self.impl = impl
@@ -135,10 +137,6 @@ class LSTMCell(_FusedCell, torch.nn.LSTMCell):
     _op_mode = "lstm"
     _n_states = 2
 
-    def __init__(self, *args, impl: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_impl(impl)
-
 
 class GRUCell(_FusedCell, torch.nn.GRUCell):
     """``torch.nn.GRUCell`` (a subclass); keyword-only ``impl`` ("auto", "op", "torch")."""
@@ -146,19 +144,11 @@ class GRUCell(_FusedCell, torch.nn.GRUCell):
     _op_mode = "gru"
     _n_states = 1
 
-    def __init__(self, *args, impl: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_impl(impl)
-
 
 class RNNCell(_FusedCell, torch.nn.RNNCell):
     """``torch.nn.RNNCell`` (a subclass; "tanh" or "relu"); keyword-only ``impl``."""
 
     _n_states = 1
-
-    def __init__(self, *args, impl: str = "auto", **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_impl(impl)
 
     @property
     def _op_mode(self) -> str:

@@ -117,26 +117,18 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         resume = ckpt_dir if args.resume == "auto" else Path(args.resume)
     return TrainConfig.from_preset(
         args.model,
-        data=args.data,
-        device=args.device,
         mirror=_mirror_option(args.mirror),
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        bptt=args.bptt,
-        lr=args.lr,
-        clip=args.clip,
-        seed=args.seed,
-        logdir=args.logdir,
         ckpt_dir=ckpt_dir,
         resume=resume,
-        dropout=args.dropout,
-        tie_weights=args.tie_weights,
-        char=args.char,
-        vocab_size=args.vocab_size,
-        log_freq=args.log_freq,
-        ckpt_every=args.ckpt_every,
+        **{name: getattr(args, name) for name in _CONFIG_AS_GIVEN},
     )
+
+
+# The TrainConfig fields that the command line gives as they are, under the same names.
+_CONFIG_AS_GIVEN = (
+    "data", "device", "epochs", "max_steps", "batch_size", "bptt", "lr", "clip", "seed",
+    "logdir", "dropout", "tie_weights", "char", "vocab_size", "log_freq", "ckpt_every",
+)  # fmt: skip
 
 
 def _mirror_option(text: str) -> MirrorOptions:

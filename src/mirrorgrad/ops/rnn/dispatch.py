@@ -159,22 +159,29 @@ def rnn(
                       bidirectional=bidirectional, has_biases=has_biases, dropout=p,
                       training=training)  # fmt: skip
 
-    proj = proj_size > 0
     if impl == "auto":
-        if x.device.type != "cuda" or x.shape[1] == 0:  # CPU, or an empty batch
-            impl = "reference"
-        else:
-            # A custom op comes first: it is the pick while torch.compile traces (no timing).
-            fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
-            candidates = {fused: _timed_step(custom(fused), grad_inputs)}
-            # cuDNN has no state clip, and no backward outside training mode (it raises).
-            if state_clip is None and (training or not grad_inputs):
-                candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
-            key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-                   num_layers, bidirectional, lengths is not None, memory, p > 0,
-                   need_saved)  # fmt: skip
-            impl = _choose_auto(key, candidates)
+        key = (weights[0].shape[0], hx.shape[-1], num_layers, bidirectional,
+               lengths is not None, memory, p > 0, need_saved)  # fmt: skip
+        # cuDNN has no state clip, and no backward outside training mode (it raises).
+        cudnn_ok = state_clip is None and (training or not grad_inputs)
+        impl = _auto_impl(x, mode, proj_size > 0, key, custom, cudnn if cudnn_ok else None,
+                          grad_inputs)  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
+
+
+def _auto_impl(x: Tensor, mode: str, proj: bool, key: tuple, custom: Callable,
+               cudnn: Callable | None, grad_inputs: list[Tensor]) -> str:  # fmt: skip
+    """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
+    fastest step of the fused custom op and cuDNN (None: not a candidate), timed once per
+    shape and ``key`` (the rest of the call's configuration)."""
+    if x.device.type != "cuda" or x.shape[1] == 0:
+        return "reference"
+    # A custom op comes first: it is the pick while torch.compile traces (no timing).
+    fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
+    candidates = {fused: _timed_step(custom(fused), grad_inputs)}
+    if cudnn is not None:
+        candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
+    return _choose_auto((mode, x.device, x.dtype, *x.shape, *key), candidates)
 
 
 def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, proj: bool):

@@ -246,17 +246,8 @@ def rnn_backward(
     Hr = hx.shape[-1]
     if mode != "lstm":
         grad_cn = None
-    # Unpack the saved list: per layer its directions' tensors, then its output (not the last).
-    k = _saved_per_layer(impl, mode, memory)
-    layer_saved, layer_outputs, pos = [], [], 0
-    for layer in range(num_layers):
-        for _ in range(num_dirs):
-            layer_saved.append(tuple(s.contiguous() for s in saved[pos : pos + k]))
-            pos += k
-        if layer < num_layers - 1:
-            layer_outputs.append(saved[pos])
-            pos += 1
-    layer_outputs.append(y)
+    per_layer = _saved_per_layer(impl, mode, memory)
+    layer_saved, layer_outputs = _split_saved(saved, per_layer, num_layers, num_dirs, y)
 
     grad_hx = [None] * (num_layers * num_dirs)
     grad_cx = [None] * (num_layers * num_dirs)
@@ -273,30 +264,20 @@ def rnn_backward(
         for direction in range(num_dirs):
             index = layer * num_dirs + direction
             w = _layer_weights(weights, index, has_biases, proj_size)
-            cols = slice(direction * Hr, (direction + 1) * Hr)
-            y_d = layer_outputs[layer][..., cols]
-            g_d = None if grad_out is None else grad_out[..., cols]
-            xin = layer_in
-            if direction == 1:
-                xin = reverse_within_lengths(xin, lengths)
-                y_d = reverse_within_lengths(y_d, lengths)
-                g_d = None if g_d is None else reverse_within_lengths(g_d, lengths)
-            wanted = need_w[index * n_w : (index + 1) * n_w]
-            w_needs = (wanted[0], wanted[1], *(wanted[2:4] if has_biases else (False, False)))
-            w_needs += (bool(proj_size) and wanted[-1],)
+            xin, y_d, g_d = _direction_view(
+                (layer_in, layer_outputs[layer], grad_out), direction, Hr, lengths
+            )
+            w_needs = _weight_needs(need_w[index * n_w : (index + 1) * n_w], has_biases, proj_size)
             grads = kernels.layer_backward(
                 mode, layer_saved[index], xin.contiguous(), hx[index].contiguous(),
-                None if cx is None else cx[index].contiguous(), *w, y_d.contiguous(),
-                None if g_d is None else g_d.contiguous(),
-                None if grad_hn is None else grad_hn[index].contiguous(),
-                None if grad_cn is None else grad_cn[index].contiguous(),
+                _row(cx, index), *w, y_d.contiguous(), _row(g_d, None),
+                _row(grad_hn, index), _row(grad_cn, index),
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
                 needs_input_grad=(below if layer > 0 else need_x, need_hx, need_cx, *w_needs),
             )  # fmt: skip
             gx, grad_hx[index], grad_cx[index] = grads[:3]
             present = [g for g, wt in zip(grads[3:], w) if wt is not None]
-            for k, g in enumerate(present):
-                grad_w[index * n_w + k] = g
+            grad_w[index * n_w : index * n_w + len(present)] = present
             if gx is not None:
                 gx = gx if direction == 0 else reverse_within_lengths(gx, lengths)
                 # Both are fresh tensors of this loop: sum in place, no third [T,B,I].
@@ -304,17 +285,68 @@ def rnn_backward(
         grad_out = grad_in
         if layer > 0 and grad_out is not None:
             grad_out = _dropout(kernels, grad_out, dropout, seed_value, layer)
+    return _backward_outputs(x, (grad_out, grad_hx, grad_cx, grad_w), needs_input_grad[:3])
 
-    def stacked(grads: list[Tensor | None]) -> Tensor:
-        return x.new_empty(0) if any(g is None for g in grads) else torch.stack(grads)
 
-    # Contiguous, as the fake kernel promises (Inductor asserts the strides it was told).
+def _backward_outputs(x: Tensor, grads: tuple, needs: Sequence[bool]) -> tuple:
+    """rnn_backward's return from (grad_x, per-index grad_hx, grad_cx, grad_w): contiguous,
+    as the fake kernel promises (Inductor asserts the strides it was told), and an empty
+    tensor for each gradient not needed or not computed."""
+    grad_x, grad_hx, grad_cx, grad_w = grads
+    need_x, need_hx, need_cx = needs
+
+    def stacked(per_index: list[Tensor | None]) -> Tensor:
+        return x.new_empty(0) if any(g is None for g in per_index) else torch.stack(per_index)
+
     return (
-        grad_out.contiguous() if need_x and grad_out is not None else x.new_empty(0),
+        grad_x.contiguous() if need_x and grad_x is not None else x.new_empty(0),
         stacked(grad_hx) if need_hx else x.new_empty(0),
         stacked(grad_cx) if need_cx else x.new_empty(0),
         [x.new_empty(0) if g is None else g.contiguous() for g in grad_w],
     )
+
+
+def _split_saved(saved: Sequence[Tensor], per_layer: int, num_layers: int, num_dirs: int,
+                 y: Tensor) -> tuple[list[tuple[Tensor, ...]], list[Tensor]]:  # fmt: skip
+    """The forward's saved list as (each layer-direction's saved tensors, each layer's
+    output): per layer its directions' tensors, then its output (the last layer's is y)."""
+    layer_saved, layer_outputs, pos = [], [], 0
+    for layer in range(num_layers):
+        for _ in range(num_dirs):
+            layer_saved.append(tuple(s.contiguous() for s in saved[pos : pos + per_layer]))
+            pos += per_layer
+        if layer < num_layers - 1:
+            layer_outputs.append(saved[pos])
+            pos += 1
+    layer_outputs.append(y)
+    return layer_saved, layer_outputs
+
+
+def _direction_view(
+    tensors: tuple[Tensor, Tensor, Tensor | None], direction: int, Hr: int, lengths: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(layer input, layer output, output gradient) as one direction sees them: its Hr
+    output columns, and time reversed within each length for the reverse direction."""
+    layer_in, layer_out, grad_out = tensors
+    cols = slice(direction * Hr, (direction + 1) * Hr)
+    views = (layer_in, layer_out[..., cols], None if grad_out is None else grad_out[..., cols])
+    if direction == 0:
+        return views
+    return tuple(None if t is None else reverse_within_lengths(t, lengths) for t in views)
+
+
+def _weight_needs(wanted: Sequence[bool], has_biases: bool, proj_size: int) -> tuple:
+    """needs_input_grad of (w_ih, w_hh, b_ih, b_hh, w_hr) from one layer-direction's slice
+    of the flat weight list (False for the weights it does not have)."""
+    biases = tuple(wanted[2:4]) if has_biases else (False, False)
+    return (wanted[0], wanted[1], *biases, bool(proj_size) and wanted[-1])
+
+
+def _row(t: Tensor | None, index: int | None) -> Tensor | None:
+    """``t[index]`` (``t`` itself for index None) contiguous, or None where t is None."""
+    if t is None:
+        return None
+    return (t if index is None else t[index]).contiguous()
 
 
 @rnn_backward.register_fake
