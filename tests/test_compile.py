@@ -466,7 +466,9 @@ def test_a_post_grad_pass_of_the_user_still_runs():
     _, inputs = build("mlp")
     model = build("mlp")[0]
     compiled = mirrorgrad.compile(model, options={"post_grad_custom_post_pass": Recorder()})
-    with no_fallback():
+    # A cache hit (an earlier test compiled the same graphs) would skip every pass.
+    no_caches = torch._inductor.config.patch(fx_graph_cache=False)
+    with no_fallback(), no_caches, _compat.without_autograd_cache():
         step(compiled, inputs)
     assert len(graphs) == 2  # forward and backward
     assert len(compiled._mirrorgrad_plans) == 1
