@@ -446,9 +446,11 @@ def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path
     def config(logdir, **kw):
         return TrainConfig.from_preset(
             "tiny", data=corpus, logdir=logdir, batch_size=8, bptt=10, log_freq=1,
-            mirror=MirrorOptions.from_cli("off"), max_steps=steps, **kw,
+            mirror=MirrorOptions.from_cli("off"), max_steps=steps, epochs=1000, **kw,
         )  # fmt: skip
 
+    # epochs=1000: max_steps decides where both runs stop, wherever the kill landed
+    # (a kill after the 10th of an epoch's 12 steps asked for 13 steps of 12).
     resumed = train(config(run, resume=run / "checkpoints"))
     whole = train(config(tmp_path / "whole"))
     assert resumed.steps == whole.steps == steps
