@@ -7,12 +7,14 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "mirrorgrad"
 # package -> the mirrorgrad packages/modules it may import (besides itself)
-# Bottom layer, importable from anywhere: _compat, _units (byte formatting), formulas
-# (what custom ops declare to the planner: ops register, graph reads).
-BOTTOM = {"_compat", "_units", "formulas"}
+# Bottom layer, importable from anywhere: _compat, _units (byte formatting), _timing (the
+# one step timer), formulas (what custom ops declare to the planner: ops register, graph
+# reads).
+BOTTOM = {"_compat", "_units", "_timing", "formulas"}
 ALLOWED = {
     "_compat": set(),
     "_units": set(),
+    "_timing": set(),
     "formulas": set(),
     "options": set(),
     "graph": BOTTOM,

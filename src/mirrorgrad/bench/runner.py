@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
+from mirrorgrad._timing import synchronize, time_calls
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.methods import Backend, Method, StepFn
 from mirrorgrad.bench.suites import get_method, get_workload
-from mirrorgrad.bench.timing import synchronize, time_calls
 from mirrorgrad.bench.workloads import Built, Workload
 
 MARKER = "@@mirrorgrad "

@@ -64,7 +64,7 @@ class _Position:
 class _Clock:
     """Wall-clock time of the run and of the current log window.
 
-    NOTE: not bench/timing.py: that times repeated calls of one function (CUDA events,
+    NOTE: not _timing.py: that times repeated calls of one function (CUDA events,
     quantiles); training throughput is wall time over the whole loop, Python and data
     included, evaluation excluded. (bench imports train, so train does not import bench.)
     Throughput counts from the end of the first step (that one compiles), evaluation

@@ -8,7 +8,6 @@ size.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from mirrorgrad import _compat
+from mirrorgrad._timing import time_calls
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, resolve_memory, triton_module
 
@@ -46,18 +46,10 @@ def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_
 _AUTO_CHOICE: dict[tuple, str] = {}
 
 
-def _time_ms(fn: Callable[[], None], repeats: int = 5) -> float:
-    fn()  # warm-up: compiles kernels, fills caches
-    times = []
-    for _ in range(repeats):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time_ms(fn: Callable[[], None]) -> float:
+    """Median ms of 5 forward+backward calls on the current GPU, after one warm-up call
+    (it compiles kernels and fills caches)."""
+    return time_calls(fn, repeats=5, warmup=1, device="cuda").median_ms
 
 
 def _choose_auto(

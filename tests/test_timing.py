@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from mirrorgrad.bench.timing import Timing, time_calls
+from mirrorgrad._timing import Timing, time_calls
 
 
 def test_quantiles_of_samples():
