@@ -32,7 +32,7 @@ def compile_for_training(
 
     ``cuda_graphs`` (default: on a GPU, without DDP) replays the whole forward and the
     whole backward as CUDA Graphs (Inductor's ``triton.cudagraphs``). NOTE: the medium LM
-    step is host-bound without them: 9.5 ms compiled, 4.1 ms with them on an H100
+    step is host-bound without them: 6.7 ms compiled, 4.2 ms with them on an H100
     (docs/BENCHMARKS.md). DDP's hooks run between the graphs, untested there: off.
     """
     if cuda_graphs is None:
