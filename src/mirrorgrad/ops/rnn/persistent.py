@@ -1,0 +1,705 @@
+"""Persistent RNN layer: one Triton launch runs all T steps of a layer and direction.
+
+The same per-layer contract as ``kernels.py`` (``reference.py``'s docstring), same
+saved layout, dropout and workspace, so the op can run ``impl="persistent"`` where it
+runs ``"triton"``. Per layer and direction:
+
+* forward: the input GEMM ``X @ W_ih^T + b`` over all steps (cuBLAS, as kernels.py),
+  then ONE launch of ``_fwd_kernel``: program p owns hidden units [p*BN, (p+1)*BN)
+  (all G gates of them), computes ``h_{t-1} @ W_hh[its rows]^T`` and the fused cell
+  update for every batch row, writes its slice of h_t, then waits at a grid-wide
+  barrier before step t+1 reads the whole h_t.
+* backward: chunks of steps as kernels.py; per chunk ONE launch of ``_bwd_kernel``:
+  program p owns the columns [p*BN, (p+1)*BN) of dh, computes ``dG_{t+1} @ W_hh[:, its
+  columns]`` and the gate gradients of its units, barrier per step; dW_ih, dW_hh, db
+  and dx are GEMMs over the stored dG after the launch (kernels.py's helpers).
+
+W_hh's slice per program is **resident** (loaded once before the time loop, kept in
+registers across steps) when it is at most RESIDENT_BYTES, else **streamed** from L2
+each step in BK-deep chunks. h_{t-1} and dG_{t+1} are read from global memory with
+``.cg`` loads (L2, never a stale L1 line). The barrier is a monotonic int32 counter:
+``atomic_add(+1, release)`` after the step's stores, then a spin on
+``atomic_add(0, acquire)`` until it reaches programs * steps done.
+
+A spin barrier needs every program resident at once: the grid is capped at the SM
+count (one program per SM), else the layer runs kernels.py (``plan`` returns None).
+Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
+program owning all units (same arithmetic, the barrier trivially met).
+Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
+empty batch, and hidden sizes whose grid would exceed the SMs at BN <= MAX_BN.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mirrorgrad.ops.rnn import kernels
+from mirrorgrad.ops.rnn.cells import GATES, MODES
+from mirrorgrad.ops.rnn.kernels import _sigmoid, _tanh, _tile
+
+# The contract's parts that are kernels.py's own: same saved tensors, same workspace,
+# same dropout masks (the same Philox kernel from the same seed and offset).
+saved_layout = kernels.saved_layout
+workspace_bytes = kernels.workspace_bytes
+supports = kernels.supports
+dropout = kernels.dropout
+
+# W_hh bytes per program kept in registers across steps; above it the slice streams
+# from L2 each step. NOTE: a guess until measured (docs/notes/rnn-persistent.md).
+RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 96 * 1024))
+# Hidden units per program (all gates of them); doubled until the grid fits the SMs.
+BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
+MAX_BN = 64
+NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
+_MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
+
+
+@triton.jit
+def _grid_barrier(count_ptr, target):
+    """Wait until ``target`` arrivals: every program's stores before are visible after."""
+    tl.debug_barrier()  # the whole program's stores are done before it arrives
+    tl.atomic_add(count_ptr, 1, sem="release")
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    tl.debug_barrier()  # no thread reads the next step before the acquire
+
+
+@triton.jit
+def _rows(ptr, rb, mb, stride, offset, k0, K: tl.constexpr, H: tl.constexpr):
+    """[BB, K] tile ``ptr[rb, offset + k0 + k]`` (k0 + k < H) from L2: other programs
+    wrote it during this launch, so an L1 line could be stale."""
+    rk = k0 + tl.arange(0, K)
+    return tl.load(
+        ptr + rb[:, None] * stride + offset + rk[None, :],
+        mask=mb[:, None] & (rk < H)[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+
+
+@triton.jit
+def _wtile(w_ptr, sk, sn, rn, mn, k0, K: tl.constexpr, H: tl.constexpr):
+    """[K, BN] tile ``w_ptr[(k0 + k) * sk + rn * sn]`` (k0 + k < H, zero elsewhere)."""
+    rk = k0 + tl.arange(0, K)
+    return tl.load(
+        w_ptr + rk[:, None] * sk + rn[None, :] * sn,
+        mask=(rk < H)[:, None] & mn[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _resident_dot(a_ptr, rb, mb, stride, offset, wa, wb, H: tl.constexpr, KA: tl.constexpr,
+                  KB: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """A[rb, offset : offset + H] @ W with W held as two K pieces (KA, then KB rows)."""
+    acc = tl.dot(_rows(a_ptr, rb, mb, stride, offset, 0, KA, H), wa, input_precision=PREC)
+    if KB > 0:
+        acc += tl.dot(_rows(a_ptr, rb, mb, stride, offset, KA, KB, H), wb, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(
+    pre_ptr,  # [T, B, G*H] input side (biases folded; gru: b_ih only)
+    stash_ptr,  # [T, B, P] stash out (lstm stash: pre_ptr itself; gru: 4H)
+    h_ptr,  # [2, B, H] ping-pong: h_{t-1} in h[t % 2], h_t out to h[(t+1) % 2]
+    w_ptr,  # W_hh [G*H, H]
+    bhh_ptr,  # gru: b_hh [3H]
+    cells_ptr,  # lstm: [T+1, B, H] fp32
+    y_ptr,  # [T, B, H]
+    len_ptr,  # [B] int64
+    count_ptr,  # int32 [1], zero: the barrier's counter
+    T,
+    B,
+    clip_lo,
+    clip_hi,
+    H: tl.constexpr,
+    MODE: tl.constexpr,  # 0 lstm, 1 gru, 2 rnn_tanh, 3 rnn_relu
+    G: tl.constexpr,
+    P: tl.constexpr,  # stash width per row
+    HAS_LENGTHS: tl.constexpr,
+    CLIP: tl.constexpr,
+    WRITE_STASH: tl.constexpr,
+    HAS_HB: tl.constexpr,
+    PREC: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    KA: tl.constexpr,
+    KB: tl.constexpr,
+    BK: tl.constexpr,
+):
+    programs = tl.num_programs(0)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's hidden units
+    mn = rn < H
+    GH: tl.constexpr = G * H
+    # W_hh^T blocks of this program's rows, one per gate: [K, BN] = W_hh[g*H + rn, k].
+    wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
+    if RESIDENT:
+        wa0 = _wtile(w_ptr, 1, H, rn, mn, 0, KA, H)
+        if KB > 0:
+            wb0 = _wtile(w_ptr, 1, H, rn, mn, KA, KB, H)
+        if G >= 3:
+            wa1 = _wtile(w_ptr + H * H, 1, H, rn, mn, 0, KA, H)
+            wa2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, 0, KA, H)
+            if KB > 0:
+                wb1 = _wtile(w_ptr + H * H, 1, H, rn, mn, KA, KB, H)
+                wb2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, KA, KB, H)
+        if G == 4:
+            wa3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, 0, KA, H)
+            if KB > 0:
+                wb3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, KA, KB, H)
+    t = tl.program_id(0) * 0  # a tensor from the start (the interpreter wants one)
+    while t < T:
+        t64 = t.to(tl.int64)
+        h_in = h_ptr + (t % 2) * B * H
+        h_out = h_ptr + ((t + 1) % 2) * B * H
+        b0 = 0
+        while b0 < B:
+            rb = (b0 + tl.arange(0, BB)).to(tl.int64)
+            mb = rb < B
+            acc0 = tl.zeros([BB, BN], dtype=tl.float32)
+            acc1 = tl.zeros([BB, BN], dtype=tl.float32)
+            acc2 = tl.zeros([BB, BN], dtype=tl.float32)
+            acc3 = tl.zeros([BB, BN], dtype=tl.float32)
+            if RESIDENT:
+                acc0 = _resident_dot(h_in, rb, mb, H, 0, wa0, wb0, H, KA, KB, PREC)
+                if G >= 3:
+                    acc1 = _resident_dot(h_in, rb, mb, H, 0, wa1, wb1, H, KA, KB, PREC)
+                    acc2 = _resident_dot(h_in, rb, mb, H, 0, wa2, wb2, H, KA, KB, PREC)
+                if G == 4:
+                    acc3 = _resident_dot(h_in, rb, mb, H, 0, wa3, wb3, H, KA, KB, PREC)
+            else:
+                for k0 in range(0, H, BK):
+                    hk = _rows(h_in, rb, mb, H, 0, k0, BK, H)
+                    acc0 += tl.dot(hk, _wtile(w_ptr, 1, H, rn, mn, k0, BK, H), input_precision=PREC)
+                    if G >= 3:
+                        w1 = _wtile(w_ptr + H * H, 1, H, rn, mn, k0, BK, H)
+                        w2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, k0, BK, H)
+                        acc1 += tl.dot(hk, w1, input_precision=PREC)
+                        acc2 += tl.dot(hk, w2, input_precision=PREC)
+                    if G == 4:
+                        w3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, k0, BK, H)
+                        acc3 += tl.dot(hk, w3, input_precision=PREC)
+            _fwd_cell(
+                pre_ptr + t64 * B * GH, stash_ptr + t64 * B * P, h_in, h_out, bhh_ptr,
+                cells_ptr + t64 * B * H, y_ptr + t64 * B * H, len_ptr,
+                acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
+                H, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
+            )  # fmt: skip
+            b0 += BB
+        t += 1
+        _grid_barrier(count_ptr, t * programs)
+
+
+@triton.jit
+def _fwd_cell(pre_ptr, stash_ptr, h_in, h_out, bhh_ptr, cell_ptr, y_ptr, len_ptr,
+              acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
+              H: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+              CLIP: tl.constexpr, WRITE_STASH: tl.constexpr, HAS_HB: tl.constexpr):  # fmt: skip
+    """Gates and state update of one [BB, BN] tile of step t (kernels.py's formulas)."""
+    mask = mb[:, None] & mn[None, :]
+    GH: tl.constexpr = G * H
+    valid = mask
+    if HAS_LENGTHS:
+        valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    idx = rb[:, None] * H + rn[None, :]
+    h_old = tl.load(h_in + idx, mask=mask, other=0.0, cache_modifier=".cg")
+    sty = stash_ptr.dtype.element_ty
+    if MODE == 0:
+        p_i = _tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
+        p_f = _tile(pre_ptr, rb, rn, mask, GH, H) + acc1
+        p_g = _tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
+        p_o = _tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
+        if WRITE_STASH:
+            srow = stash_ptr + rb[:, None] * GH + rn[None, :]
+            tl.store(srow, p_i.to(sty), mask=mask)
+            tl.store(srow + H, p_f.to(sty), mask=mask)
+            tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
+            tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
+        c_old = tl.load(cell_ptr + idx, mask=mask, other=0.0)
+        c = _sigmoid(p_f) * c_old + _sigmoid(p_i) * _tanh(p_g)
+        if CLIP:
+            c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
+        h = _sigmoid(p_o) * _tanh(c)
+        tl.store(cell_ptr + B * H + idx, tl.where(valid, c, c_old), mask=mask)
+    elif MODE == 1:
+        hr, hz, hn = acc0, acc1, acc2
+        if HAS_HB:
+            hr += tl.load(bhh_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+            hz += tl.load(bhh_ptr + H + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+            hn += tl.load(bhh_ptr + 2 * H + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+        r_pre = _tile(pre_ptr, rb, rn, mask, GH, 0) + hr
+        z_pre = _tile(pre_ptr, rb, rn, mask, GH, H) + hz
+        xn = _tile(pre_ptr, rb, rn, mask, GH, 2 * H)
+        r = _sigmoid(r_pre)
+        z = _sigmoid(z_pre)
+        n = _tanh(xn + r * hn)
+        h = (1.0 - z) * n + z * h_old.to(tl.float32)
+        if WRITE_STASH:
+            srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
+            tl.store(srow, r_pre.to(sty), mask=mask)
+            tl.store(srow + H, z_pre.to(sty), mask=mask)
+            tl.store(srow + 2 * H, xn.to(sty), mask=mask)
+            tl.store(srow + 3 * H, hn.to(sty), mask=mask)
+    elif MODE == 2:
+        h = _tanh(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
+    else:
+        h = tl.maximum(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
+    h = h.to(h_out.dtype.element_ty)
+    tl.store(h_out + idx, tl.where(valid, h, h_old), mask=mask)
+    tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
+
+
+@triton.jit
+def _bwd_kernel(
+    pre_ptr,  # [T, B, P] pre-activations (stash layout; rnn: unused)
+    cells_ptr,  # lstm: [T+1, B, H] fp32
+    h0_ptr,  # gru: [B, H] h_{-1}
+    y_ptr,  # gru, rnn: [T, B, H]
+    dy_ptr,  # [T, B, H]
+    dh_ptr,  # [B, H] in: grad of h_{T-1}; out: direct part of grad of h_{-1} (add dG_0 @ W_hh)
+    dc_ptr,  # lstm: [B, H] fp32 in: grad of c_{T-1}; out: grad of c_{-1}
+    dg_ptr,  # [T, B, G*H] out: grad of the input-side pre-activations
+    dgh_ptr,  # gru: [T, B, 3H] out: grad of the hidden-side pre-activations
+    w_ptr,  # W_hh [G*H, H]
+    len_ptr,  # [B] int64
+    count_ptr,  # int32 [1], zero
+    T,
+    B,
+    clip_lo,
+    clip_hi,
+    H: tl.constexpr,
+    MODE: tl.constexpr,
+    G: tl.constexpr,
+    P: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_DY: tl.constexpr,
+    CLIP: tl.constexpr,
+    PREC: tl.constexpr,
+    RESIDENT: tl.constexpr,
+    BB: tl.constexpr,
+    BN: tl.constexpr,
+    KA: tl.constexpr,
+    KB: tl.constexpr,
+    BK: tl.constexpr,
+):
+    programs = tl.num_programs(0)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
+    mn = rn < H
+    GH: tl.constexpr = G * H
+    # W_hh blocks of this program's columns, one per gate: [K, BN] = W_hh[g*H + k, rn].
+    wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
+    if RESIDENT:
+        wa0 = _wtile(w_ptr, H, 1, rn, mn, 0, KA, H)
+        if KB > 0:
+            wb0 = _wtile(w_ptr, H, 1, rn, mn, KA, KB, H)
+        if G >= 3:
+            wa1 = _wtile(w_ptr + H * H, H, 1, rn, mn, 0, KA, H)
+            wa2 = _wtile(w_ptr + 2 * H * H, H, 1, rn, mn, 0, KA, H)
+            if KB > 0:
+                wb1 = _wtile(w_ptr + H * H, H, 1, rn, mn, KA, KB, H)
+                wb2 = _wtile(w_ptr + 2 * H * H, H, 1, rn, mn, KA, KB, H)
+        if G == 4:
+            wa3 = _wtile(w_ptr + 3 * H * H, H, 1, rn, mn, 0, KA, H)
+            if KB > 0:
+                wb3 = _wtile(w_ptr + 3 * H * H, H, 1, rn, mn, KA, KB, H)
+    dgw_ptr = dgh_ptr if MODE == 1 else dg_ptr  # what flows back through W_hh
+    s = tl.program_id(0) * 0
+    while s < T:
+        t = T - 1 - s
+        t64 = t.to(tl.int64)
+        nxt = dgw_ptr + (t64 + 1) * B * GH  # dG_{t+1}: written by every program last step
+        b0 = 0
+        while b0 < B:
+            rb = (b0 + tl.arange(0, BB)).to(tl.int64)
+            mb = rb < B
+            acc = tl.zeros([BB, BN], dtype=tl.float32)
+            if s > 0:
+                if RESIDENT:
+                    acc += _resident_dot(nxt, rb, mb, GH, 0, wa0, wb0, H, KA, KB, PREC)
+                    if G >= 3:
+                        acc += _resident_dot(nxt, rb, mb, GH, H, wa1, wb1, H, KA, KB, PREC)
+                        acc += _resident_dot(nxt, rb, mb, GH, 2 * H, wa2, wb2, H, KA, KB, PREC)
+                    if G == 4:
+                        acc += _resident_dot(nxt, rb, mb, GH, 3 * H, wa3, wb3, H, KA, KB, PREC)
+                else:
+                    for g in tl.static_range(G):
+                        for k0 in range(0, H, BK):
+                            a = _rows(nxt, rb, mb, GH, g * H, k0, BK, H)
+                            w = _wtile(w_ptr + g * H * H, H, 1, rn, mn, k0, BK, H)
+                            acc += tl.dot(a, w, input_precision=PREC)
+            _bwd_cell(
+                pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
+                dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * GH,
+                dgh_ptr + t64 * B * GH, len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
+                H, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
+            )  # fmt: skip
+            b0 += BB
+        s += 1
+        _grid_barrier(count_ptr, s * programs)
+
+
+@triton.jit
+def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, dgh_ptr,
+              len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi, H: tl.constexpr,
+              MODE: tl.constexpr, G: tl.constexpr, P: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+              HAS_DY: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+    """Gate gradients of one [BB, BN] tile of step t and the state gradients carried to
+    step t-1 (kernels.py's formulas; dh holds the direct part, acc the part via W_hh)."""
+    mask = mb[:, None] & mn[None, :]
+    GH: tl.constexpr = G * H
+    valid = mask
+    if HAS_LENGTHS:
+        valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    idx = rb[:, None] * H + rn[None, :]
+    dh_in = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32) + acc
+    dh = dh_in
+    if HAS_DY:
+        dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    gty = dg_ptr.dtype.element_ty
+    drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+    if MODE == 0:
+        i = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 0))
+        f = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, H))
+        g = _tanh(_tile(pre_ptr, rb, rn, mask, P, 2 * H))
+        o = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 3 * H))
+        c_old = tl.load(cell_ptr + idx, mask=mask, other=0.0)
+        c = tl.load(cell_ptr + B * H + idx, mask=mask, other=0.0)
+        dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
+        tc = _tanh(c)
+        dc = dc_in + dh * o * (1.0 - tc * tc)
+        if CLIP:
+            c_pre = f * c_old + i * g
+            dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
+        tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
+        tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
+        tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
+        tl.store(drow + 3 * H, tl.where(valid, dh * tc * o * (1.0 - o), 0.0).to(gty), mask=mask)
+        tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
+        dh_direct = tl.zeros_like(dh)
+    elif MODE == 1:
+        r = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 0))
+        z = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, H))
+        xn = _tile(pre_ptr, rb, rn, mask, P, 2 * H)
+        hn = _tile(pre_ptr, rb, rn, mask, P, 3 * H)
+        n = _tanh(xn + r * hn)
+        # h_{t-1}: h0 at the first step, else y_{t-1} (equal wherever step t is valid).
+        h_first = tl.load(h0_ptr + idx, mask=mask & (t == 0), other=0.0).to(tl.float32)
+        h_before = tl.load(y_ptr - B * H + idx, mask=mask & (t > 0), other=0.0).to(tl.float32)
+        h_old = h_first + h_before
+        dn = dh * (1.0 - z) * (1.0 - n * n)
+        dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
+        dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
+        hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
+        tl.store(drow, dr, mask=mask)
+        tl.store(drow + H, dz, mask=mask)
+        tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
+        tl.store(hrow, dr, mask=mask)
+        tl.store(hrow + H, dz, mask=mask)
+        tl.store(hrow + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
+        dh_direct = dh * z
+    else:
+        # The activation's derivative comes from its output: nothing stashed.
+        h = tl.load(y_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
+        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
+        dh_direct = tl.zeros_like(dh)
+    # Rows past their length pass the state gradient through unchanged.
+    tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- host side ---------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Plan:
+    """How one layer's launch is laid out."""
+
+    programs: int  # the grid: one program per SM at most
+    bn: int  # hidden units per program (all G gates of them)
+    bb: int  # batch rows per tile (the program loops over tiles)
+    ka: int  # resident W: K split into two power-of-two pieces ka + kb >= H
+    kb: int
+    bk: int  # streamed W: K chunk per load
+    resident: bool  # W_hh slice kept in registers across steps (else streamed from L2)
+    num_warps: int
+
+    def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
+        """W_hh bytes one program holds when resident."""
+        return GATES[mode] * self.bn * (self.ka + self.kb) * dtype.itemsize
+
+
+def _k_pieces(H: int) -> tuple[int, int]:
+    """(ka, kb): powers of two (>= 16, kb may be 0) with ka + kb >= H and little padding."""
+    ka = max(16, 1 << (H.bit_length() - 1))
+    rest = H - ka
+    return ka, (0 if rest <= 0 else max(16, triton.next_power_of_2(rest)))
+
+
+@functools.cache
+def _programs_at_once(device: torch.device) -> int:
+    """Programs that are surely resident together: one per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) -> Plan | None:
+    """The launch layout of a layer, or None where the persistent kernel does not run it
+    (kernels.py does): an empty batch, or a grid beyond the SMs even at BN = MAX_BN."""
+    if B == 0 or mode not in MODES:
+        return None
+    ka, kb = _k_pieces(H)
+    if kernels._interpreting():  # programs run in turn: one program owns every unit
+        bn = max(16, triton.next_power_of_2(H))
+        return Plan(programs=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True, num_warps=4)
+    if device.type != "cuda":
+        return None
+    bn = BLOCK_N
+    while triton.cdiv(H, bn) > _programs_at_once(device):
+        bn *= 2
+    if bn > MAX_BN:
+        return None
+    layout = Plan(programs=triton.cdiv(H, bn), bn=bn, bb=16, ka=ka, kb=kb, bk=64,
+                  resident=False, num_warps=NUM_WARPS)  # fmt: skip
+    return replace(layout, resident=layout.w_bytes(mode, dtype) <= RESIDENT_BYTES)
+
+
+def supports_persistent(
+    mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str, hidden: int,
+    batch: int,
+) -> bool:  # fmt: skip
+    """Whether ``layer_forward`` / ``layer_backward`` run the persistent kernel for this
+    layer (else they run kernels.py): the cases ``supports`` takes, a non-empty batch,
+    and a hidden size whose grid fits the SMs (at most MAX_BN units per program: on an
+    H100's 132 SMs, H <= 8448)."""
+    device = torch.device(device)
+    return supports(mode, proj=proj, dtype=dtype, device=device) and (
+        plan(mode, batch, hidden, dtype, device) is not None
+    )
+
+
+# Compiled kernels by (kind, plan, mode, dtype): registers, spills, shared memory (bench).
+COMPILED: dict[tuple, dict[str, int]] = {}
+# Plans whose resident variant failed to compile (out of resources): streamed instead.
+_STREAMED: set[tuple] = set()
+
+
+def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: tuple,
+            constants: dict) -> None:  # fmt: skip
+    """Launch ``kernel`` on ``layout``'s grid; a resident variant that does not fit the
+    SM's resources is retried streamed (remembered per shape)."""
+    key = (kind, config.mode, config.H, config.dtype, layout)
+    if layout.resident and key in _STREAMED:
+        layout = replace(layout, resident=False)
+    count = torch.zeros(1, dtype=torch.int32, device=config.device)
+    try:
+        compiled = kernel[(layout.programs,)](
+            *args, count, *_runtime(config), **constants, **_tile_constants(config, layout)
+        )
+    except triton.runtime.errors.OutOfResources:
+        if not layout.resident:
+            raise
+        _STREAMED.add(key)
+        return _launch(kind, kernel, config, replace(layout, resident=False), args, constants)
+    if compiled is not None and hasattr(compiled, "n_regs"):
+        COMPILED[(kind, config.mode, config.dtype, layout)] = {
+            "n_regs": compiled.n_regs,
+            "n_spills": compiled.n_spills,
+            "shared": compiled.metadata.shared,
+        }
+
+
+def _runtime(config: kernels.LoopConfig) -> tuple:
+    lo, hi = kernels._clip_args(config)
+    return (config.T, config.B, lo, hi)
+
+
+def _tile_constants(config: kernels.LoopConfig, layout: Plan) -> dict:
+    return dict(
+        H=config.H,
+        MODE=_MODE_ID[config.mode],
+        G=GATES[config.mode],
+        P=config.stash_width,
+        HAS_LENGTHS=config.has_lengths,
+        CLIP=config.clip is not None,
+        PREC=config.precision,
+        RESIDENT=layout.resident,
+        BB=layout.bb,
+        BN=layout.bn,
+        KA=layout.ka,
+        KB=layout.kb,
+        BK=layout.bk,
+        num_warps=layout.num_warps,
+    )
+
+
+def _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> kernels.LoopConfig:
+    return kernels._loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, False)
+
+
+def _plan_of(config: kernels.LoopConfig, layout: Plan | None) -> Plan | None:
+    return layout or plan(config.mode, config.B, config.H, config.dtype, config.device)
+
+
+@torch.no_grad()
+def layer_forward(
+    mode: str,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    *,
+    lengths: Tensor | None = None,
+    memory: str = "stash",
+    state_clip: tuple[float, float] | None = None,
+    layout: Plan | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+    """One layer, one direction: ``(y [T,B,H], h_n, c_n, saved)`` (kernels.py's
+    contract); ``layout`` overrides ``plan``'s (tests, benchmarks)."""
+    kernels._check(mode, x, w_hr, memory, state_clip)
+    config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    layout = _plan_of(config, layout)
+    if layout is None:
+        return kernels.layer_forward(
+            mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr,
+            lengths=lengths, memory=memory, state_clip=state_clip,
+        )  # fmt: skip
+    T, B = config.T, config.B
+    lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
+    buf = kernels._fwd_buffers(config, w_hh, b_hh, lengths)
+    x2d = x.reshape(T * B, x.shape[2])
+    kernels._input_gemm(x2d, w_ih, kernels._input_bias(mode, b_ih, b_hh), buf.pre.view(T * B, -1))
+    buf.h[0].copy_(h0)
+    if buf.cells is not None:
+        buf.cells[0].copy_(c0)
+    lstm_stash = mode == "lstm" and memory == "stash"
+    stash = buf.pre if lstm_stash else buf.stash
+    dummy = buf.y
+    args = (
+        buf.pre, stash if stash is not None else dummy, buf.h, w_hh,
+        b_hh if b_hh is not None and mode == "gru" else dummy,
+        buf.cells if buf.cells is not None else dummy, buf.y,
+        lengths if lengths is not None else dummy,
+    )  # fmt: skip
+    constants = dict(WRITE_STASH=stash is not None, HAS_HB=b_hh is not None and mode == "gru")
+    _launch("fwd", _fwd_kernel, config, layout, args, constants)
+    c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
+    return buf.y, buf.h[T % 2], c_n, kernels._saved(config, buf)
+
+
+def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
+    """One chunk's reverse loop, then the last step's ``dh += dG_0 @ W_hh``."""
+    dummy = buf.dh
+    args = (
+        buf.pre if buf.pre is not None else dummy,
+        buf.cells if buf.cells is not None else dummy,
+        buf.h0 if buf.h0 is not None else dummy,
+        buf.y if buf.y is not None else dummy,
+        buf.dy if buf.dy is not None else dummy,
+        buf.dh,
+        buf.dc if buf.dc is not None else dummy,
+        buf.dg,
+        buf.dgh if buf.dgh is not None else dummy,
+        buf.w_hh,
+        buf.lengths if buf.lengths is not None else dummy,
+    )
+    _launch("bwd", _bwd_kernel, config, layout, args, dict(HAS_DY=buf.dy is not None))
+    buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
+
+
+@torch.no_grad()
+def layer_backward(
+    mode: str,
+    saved: tuple[Tensor, ...],
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_ih: Tensor,
+    w_hh: Tensor,
+    b_ih: Tensor | None,
+    b_hh: Tensor | None,
+    w_hr: Tensor | None,
+    y: Tensor,
+    grad_y: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    *,
+    lengths: Tensor | None = None,
+    memory: str = "stash",
+    state_clip: tuple[float, float] | None = None,
+    needs_input_grad: tuple[bool, ...] = (True,) * 8,
+    layout: Plan | None = None,
+) -> tuple[Tensor | None, ...]:
+    """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (kernels.py's contract and
+    chunks of steps: one persistent launch per chunk, the weight gradients as GEMMs over
+    its stored gate gradients)."""
+    kernels._check(mode, x, w_hr, memory, state_clip)
+    config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    layout = _plan_of(config, layout)
+    if layout is None:
+        return kernels.layer_backward(
+            mode, saved, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, grad_y, grad_hn, grad_cn,
+            lengths=lengths, memory=memory, state_clip=state_clip,
+            needs_input_grad=needs_input_grad,
+        )  # fmt: skip
+    need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
+    need_c0 = need_c0 and c0 is not None
+    need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
+    if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
+        return (None,) * 8
+    T, B, gh = config.T, config.B, config.gh
+    lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
+    x2d = x.reshape(T * B, x.shape[2])
+    y = y.contiguous()
+    dy = grad_y.contiguous() if grad_y is not None else None
+    cells = saved[-1] if mode == "lstm" else None
+    grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
+    grad_wih = grad_whh = grad_bih = grad_bhh = None
+    dh = kernels._owned_state(config, grad_hn, config.dtype)
+    dc = kernels._owned_state(config, grad_cn, torch.float32) if mode == "lstm" else None
+    steps = kernels._chunk_steps(T, B)
+    for t1 in range(T, 0, -steps):
+        t0 = max(0, t1 - steps)
+        n, rows = t1 - t0, slice(t0 * B, t1 * B)
+        chunk = kernels._with_steps(config, n)
+        h_first = h0 if t0 == 0 else y[t0 - 1]
+        pre = saved[0][t0:t1] if memory == "stash" and not mode.startswith("rnn") else None
+        if memory == "recompute" and not mode.startswith("rnn"):
+            # Before the gate gradients exist: a lower peak (kernels.py's order).
+            pre = chunk.empty(n, B, chunk.stash_width)
+            kernels._recompute_pre(chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh,
+                                   out=pre)  # fmt: skip
+        buf = kernels._bwd_buffers(
+            chunk, pre=pre, cells=cells[t0 : t1 + 1] if cells is not None else None,
+            h0=h_first if mode == "gru" else None, y=y[t0:t1] if mode != "lstm" else None,
+            dy=dy[t0:t1] if dy is not None else None, w_hh=w_hh,
+            lengths=lengths - t0 if lengths is not None else None, dh=dh, dc=dc,
+        )  # fmt: skip
+        _bwd_launch(chunk, layout, buf)
+        dg = buf.dg.view(n * B, gh)
+        dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
+        if need_x:
+            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
+        if need_wih:
+            grad_wih = kernels._add_mm(grad_wih, dg.t(), x2d[rows])
+        if need_bih:
+            grad_bih = kernels._add_sum(grad_bih, dg)
+        if need_bhh:
+            grad_bhh = kernels._add_sum(grad_bhh, dgh)
+        if need_whh:
+            grad_whh = kernels._whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
+    grad_h0 = dh if need_h0 else None
+    grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
+    return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
