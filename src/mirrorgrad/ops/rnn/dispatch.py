@@ -19,7 +19,7 @@ from mirrorgrad._timing import time_calls
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, resolve_memory, triton_module
 
-IMPLS = ("auto", "triton", "reference", "cudnn")
+IMPLS = ("auto", "triton", "reference", "cudnn", "persistent")
 MEMORY = ("auto", *MEMORY_MODES)
 
 

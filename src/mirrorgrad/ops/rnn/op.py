@@ -37,6 +37,10 @@ def _kernels(impl: str) -> ModuleType:
     """The per-layer implementation the op's ``impl`` argument names."""
     if impl == "reference":
         return reference
+    if impl == "persistent":
+        from mirrorgrad.ops.rnn import persistent  # Triton: imported where it runs
+
+        return persistent
     module = triton_module()
     if module is None:
         raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.kernels")

@@ -1,0 +1,320 @@
+"""Persistent RNN kernels (ops/rnn/persistent.py) against float64: interpreted on CPU at
+small shapes (one program), natively on the GPU (many programs, a real grid barrier)."""
+
+import pytest
+import torch
+
+import mirrorgrad.nn
+from mirrorgrad.ops.rnn import kernels, persistent
+from mirrorgrad.ops.rnn.cells import GATES
+
+from .test_rnn_kernels import _oracle
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+NAMES = ("x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh")
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture
+def no_tf32():
+    """Full fp32 GEMMs on both sides of a comparison (cuBLAS and tl.dot)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _inputs(mode, T, B, n_in, H, *, bias=True, dtype=torch.float32, scale=None):
+    g = GATES[mode]
+    s = scale if scale is not None else min(0.6, 1.5 / H**0.5)
+    tensors = {
+        "x": torch.randn(T, B, n_in),
+        "h0": torch.randn(B, H) * 0.5,
+        "c0": torch.randn(B, H) if mode == "lstm" else None,
+        "w_ih": torch.randn(g * H, n_in) * s,
+        "w_hh": torch.randn(g * H, H) * s,
+        "b_ih": torch.randn(g * H) * s if bias else None,
+        "b_hh": torch.randn(g * H) * s if bias else None,
+    }
+    return {k: (v.to(DEVICE, dtype) if v is not None else None) for k, v in tensors.items()}
+
+
+def _reference(mode, inp, lengths, clip, seed_grads=True):
+    """float64 outputs, output gradients and input gradients of the oracle loop."""
+    ref_in = {k: (v.double().requires_grad_() if v is not None else None) for k, v in inp.items()}
+    y, hn, cn = _oracle(mode, *ref_in.values(), lengths, clip)
+    gy = torch.randn_like(y) if seed_grads else None
+    ghn, gcn = torch.randn_like(hn), (torch.randn_like(cn) if cn is not None else None)
+    loss = (hn * ghn).sum() + ((y * gy).sum() if gy is not None else 0)
+    loss = loss + ((cn * gcn).sum() if gcn is not None else 0)
+    present = [k for k, v in ref_in.items() if v is not None]
+    grads = torch.autograd.grad(loss, [ref_in[k] for k in present])
+    return (y, hn, cn), (gy, ghn, gcn), dict(zip(present, grads))
+
+
+def _close(actual, expected, tol, what):
+    """Max error relative to the reference's largest magnitude (bf16/TF32 friendly)."""
+    err = (actual.double() - expected).abs().max().item()
+    scale = max(expected.abs().max().item(), 1e-3)
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} x {scale:.3g}"
+
+
+def _check(mode, *, memory="stash", T=4, B=3, n_in=5, H=6, lengths=None, clip=None, bias=True,
+           layout=None, dtype=torch.float32, tol=1e-5, grad_y=True):  # fmt: skip
+    inp = _inputs(mode, T, B, n_in, H, bias=bias, dtype=dtype)
+    if lengths is not None:
+        lengths = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    (y_ref, hn_ref, cn_ref), (gy, ghn, gcn), ref_grads = _reference(
+        mode, inp, lengths, clip, grad_y
+    )
+    y, hn, cn, saved = persistent.layer_forward(
+        mode, *inp.values(), None, lengths=lengths, memory=memory, state_clip=clip, layout=layout
+    )
+    assert [(tuple(s.shape), s.dtype) for s in saved] == persistent.saved_layout(
+        mode, memory, T, B, H, dtype
+    )
+    _close(y, y_ref, tol, "y")
+    _close(hn, hn_ref, tol, "h_n")
+    if mode == "lstm":
+        _close(cn, cn_ref, tol, "c_n")
+    cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
+    grads = persistent.layer_backward(
+        mode, saved, *inp.values(), None, y, cast(gy), cast(ghn), cast(gcn),
+        lengths=lengths, memory=memory, state_clip=clip, layout=layout,
+    )  # fmt: skip
+    assert grads[7] is None
+    for name, grad in zip(NAMES, grads[:7]):
+        if name not in ref_grads:
+            assert grad is None, name
+        else:
+            _close(grad, ref_grads[name], 10 * tol, f"grad {name}")
+
+
+def _streamed(mode, B, H, dtype=torch.float32, bk=16):
+    layout = persistent.plan(mode, B, H, dtype, torch.device(DEVICE))
+    return persistent.replace(layout, resident=False, bk=bk)
+
+
+# ---- CPU (interpreter) and GPU alike: small shapes --------------------------------
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_layer_matches_float64(mode, memory):
+    _check(mode, memory=memory, lengths=None)
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_unsorted_lengths(mode, memory):
+    _check(mode, memory=memory, lengths=[2, 4, 1])
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_streamed_weights_and_hidden_not_a_multiple_of_16(mode):
+    # H=20: resident W in two K pieces (16 + 16); streamed in chunks of 16 with a tail.
+    _check(mode, H=20, lengths=[3, 1, 4])
+    _check(mode, H=20, layout=_streamed(mode, 3, 20), lengths=[3, 1, 4])
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_batch_one_and_one_step(mode):
+    _check(mode, T=1, B=1)
+    _check(mode, memory="recompute", T=1, B=1, grad_y=False)
+
+
+def test_batch_in_several_tiles():
+    # 20 rows: two batch tiles of 16 per program, lengths ending in both.
+    _check("lstm", T=3, B=20, lengths=[3, 1, 2, 3] * 5)
+    _check("gru", T=3, B=20, memory="recompute")
+
+
+def test_lstm_state_clip_and_no_bias():
+    _check("lstm", clip=(-0.3, 0.4), lengths=[4, 3, 2])
+    _check("lstm", bias=False, grad_y=False)
+    _check("gru", bias=False, grad_y=False)
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_backward_in_chunks(mode, monkeypatch):
+    # Chunks of 2, 2 and 1 steps: one launch each, state gradients carried between them.
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
+    _check(mode, T=5, lengths=[5, 2, 3], memory="recompute")
+
+
+def test_empty_batch_runs_kernels_py():
+    assert persistent.plan("lstm", 0, 6, torch.float32, torch.device(DEVICE)) is None
+    inp = _inputs("lstm", 2, 0, 5, 6)
+    y, hn, cn, _ = persistent.layer_forward("lstm", *inp.values(), None)
+    assert y.shape == (2, 0, 6) and hn.shape == (0, 6) and cn.shape == (0, 6)
+
+
+def test_plan_caps_the_grid_at_the_sm_count(monkeypatch):
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(persistent, "_programs_at_once", lambda device: 132)
+    cuda = torch.device("cuda")
+    small = persistent.plan("lstm", 20, 650, torch.float32, cuda)
+    assert (small.programs, small.bn, small.ka, small.kb) == (41, 16, 512, 256)
+    assert small.resident == (small.w_bytes("lstm", torch.float32) <= persistent.RESIDENT_BYTES)
+    wide = persistent.plan("lstm", 4, 8448, torch.bfloat16, cuda)
+    assert (wide.programs, wide.bn, wide.resident) == (132, 64, False)
+    assert persistent.plan("lstm", 4, 8449, torch.bfloat16, cuda) is None
+    assert not persistent.supports_persistent(
+        "lstm", proj=False, dtype=torch.float32, device="cuda", hidden=9000, batch=4
+    )
+    assert not persistent.supports_persistent(
+        "lstm", proj=True, dtype=torch.float32, device="cuda", hidden=64, batch=4
+    )
+
+
+def _module_pair(mode, impl_a, impl_b, dropout):
+    cls = {"lstm": mirrorgrad.nn.LSTM, "gru": mirrorgrad.nn.GRU}[mode]
+    a = cls(5, 6, 2, dropout=dropout, impl=impl_a).to(DEVICE)
+    b = cls(5, 6, 2, dropout=dropout, impl=impl_b).to(DEVICE)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _run(module, x, seed):
+    torch.manual_seed(seed)
+    x = x.detach().requires_grad_()
+    y, _ = module(x)
+    y.square().sum().backward()
+    return y.detach(), x.grad, [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_module_with_dropout_equals_kernels_py(mode):
+    # Same seed, same Philox masks between layers: the same numbers as impl="triton".
+    a, b = _module_pair(mode, "persistent", "triton", dropout=0.4)
+    x = torch.randn(4, 3, 5, device=DEVICE)
+    ya, gxa, gwa = _run(a, x, seed=7)
+    yb, gxb, gwb = _run(b, x, seed=7)
+    torch.testing.assert_close(ya, yb, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gxa, gxb, atol=1e-5, rtol=1e-5)
+    for ga, gb in zip(gwa, gwb):
+        torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
+
+
+def test_module_bidirectional_packed_matches_torch_in_float64():
+    torch.manual_seed(0)
+    ours = mirrorgrad.nn.LSTM(5, 6, 2, bidirectional=True, impl="persistent").to(DEVICE)
+    ref = torch.nn.LSTM(5, 6, 2, bidirectional=True).to(DEVICE).double()
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()})
+    x = torch.randn(4, 3, 5, device=DEVICE)
+    lengths = torch.tensor([4, 2, 3])
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+    packed64 = torch.nn.utils.rnn.pack_padded_sequence(x.double(), lengths, enforce_sorted=False)
+    y, _ = ours(packed)
+    y_ref, _ = ref(packed64)
+    _close(y.data, y_ref.data, 1e-5, "y")
+    y.data.square().sum().backward()
+    y_ref.data.square().sum().backward()
+    for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
+        _close(p.grad, p_ref.grad, 1e-4, name)
+
+
+# ---- GPU: many programs and a real barrier -----------------------------------------
+
+GPU_SHAPES = [  # (T, B, I, H): one program-slice, a partial slice, several batch tiles
+    (7, 1, 24, 16),
+    (9, 5, 40, 100),
+    (5, 33, 64, 650),
+    (3, 4, 128, 1024),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}-B{}-I{}-H{}".format(*s))
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"]
+)
+def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tol, no_tf32):
+    T, B, n_in, H = shape
+    layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
+    layout = persistent.replace(layout, resident=resident)
+    lengths = [T - (b % T) for b in range(B)]
+    _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
+           memory="recompute" if mode == "lstm" else "stash")  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_op_captured_in_a_cuda_graph_replays():
+    torch.manual_seed(0)
+    model = mirrorgrad.nn.LSTM(64, 128, 2, impl="persistent").cuda()
+    static_x = torch.randn(6, 4, 64, device="cuda", requires_grad=True)
+
+    def step():
+        y, _ = model(static_x)
+        y.square().sum().backward()
+        return y
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up: compile the kernels outside the capture
+            model.zero_grad(set_to_none=False)
+            static_x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    model.zero_grad(set_to_none=False)
+    static_x.grad = torch.zeros_like(static_x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+    fresh = torch.randn_like(static_x)
+    static_x.data.copy_(fresh)
+    for p in model.parameters():
+        p.grad.zero_()
+    static_x.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = mirrorgrad.nn.LSTM(64, 128, 2, impl="triton").cuda()
+    eager.load_state_dict(model.state_dict())
+    x = fresh.clone().requires_grad_()
+    y, _ = eager(x)
+    y.square().sum().backward()
+    torch.testing.assert_close(static_y, y, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(static_x.grad, x.grad, atol=2e-3, rtol=2e-3)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=5e-3, rtol=5e-3)
+
+
+ISSUE_16 = [  # (layers, input, hidden, batch, T, bidirectional)
+    (2, 650, 650, 20, 35, False),
+    (2, 1500, 1500, 20, 35, False),
+    (2, 1024, 1024, 64, 50, False),
+    (4, 1024, 1024, 128, 50, False),
+    (1, 512, 512, 16, 100, False),
+    (2, 512, 512, 256, 35, False),
+    (2, 1024, 1024, 64, 50, True),
+    (1, 2048, 2048, 4, 100, False),
+    (2, 1152, 1152, 4, 100, False),
+    (2, 1024, 1024, 1, 100, False),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize("cfg", ISSUE_16, ids=lambda c: "L{}-I{}-H{}-B{}-T{}{}".format(*c))
+def test_gpu_issue16_configs_match_kernels_py(cfg, mode, no_tf32):
+    layers, n_in, hidden, batch, T, bi = cfg
+    cls = {"lstm": mirrorgrad.nn.LSTM, "gru": mirrorgrad.nn.GRU}[mode]
+    torch.manual_seed(0)
+    ours = cls(n_in, hidden, layers, bidirectional=bi, impl="persistent").cuda()
+    ref = cls(n_in, hidden, layers, bidirectional=bi, impl="triton").cuda()
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(T, batch, n_in, device="cuda")
+    y, gx, gw = _run(ours, x, 0)
+    y_ref, gx_ref, gw_ref = _run(ref, x, 0)
+    # Same fp32 arithmetic but for summation order: tight bounds.
+    _close(y, y_ref.double(), 1e-4, "y")
+    _close(gx, gx_ref.double(), 1e-3, "grad x")
+    for (name, _), g, g_ref in zip(ours.named_parameters(), gw, gw_ref):
+        _close(g, g_ref.double(), 1e-3, name)
