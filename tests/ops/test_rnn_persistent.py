@@ -119,6 +119,12 @@ def test_streamed_weights_and_hidden_not_a_multiple_of_16(mode):
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_barrier_polling_with_atomics(mode):
+    layout = persistent.plan(mode, 3, 6, torch.float32, torch.device(DEVICE))
+    _check(mode, lengths=[2, 4, 1], layout=persistent.replace(layout, spin_load=False))
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_batch_one_and_one_step(mode):
     _check(mode, T=1, B=1)
     _check(mode, memory="recompute", T=1, B=1, grad_y=False)

@@ -58,17 +58,27 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
 NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
+SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 
 
 @triton.jit
-def _grid_barrier(count_ptr, target):
-    """Wait until ``target`` arrivals: every program's stores before are visible after."""
+def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
+    """Wait until ``target`` arrivals: every program's stores before are visible after.
+
+    SPIN_LOAD: poll with volatile loads and acquire once at the end (fewer atomics on
+    the counter's L2 line), else poll with acquiring atomics."""
     tl.debug_barrier()  # the whole program's stores are done before it arrives
     tl.atomic_add(count_ptr, 1, sem="release")
-    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-    while seen < target:
+    if SPIN_LOAD:
+        seen = tl.load(count_ptr, volatile=True)
+        while seen < target:
+            seen = tl.load(count_ptr, volatile=True)
+        tl.atomic_add(count_ptr, 0, sem="acquire")
+    else:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
     tl.debug_barrier()  # no thread reads the next step before the acquire
 
 
@@ -136,6 +146,7 @@ def _fwd_kernel(
     KA: tl.constexpr,
     KB: tl.constexpr,
     BK: tl.constexpr,
+    SPIN_LOAD: tl.constexpr,
 ):
     programs = tl.num_programs(0)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's hidden units
@@ -197,7 +208,7 @@ def _fwd_kernel(
             )  # fmt: skip
             b0 += BB
         t += 1
-        _grid_barrier(count_ptr, t * programs)
+        grid_barrier(count_ptr, t * programs, SPIN_LOAD)
 
 
 @triton.jit
@@ -291,6 +302,7 @@ def _bwd_kernel(
     KA: tl.constexpr,
     KB: tl.constexpr,
     BK: tl.constexpr,
+    SPIN_LOAD: tl.constexpr,
 ):
     programs = tl.num_programs(0)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
@@ -345,7 +357,7 @@ def _bwd_kernel(
             )  # fmt: skip
             b0 += BB
         s += 1
-        _grid_barrier(count_ptr, s * programs)
+        grid_barrier(count_ptr, s * programs, SPIN_LOAD)
 
 
 @triton.jit
@@ -432,6 +444,7 @@ class Plan:
     bk: int  # streamed W: K chunk per load
     resident: bool  # W_hh slice kept in registers across steps (else streamed from L2)
     num_warps: int
+    spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
 
     def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
         """W_hh bytes one program holds when resident."""
@@ -537,6 +550,7 @@ def _tile_constants(config: kernels.LoopConfig, layout: Plan) -> dict:
         KA=layout.ka,
         KB=layout.kb,
         BK=layout.bk,
+        SPIN_LOAD=layout.spin_load,
         num_warps=layout.num_warps,
     )
 

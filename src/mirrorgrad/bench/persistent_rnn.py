@@ -1,0 +1,270 @@
+"""Kernel-level benchmark of the persistent RNN layer (ops/rnn/persistent.py) on one GPU.
+
+    python -m mirrorgrad.bench.persistent_rnn --out DIR [--dtypes fp32,bf16]
+        [--modes lstm,gru] [--configs 0,4,7] [--methods ...] [--reps 10] [--profile]
+
+Forward + backward median ms (``mirrorgrad._timing``) of one stack at the shapes of
+issue 16 (``bench.rnn_kernels.CONFIGS``: the seven LSTM shapes, then batch 1-4), TF32 on
+both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
+
+* ``cudnn``: ``torch.nn.LSTM/GRU``; ``cudnn-graph``: its forward+backward captured in
+  one CUDA Graph and replayed;
+* ``triton`` / ``persistent``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users call;
+* ``layer-triton`` / ``layer-persistent``: the per-layer functions called directly
+  (no module, no autograd), as ``bench.rnn_kernels`` drives them.
+
+TFLOP/s counts the gate GEMMs (3x the forward's) and is given as a share of the GPU's
+dense peak. ``--profile`` writes a torch.profiler table of the persistent module per
+config; every run times the grid barrier alone (``barrier_us``: one step of an empty
+persistent loop over the same grid). Writes ``persistent_rnn.json``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mirrorgrad._timing import time_calls
+from mirrorgrad.bench.rnn_kernels import CONFIGS, Config, step_flops
+from mirrorgrad.bench.runner import dense_peak_tflops
+from mirrorgrad.ops.rnn.persistent import grid_barrier
+
+METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "layer-triton", "layer-persistent")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """torch.nn's module and mirrorgrad's per impl, all with the same weights."""
+    import mirrorgrad.nn
+
+    cls = {"lstm": (torch.nn.LSTM, mirrorgrad.nn.LSTM), "gru": (torch.nn.GRU, mirrorgrad.nn.GRU)}
+    plain, ours = cls[mode]
+    args = (cfg.input, cfg.hidden, cfg.layers)
+    base = plain(*args, bidirectional=cfg.bidirectional).cuda().to(dtype)
+    out = {"cudnn": base}
+    for impl in ("triton", "persistent"):
+        m = ours(*args, bidirectional=cfg.bidirectional, impl=impl).cuda().to(dtype)
+        m.load_state_dict(base.state_dict())
+        out[impl] = m
+    return out
+
+
+def _module_step(module: torch.nn.Module, x: Tensor, gy: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        y, _ = module(x)
+        torch.autograd.backward(y, gy)
+
+    return step
+
+
+def _graphed(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` captured once in a CUDA Graph (after warm-up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
+    """Forward of every layer, then backward down the stack, the layer functions alone."""
+    from mirrorgrad.ops.rnn import kernels, persistent
+
+    layer = persistent if impl == "persistent" else kernels
+    D = 2 if module.bidirectional else 1
+    H, L = module.hidden_size, module.num_layers
+    weights = [module._flat_weights[i * 4 : i * 4 + 4] for i in range(L * D)]
+    B = x.shape[1]
+    h0 = x.new_zeros(B, H)
+    c0 = h0 if mode == "lstm" else None
+
+    def step() -> None:
+        inp, record = x, []
+        for k in range(L):
+            outs = []
+            for d in range(D):
+                xin = inp.flip(0) if d else inp
+                y, _, _, saved = layer.layer_forward(mode, xin, h0, c0, *weights[k * D + d], None)
+                record.append((xin, y, saved))
+                outs.append(y.flip(0) if d else y)
+            inp = torch.cat(outs, -1) if D == 2 else outs[0]
+        g = gy
+        for k in reversed(range(L)):
+            g_in = None
+            for d in range(D):
+                xin, y, saved = record[k * D + d]
+                gd = g[..., d * H : (d + 1) * H]
+                out = layer.layer_backward(mode, saved, xin, h0, c0, *weights[k * D + d], None,
+                                           y, gd.flip(0) if d else gd, None, None)  # fmt: skip
+                gx = out[0].flip(0) if d else out[0]
+                g_in = gx if g_in is None else g_in + gx
+            g = g_in
+
+    return step
+
+
+def _steps(mode: str, cfg: Config, dtype: torch.dtype, methods) -> dict[str, Callable]:
+    torch.manual_seed(0)
+    mods = _modules(mode, cfg, dtype)
+    D = 2 if cfg.bidirectional else 1
+    x = torch.randn(cfg.T, cfg.batch, cfg.input, device="cuda", dtype=dtype, requires_grad=True)
+    gy = torch.randn(cfg.T, cfg.batch, D * cfg.hidden, device="cuda", dtype=dtype)
+    makers = {
+        "cudnn": lambda: _module_step(mods["cudnn"], x, gy),
+        "cudnn-graph": lambda: _graphed(_module_step(mods["cudnn"], x, gy)),
+        "triton": lambda: _module_step(mods["triton"], x, gy),
+        "persistent": lambda: _module_step(mods["persistent"], x, gy),
+        "layer-triton": lambda: _layer_step("triton", mode, mods["triton"], x.detach(), gy),
+        "layer-persistent": lambda: _layer_step(
+            "persistent", mode, mods["persistent"], x.detach(), gy
+        ),
+    }
+    return {name: makers[name] for name in methods}
+
+
+@triton.jit
+def _barrier_probe(count_ptr, T, SPIN_LOAD: tl.constexpr):
+    t = tl.program_id(0) * 0
+    while t < T:
+        t += 1
+        grid_barrier(count_ptr, t * tl.num_programs(0), SPIN_LOAD)
+
+
+def barrier_us(programs: int, spin_load: bool, steps: int = 1000) -> float:
+    """Microseconds per grid barrier over ``programs`` programs (an empty step loop)."""
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def run() -> None:
+        count.zero_()
+        _barrier_probe[(programs,)](count, steps, SPIN_LOAD=spin_load, num_warps=4)
+
+    return time_calls(run, repeats=5, warmup=2, device="cuda").median_ms * 1e3 / steps
+
+
+def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dict:
+    """One row: median ms per method (None where it failed, with the error kept)."""
+    dtype = DTYPES[dtype_name]
+    row: dict = {"mode": mode, "config": cfg.name, "dtype": dtype_name, "ms": {}, "errors": {}}
+    for name, make in _steps(mode, cfg, dtype, methods).items():
+        try:
+            step = make()
+            row["ms"][name] = time_calls(step, repeats=reps, warmup=3, device="cuda").median_ms
+        except Exception as exc:  # one failing method must not end the run
+            row["ms"][name] = None
+            row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        torch.cuda.synchronize()
+    flops = step_flops(mode, cfg)
+    peak = (dense_peak_tflops(torch.cuda.get_device_name()) or {}).get(dtype_name)
+    best = row["ms"].get("persistent")
+    if best:
+        row["tflops"] = flops / best / 1e9
+        row["peak_share"] = row["tflops"] / peak if peak else None
+    row["plan"] = _plan_row(mode, cfg, dtype)
+    return row
+
+
+def _plan_row(mode: str, cfg: Config, dtype: torch.dtype) -> dict | None:
+    from mirrorgrad.ops.rnn import persistent
+
+    layout = persistent.plan(mode, cfg.batch, cfg.hidden, dtype, torch.device("cuda"))
+    if layout is None:
+        return None
+    compiled = {
+        kind: info
+        for (kind, m, dt, lay), info in persistent.COMPILED.items()
+        if m == mode and dt == dtype and lay.bn == layout.bn and lay.ka == layout.ka
+    }
+    return {
+        "programs": layout.programs,
+        "bn": layout.bn,
+        "resident": layout.resident,
+        "w_bytes_per_program": layout.w_bytes(mode, dtype),
+        "compiled": compiled,
+        "barrier_us": {
+            "spin_load": barrier_us(layout.programs, True),
+            "spin_atomic": barrier_us(layout.programs, False),
+        },
+    }
+
+
+def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
+    """torch.profiler table of a few forward+backward steps of the persistent module."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _steps(mode, cfg, DTYPES[dtype_name], ["persistent"])["persistent"]()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    (out / f"profile_{mode}_{cfg.name}_{dtype_name}.txt").write_text(table)
+    print(table)
+
+
+def _table(rows: list[dict], methods) -> str:
+    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = r["ms"]
+        p, c, g = ms.get("persistent"), ms.get("cudnn"), ms.get("cudnn-graph")
+        cells = [r["mode"], r["dtype"], r["config"]]
+        cells += [f"{ms[m]:.2f}" if ms.get(m) else "-" for m in methods]
+        cells += [f"{c / p:.2f}x" if p and c else "-", f"{g / p:.2f}x" if p and g else "-"]
+        cells += [f"{r['tflops']:.1f}" if r.get("tflops") else "-"]
+        cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--modes", default="lstm,gru")
+    parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("persistent_rnn: needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    methods = [m for m in args.methods.split(",") if m]
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        for mode in args.modes.split(","):
+            for i in (int(c) for c in args.configs.split(",")):
+                rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.profile:
+                    _profile(mode, CONFIGS[i], dtype_name, args.out)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "cudnn": torch.backends.cudnn.version()}  # fmt: skip
+    doc = {"env": env, "rows": rows}
+    (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
+    print(json.dumps(env))
+    print(_table(rows, methods))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
