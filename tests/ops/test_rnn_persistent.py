@@ -163,6 +163,7 @@ def test_plan_caps_the_grid_at_the_sm_count(monkeypatch):
     small = persistent.plan("lstm", 20, 650, torch.float32, cuda)
     assert (small.programs, small.bn, small.ka, small.kb) == (41, 16, 512, 256)
     assert small.resident == (small.w_bytes("lstm", torch.float32) <= persistent.RESIDENT_BYTES)
+    assert small.bb == (16 if small.resident else 32)  # streamed: one tile for the batch
     wide = persistent.plan("lstm", 4, 8448, torch.bfloat16, cuda)
     assert (wide.programs, wide.bn, wide.resident) == (132, 64, False)
     assert persistent.plan("lstm", 4, 8449, torch.bfloat16, cuda) is None

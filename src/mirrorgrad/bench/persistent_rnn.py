@@ -182,10 +182,12 @@ def _plan_row(mode: str, cfg: Config, dtype: torch.dtype) -> dict | None:
     layout = persistent.plan(mode, cfg.batch, cfg.hidden, dtype, torch.device("cuda"))
     if layout is None:
         return None
+    # The layout as planned, or streamed where the resident one did not fit the SM.
+    ran = (layout, persistent.replace(layout, resident=False))
     compiled = {
-        kind: info
+        f"{kind}{'' if lay.resident else '-streamed'}": info
         for (kind, m, dt, lay), info in persistent.COMPILED.items()
-        if m == mode and dt == dtype and lay.bn == layout.bn and lay.ka == layout.ka
+        if m == mode and dt == dtype and lay in ran
     }
     return {
         "programs": layout.programs,
@@ -217,6 +219,35 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
     print(table)
 
 
+# (resident, rows per batch tile, K depth, warps): the variants ``--sweep`` times.
+SWEEP = (
+    (False, 16, 64, 4),
+    (False, 64, 64, 4),
+    (False, 64, 128, 4),
+    (False, 64, 32, 4),
+    (False, 64, 64, 8),
+    (True, 16, 64, 4),
+    (True, 16, 64, 8),
+)
+
+
+def _sweep(mode: str, cfg: Config, dtype_name: str, reps: int) -> list[dict]:
+    """layer-persistent under each SWEEP variant (module globals that ``plan`` reads)."""
+    from mirrorgrad.ops.rnn import persistent
+
+    saved = (persistent.RESIDENT_BYTES, persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS)
+    rows = []
+    for resident, bb, bk, warps in SWEEP:
+        persistent.RESIDENT_BYTES = 1 << 40 if resident else 0
+        persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS = bb, bk, warps
+        row = _measure(mode, cfg, dtype_name, ["layer-persistent"], reps)
+        row["variant"] = {"resident": resident, "bb": bb, "bk": bk, "warps": warps}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    persistent.RESIDENT_BYTES, persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS = saved
+    return rows
+
+
 def _table(rows: list[dict], methods) -> str:
     head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -232,6 +263,19 @@ def _table(rows: list[dict], methods) -> str:
     return "\n".join(lines)
 
 
+def _sweep_table(rows: list[dict]) -> str:
+    lines = ["| mode | dtype | config | resident | bb | bk | warps | ms | regs | spills | smem |"]
+    lines.append("|" + "---|" * 11)
+    for r in rows:
+        v, ms = r["variant"], r["ms"].get("layer-persistent")
+        info = next(iter(((r.get("plan") or {}).get("compiled") or {}).values()), {})
+        cells = [r["mode"], r["dtype"], r["config"], v["resident"], v["bb"], v["bk"], v["warps"],
+                 f"{ms:.3f}" if ms else "-", info.get("n_regs", "-"), info.get("n_spills", "-"),
+                 info.get("shared", "-")]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -241,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -253,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtypes.split(","):
         for mode in args.modes.split(","):
             for i in (int(c) for c in args.configs.split(",")):
+                if args.sweep:
+                    rows.extend(_sweep(mode, CONFIGS[i], dtype_name, args.reps))
+                    continue
                 rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
                 print(json.dumps(rows[-1]), flush=True)
                 if args.profile:
@@ -262,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"env": env, "rows": rows}
     (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(env))
-    print(_table(rows, methods))
+    print(_sweep_table(rows) if args.sweep else _table(rows, methods))
     return 0
 
 

@@ -58,6 +58,11 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
 NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
+# Streamed W: K depth per load, and the most batch rows per tile (each tile re-reads the
+# W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
+# since the whole-K h tile lives in registers beside W).
+BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
+MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
 SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 
@@ -480,9 +485,12 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
         bn *= 2
     if bn > MAX_BN:
         return None
-    layout = Plan(programs=triton.cdiv(H, bn), bn=bn, bb=16, ka=ka, kb=kb, bk=64,
-                  resident=False, num_warps=NUM_WARPS)  # fmt: skip
-    return replace(layout, resident=layout.w_bytes(mode, dtype) <= RESIDENT_BYTES)
+    streamed = Plan(programs=triton.cdiv(H, bn), bn=bn, ka=ka, kb=kb, bk=BLOCK_K,
+                    bb=min(MAX_BB, max(16, triton.next_power_of_2(B))), resident=False,
+                    num_warps=NUM_WARPS)  # fmt: skip
+    if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
+        return streamed
+    return replace(streamed, bb=16, resident=True)
 
 
 def supports_persistent(
