@@ -183,7 +183,7 @@ def _plan_row(mode: str, cfg: Config, dtype: torch.dtype) -> dict | None:
     if layout is None:
         return None
     # The layout as planned, or streamed where the resident one did not fit the SM.
-    ran = (layout, persistent.replace(layout, resident=False))
+    ran = (layout, layout.streamed())
     compiled = {
         f"{kind}{'' if lay.resident else '-streamed'}": info
         for (kind, m, dt, lay), info in persistent.COMPILED.items()
@@ -219,15 +219,17 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
     print(table)
 
 
-# (resident, rows per batch tile, K depth, warps): the variants ``--sweep`` times.
+# persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
 SWEEP = (
-    (False, 16, 64, 4),
-    (False, 64, 64, 4),
-    (False, 64, 128, 4),
-    (False, 64, 32, 4),
-    (False, 64, 64, 8),
-    (True, 16, 64, 4),
-    (True, 16, 64, 8),
+    {"RESIDENT_BYTES": 0, "MAX_BB": 16, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 3},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 3},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 32, "NUM_WARPS": 8, "NUM_STAGES": 3},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 128, "NUM_WARPS": 8, "NUM_STAGES": 2},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 4, "NUM_STAGES": 3},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 1},
+    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (16, 8)},
+    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (16, 8), "ALLOW_SPILLS": True},
+    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (8, 8), "ALLOW_SPILLS": True},
 )
 
 
@@ -235,16 +237,20 @@ def _sweep(mode: str, cfg: Config, dtype_name: str, reps: int) -> list[dict]:
     """layer-persistent under each SWEEP variant (module globals that ``plan`` reads)."""
     from mirrorgrad.ops.rnn import persistent
 
-    saved = (persistent.RESIDENT_BYTES, persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS)
     rows = []
-    for resident, bb, bk, warps in SWEEP:
-        persistent.RESIDENT_BYTES = 1 << 40 if resident else 0
-        persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS = bb, bk, warps
-        row = _measure(mode, cfg, dtype_name, ["layer-persistent"], reps)
-        row["variant"] = {"resident": resident, "bb": bb, "bk": bk, "warps": warps}
+    for variant in SWEEP:
+        saved = {name: getattr(persistent, name) for name in variant}
+        for name, value in variant.items():
+            setattr(persistent, name, value)
+        try:
+            row = _measure(mode, cfg, dtype_name, ["layer-persistent"], reps)
+        finally:
+            for name, value in saved.items():
+                setattr(persistent, name, value)
+        row["variant"] = {k: v for k, v in variant.items() if k != "RESIDENT_BYTES"}
+        row["variant"]["resident"] = variant["RESIDENT_BYTES"] > 0
         rows.append(row)
         print(json.dumps(row), flush=True)
-    persistent.RESIDENT_BYTES, persistent.MAX_BB, persistent.BLOCK_K, persistent.NUM_WARPS = saved
     return rows
 
 
@@ -264,14 +270,16 @@ def _table(rows: list[dict], methods) -> str:
 
 
 def _sweep_table(rows: list[dict]) -> str:
-    lines = ["| mode | dtype | config | resident | bb | bk | warps | ms | regs | spills | smem |"]
-    lines.append("|" + "---|" * 11)
+    head = "| mode | dtype | config | variant | ms | compiled (regs/spills/smem) |"
+    lines = [head, "|---" * 6 + "|"]
     for r in rows:
-        v, ms = r["variant"], r["ms"].get("layer-persistent")
-        info = next(iter(((r.get("plan") or {}).get("compiled") or {}).values()), {})
-        cells = [r["mode"], r["dtype"], r["config"], v["resident"], v["bb"], v["bk"], v["warps"],
-                 f"{ms:.3f}" if ms else "-", info.get("n_regs", "-"), info.get("n_spills", "-"),
-                 info.get("shared", "-")]  # fmt: skip
+        ms = r["ms"].get("layer-persistent")
+        compiled = ((r.get("plan") or {}).get("compiled")) or {}
+        kernels = ", ".join(
+            f"{k} {i['n_regs']}/{i['n_spills']}/{i['shared']}" for k, i in compiled.items()
+        )
+        variant = " ".join(f"{k}={v}" for k, v in r["variant"].items())
+        cells = [r["mode"], r["dtype"], r["config"], variant, f"{ms:.3f}" if ms else "-", kernels]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

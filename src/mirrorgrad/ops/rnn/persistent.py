@@ -53,11 +53,17 @@ dropout = kernels.dropout
 
 # W_hh bytes per program kept in registers across steps; above it the slice streams
 # from L2 each step. NOTE: a guess until measured (docs/notes/rnn-persistent.md).
-RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 96 * 1024))
+RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 160 * 1024))
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
-NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
+NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 8))
+NUM_STAGES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_STAGES", 3))
+# Resident W: forward 16 warps, backward 8 (ptxas for sm_90: no spills at H 512 fp32 and
+# H 1024 bf16 that way; the forward spills ~8 KB per thread at 4 or 8 warps).
+RESIDENT_WARPS = (16, 8)
+# A resident layout that ptxas spills runs streamed, unless this is set (benchmarks).
+ALLOW_SPILLS = False
 # Streamed W: K depth per load, and the most batch rows per tile (each tile re-reads the
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
 # since the whole-K h tile lives in registers beside W).
@@ -448,8 +454,18 @@ class Plan:
     kb: int
     bk: int  # streamed W: K chunk per load
     resident: bool  # W_hh slice kept in registers across steps (else streamed from L2)
-    num_warps: int
+    num_warps: int  # forward
+    bwd_warps: int
+    num_stages: int  # software pipelining of the streamed K loop
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
+    streamed_bb: int = 16  # bb of the streamed fallback of a resident plan
+
+    def streamed(self) -> Plan:
+        """This layout with W streamed (where the resident one does not fit)."""
+        if not self.resident:
+            return self
+        return replace(self, resident=False, bb=self.streamed_bb, num_warps=NUM_WARPS,
+                       bwd_warps=NUM_WARPS)  # fmt: skip
 
     def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
         """W_hh bytes one program holds when resident."""
@@ -477,7 +493,8 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     ka, kb = _k_pieces(H)
     if kernels._interpreting():  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
-        return Plan(programs=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True, num_warps=4)
+        return Plan(programs=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True, num_warps=4,
+                    bwd_warps=4, num_stages=1)  # fmt: skip
     if device.type != "cuda":
         return None
     bn = BLOCK_N
@@ -487,10 +504,12 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
         return None
     streamed = Plan(programs=triton.cdiv(H, bn), bn=bn, ka=ka, kb=kb, bk=BLOCK_K,
                     bb=min(MAX_BB, max(16, triton.next_power_of_2(B))), resident=False,
-                    num_warps=NUM_WARPS)  # fmt: skip
+                    num_warps=NUM_WARPS, bwd_warps=NUM_WARPS, num_stages=NUM_STAGES)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
-    return replace(streamed, bb=16, resident=True)
+    fwd_warps, bwd_warps = RESIDENT_WARPS
+    return replace(streamed, bb=16, resident=True, num_warps=fwd_warps, bwd_warps=bwd_warps,
+                   streamed_bb=streamed.bb)  # fmt: skip
 
 
 def supports_persistent(
@@ -507,30 +526,36 @@ def supports_persistent(
     )
 
 
-# Compiled kernels by (kind, plan, mode, dtype): registers, spills, shared memory (bench).
+# Compiled kernels by (kind, mode, dtype, plan): registers, spills, shared memory (bench).
 COMPILED: dict[tuple, dict[str, int]] = {}
-# Plans whose resident variant failed to compile (out of resources): streamed instead.
+# Resident plans checked on this GPU, and those that spill or do not fit: run streamed.
+_CHECKED: set[tuple] = set()
 _STREAMED: set[tuple] = set()
 
 
 def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: tuple,
             constants: dict) -> None:  # fmt: skip
-    """Launch ``kernel`` on ``layout``'s grid; a resident variant that does not fit the
-    SM's resources is retried streamed (remembered per shape)."""
+    """Launch ``kernel`` on ``layout``'s grid. A resident layout is compiled first (once
+    per shape) and runs only if ptxas kept W without spilling and the SM has room;
+    else the streamed layout runs."""
     key = (kind, config.mode, config.H, config.dtype, layout)
-    if layout.resident and key in _STREAMED:
-        layout = replace(layout, resident=False)
     count = torch.zeros(1, dtype=torch.int32, device=config.device)
-    try:
-        compiled = kernel[(layout.programs,)](
-            *args, count, *_runtime(config), **constants, **_tile_constants(config, layout)
-        )
-    except triton.runtime.errors.OutOfResources:
-        if not layout.resident:
-            raise
-        _STREAMED.add(key)
-        return _launch(kind, kernel, config, replace(layout, resident=False), args, constants)
-    if compiled is not None and hasattr(compiled, "n_regs"):
+    call = (*args, count, *_runtime(config))
+    if layout.resident and not kernels._interpreting() and key not in _CHECKED:
+        _CHECKED.add(key)
+        try:
+            compiled = kernel.warmup(*call, grid=(layout.programs,), **constants,
+                                     **_tile_constants(kind, config, layout))  # fmt: skip
+            compiled._init_handles()  # loads it: n_spills, and OutOfResources if too big
+            if compiled.n_spills > 0 and not ALLOW_SPILLS:
+                _STREAMED.add(key)
+        except triton.runtime.errors.OutOfResources:
+            _STREAMED.add(key)
+    if key in _STREAMED:
+        layout = layout.streamed()
+    tiles = _tile_constants(kind, config, layout)
+    compiled = kernel[(layout.programs,)](*call, **constants, **tiles)
+    if compiled is not None and hasattr(compiled, "n_spills"):
         COMPILED[(kind, config.mode, config.dtype, layout)] = {
             "n_regs": compiled.n_regs,
             "n_spills": compiled.n_spills,
@@ -543,7 +568,7 @@ def _runtime(config: kernels.LoopConfig) -> tuple:
     return (config.T, config.B, lo, hi)
 
 
-def _tile_constants(config: kernels.LoopConfig, layout: Plan) -> dict:
+def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict:
     return dict(
         H=config.H,
         MODE=_MODE_ID[config.mode],
@@ -559,7 +584,8 @@ def _tile_constants(config: kernels.LoopConfig, layout: Plan) -> dict:
         KB=layout.kb,
         BK=layout.bk,
         SPIN_LOAD=layout.spin_load,
-        num_warps=layout.num_warps,
+        num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
+        num_stages=layout.num_stages,
     )
 
 
