@@ -165,7 +165,7 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
         except Exception as exc:  # one failing method must not end the run
             row["ms"][name] = None
             row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()  # a broken context raises here and ends the run
     flops = step_flops(mode, cfg)
     peak = (dense_peak_tflops(torch.cuda.get_device_name()) or {}).get(dtype_name)
     best = row["ms"].get("persistent")
