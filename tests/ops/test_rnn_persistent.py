@@ -136,6 +136,16 @@ def test_batch_in_several_tiles():
     _check("gru", T=3, B=20, memory="recompute")
 
 
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_batch_groups_with_their_own_barriers(mode):
+    # 40 rows, tiles of 16 over 2 groups: group 0 runs tiles 0 and 2, group 1 tile 1.
+    layout = persistent.plan(mode, 40, 6, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, groups=2)
+    if CUDA:
+        layout = persistent.replace(layout, programs=1, bn=16)
+    _check(mode, T=3, B=40, lengths=[3, 1, 2, 3] * 10, layout=layout)
+
+
 def test_lstm_state_clip_and_no_bias():
     _check("lstm", clip=(-0.3, 0.4), lengths=[4, 3, 2])
     _check("lstm", bias=False, grad_y=False)
@@ -163,9 +173,14 @@ def test_plan_caps_the_grid_at_the_sm_count(monkeypatch):
     small = persistent.plan("lstm", 20, 650, torch.float32, cuda)
     assert (small.programs, small.bn, small.ka, small.kb) == (41, 16, 512, 256)
     assert small.resident == (small.w_bytes("lstm", torch.float32) <= persistent.RESIDENT_BYTES)
-    assert small.bb == (16 if small.resident else 32)  # streamed: one tile for the batch
+    # 41 unit blocks leave room for 3 groups: 20 rows in two tiles of 16, one per group.
+    assert (small.bb, small.groups) == (16, 2)
+    big = persistent.plan("lstm", 256, 512, torch.float32, cuda)  # 32 blocks x 4 groups
+    assert (big.programs, big.groups) == (32, 4)
+    assert big.streamed().bb * big.streamed().groups >= 256
+    assert big.programs * big.groups <= 132 and big.streamed().groups * big.programs <= 132
     wide = persistent.plan("lstm", 4, 8448, torch.bfloat16, cuda)
-    assert (wide.programs, wide.bn, wide.resident) == (132, 64, False)
+    assert (wide.programs, wide.groups, wide.bn, wide.resident) == (132, 1, 64, False)
     assert persistent.plan("lstm", 4, 8449, torch.bfloat16, cuda) is None
     assert not persistent.supports_persistent(
         "lstm", proj=False, dtype=torch.float32, device="cuda", hidden=9000, batch=4

@@ -191,6 +191,7 @@ def _plan_row(mode: str, cfg: Config, dtype: torch.dtype) -> dict | None:
     }
     return {
         "programs": layout.programs,
+        "groups": layout.groups,
         "bn": layout.bn,
         "resident": layout.resident,
         "w_bytes_per_program": layout.w_bytes(mode, dtype),

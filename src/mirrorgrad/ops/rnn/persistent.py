@@ -159,7 +159,11 @@ def _fwd_kernel(
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
 ):
+    # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
+    # other (no state crosses batch rows): each group meets at its own barrier.
     programs = tl.num_programs(0)
+    group, groups = tl.program_id(1), tl.num_programs(1)
+    count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's hidden units
     mn = rn < H
     GH: tl.constexpr = G * H
@@ -184,7 +188,7 @@ def _fwd_kernel(
         t64 = t.to(tl.int64)
         h_in = h_ptr + (t % 2) * B * H
         h_out = h_ptr + ((t + 1) % 2) * B * H
-        b0 = 0
+        b0 = group * BB
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
@@ -217,7 +221,7 @@ def _fwd_kernel(
                 acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
                 H, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
             )  # fmt: skip
-            b0 += BB
+            b0 += BB * groups
         t += 1
         grid_barrier(count_ptr, t * programs, SPIN_LOAD)
 
@@ -315,7 +319,11 @@ def _bwd_kernel(
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
 ):
+    # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
+    # other (no state crosses batch rows): each group meets at its own barrier.
     programs = tl.num_programs(0)
+    group, groups = tl.program_id(1), tl.num_programs(1)
+    count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
     GH: tl.constexpr = G * H
@@ -341,7 +349,7 @@ def _bwd_kernel(
         t = T - 1 - s
         t64 = t.to(tl.int64)
         nxt = dgw_ptr + (t64 + 1) * B * GH  # dG_{t+1}: written by every program last step
-        b0 = 0
+        b0 = group * BB
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
@@ -366,7 +374,7 @@ def _bwd_kernel(
                 dgh_ptr + t64 * B * GH, len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
                 H, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
             )  # fmt: skip
-            b0 += BB
+            b0 += BB * groups
         s += 1
         grid_barrier(count_ptr, s * programs, SPIN_LOAD)
 
@@ -447,9 +455,10 @@ def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, 
 class Plan:
     """How one layer's launch is laid out."""
 
-    programs: int  # the grid: one program per SM at most
+    programs: int  # blocks of hidden units (grid axis 0)
+    groups: int  # groups of batch tiles (grid axis 1); programs * groups <= SMs
     bn: int  # hidden units per program (all G gates of them)
-    bb: int  # batch rows per tile (the program loops over tiles)
+    bb: int  # batch rows per tile (a program loops over its group's tiles)
     ka: int  # resident W: K split into two power-of-two pieces ka + kb >= H
     kb: int
     bk: int  # streamed W: K chunk per load
@@ -458,14 +467,15 @@ class Plan:
     bwd_warps: int
     num_stages: int  # software pipelining of the streamed K loop
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
-    streamed_bb: int = 16  # bb of the streamed fallback of a resident plan
+    streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
+    streamed_groups: int = 1
 
     def streamed(self) -> Plan:
         """This layout with W streamed (where the resident one does not fit)."""
         if not self.resident:
             return self
-        return replace(self, resident=False, bb=self.streamed_bb, num_warps=NUM_WARPS,
-                       bwd_warps=NUM_WARPS)  # fmt: skip
+        return replace(self, resident=False, bb=self.streamed_bb, groups=self.streamed_groups,
+                       num_warps=NUM_WARPS, bwd_warps=NUM_WARPS)  # fmt: skip
 
     def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
         """W_hh bytes one program holds when resident."""
@@ -493,23 +503,36 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     ka, kb = _k_pieces(H)
     if kernels._interpreting():  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
-        return Plan(programs=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True, num_warps=4,
-                    bwd_warps=4, num_stages=1)  # fmt: skip
+        return Plan(programs=1, groups=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True,
+                    num_warps=4, bwd_warps=4, num_stages=1)  # fmt: skip
     if device.type != "cuda":
         return None
+    sms = _programs_at_once(device)
     bn = BLOCK_N
-    while triton.cdiv(H, bn) > _programs_at_once(device):
+    while triton.cdiv(H, bn) > sms:
         bn *= 2
     if bn > MAX_BN:
         return None
-    streamed = Plan(programs=triton.cdiv(H, bn), bn=bn, ka=ka, kb=kb, bk=BLOCK_K,
-                    bb=min(MAX_BB, max(16, triton.next_power_of_2(B))), resident=False,
-                    num_warps=NUM_WARPS, bwd_warps=NUM_WARPS, num_stages=NUM_STAGES)  # fmt: skip
+    programs = triton.cdiv(H, bn)
+    bb, groups = _batch_tiles(B, sms // programs, MAX_BB)
+    streamed = Plan(programs=programs, groups=groups, bn=bn, ka=ka, kb=kb, bk=BLOCK_K, bb=bb,
+                    resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
+                    num_stages=NUM_STAGES)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
     fwd_warps, bwd_warps = RESIDENT_WARPS
-    return replace(streamed, bb=16, resident=True, num_warps=fwd_warps, bwd_warps=bwd_warps,
-                   streamed_bb=streamed.bb)  # fmt: skip
+    return replace(streamed, bb=16, groups=_batch_tiles(B, sms // programs, 16)[1],
+                   resident=True, num_warps=fwd_warps, bwd_warps=bwd_warps, streamed_bb=bb,
+                   streamed_groups=streamed.groups)  # fmt: skip
+
+
+def _batch_tiles(B: int, max_groups: int, max_bb: int) -> tuple[int, int]:
+    """(rows per tile, groups): the smallest tile (>= 16 rows, <= max_bb) that gives every
+    group one tile within max_groups groups; tiles beyond that are looped over."""
+    bb = 16
+    while bb < max_bb and triton.cdiv(B, bb) > max_groups:
+        bb *= 2
+    return bb, max(1, min(max_groups, triton.cdiv(B, bb)))
 
 
 def supports_persistent(
@@ -539,12 +562,12 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
     per shape) and runs only if ptxas kept W without spilling and the SM has room;
     else the streamed layout runs."""
     key = (kind, config.mode, config.H, config.dtype, layout)
-    count = torch.zeros(1, dtype=torch.int32, device=config.device)
+    count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
     call = (*args, count, *_runtime(config))
     if layout.resident and not kernels._interpreting() and key not in _CHECKED:
         _CHECKED.add(key)
         try:
-            compiled = kernel.warmup(*call, grid=(layout.programs,), **constants,
+            compiled = kernel.warmup(*call, grid=(layout.programs, layout.groups), **constants,
                                      **_tile_constants(kind, config, layout))  # fmt: skip
             compiled._init_handles()  # loads it: n_spills, and OutOfResources if too big
             if compiled.n_spills > 0 and not ALLOW_SPILLS:
@@ -554,7 +577,7 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
     if key in _STREAMED:
         layout = layout.streamed()
     tiles = _tile_constants(kind, config, layout)
-    compiled = kernel[(layout.programs,)](*call, **constants, **tiles)
+    compiled = kernel[(layout.programs, layout.groups)](*call, **constants, **tiles)
     if compiled is not None and hasattr(compiled, "n_spills"):
         COMPILED[(kind, config.mode, config.dtype, layout)] = {
             "n_regs": compiled.n_regs,
