@@ -85,11 +85,11 @@ def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
         seen = tl.load(count_ptr, volatile=True)
         while seen < target:
             seen = tl.load(count_ptr, volatile=True)
-        tl.atomic_add(count_ptr, 0, sem="acquire")
-    else:
+    # The acquire (once, after polling with loads): a loop on its result keeps the
+    # compiler from dropping it as unused (it did, checked in the PTX).
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire")
+    while seen < target:
         seen = tl.atomic_add(count_ptr, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(count_ptr, 0, sem="acquire")
     tl.debug_barrier()  # no thread reads the next step before the acquire
 
 
