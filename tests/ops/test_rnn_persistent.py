@@ -359,8 +359,10 @@ config = kernels._config(mode, 35, 20, 650, torch.bfloat16, torch.device("cuda")
                          "stash", True, False, "ieee")
 special = {"cells_ptr": "*fp32", "dc_ptr": "*fp32", "len_ptr": "*i64", "count_ptr": "*i32"}
 for kind, kernel, extra in (
-    ("fwd", persistent._fwd_kernel, {"WRITE_STASH": True, "HAS_HB": mode == "gru"}),
-    ("bwd", persistent._bwd_kernel, {"HAS_DY": True}),
+    ("fwd", persistent._fwd_kernel, {"WRITE_STASH": True, "HAS_HB": mode == "gru",
+                                     "HS": persistent._padded(650, torch.bfloat16)}),
+    ("bwd", persistent._bwd_kernel, {"HAS_DY": True,
+                                     "DS": persistent._padded(config.gh, torch.bfloat16)}),
 ):
     constants = {**extra, **persistent._tile_constants(kind, config, layout)}
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
@@ -370,6 +372,7 @@ for kind, kernel, extra in (
         else "fp32" if name.startswith("clip") else "i32"
         for name in kernel.arg_names
     }
+    assert set(constants) >= {p.name for p in kernel.params if p.is_constexpr}, kind
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)

@@ -17,7 +17,12 @@ runs ``"triton"``. Per layer and direction:
 W_hh's slice per program is **resident** (loaded once before the time loop, kept in
 registers across steps) when it is at most RESIDENT_BYTES, else **streamed** from L2
 each step in BK-deep chunks. h_{t-1} and dG_{t+1} are read from global memory with
-``.cg`` loads (L2, never a stale L1 line). The barrier is a monotonic int32 counter:
+L2. Triton's pipeliner turns those loads into ``cp.async.ca`` (through L1, which is not
+coherent) whatever their cache modifier, so every step writes them to addresses of their
+own (h: [T+1, B, H] workspace instead of a ping-pong pair; dG: [T, B, G*H] as stored for
+the weight GEMMs) with rows padded to whole 128-byte lines: an L1 line is only ever
+fetched after its step's barrier, complete, and never written again in the launch.
+The barrier is a monotonic int32 counter:
 ``atomic_add(+1, release)`` after the step's stores, then a spin on
 ``atomic_add(0, acquire)`` until it reaches programs * steps done.
 
@@ -47,9 +52,31 @@ from mirrorgrad.ops.rnn.kernels import _sigmoid, _tanh, _tile
 # The contract's parts that are kernels.py's own: same saved tensors, same workspace,
 # same dropout masks (the same Philox kernel from the same seed and offset).
 saved_layout = kernels.saved_layout
-workspace_bytes = kernels.workspace_bytes
 supports = kernels.supports
 dropout = kernels.dropout
+
+# Rows that other programs read during a launch (h_t, dG_t) start on a 128-byte L1 line.
+_LINE_BYTES = 128
+
+
+def _padded(n: int, dtype: torch.dtype) -> int:
+    """``n`` elements rounded up to whole L1 lines."""
+    per_line = _LINE_BYTES // dtype.itemsize
+    return -(-n // per_line) * per_line
+
+
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """kernels.py's workspace, plus forward every step's h ([T+1, B, H] with padded rows)
+    and backward the gate gradients' row padding."""
+    d, gh = dtype.itemsize, GATES[mode] * H
+    base = kernels.workspace_bytes(mode, memory, T, B, H, dtype, backward=backward)
+    if not backward:
+        return base + (T + 1) * B * _padded(H, dtype) * d
+    rows = kernels._chunk_steps(T, B) * B
+    return base + rows * (_padded(gh, dtype) - gh) * d * (2 if mode == "gru" else 1)
+
 
 # W_hh bytes per program kept in registers across steps; above it the slice streams
 # from L2 each step. NOTE: a guess until measured (docs/notes/rnn-persistent.md).
@@ -131,7 +158,7 @@ def _resident_dot(a_ptr, rb, mb, stride, offset, wa, wb, H: tl.constexpr, KA: tl
 def _fwd_kernel(
     pre_ptr,  # [T, B, G*H] input side (biases folded; gru: b_ih only)
     stash_ptr,  # [T, B, P] stash out (lstm stash: pre_ptr itself; gru: 4H)
-    h_ptr,  # [2, B, H] ping-pong: h_{t-1} in h[t % 2], h_t out to h[(t+1) % 2]
+    h_ptr,  # [T+1, B, HS]: h_{t-1} in h[t], h_t out to h[t+1] (rows padded: module doc)
     w_ptr,  # W_hh [G*H, H]
     bhh_ptr,  # gru: b_hh [3H]
     cells_ptr,  # lstm: [T+1, B, H] fp32
@@ -143,6 +170,7 @@ def _fwd_kernel(
     clip_lo,
     clip_hi,
     H: tl.constexpr,
+    HS: tl.constexpr,  # row stride of h_ptr
     MODE: tl.constexpr,  # 0 lstm, 1 gru, 2 rnn_tanh, 3 rnn_relu
     G: tl.constexpr,
     P: tl.constexpr,  # stash width per row
@@ -186,8 +214,8 @@ def _fwd_kernel(
     t = tl.program_id(0) * 0  # a tensor from the start (the interpreter wants one)
     while t < T:
         t64 = t.to(tl.int64)
-        h_in = h_ptr + (t % 2) * B * H
-        h_out = h_ptr + ((t + 1) % 2) * B * H
+        h_in = h_ptr + t64 * B * HS
+        h_out = h_in + B * HS
         b0 = group * BB
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
@@ -197,15 +225,15 @@ def _fwd_kernel(
             acc2 = tl.zeros([BB, BN], dtype=tl.float32)
             acc3 = tl.zeros([BB, BN], dtype=tl.float32)
             if RESIDENT:
-                acc0 = _resident_dot(h_in, rb, mb, H, 0, wa0, wb0, H, KA, KB, PREC)
+                acc0 = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
                 if G >= 3:
-                    acc1 = _resident_dot(h_in, rb, mb, H, 0, wa1, wb1, H, KA, KB, PREC)
-                    acc2 = _resident_dot(h_in, rb, mb, H, 0, wa2, wb2, H, KA, KB, PREC)
+                    acc1 = _resident_dot(h_in, rb, mb, HS, 0, wa1, wb1, H, KA, KB, PREC)
+                    acc2 = _resident_dot(h_in, rb, mb, HS, 0, wa2, wb2, H, KA, KB, PREC)
                 if G == 4:
-                    acc3 = _resident_dot(h_in, rb, mb, H, 0, wa3, wb3, H, KA, KB, PREC)
+                    acc3 = _resident_dot(h_in, rb, mb, HS, 0, wa3, wb3, H, KA, KB, PREC)
             else:
                 for k0 in range(0, H, BK):
-                    hk = _rows(h_in, rb, mb, H, 0, k0, BK, H)
+                    hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
                     acc0 += tl.dot(hk, _wtile(w_ptr, 1, H, rn, mn, k0, BK, H), input_precision=PREC)
                     if G >= 3:
                         w1 = _wtile(w_ptr + H * H, 1, H, rn, mn, k0, BK, H)
@@ -219,7 +247,7 @@ def _fwd_kernel(
                 pre_ptr + t64 * B * GH, stash_ptr + t64 * B * P, h_in, h_out, bhh_ptr,
                 cells_ptr + t64 * B * H, y_ptr + t64 * B * H, len_ptr,
                 acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-                H, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
+                H, HS, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
             )  # fmt: skip
             b0 += BB * groups
         t += 1
@@ -229,8 +257,9 @@ def _fwd_kernel(
 @triton.jit
 def _fwd_cell(pre_ptr, stash_ptr, h_in, h_out, bhh_ptr, cell_ptr, y_ptr, len_ptr,
               acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-              H: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-              CLIP: tl.constexpr, WRITE_STASH: tl.constexpr, HAS_HB: tl.constexpr):  # fmt: skip
+              H: tl.constexpr, HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
+              HAS_LENGTHS: tl.constexpr, CLIP: tl.constexpr, WRITE_STASH: tl.constexpr,
+              HAS_HB: tl.constexpr):  # fmt: skip
     """Gates and state update of one [BB, BN] tile of step t (kernels.py's formulas)."""
     mask = mb[:, None] & mn[None, :]
     GH: tl.constexpr = G * H
@@ -238,7 +267,8 @@ def _fwd_cell(pre_ptr, stash_ptr, h_in, h_out, bhh_ptr, cell_ptr, y_ptr, len_ptr
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
     idx = rb[:, None] * H + rn[None, :]
-    h_old = tl.load(h_in + idx, mask=mask, other=0.0, cache_modifier=".cg")
+    hidx = rb[:, None] * HS + rn[None, :]
+    h_old = tl.load(h_in + hidx, mask=mask, other=0.0)
     sty = stash_ptr.dtype.element_ty
     if MODE == 0:
         p_i = _tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
@@ -281,7 +311,7 @@ def _fwd_cell(pre_ptr, stash_ptr, h_in, h_out, bhh_ptr, cell_ptr, y_ptr, len_ptr
     else:
         h = tl.maximum(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
     h = h.to(h_out.dtype.element_ty)
-    tl.store(h_out + idx, tl.where(valid, h, h_old), mask=mask)
+    tl.store(h_out + hidx, tl.where(valid, h, h_old), mask=mask)
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
 
 
@@ -294,8 +324,8 @@ def _bwd_kernel(
     dy_ptr,  # [T, B, H]
     dh_ptr,  # [B, H] in: grad of h_{T-1}; out: direct part of grad of h_{-1} (add dG_0 @ W_hh)
     dc_ptr,  # lstm: [B, H] fp32 in: grad of c_{T-1}; out: grad of c_{-1}
-    dg_ptr,  # [T, B, G*H] out: grad of the input-side pre-activations
-    dgh_ptr,  # gru: [T, B, 3H] out: grad of the hidden-side pre-activations
+    dg_ptr,  # [T, B, G*H] out (rows DS apart, padded): grad of the input-side pre-activations
+    dgh_ptr,  # gru: [T, B, 3H] out (rows DS apart): grad of the hidden-side pre-activations
     w_ptr,  # W_hh [G*H, H]
     len_ptr,  # [B] int64
     count_ptr,  # int32 [1], zero
@@ -304,6 +334,7 @@ def _bwd_kernel(
     clip_lo,
     clip_hi,
     H: tl.constexpr,
+    DS: tl.constexpr,  # row stride of dg_ptr and dgh_ptr
     MODE: tl.constexpr,
     G: tl.constexpr,
     P: tl.constexpr,
@@ -326,7 +357,6 @@ def _bwd_kernel(
     count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
-    GH: tl.constexpr = G * H
     # W_hh blocks of this program's columns, one per gate: [K, BN] = W_hh[g*H + k, rn].
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
     if RESIDENT:
@@ -348,7 +378,7 @@ def _bwd_kernel(
     while s < T:
         t = T - 1 - s
         t64 = t.to(tl.int64)
-        nxt = dgw_ptr + (t64 + 1) * B * GH  # dG_{t+1}: written by every program last step
+        nxt = dgw_ptr + (t64 + 1) * B * DS  # dG_{t+1}: written by every program last step
         b0 = group * BB
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
@@ -356,23 +386,23 @@ def _bwd_kernel(
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
                 if RESIDENT:
-                    acc += _resident_dot(nxt, rb, mb, GH, 0, wa0, wb0, H, KA, KB, PREC)
+                    acc += _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
                     if G >= 3:
-                        acc += _resident_dot(nxt, rb, mb, GH, H, wa1, wb1, H, KA, KB, PREC)
-                        acc += _resident_dot(nxt, rb, mb, GH, 2 * H, wa2, wb2, H, KA, KB, PREC)
+                        acc += _resident_dot(nxt, rb, mb, DS, H, wa1, wb1, H, KA, KB, PREC)
+                        acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
                     if G == 4:
-                        acc += _resident_dot(nxt, rb, mb, GH, 3 * H, wa3, wb3, H, KA, KB, PREC)
+                        acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
                 else:
                     for g in tl.static_range(G):
                         for k0 in range(0, H, BK):
-                            a = _rows(nxt, rb, mb, GH, g * H, k0, BK, H)
+                            a = _rows(nxt, rb, mb, DS, g * H, k0, BK, H)
                             w = _wtile(w_ptr + g * H * H, H, 1, rn, mn, k0, BK, H)
                             acc += tl.dot(a, w, input_precision=PREC)
             _bwd_cell(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
-                dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * GH,
-                dgh_ptr + t64 * B * GH, len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-                H, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
+                dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * DS,
+                dgh_ptr + t64 * B * DS, len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
+                H, DS, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
             )  # fmt: skip
             b0 += BB * groups
         s += 1
@@ -382,12 +412,11 @@ def _bwd_kernel(
 @triton.jit
 def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, dgh_ptr,
               len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi, H: tl.constexpr,
-              MODE: tl.constexpr, G: tl.constexpr, P: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-              HAS_DY: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+              DS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+              HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
     """Gate gradients of one [BB, BN] tile of step t and the state gradients carried to
     step t-1 (kernels.py's formulas; dh holds the direct part, acc the part via W_hh)."""
     mask = mb[:, None] & mn[None, :]
-    GH: tl.constexpr = G * H
     valid = mask
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
@@ -397,7 +426,7 @@ def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, 
     if HAS_DY:
         dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     gty = dg_ptr.dtype.element_ty
-    drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+    drow = dg_ptr + rb[:, None] * DS + rn[None, :]
     if MODE == 0:
         i = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 0))
         f = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, H))
@@ -430,7 +459,7 @@ def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, 
         dn = dh * (1.0 - z) * (1.0 - n * n)
         dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
         dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
+        hrow = dgh_ptr + rb[:, None] * DS + rn[None, :]
         tl.store(drow, dr, mask=mask)
         tl.store(drow + H, dz, mask=mask)
         tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
@@ -652,22 +681,25 @@ def layer_forward(
     buf = kernels._fwd_buffers(config, w_hh, b_hh, lengths)
     x2d = x.reshape(T * B, x.shape[2])
     kernels._input_gemm(x2d, w_ih, kernels._input_bias(mode, b_ih, b_hh), buf.pre.view(T * B, -1))
-    buf.h[0].copy_(h0)
+    hs = _padded(config.H, config.dtype)
+    h = config.empty(T + 1, B, hs)  # every step's h: read by all programs (module doc)
+    h[0, :, : config.H].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
     lstm_stash = mode == "lstm" and memory == "stash"
     stash = buf.pre if lstm_stash else buf.stash
     dummy = buf.y
     args = (
-        buf.pre, stash if stash is not None else dummy, buf.h, w_hh,
+        buf.pre, stash if stash is not None else dummy, h, w_hh,
         b_hh if b_hh is not None and mode == "gru" else dummy,
         buf.cells if buf.cells is not None else dummy, buf.y,
         lengths if lengths is not None else dummy,
     )  # fmt: skip
-    constants = dict(WRITE_STASH=stash is not None, HAS_HB=b_hh is not None and mode == "gru")
+    constants = dict(WRITE_STASH=stash is not None, HAS_HB=b_hh is not None and mode == "gru",
+                     HS=hs)  # fmt: skip
     _launch("fwd", _fwd_kernel, config, layout, args, constants)
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    return buf.y, buf.h[T % 2], c_n, kernels._saved(config, buf)
+    return buf.y, h[T, :, : config.H].clone(), c_n, kernels._saved(config, buf)
 
 
 def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
@@ -686,8 +718,16 @@ def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
         buf.w_hh,
         buf.lengths if buf.lengths is not None else dummy,
     )
-    _launch("bwd", _bwd_kernel, config, layout, args, dict(HAS_DY=buf.dy is not None))
+    constants = dict(HAS_DY=buf.dy is not None, DS=buf.dg.stride(1))
+    _launch("bwd", _bwd_kernel, config, layout, args, constants)
     buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
+
+
+def _padded_gate_grads(config: kernels.LoopConfig, name: str, make) -> Tensor:
+    """[T, B, G*H] gate gradients with rows a whole number of L1 lines apart (module doc):
+    a view of a wider buffer, still flat in (T, B) for the GEMMs after the launch."""
+    width = _padded(config.gh, config.dtype)
+    return config.empty(config.T, config.B, width)[..., : config.gh]
 
 
 @torch.no_grad()
@@ -757,6 +797,7 @@ def layer_backward(
             h0=h_first if mode == "gru" else None, y=y[t0:t1] if mode != "lstm" else None,
             dy=dy[t0:t1] if dy is not None else None, w_hh=w_hh,
             lengths=lengths - t0 if lengths is not None else None, dh=dh, dc=dc,
+            workspace=_padded_gate_grads,
         )  # fmt: skip
         _bwd_launch(chunk, layout, buf)
         dg = buf.dg.view(n * B, gh)
