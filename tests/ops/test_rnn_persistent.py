@@ -327,6 +327,7 @@ ISSUE_16 = [  # (layers, input, hidden, batch, T, bidirectional)
 @pytest.mark.parametrize("cfg", ISSUE_16, ids=lambda c: "L{}-I{}-H{}-B{}-T{}{}".format(*c))
 def test_gpu_issue16_configs_match_kernels_py(cfg, mode, no_tf32):
     layers, n_in, hidden, batch, T, bi = cfg
+    T = min(T, 12)  # the layouts depend on (layers, sizes, batch), not on T: fewer steps
     cls = {"lstm": mirrorgrad.nn.LSTM, "gru": mirrorgrad.nn.GRU}[mode]
     torch.manual_seed(0)
     ours = cls(n_in, hidden, layers, bidirectional=bi, impl="persistent").cuda()
