@@ -392,12 +392,11 @@ def _bwd_kernel(
                         acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
                     if G == 4:
                         acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
-                else:
-                    for g in tl.static_range(G):
-                        for k0 in range(0, H, BK):
-                            a = _rows(nxt, rb, mb, DS, g * H, k0, BK, H)
-                            w = _wtile(w_ptr + g * H * H, H, 1, rn, mn, k0, BK, H)
-                            acc += tl.dot(a, w, input_precision=PREC)
+                else:  # the gates one after another: one K loop over G*H
+                    for k0 in range(0, G * H, BK):
+                        a = _rows(nxt, rb, mb, DS, 0, k0, BK, G * H)
+                        w = _wtile(w_ptr, H, 1, rn, mn, k0, BK, G * H)
+                        acc += tl.dot(a, w, input_precision=PREC)
             _bwd_cell(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
                 dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * DS,
