@@ -164,7 +164,7 @@ def _fwd_kernel(
     cells_ptr,  # lstm: [T+1, B, H] fp32
     y_ptr,  # [T, B, H]
     len_ptr,  # [B] int64
-    count_ptr,  # int32 [1], zero: the barrier's counter
+    count_ptr,  # int32 [groups], zero: the barriers' counters
     T,
     B,
     clip_lo,
@@ -328,7 +328,7 @@ def _bwd_kernel(
     dgh_ptr,  # gru: [T, B, 3H] out (rows DS apart): grad of the hidden-side pre-activations
     w_ptr,  # W_hh [G*H, H]
     len_ptr,  # [B] int64
-    count_ptr,  # int32 [1], zero
+    count_ptr,  # int32 [groups], zero
     T,
     B,
     clip_lo,
