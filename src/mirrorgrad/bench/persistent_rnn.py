@@ -222,15 +222,16 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
 SWEEP = (
-    {"RESIDENT_BYTES": 0, "MAX_BB": 16, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 3},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 3},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 32, "NUM_WARPS": 8, "NUM_STAGES": 3},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 128, "NUM_WARPS": 8, "NUM_STAGES": 2},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 4, "NUM_STAGES": 3},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 64, "BLOCK_K": 64, "NUM_WARPS": 8, "NUM_STAGES": 1},
-    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (16, 8)},
-    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (16, 8), "ALLOW_SPILLS": True},
-    {"RESIDENT_BYTES": 1 << 40, "RESIDENT_WARPS": (8, 8), "ALLOW_SPILLS": True},
+    {"RESIDENT_BYTES": 0},
+    {"RESIDENT_BYTES": 0, "BLOCK_N": 32},
+    {"RESIDENT_BYTES": 0, "BLOCK_N": 64},
+    {"RESIDENT_BYTES": 0, "MAX_BB": 16},
+    {"RESIDENT_BYTES": 0, "BLOCK_K": 128, "NUM_STAGES": 2},
+    {"RESIDENT_BYTES": 0, "BLOCK_K": 32},
+    {"RESIDENT_BYTES": 0, "NUM_WARPS": 4},
+    {"RESIDENT_BYTES": 0, "NUM_STAGES": 1},
+    {"RESIDENT_BYTES": 1 << 40},
+    {"RESIDENT_BYTES": 1 << 40, "ALLOW_SPILLS": True},
 )
 
 
