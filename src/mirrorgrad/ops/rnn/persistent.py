@@ -579,9 +579,9 @@ def supports_persistent(
 
 # Compiled kernels by (kind, mode, dtype, plan): registers, spills, shared memory (bench).
 COMPILED: dict[tuple, dict[str, int]] = {}
-# Resident plans checked on this GPU, and those that spill or do not fit: run streamed.
-_CHECKED: set[tuple] = set()
-_STREAMED: set[tuple] = set()
+# Resident layouts compiled on this GPU: "fits", "spills" (run streamed unless
+# ALLOW_SPILLS) or "too big" (more shared memory or registers than an SM has: streamed).
+_RESIDENT: dict[tuple, str] = {}
 
 
 def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: tuple,
@@ -592,18 +592,11 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
     key = (kind, config.mode, config.H, config.dtype, layout)
     count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
     call = (*args, count, *_runtime(config))
-    if layout.resident and not kernels._interpreting() and key not in _CHECKED:
-        _CHECKED.add(key)
-        try:
-            compiled = kernel.warmup(*call, grid=(layout.programs, layout.groups), **constants,
-                                     **_tile_constants(kind, config, layout))  # fmt: skip
-            compiled._init_handles()  # loads it: n_spills, and OutOfResources if too big
-            if compiled.n_spills > 0 and not ALLOW_SPILLS:
-                _STREAMED.add(key)
-        except triton.runtime.errors.OutOfResources:
-            _STREAMED.add(key)
-    if key in _STREAMED:
-        layout = layout.streamed()
+    if layout.resident and not kernels._interpreting():
+        if key not in _RESIDENT:
+            _RESIDENT[key] = _resident_check(kernel, call, layout, constants, kind, config)
+        if _RESIDENT[key] == "too big" or (_RESIDENT[key] == "spills" and not ALLOW_SPILLS):
+            layout = layout.streamed()
     tiles = _tile_constants(kind, config, layout)
     compiled = kernel[(layout.programs, layout.groups)](*call, **constants, **tiles)
     if compiled is not None and hasattr(compiled, "n_spills"):
@@ -612,6 +605,17 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
             "n_spills": compiled.n_spills,
             "shared": compiled.metadata.shared,
         }
+
+
+def _resident_check(kernel, call, layout: Plan, constants, kind, config) -> str:
+    """Compile (and load) the resident variant without launching it."""
+    try:
+        compiled = kernel.warmup(*call, grid=(layout.programs, layout.groups), **constants,
+                                 **_tile_constants(kind, config, layout))  # fmt: skip
+        compiled._init_handles()  # loads it: n_spills, and OutOfResources if too big
+    except triton.runtime.errors.OutOfResources:
+        return "too big"
+    return "spills" if compiled.n_spills > 0 else "fits"
 
 
 def _runtime(config: kernels.LoopConfig) -> tuple:
