@@ -124,6 +124,14 @@ def test_barrier_polling_with_atomics(mode):
     _check(mode, lengths=[2, 4, 1], layout=persistent.replace(layout, spin_load=False))
 
 
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_forward_gates_in_one_dot(mode, resident):
+    layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, fuse_gates=True, resident=resident)
+    _check(mode, H=20, lengths=[2, 4, 1], layout=layout)
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_batch_one_and_one_step(mode):
     _check(mode, T=1, B=1)

@@ -223,6 +223,7 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
 SWEEP = (
     {"RESIDENT_BYTES": 0},
+    {"RESIDENT_BYTES": 0, "FUSE_GATES": False},
     {"RESIDENT_BYTES": 0, "BLOCK_N": 32},
     {"RESIDENT_BYTES": 0, "BLOCK_N": 64},
     {"RESIDENT_BYTES": 0, "MAX_BB": 16},
@@ -231,7 +232,7 @@ SWEEP = (
     {"RESIDENT_BYTES": 0, "NUM_WARPS": 4},
     {"RESIDENT_BYTES": 0, "NUM_STAGES": 1},
     {"RESIDENT_BYTES": 1 << 40},
-    {"RESIDENT_BYTES": 1 << 40, "ALLOW_SPILLS": True},
+    {"RESIDENT_BYTES": 1 << 40, "FUSE_GATES": False, "ALLOW_SPILLS": True},
 )
 
 

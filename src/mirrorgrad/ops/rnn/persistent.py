@@ -89,7 +89,9 @@ NUM_STAGES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_STAGES", 3))
 # Resident W: forward 16 warps, backward 8 (ptxas for sm_90: no spills at H 512 fp32 and
 # H 1024 bf16 that way; the forward spills ~8 KB per thread at 4 or 8 warps).
 RESIDENT_WARPS = (16, 8)
-# A resident layout that ptxas spills runs streamed, unless this is set (benchmarks).
+# A resident layout that ptxas spills (more than SPILL_WORDS 32-bit words per thread)
+# runs streamed, unless ALLOW_SPILLS (benchmarks).
+SPILL_WORDS = 16
 ALLOW_SPILLS = False
 # Streamed W: K depth per load, and the most batch rows per tile (each tile re-reads the
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
@@ -97,6 +99,10 @@ ALLOW_SPILLS = False
 BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
 MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
 SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
+# Forward: one [BB, 4*BN] dot for all gates, split after (more warps share the work).
+# NOTE: ptxas for sm_90: fused, the resident forward stops spilling (LSTM bf16 H 650:
+# 0 bytes against 1.5-4 KB per thread; fp32 H 512: 32 B against 11 KB).
+FUSE_GATES = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_FUSE_GATES", "1") == "1"
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 
 
@@ -155,6 +161,16 @@ def _resident_dot(a_ptr, rb, mb, stride, offset, wa, wb, H: tl.constexpr, KA: tl
 
 
 @triton.jit
+def _split_gates(acc, BB: tl.constexpr, BN: tl.constexpr):
+    """[BB, 4*BN] (gate-major columns) -> four [BB, BN] gates."""
+    a = tl.permute(tl.reshape(acc, (BB, 4, BN)), (0, 2, 1))
+    x0, x1 = tl.split(tl.reshape(a, (BB, BN, 2, 2)))  # gate 2i + j: j = 0 | j = 1
+    g0, g2 = tl.split(x0)
+    g1, g3 = tl.split(x1)
+    return g0, g1, g2, g3
+
+
+@triton.jit
 def _fwd_kernel(
     pre_ptr,  # [T, B, G*H] input side (biases folded; gru: b_ih only)
     stash_ptr,  # [T, B, P] stash out (lstm stash: pre_ptr itself; gru: 4H)
@@ -186,6 +202,7 @@ def _fwd_kernel(
     KB: tl.constexpr,
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
+    FUSE_GATES: tl.constexpr,  # one [BB, 4*BN] dot for all gates (G >= 3), split after
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
     # other (no state crosses batch rows): each group meets at its own barrier.
@@ -195,9 +212,17 @@ def _fwd_kernel(
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's hidden units
     mn = rn < H
     GH: tl.constexpr = G * H
+    # Fused gates: column c of the [K, 4*BN] tile is W_hh row (c // BN) * H + unit.
+    c4 = tl.arange(0, 4 * BN)
+    r4 = (c4 // BN) * H + tl.program_id(0) * BN + c4 % BN
+    m4 = ((c4 // BN) < G) & (tl.program_id(0) * BN + c4 % BN < H)
     # W_hh^T blocks of this program's rows, one per gate: [K, BN] = W_hh[g*H + rn, k].
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
-    if RESIDENT:
+    if RESIDENT and FUSE_GATES:
+        wa0 = _wtile(w_ptr, 1, H, r4, m4, 0, KA, H)
+        if KB > 0:
+            wb0 = _wtile(w_ptr, 1, H, r4, m4, KA, KB, H)
+    elif RESIDENT:
         wa0 = _wtile(w_ptr, 1, H, rn, mn, 0, KA, H)
         if KB > 0:
             wb0 = _wtile(w_ptr, 1, H, rn, mn, KA, KB, H)
@@ -224,7 +249,17 @@ def _fwd_kernel(
             acc1 = tl.zeros([BB, BN], dtype=tl.float32)
             acc2 = tl.zeros([BB, BN], dtype=tl.float32)
             acc3 = tl.zeros([BB, BN], dtype=tl.float32)
-            if RESIDENT:
+            if FUSE_GATES:
+                if RESIDENT:
+                    accf = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
+                else:
+                    accf = tl.zeros([BB, 4 * BN], dtype=tl.float32)
+                    for k0 in range(0, H, BK):
+                        hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
+                        w4 = _wtile(w_ptr, 1, H, r4, m4, k0, BK, H)
+                        accf += tl.dot(hk, w4, input_precision=PREC)
+                acc0, acc1, acc2, acc3 = _split_gates(accf, BB, BN)
+            elif RESIDENT:
                 acc0 = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
                 if G >= 3:
                     acc1 = _resident_dot(h_in, rb, mb, HS, 0, wa1, wb1, H, KA, KB, PREC)
@@ -495,6 +530,7 @@ class Plan:
     bwd_warps: int
     num_stages: int  # software pipelining of the streamed K loop
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
+    fuse_gates: bool = FUSE_GATES  # forward: one dot for all gates (lstm, gru)
     streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
     streamed_groups: int = 1
 
@@ -545,7 +581,7 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     bb, groups = _batch_tiles(B, sms // programs, MAX_BB)
     streamed = Plan(programs=programs, groups=groups, bn=bn, ka=ka, kb=kb, bk=BLOCK_K, bb=bb,
                     resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
-                    num_stages=NUM_STAGES)  # fmt: skip
+                    num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
     fwd_warps, bwd_warps = RESIDENT_WARPS
@@ -615,7 +651,7 @@ def _resident_check(kernel, call, layout: Plan, constants, kind, config) -> str:
         compiled._init_handles()  # loads it: n_spills, and OutOfResources if too big
     except triton.runtime.errors.OutOfResources:
         return "too big"
-    return "spills" if compiled.n_spills > 0 else "fits"
+    return "spills" if compiled.n_spills > SPILL_WORDS else "fits"
 
 
 def _runtime(config: kernels.LoopConfig) -> tuple:
@@ -639,6 +675,7 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         KB=layout.kb,
         BK=layout.bk,
         SPIN_LOAD=layout.spin_load,
+        **({"FUSE_GATES": layout.fuse_gates and GATES[config.mode] >= 3} if kind == "fwd" else {}),
         num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
         num_stages=layout.num_stages,
     )
