@@ -80,8 +80,10 @@ def _graphed(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
-    """Forward of every layer, then backward down the stack, the layer functions alone."""
+    """Forward of every layer, then backward down the stack, the layer functions alone,
+    in the memory mode the module picks (LSTM: recompute)."""
     from mirrorgrad.ops.rnn import kernels, persistent
+    from mirrorgrad.ops.rnn.op import resolve_memory
 
     layer = persistent if impl == "persistent" else kernels
     D = 2 if module.bidirectional else 1
@@ -90,6 +92,7 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
     B = x.shape[1]
     h0 = x.new_zeros(B, H)
     c0 = h0 if mode == "lstm" else None
+    memory = resolve_memory("auto", mode)
 
     def step() -> None:
         inp, record = x, []
@@ -97,7 +100,8 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
             outs = []
             for d in range(D):
                 xin = inp.flip(0) if d else inp
-                y, _, _, saved = layer.layer_forward(mode, xin, h0, c0, *weights[k * D + d], None)
+                y, _, _, saved = layer.layer_forward(mode, xin, h0, c0, *weights[k * D + d], None,
+                                                     memory=memory)  # fmt: skip
                 record.append((xin, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]
@@ -108,7 +112,8 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
                 xin, y, saved = record[k * D + d]
                 gd = g[..., d * H : (d + 1) * H]
                 out = layer.layer_backward(mode, saved, xin, h0, c0, *weights[k * D + d], None,
-                                           y, gd.flip(0) if d else gd, None, None)  # fmt: skip
+                                           y, gd.flip(0) if d else gd, None, None,
+                                           memory=memory)  # fmt: skip
                 gx = out[0].flip(0) if d else out[0]
                 g_in = gx if g_in is None else g_in + gx
             g = g_in
