@@ -132,6 +132,12 @@ def test_forward_gates_in_one_dot(mode, resident):
     _check(mode, H=20, lengths=[2, 4, 1], layout=layout)
 
 
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_bf16_matches_float64(mode, memory):
+    _check(mode, memory=memory, H=20, lengths=[3, 4, 1], dtype=torch.bfloat16, tol=3e-2)
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_batch_one_and_one_step(mode):
     _check(mode, T=1, B=1)

@@ -151,12 +151,21 @@ def _wtile(w_ptr, sk, sn, rn, mn, k0, K: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _mma(a, b, PREC: tl.constexpr):
+    """a @ b in fp32; PREC "upcast": 16-bit operands as fp32 (the interpreter's dot
+    multiplies bf16 bit patterns as integers, Triton 3.6)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _resident_dot(a_ptr, rb, mb, stride, offset, wa, wb, H: tl.constexpr, KA: tl.constexpr,
                   KB: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """A[rb, offset : offset + H] @ W with W held as two K pieces (KA, then KB rows)."""
-    acc = tl.dot(_rows(a_ptr, rb, mb, stride, offset, 0, KA, H), wa, input_precision=PREC)
+    acc = _mma(_rows(a_ptr, rb, mb, stride, offset, 0, KA, H), wa, PREC)
     if KB > 0:
-        acc += tl.dot(_rows(a_ptr, rb, mb, stride, offset, KA, KB, H), wb, input_precision=PREC)
+        acc += _mma(_rows(a_ptr, rb, mb, stride, offset, KA, KB, H), wb, PREC)
     return acc
 
 
@@ -257,7 +266,7 @@ def _fwd_kernel(
                     for k0 in range(0, H, BK):
                         hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
                         w4 = _wtile(w_ptr, 1, H, r4, m4, k0, BK, H)
-                        accf += tl.dot(hk, w4, input_precision=PREC)
+                        accf += _mma(hk, w4, PREC)
                 acc0, acc1, acc2, acc3 = _split_gates(accf, BB, BN)
             elif RESIDENT:
                 acc0 = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
@@ -269,15 +278,15 @@ def _fwd_kernel(
             else:
                 for k0 in range(0, H, BK):
                     hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
-                    acc0 += tl.dot(hk, _wtile(w_ptr, 1, H, rn, mn, k0, BK, H), input_precision=PREC)
+                    acc0 += _mma(hk, _wtile(w_ptr, 1, H, rn, mn, k0, BK, H), PREC)
                     if G >= 3:
                         w1 = _wtile(w_ptr + H * H, 1, H, rn, mn, k0, BK, H)
                         w2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, k0, BK, H)
-                        acc1 += tl.dot(hk, w1, input_precision=PREC)
-                        acc2 += tl.dot(hk, w2, input_precision=PREC)
+                        acc1 += _mma(hk, w1, PREC)
+                        acc2 += _mma(hk, w2, PREC)
                     if G == 4:
                         w3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, k0, BK, H)
-                        acc3 += tl.dot(hk, w3, input_precision=PREC)
+                        acc3 += _mma(hk, w3, PREC)
             _fwd_cell(
                 pre_ptr + t64 * B * GH, stash_ptr + t64 * B * P, h_in, h_out, bhh_ptr,
                 cells_ptr + t64 * B * H, y_ptr + t64 * B * H, len_ptr,
@@ -431,7 +440,7 @@ def _bwd_kernel(
                     for k0 in range(0, G * H, BK):
                         a = _rows(nxt, rb, mb, DS, 0, k0, BK, G * H)
                         w = _wtile(w_ptr, H, 1, rn, mn, k0, BK, G * H)
-                        acc += tl.dot(a, w, input_precision=PREC)
+                        acc += _mma(a, w, PREC)
             _bwd_cell(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
                 dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * DS,
@@ -659,6 +668,13 @@ def _runtime(config: kernels.LoopConfig) -> tuple:
     return (config.T, config.B, lo, hi)
 
 
+def _precision(config: kernels.LoopConfig) -> str:
+    """tl.dot's input precision (kernels.py's rule), "upcast" for 16-bit operands under
+    the interpreter (its dot is wrong for them)."""
+    interpreted_16_bit = kernels._interpreting() and config.dtype.itemsize == 2
+    return "upcast" if interpreted_16_bit else config.precision
+
+
 def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict:
     return dict(
         H=config.H,
@@ -667,7 +683,7 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         P=config.stash_width,
         HAS_LENGTHS=config.has_lengths,
         CLIP=config.clip is not None,
-        PREC=config.precision,
+        PREC=_precision(config),
         RESIDENT=layout.resident,
         BB=layout.bb,
         BN=layout.bn,
