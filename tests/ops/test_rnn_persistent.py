@@ -267,9 +267,12 @@ GPU_SHAPES = [  # (T, B, I, H): one program-slice, a partial slice, several batc
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}-B{}-I{}-H{}".format(*s))
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
 @pytest.mark.parametrize(
-    "dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"]
+    "dtype, tf32, tol",
+    [(torch.float32, False, 2e-3), (torch.float32, True, 1e-2), (torch.bfloat16, False, 3e-2)],
+    ids=["fp32", "tf32", "bf16"],
 )
-def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tol, no_tf32):
+def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     T, B, n_in, H = shape
     layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
     layout = persistent.replace(layout, resident=resident)
