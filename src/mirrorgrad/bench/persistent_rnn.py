@@ -221,8 +221,41 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
             step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-    (out / f"profile_{mode}_{cfg.name}_{dtype_name}.txt").write_text(table)
+    name = f"{mode}_{cfg.name}_{dtype_name}"
+    (out / f"profile_{name}.txt").write_text(table)
     print(table)
+    steps = step_split(mode, cfg, DTYPES[dtype_name])
+    (out / f"steps_{name}.json").write_text(json.dumps(steps, indent=1))
+    print("per step (program 0, last launch of each kind):", json.dumps(steps))
+
+
+def step_split(mode: str, cfg: Config, dtype: torch.dtype) -> dict:
+    """Median per-step times of program (0, 0) in the last forward and backward launch of
+    one layer-level step: its work (start to barrier arrival) and its wait at the barrier
+    (arrival to the next step's start), in ns and SM cycles (the kernels' PROBE)."""
+    from mirrorgrad.ops.rnn import persistent
+
+    step = _steps(mode, cfg, dtype, ["layer-persistent"])["layer-persistent"]()
+    step()  # compiles the probed variants
+    persistent.PROBES = {}
+    try:
+        step()
+        torch.cuda.synchronize()
+        stamps = {kind: t.cpu() for kind, t in persistent.PROBES.items()}
+    finally:
+        persistent.PROBES = None
+    split = {}
+    for kind, t in stamps.items():
+        order = t if kind == "fwd" else t.flip(0)  # backward runs t = T-1 .. 0
+        start_ns, start_cyc, arrive_ns, arrive_cyc = order.double().unbind(1)
+        split[kind] = {
+            "work_ns": (arrive_ns - start_ns).median().item(),
+            "wait_ns": (start_ns[1:] - arrive_ns[:-1]).median().item(),
+            "work_cycles": (arrive_cyc - start_cyc).median().item(),
+            "wait_cycles": (start_cyc[1:] - arrive_cyc[:-1]).median().item(),
+            "steps": len(order),
+        }
+    return split
 
 
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).

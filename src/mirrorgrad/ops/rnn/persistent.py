@@ -127,6 +127,18 @@ def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
 
 
 @triton.jit
+def _stamp(ptr):
+    """ptr[0] = %globaltimer (ns), ptr[1] = %clock64 (SM cycles), by program (0, 0)."""
+    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                   is_pure=False, pack=1)  # fmt: skip
+    cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
+                                       is_pure=False, pack=1)  # fmt: skip
+    tl.store(ptr, ns, mask=first)
+    tl.store(ptr + 1, cycles, mask=first)
+
+
+@triton.jit
 def _rows(ptr, rb, mb, stride, offset, k0, K: tl.constexpr, H: tl.constexpr):
     """[BB, K] tile ``ptr[rb, offset + k0 + k]`` (k0 + k < H) from L2: other programs
     wrote it during this launch, so an L1 line could be stale."""
@@ -190,6 +202,7 @@ def _fwd_kernel(
     y_ptr,  # [T, B, H]
     len_ptr,  # [B] int64
     count_ptr,  # int32 [groups], zero: the barriers' counters
+    probe_ptr,  # PROBE: int64 [T, 4] timestamps of program (0, 0) (``_stamp``)
     T,
     B,
     clip_lo,
@@ -211,6 +224,7 @@ def _fwd_kernel(
     KB: tl.constexpr,
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
+    PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
     FUSE_GATES: tl.constexpr,  # one [BB, 4*BN] dot for all gates (G >= 3), split after
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
@@ -248,6 +262,8 @@ def _fwd_kernel(
     t = tl.program_id(0) * 0  # a tensor from the start (the interpreter wants one)
     while t < T:
         t64 = t.to(tl.int64)
+        if PROBE:
+            _stamp(probe_ptr + t64 * 4)
         h_in = h_ptr + t64 * B * HS
         h_out = h_in + B * HS
         b0 = group * BB
@@ -294,6 +310,8 @@ def _fwd_kernel(
                 H, HS, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
             )  # fmt: skip
             b0 += BB * groups
+        if PROBE:
+            _stamp(probe_ptr + t64 * 4 + 2)
         t += 1
         grid_barrier(count_ptr, t * programs, SPIN_LOAD)
 
@@ -373,6 +391,7 @@ def _bwd_kernel(
     w_ptr,  # W_hh [G*H, H]
     len_ptr,  # [B] int64
     count_ptr,  # int32 [groups], zero
+    probe_ptr,  # PROBE: int64 [T, 4]
     T,
     B,
     clip_lo,
@@ -393,6 +412,7 @@ def _bwd_kernel(
     KB: tl.constexpr,
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
+    PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
     # other (no state crosses batch rows): each group meets at its own barrier.
@@ -422,6 +442,8 @@ def _bwd_kernel(
     while s < T:
         t = T - 1 - s
         t64 = t.to(tl.int64)
+        if PROBE:
+            _stamp(probe_ptr + t64 * 4)
         nxt = dgw_ptr + (t64 + 1) * B * DS  # dG_{t+1}: written by every program last step
         b0 = group * BB
         while b0 < B:
@@ -448,6 +470,8 @@ def _bwd_kernel(
                 H, DS, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
             )  # fmt: skip
             b0 += BB * groups
+        if PROBE:
+            _stamp(probe_ptr + t64 * 4 + 2)
         s += 1
         grid_barrier(count_ptr, s * programs, SPIN_LOAD)
 
@@ -622,6 +646,9 @@ def supports_persistent(
     )
 
 
+# Set to a dict to record per-step timestamps of the next launches (GPU only, benchmarks):
+# kind ("fwd" / "bwd") -> int64 [T, 4] (start ns, start cycles, arrive ns, arrive cycles).
+PROBES: dict[str, Tensor] | None = None
 # Compiled kernels by (kind, mode, dtype, plan): registers, spills, shared memory (bench).
 COMPILED: dict[tuple, dict[str, int]] = {}
 # Resident layouts compiled on this GPU: "fits", "spills" (run streamed unless
@@ -636,7 +663,10 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
     else the streamed layout runs."""
     key = (kind, config.mode, config.H, config.dtype, layout)
     count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
-    call = (*args, count, *_runtime(config))
+    probe = count  # read only when PROBE
+    if PROBES is not None and not kernels._interpreting():
+        probe = PROBES[kind] = torch.zeros(config.T, 4, dtype=torch.int64, device=config.device)
+    call = (*args, count, probe, *_runtime(config))
     if layout.resident and not kernels._interpreting():
         if key not in _RESIDENT:
             _RESIDENT[key] = _resident_check(kernel, call, layout, constants, kind, config)
@@ -691,6 +721,7 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         KB=layout.kb,
         BK=layout.bk,
         SPIN_LOAD=layout.spin_load,
+        PROBE=PROBES is not None and not kernels._interpreting(),
         **({"FUSE_GATES": layout.fuse_gates and GATES[config.mode] >= 3} if kind == "fwd" else {}),
         num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
         num_stages=layout.num_stages,
