@@ -236,7 +236,7 @@ def step_split(mode: str, cfg: Config, dtype: torch.dtype) -> dict:
     from mirrorgrad.ops.rnn import persistent
 
     step = _steps(mode, cfg, dtype, ["layer-persistent"])["layer-persistent"]()
-    step()  # compiles the probed variants
+    step()  # warm-up: compiles, checks resident layouts
     persistent.PROBES = {}
     try:
         step()
