@@ -91,9 +91,10 @@ def _check(mode, *, memory="stash", T=4, B=3, n_in=5, H=6, lengths=None, clip=No
             _close(grad, ref_grads[name], 10 * tol, f"grad {name}")
 
 
-def _streamed(mode, B, H, dtype=torch.float32, bk=16):
+def _streamed(mode, B, H, dtype=torch.float32, bk=16, split=1):
     layout = persistent.plan(mode, B, H, dtype, torch.device(DEVICE))
-    return persistent.replace(layout, resident=False, bk=bk)
+    return persistent.replace(layout, resident=False, bk=bk, split=split, bwd_bk=bk,
+                              bwd_split=split)  # fmt: skip
 
 
 # ---- CPU (interpreter) and GPU alike: small shapes --------------------------------
@@ -136,6 +137,12 @@ def test_forward_gates_in_one_dot(mode, resident):
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_bf16_matches_float64(mode, memory):
     _check(mode, memory=memory, H=20, lengths=[3, 4, 1], dtype=torch.bfloat16, tol=3e-2)
+
+
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_streamed_k_in_slices(mode):
+    # Chunks of 64 in 4 slices of 16 (H 40: one chunk with a masked tail; backward G*H).
+    _check(mode, H=40, lengths=[3, 1, 4], layout=_streamed(mode, 3, 40, bk=64, split=4))
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])

@@ -97,6 +97,12 @@ ALLOW_SPILLS = False
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
 # since the whole-K h tile lives in registers beside W).
 BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
+# Streamed: each K chunk in SPLIT_K slices of BLOCK_K / SPLIT_K (>= 16), one MMA chain
+# each (a batched dot), summed after the loop: chains SPLIT_K times shorter.
+SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPLIT_K", 1))
+# The backward's K is G*H (4x the forward's for an LSTM): its own chunk depth and slices.
+BWD_BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_BK", 64))
+BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 1))
 MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
 SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
 # Forward: one [BB, 4*BN] dot for all gates, split after (more warps share the work).
@@ -148,6 +154,29 @@ def _rows(ptr, rb, mb, stride, offset, k0, K: tl.constexpr, H: tl.constexpr):
         mask=mb[:, None] & (rk < H)[None, :],
         other=0.0,
         cache_modifier=".cg",
+    )
+
+
+@triton.jit
+def _split_rows(ptr, rb, mb, stride, k0, S: tl.constexpr, KS: tl.constexpr, H: tl.constexpr):
+    """[S, BB, KS] tile ``ptr[rb, k0 + s*KS + j]`` (< H): ``_rows`` with K in S slices."""
+    rk = k0 + tl.arange(0, S)[:, None, None] * KS + tl.arange(0, KS)[None, None, :]
+    return tl.load(
+        ptr + rb[None, :, None] * stride + rk,
+        mask=mb[None, :, None] & (rk < H),
+        other=0.0,
+        cache_modifier=".cg",
+    )
+
+
+@triton.jit
+def _split_wtile(w_ptr, sk, sn, rn, mn, k0, S: tl.constexpr, KS: tl.constexpr, H: tl.constexpr):
+    """[S, KS, N] tile ``w_ptr[(k0 + s*KS + j) * sk + rn * sn]``: ``_wtile`` in S slices."""
+    rk = k0 + tl.arange(0, S)[:, None, None] * KS + tl.arange(0, KS)[None, :, None]
+    return tl.load(
+        w_ptr + rk * sk + rn[None, None, :] * sn,
+        mask=(rk < H) & mn[None, None, :],
+        other=0.0,
     )
 
 
@@ -225,6 +254,7 @@ def _fwd_kernel(
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
     PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
+    SPLIT: tl.constexpr,  # streamed: K of each chunk in SPLIT slices, one MMA chain each
     FUSE_GATES: tl.constexpr,  # one [BB, 4*BN] dot for all gates (G >= 3), split after
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
@@ -277,6 +307,13 @@ def _fwd_kernel(
             if FUSE_GATES:
                 if RESIDENT:
                     accf = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
+                elif SPLIT > 1:  # S independent MMA chains (batched dot), summed after
+                    acc3 = tl.zeros([SPLIT, BB, 4 * BN], dtype=tl.float32)
+                    for k0 in range(0, H, BK):
+                        hk3 = _split_rows(h_in, rb, mb, HS, k0, SPLIT, BK // SPLIT, H)
+                        w3 = _split_wtile(w_ptr, 1, H, r4, m4, k0, SPLIT, BK // SPLIT, H)
+                        acc3 += _mma(hk3, w3, PREC)
+                    accf = tl.sum(acc3, axis=0)
                 else:
                     accf = tl.zeros([BB, 4 * BN], dtype=tl.float32)
                     for k0 in range(0, H, BK):
@@ -413,6 +450,7 @@ def _bwd_kernel(
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
     PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
+    SPLIT: tl.constexpr,  # streamed: K of each chunk in SPLIT slices, one MMA chain each
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
     # other (no state crosses batch rows): each group meets at its own barrier.
@@ -458,6 +496,13 @@ def _bwd_kernel(
                         acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
                     if G == 4:
                         acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
+                elif SPLIT > 1:  # S independent MMA chains (batched dot), summed after
+                    acc3 = tl.zeros([SPLIT, BB, BN], dtype=tl.float32)
+                    for k0 in range(0, G * H, BK):
+                        a3 = _split_rows(nxt, rb, mb, DS, k0, SPLIT, BK // SPLIT, G * H)
+                        w3 = _split_wtile(w_ptr, H, 1, rn, mn, k0, SPLIT, BK // SPLIT, G * H)
+                        acc3 += _mma(a3, w3, PREC)
+                    acc += tl.sum(acc3, axis=0)
                 else:  # the gates one after another: one K loop over G*H
                     for k0 in range(0, G * H, BK):
                         a = _rows(nxt, rb, mb, DS, 0, k0, BK, G * H)
@@ -564,6 +609,9 @@ class Plan:
     num_stages: int  # software pipelining of the streamed K loop
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
     fuse_gates: bool = FUSE_GATES  # forward: one dot for all gates (lstm, gru)
+    split: int = 1  # streamed K chunks in this many slices (independent MMA chains)
+    bwd_bk: int = 64
+    bwd_split: int = 1
     streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
     streamed_groups: int = 1
 
@@ -614,7 +662,8 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     bb, groups = _batch_tiles(B, sms // programs, MAX_BB)
     streamed = Plan(programs=programs, groups=groups, bn=bn, ka=ka, kb=kb, bk=BLOCK_K, bb=bb,
                     resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
-                    num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES)  # fmt: skip
+                    num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES,
+                    split=SPLIT_K, bwd_bk=BWD_BLOCK_K, bwd_split=BWD_SPLIT_K)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
     fwd_warps, bwd_warps = RESIDENT_WARPS
@@ -719,9 +768,10 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         BN=layout.bn,
         KA=layout.ka,
         KB=layout.kb,
-        BK=layout.bk,
+        BK=layout.bk if kind == "fwd" else layout.bwd_bk,
         SPIN_LOAD=layout.spin_load,
         PROBE=PROBES is not None and not kernels._interpreting(),
+        SPLIT=layout.split if kind == "fwd" else layout.bwd_split,
         **({"FUSE_GATES": layout.fuse_gates and GATES[config.mode] >= 3} if kind == "fwd" else {}),
         num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
         num_stages=layout.num_stages,
