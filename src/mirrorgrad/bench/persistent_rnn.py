@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -259,18 +260,18 @@ def step_split(mode: str, cfg: Config, dtype: torch.dtype) -> dict:
 
 
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
+# 128-deep backward chunks in 8 slices: the backward's K (G*H) is the longest MMA chain.
+_BWD = {"BWD_BLOCK_K": 128, "BWD_SPLIT_K": 8}
 SWEEP = (
-    {"RESIDENT_BYTES": 0},
-    {"RESIDENT_BYTES": 0, "FUSE_GATES": False},
-    {"RESIDENT_BYTES": 0, "BLOCK_N": 32},
-    {"RESIDENT_BYTES": 0, "BLOCK_N": 64},
-    {"RESIDENT_BYTES": 0, "MAX_BB": 16},
-    {"RESIDENT_BYTES": 0, "BLOCK_K": 128, "NUM_STAGES": 2},
-    {"RESIDENT_BYTES": 0, "BLOCK_K": 32},
-    {"RESIDENT_BYTES": 0, "NUM_WARPS": 4},
-    {"RESIDENT_BYTES": 0, "NUM_STAGES": 1},
-    {"RESIDENT_BYTES": 1 << 40},
-    {"RESIDENT_BYTES": 1 << 40, "FUSE_GATES": False, "ALLOW_SPILLS": True},
+    {},
+    {"BWD_BLOCK_K": 128, "BWD_SPLIT_K": 8},
+    {"BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8},
+    {**_BWD, "SPLIT_K": 4},
+    {**_BWD, "RESIDENT_BYTES": 0},
+    {**_BWD, "NUM_WARPS": 4},
+    {**_BWD, "NUM_STAGES": 2},
+    {**_BWD, "MAX_BB": 16},
+    {**_BWD, "FUSE_GATES": False},
 )
 
 
@@ -288,8 +289,7 @@ def _sweep(mode: str, cfg: Config, dtype_name: str, reps: int) -> list[dict]:
         finally:
             for name, value in saved.items():
                 setattr(persistent, name, value)
-        row["variant"] = {k: v for k, v in variant.items() if k != "RESIDENT_BYTES"}
-        row["variant"]["resident"] = variant["RESIDENT_BYTES"] > 0
+        row["variant"] = variant
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -308,6 +308,29 @@ def _table(rows: list[dict], methods) -> str:
         cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def best_variant(rows: list[dict]) -> dict:
+    """The SWEEP variant with the lowest geometric mean of layer-persistent ms over the
+    sweep's rows (every config and dtype it ran)."""
+    by_variant: dict[str, list[float]] = {}
+    for r in rows:
+        ms = r["ms"].get("layer-persistent")
+        if ms:
+            by_variant.setdefault(json.dumps(r["variant"], sort_keys=True), []).append(ms)
+    complete = {k: v for k, v in by_variant.items() if len(v) == max(map(len, by_variant.values()))}
+    best = min(complete, key=lambda k: sum(math.log(x) for x in complete[k]))
+    return json.loads(best)
+
+
+def apply_knobs(knobs: dict) -> None:
+    """Set persistent.py's module knobs (names as in SWEEP)."""
+    from mirrorgrad.ops.rnn import persistent
+
+    for name, value in knobs.items():
+        if not hasattr(persistent, name):
+            raise ValueError(f"persistent.py has no knob {name!r}")
+        setattr(persistent, name, value)
 
 
 def _sweep_table(rows: list[dict]) -> str:
@@ -335,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
+    parser.add_argument("--knobs", type=Path, help="JSON of persistent.py knobs to set first")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -342,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.knobs is not None:
+        apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
     methods = [m for m in args.methods.split(",") if m]
     rows = []
     for dtype_name in args.dtypes.split(","):
@@ -357,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version()}  # fmt: skip
     doc = {"env": env, "rows": rows}
+    if args.sweep and rows:
+        doc["best"] = best_variant(rows)
+        (args.out / "best_knobs.json").write_text(json.dumps(doc["best"]))
+        print("best variant:", json.dumps(doc["best"]))
     (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(env))
     print(_sweep_table(rows) if args.sweep else _table(rows, methods))
