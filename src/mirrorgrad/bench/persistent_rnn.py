@@ -348,6 +348,14 @@ def _sweep_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(mode, dtype, config index) to run: ``--cases``, else dtypes x modes x configs."""
+    if args.cases:
+        return [(m, d, int(c)) for m, d, c in (case.split(":") for case in args.cases.split(","))]
+    return [(mode, dtype, int(c)) for dtype in args.dtypes.split(",")
+            for mode in args.modes.split(",") for c in args.configs.split(",")]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -359,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
     parser.add_argument("--knobs", type=Path, help="JSON of persistent.py knobs to set first")
+    parser.add_argument("--cases", help="mode:dtype:config,... (instead of the cross product)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -370,16 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
     methods = [m for m in args.methods.split(",") if m]
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        for mode in args.modes.split(","):
-            for i in (int(c) for c in args.configs.split(",")):
-                if args.sweep:
-                    rows.extend(_sweep(mode, CONFIGS[i], dtype_name, args.reps))
-                    continue
-                rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.profile:
-                    _profile(mode, CONFIGS[i], dtype_name, args.out)
+    for mode, dtype_name, i in _cases(args):
+        if args.sweep:
+            rows.extend(_sweep(mode, CONFIGS[i], dtype_name, args.reps))
+            continue
+        rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            _profile(mode, CONFIGS[i], dtype_name, args.out)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version()}  # fmt: skip
     doc = {"env": env, "rows": rows}
