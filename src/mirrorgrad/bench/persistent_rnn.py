@@ -275,23 +275,25 @@ SWEEP = (
 )
 
 
-def _sweep(mode: str, cfg: Config, dtype_name: str, reps: int) -> list[dict]:
-    """layer-persistent under each SWEEP variant (module globals that ``plan`` reads)."""
+def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict]:
+    """layer-persistent under each SWEEP variant (module globals that ``plan`` reads), every
+    case per variant; best_knobs.json is rewritten after each variant (a run cut short
+    still leaves the best of the variants it finished)."""
     from mirrorgrad.ops.rnn import persistent
 
     rows = []
     for variant in SWEEP:
         saved = {name: getattr(persistent, name) for name in variant}
-        for name, value in variant.items():
-            setattr(persistent, name, value)
+        apply_knobs(variant)
         try:
-            row = _measure(mode, cfg, dtype_name, ["layer-persistent"], reps)
+            for mode, dtype_name, i in cases:
+                row = _measure(mode, CONFIGS[i], dtype_name, ["layer-persistent"], reps)
+                row["variant"] = variant
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         finally:
-            for name, value in saved.items():
-                setattr(persistent, name, value)
-        row["variant"] = variant
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            apply_knobs(saved)
+        (out / "best_knobs.json").write_text(json.dumps(best_variant(rows)))
     return rows
 
 
@@ -378,11 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.knobs is not None:
         apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
     methods = [m for m in args.methods.split(",") if m]
-    rows = []
-    for mode, dtype_name, i in _cases(args):
-        if args.sweep:
-            rows.extend(_sweep(mode, CONFIGS[i], dtype_name, args.reps))
-            continue
+    rows = _sweep(_cases(args), args.reps, args.out) if args.sweep else []
+    for mode, dtype_name, i in [] if args.sweep else _cases(args):
         rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
         print(json.dumps(rows[-1]), flush=True)
         if args.profile:
@@ -392,7 +391,6 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"env": env, "rows": rows}
     if args.sweep and rows:
         doc["best"] = best_variant(rows)
-        (args.out / "best_knobs.json").write_text(json.dumps(doc["best"]))
         print("best variant:", json.dumps(doc["best"]))
     (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(env))
