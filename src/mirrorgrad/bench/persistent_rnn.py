@@ -320,6 +320,8 @@ def best_variant(rows: list[dict]) -> dict:
         ms = r["ms"].get("layer-persistent")
         if ms:
             by_variant.setdefault(json.dumps(r["variant"], sort_keys=True), []).append(ms)
+    if not by_variant:
+        return {}
     complete = {k: v for k, v in by_variant.items() if len(v) == max(map(len, by_variant.values()))}
     best = min(complete, key=lambda k: sum(math.log(x) for x in complete[k]))
     return json.loads(best)
