@@ -289,6 +289,14 @@ def _fwd_kernel(
             wa3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, 0, KA, H)
             if KB > 0:
                 wb3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, KA, KB, H)
+    # gru: b_hh stays on the hidden side (r * (W_hn h + b_hn)); loaded once.
+    bhr = tl.zeros([BN], dtype=tl.float32)
+    bhz = tl.zeros([BN], dtype=tl.float32)
+    bhn = tl.zeros([BN], dtype=tl.float32)
+    if HAS_HB:
+        bhr = tl.load(bhh_ptr + rn, mask=mn, other=0.0).to(tl.float32)
+        bhz = tl.load(bhh_ptr + H + rn, mask=mn, other=0.0).to(tl.float32)
+        bhn = tl.load(bhh_ptr + 2 * H + rn, mask=mn, other=0.0).to(tl.float32)
     t = tl.program_id(0) * 0  # a tensor from the start (the interpreter wants one)
     while t < T:
         t64 = t.to(tl.int64)
@@ -300,6 +308,10 @@ def _fwd_kernel(
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
+            x0, x1, x2, x3, c_old, h_old, valid = _fwd_inputs(
+                pre_ptr + t64 * B * GH, cells_ptr + t64 * B * H, h_in, len_ptr, rb, mb, rn, mn,
+                t, H, HS, MODE, G, HAS_LENGTHS,
+            )  # fmt: skip
             acc0 = tl.zeros([BB, BN], dtype=tl.float32)
             acc1 = tl.zeros([BB, BN], dtype=tl.float32)
             acc2 = tl.zeros([BB, BN], dtype=tl.float32)
@@ -340,11 +352,10 @@ def _fwd_kernel(
                     if G == 4:
                         w3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, k0, BK, H)
                         acc3 += _mma(hk, w3, PREC)
-            _fwd_cell(
-                pre_ptr + t64 * B * GH, stash_ptr + t64 * B * P, h_in, h_out, bhh_ptr,
-                cells_ptr + t64 * B * H, y_ptr + t64 * B * H, len_ptr,
-                acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-                H, HS, MODE, G, HAS_LENGTHS, CLIP, WRITE_STASH, HAS_HB,
+            _fwd_update(
+                stash_ptr + t64 * B * P, h_out, cells_ptr + t64 * B * H, y_ptr + t64 * B * H,
+                x0, x1, x2, x3, acc0, acc1, acc2, acc3, c_old, h_old, valid, bhr, bhz, bhn,
+                rb, mb, rn, mn, B, clip_lo, clip_hi, H, HS, MODE, G, CLIP, WRITE_STASH,
             )  # fmt: skip
             b0 += BB * groups
         if PROBE:
@@ -354,63 +365,76 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _fwd_cell(pre_ptr, stash_ptr, h_in, h_out, bhh_ptr, cell_ptr, y_ptr, len_ptr,
-              acc0, acc1, acc2, acc3, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-              H: tl.constexpr, HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
-              HAS_LENGTHS: tl.constexpr, CLIP: tl.constexpr, WRITE_STASH: tl.constexpr,
-              HAS_HB: tl.constexpr):  # fmt: skip
-    """Gates and state update of one [BB, BN] tile of step t (kernels.py's formulas)."""
+def _fwd_inputs(pre_ptr, cell_ptr, h_in, len_ptr, rb, mb, rn, mn, t, H: tl.constexpr,
+                HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
+                HAS_LENGTHS: tl.constexpr):  # fmt: skip
+    """What step t's update of one [BB, BN] tile reads besides the hidden GEMM: loaded
+    before it, so that their latency hides behind the K loop. Returns the input-side
+    pre-activations of the G gates (zeros beyond), c_{t-1} (lstm), h_{t-1}, valid."""
     mask = mb[:, None] & mn[None, :]
-    GH: tl.constexpr = G * H
     valid = mask
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    h_old = tl.load(h_in + rb[:, None] * HS + rn[None, :], mask=mask, other=0.0)
+    x0 = _tile(pre_ptr, rb, rn, mask, G * H, 0)
+    x1 = tl.zeros_like(x0)
+    x2 = tl.zeros_like(x0)
+    x3 = tl.zeros_like(x0)
+    c_old = tl.zeros_like(x0)
+    if G >= 3:
+        x1 = _tile(pre_ptr, rb, rn, mask, G * H, H)
+        x2 = _tile(pre_ptr, rb, rn, mask, G * H, 2 * H)
+    if G == 4:
+        x3 = _tile(pre_ptr, rb, rn, mask, G * H, 3 * H)
+    if MODE == 0:
+        c_old = tl.load(cell_ptr + rb[:, None] * H + rn[None, :], mask=mask, other=0.0)
+    return x0, x1, x2, x3, c_old, h_old, valid
+
+
+@triton.jit
+def _fwd_update(stash_ptr, h_out, cell_ptr, y_ptr, x0, x1, x2, x3, acc0, acc1, acc2, acc3,
+                c_old, h_old, valid, bhr, bhz, bhn, rb, mb, rn, mn, B, clip_lo, clip_hi,
+                H: tl.constexpr, HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
+                CLIP: tl.constexpr, WRITE_STASH: tl.constexpr):  # fmt: skip
+    """Gates and state update of one [BB, BN] tile of step t (kernels.py's formulas):
+    x* the input side, acc* the hidden side of each gate, bh* gru's hidden biases."""
+    mask = mb[:, None] & mn[None, :]
+    GH: tl.constexpr = G * H
     idx = rb[:, None] * H + rn[None, :]
-    hidx = rb[:, None] * HS + rn[None, :]
-    h_old = tl.load(h_in + hidx, mask=mask, other=0.0)
     sty = stash_ptr.dtype.element_ty
     if MODE == 0:
-        p_i = _tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
-        p_f = _tile(pre_ptr, rb, rn, mask, GH, H) + acc1
-        p_g = _tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
-        p_o = _tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
+        p_i, p_f, p_g, p_o = x0 + acc0, x1 + acc1, x2 + acc2, x3 + acc3
         if WRITE_STASH:
             srow = stash_ptr + rb[:, None] * GH + rn[None, :]
             tl.store(srow, p_i.to(sty), mask=mask)
             tl.store(srow + H, p_f.to(sty), mask=mask)
             tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
             tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
-        c_old = tl.load(cell_ptr + idx, mask=mask, other=0.0)
         c = _sigmoid(p_f) * c_old + _sigmoid(p_i) * _tanh(p_g)
         if CLIP:
             c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
         h = _sigmoid(p_o) * _tanh(c)
         tl.store(cell_ptr + B * H + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
-        hr, hz, hn = acc0, acc1, acc2
-        if HAS_HB:
-            hr += tl.load(bhh_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-            hz += tl.load(bhh_ptr + H + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-            hn += tl.load(bhh_ptr + 2 * H + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
-        r_pre = _tile(pre_ptr, rb, rn, mask, GH, 0) + hr
-        z_pre = _tile(pre_ptr, rb, rn, mask, GH, H) + hz
-        xn = _tile(pre_ptr, rb, rn, mask, GH, 2 * H)
+        hr, hz, hn = acc0 + bhr[None, :], acc1 + bhz[None, :], acc2 + bhn[None, :]
+        r_pre = x0 + hr
+        z_pre = x1 + hz
         r = _sigmoid(r_pre)
         z = _sigmoid(z_pre)
-        n = _tanh(xn + r * hn)
+        n = _tanh(x2 + r * hn)
         h = (1.0 - z) * n + z * h_old.to(tl.float32)
         if WRITE_STASH:
             srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
             tl.store(srow, r_pre.to(sty), mask=mask)
             tl.store(srow + H, z_pre.to(sty), mask=mask)
-            tl.store(srow + 2 * H, xn.to(sty), mask=mask)
+            tl.store(srow + 2 * H, x2.to(sty), mask=mask)
             tl.store(srow + 3 * H, hn.to(sty), mask=mask)
     elif MODE == 2:
-        h = _tanh(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
+        h = _tanh(x0 + acc0)
     else:
-        h = tl.maximum(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
+        h = tl.maximum(x0 + acc0, 0.0)
     h = h.to(h_out.dtype.element_ty)
-    tl.store(h_out + hidx, tl.where(valid, h, h_old), mask=mask)
+    tl.store(h_out + rb[:, None] * HS + rn[None, :], tl.where(valid, h, h_old), mask=mask)
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
 
 
@@ -487,6 +511,11 @@ def _bwd_kernel(
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
+            x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid = _bwd_inputs(
+                pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
+                dy_ptr + t64 * B * H, dh_ptr, dc_ptr, len_ptr, rb, mb, rn, mn, t, B, H, MODE,
+                P, HAS_LENGTHS, HAS_DY,
+            )  # fmt: skip
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
                 if RESIDENT:
@@ -508,11 +537,10 @@ def _bwd_kernel(
                         a = _rows(nxt, rb, mb, DS, 0, k0, BK, G * H)
                         w = _wtile(w_ptr, H, 1, rn, mn, k0, BK, G * H)
                         acc += _mma(a, w, PREC)
-            _bwd_cell(
-                pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
-                dy_ptr + t64 * B * H, dh_ptr, dc_ptr, dg_ptr + t64 * B * DS,
-                dgh_ptr + t64 * B * DS, len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi,
-                H, DS, MODE, G, P, HAS_LENGTHS, HAS_DY, CLIP,
+            _bwd_update(
+                dh_ptr, dc_ptr, dg_ptr + t64 * B * DS, dgh_ptr + t64 * B * DS,
+                x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid, acc, rb, mb, rn, mn,
+                clip_lo, clip_hi, H, DS, MODE, CLIP,
             )  # fmt: skip
             b0 += BB * groups
         if PROBE:
@@ -522,31 +550,58 @@ def _bwd_kernel(
 
 
 @triton.jit
-def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, dgh_ptr,
-              len_ptr, acc, rb, mb, rn, mn, t, B, clip_lo, clip_hi, H: tl.constexpr,
-              DS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-              HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
-    """Gate gradients of one [BB, BN] tile of step t and the state gradients carried to
-    step t-1 (kernels.py's formulas; dh holds the direct part, acc the part via W_hh)."""
+def _bwd_inputs(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, len_ptr, rb, mb, rn,
+                mn, t, B, H: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
+                HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr):  # fmt: skip
+    """What step t's gate gradients of one [BB, BN] tile read besides dG_{t+1} @ W_hh,
+    loaded before that K loop (their latency hides behind it): the stashed
+    pre-activations x0..x3, per mode s0..s2 (lstm: c_{t-1}, c_t, dc; gru: h_{t-1};
+    rnn: y_t), the direct part of dh (this program's own), dy_t and the valid mask."""
     mask = mb[:, None] & mn[None, :]
     valid = mask
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
     idx = rb[:, None] * H + rn[None, :]
-    dh_in = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32) + acc
-    dh = dh_in
+    dh_own = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.zeros_like(dh_own)
     if HAS_DY:
-        dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    x0, x1, x2, x3 = dy, dy, dy, dy  # placeholders where the mode reads none
+    s0, s1, s2 = dy, dy, dy
+    if MODE <= 1:
+        x0 = _tile(pre_ptr, rb, rn, mask, P, 0)
+        x1 = _tile(pre_ptr, rb, rn, mask, P, H)
+        x2 = _tile(pre_ptr, rb, rn, mask, P, 2 * H)
+        x3 = _tile(pre_ptr, rb, rn, mask, P, 3 * H)
+    if MODE == 0:
+        s0 = tl.load(cell_ptr + idx, mask=mask, other=0.0)
+        s1 = tl.load(cell_ptr + B * H + idx, mask=mask, other=0.0)
+        s2 = tl.load(dc_ptr + idx, mask=mask, other=0.0)
+    elif MODE == 1:
+        # h_{t-1}: h0 at the first step, else y_{t-1} (equal wherever step t is valid).
+        h_first = tl.load(h0_ptr + idx, mask=mask & (t == 0), other=0.0).to(tl.float32)
+        h_before = tl.load(y_ptr - B * H + idx, mask=mask & (t > 0), other=0.0).to(tl.float32)
+        s0 = h_first + h_before
+    else:
+        s0 = tl.load(y_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid
+
+
+@triton.jit
+def _bwd_update(dh_ptr, dc_ptr, dg_ptr, dgh_ptr, x0, x1, x2, x3, s0, s1, s2, dh_own, dy,
+                valid, acc, rb, mb, rn, mn, clip_lo, clip_hi, H: tl.constexpr,
+                DS: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
+    """Gate gradients of one [BB, BN] tile of step t and the state gradients carried to
+    step t-1 (kernels.py's formulas; acc = dG_{t+1} @ W_hh, the part via the weights)."""
+    mask = mb[:, None] & mn[None, :]
+    idx = rb[:, None] * H + rn[None, :]
+    dh_in = dh_own + acc
+    dh = dh_in + dy
     gty = dg_ptr.dtype.element_ty
     drow = dg_ptr + rb[:, None] * DS + rn[None, :]
     if MODE == 0:
-        i = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 0))
-        f = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, H))
-        g = _tanh(_tile(pre_ptr, rb, rn, mask, P, 2 * H))
-        o = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 3 * H))
-        c_old = tl.load(cell_ptr + idx, mask=mask, other=0.0)
-        c = tl.load(cell_ptr + B * H + idx, mask=mask, other=0.0)
-        dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
+        i, f, g, o = _sigmoid(x0), _sigmoid(x1), _tanh(x2), _sigmoid(x3)
+        c_old, c, dc_in = s0, s1, s2
         tc = _tanh(c)
         dc = dc_in + dh * o * (1.0 - tc * tc)
         if CLIP:
@@ -559,15 +614,8 @@ def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, 
         tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
         dh_direct = tl.zeros_like(dh)
     elif MODE == 1:
-        r = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, 0))
-        z = _sigmoid(_tile(pre_ptr, rb, rn, mask, P, H))
-        xn = _tile(pre_ptr, rb, rn, mask, P, 2 * H)
-        hn = _tile(pre_ptr, rb, rn, mask, P, 3 * H)
+        r, z, xn, hn, h_old = _sigmoid(x0), _sigmoid(x1), x2, x3, s0
         n = _tanh(xn + r * hn)
-        # h_{t-1}: h0 at the first step, else y_{t-1} (equal wherever step t is valid).
-        h_first = tl.load(h0_ptr + idx, mask=mask & (t == 0), other=0.0).to(tl.float32)
-        h_before = tl.load(y_ptr - B * H + idx, mask=mask & (t > 0), other=0.0).to(tl.float32)
-        h_old = h_first + h_before
         dn = dh * (1.0 - z) * (1.0 - n * n)
         dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
         dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
@@ -581,7 +629,7 @@ def _bwd_cell(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, dg_ptr, 
         dh_direct = dh * z
     else:
         # The activation's derivative comes from its output: nothing stashed.
-        h = tl.load(y_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        h = s0
         dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
         tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
         dh_direct = tl.zeros_like(dh)
