@@ -201,6 +201,28 @@ def _mma(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _gate_tiles(w_ptr, sk, sn, rn, mn, H: tl.constexpr, G: tl.constexpr, KA: tl.constexpr,
+                KB: tl.constexpr):  # fmt: skip
+    """Each gate's [K, BN] block ``W_hh[g*H:(g+1)*H]`` viewed through (sk, sn), as two K
+    pieces: (a0, b0, a1, b1, a2, b2, a3, b3), zero where the gate or piece is absent."""
+    a0 = _wtile(w_ptr, sk, sn, rn, mn, 0, KA, H)
+    b0, a1, b1, a2, b2, a3, b3 = 0, 0, 0, 0, 0, 0, 0
+    if KB > 0:
+        b0 = _wtile(w_ptr, sk, sn, rn, mn, KA, KB, H)
+    if G >= 3:
+        a1 = _wtile(w_ptr + H * H, sk, sn, rn, mn, 0, KA, H)
+        a2 = _wtile(w_ptr + 2 * H * H, sk, sn, rn, mn, 0, KA, H)
+        if KB > 0:
+            b1 = _wtile(w_ptr + H * H, sk, sn, rn, mn, KA, KB, H)
+            b2 = _wtile(w_ptr + 2 * H * H, sk, sn, rn, mn, KA, KB, H)
+    if G == 4:
+        a3 = _wtile(w_ptr + 3 * H * H, sk, sn, rn, mn, 0, KA, H)
+        if KB > 0:
+            b3 = _wtile(w_ptr + 3 * H * H, sk, sn, rn, mn, KA, KB, H)
+    return a0, b0, a1, b1, a2, b2, a3, b3
+
+
+@triton.jit
 def _resident_dot(a_ptr, rb, mb, stride, offset, wa, wb, H: tl.constexpr, KA: tl.constexpr,
                   KB: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """A[rb, offset : offset + H] @ W with W held as two K pieces (KA, then KB rows)."""
@@ -269,26 +291,15 @@ def _fwd_kernel(
     c4 = tl.arange(0, 4 * BN)
     r4 = (c4 // BN) * H + tl.program_id(0) * BN + c4 % BN
     m4 = ((c4 // BN) < G) & (tl.program_id(0) * BN + c4 % BN < H)
-    # W_hh^T blocks of this program's rows, one per gate: [K, BN] = W_hh[g*H + rn, k].
+    # Resident W_hh^T: one [K, 4*BN] tile (fused gates), else one [K, BN] per gate
+    # (W_hh[g*H + rn, k]); each as two K pieces.
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
     if RESIDENT and FUSE_GATES:
         wa0 = _wtile(w_ptr, 1, H, r4, m4, 0, KA, H)
         if KB > 0:
             wb0 = _wtile(w_ptr, 1, H, r4, m4, KA, KB, H)
     elif RESIDENT:
-        wa0 = _wtile(w_ptr, 1, H, rn, mn, 0, KA, H)
-        if KB > 0:
-            wb0 = _wtile(w_ptr, 1, H, rn, mn, KA, KB, H)
-        if G >= 3:
-            wa1 = _wtile(w_ptr + H * H, 1, H, rn, mn, 0, KA, H)
-            wa2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, 0, KA, H)
-            if KB > 0:
-                wb1 = _wtile(w_ptr + H * H, 1, H, rn, mn, KA, KB, H)
-                wb2 = _wtile(w_ptr + 2 * H * H, 1, H, rn, mn, KA, KB, H)
-        if G == 4:
-            wa3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, 0, KA, H)
-            if KB > 0:
-                wb3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, KA, KB, H)
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, 1, H, rn, mn, H, G, KA, KB)
     # gru: b_hh stays on the hidden side (r * (W_hn h + b_hn)); loaded once.
     bhr = tl.zeros([BN], dtype=tl.float32)
     bhz = tl.zeros([BN], dtype=tl.float32)
@@ -312,28 +323,13 @@ def _fwd_kernel(
                 pre_ptr + t64 * B * GH, cells_ptr + t64 * B * H, h_in, len_ptr, rb, mb, rn, mn,
                 t, H, HS, MODE, G, HAS_LENGTHS,
             )  # fmt: skip
-            acc0 = tl.zeros([BB, BN], dtype=tl.float32)
-            acc1 = tl.zeros([BB, BN], dtype=tl.float32)
-            acc2 = tl.zeros([BB, BN], dtype=tl.float32)
-            acc3 = tl.zeros([BB, BN], dtype=tl.float32)
             if FUSE_GATES:
-                if RESIDENT:
-                    accf = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
-                elif SPLIT > 1:  # S independent MMA chains (batched dot), summed after
-                    acc3 = tl.zeros([SPLIT, BB, 4 * BN], dtype=tl.float32)
-                    for k0 in range(0, H, BK):
-                        hk3 = _split_rows(h_in, rb, mb, HS, k0, SPLIT, BK // SPLIT, H)
-                        w3 = _split_wtile(w_ptr, 1, H, r4, m4, k0, SPLIT, BK // SPLIT, H)
-                        acc3 += _mma(hk3, w3, PREC)
-                    accf = tl.sum(acc3, axis=0)
-                else:
-                    accf = tl.zeros([BB, 4 * BN], dtype=tl.float32)
-                    for k0 in range(0, H, BK):
-                        hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
-                        w4 = _wtile(w_ptr, 1, H, r4, m4, k0, BK, H)
-                        accf += _mma(hk, w4, PREC)
+                accf = _fused_hidden(h_in, w_ptr, rb, mb, r4, m4, wa0, wb0, H, HS, KA, KB, BK,
+                                     BB, BN, SPLIT, RESIDENT, PREC)  # fmt: skip
                 acc0, acc1, acc2, acc3 = _split_gates(accf, BB, BN)
             elif RESIDENT:
+                acc1 = tl.zeros([BB, BN], dtype=tl.float32)
+                acc2, acc3 = acc1, acc1
                 acc0 = _resident_dot(h_in, rb, mb, HS, 0, wa0, wb0, H, KA, KB, PREC)
                 if G >= 3:
                     acc1 = _resident_dot(h_in, rb, mb, HS, 0, wa1, wb1, H, KA, KB, PREC)
@@ -341,6 +337,8 @@ def _fwd_kernel(
                 if G == 4:
                     acc3 = _resident_dot(h_in, rb, mb, HS, 0, wa3, wb3, H, KA, KB, PREC)
             else:
+                acc0 = tl.zeros([BB, BN], dtype=tl.float32)
+                acc1, acc2, acc3 = acc0, acc0, acc0
                 for k0 in range(0, H, BK):
                     hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
                     acc0 += _mma(hk, _wtile(w_ptr, 1, H, rn, mn, k0, BK, H), PREC)
@@ -362,6 +360,29 @@ def _fwd_kernel(
             _stamp(probe_ptr + t64 * 4 + 2)
         t += 1
         grid_barrier(count_ptr, t * programs, SPIN_LOAD)
+
+
+@triton.jit
+def _fused_hidden(h_in, w_ptr, rb, mb, r4, m4, wa, wb, H: tl.constexpr, HS: tl.constexpr,
+                  KA: tl.constexpr, KB: tl.constexpr, BK: tl.constexpr, BB: tl.constexpr,
+                  BN: tl.constexpr, SPLIT: tl.constexpr, RESIDENT: tl.constexpr,
+                  PREC: tl.constexpr):  # fmt: skip
+    """h_{t-1}[rb] @ W_hh[r4]^T: [BB, 4*BN], every gate in one dot (resident W in two K
+    pieces, or streamed in BK chunks, optionally in SPLIT independent chains)."""
+    if RESIDENT:
+        acc = _resident_dot(h_in, rb, mb, HS, 0, wa, wb, H, KA, KB, PREC)
+    elif SPLIT > 1:  # a batched dot over the slices, summed after
+        accs = tl.zeros([SPLIT, BB, 4 * BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            hk = _split_rows(h_in, rb, mb, HS, k0, SPLIT, BK // SPLIT, H)
+            accs += _mma(hk, _split_wtile(w_ptr, 1, H, r4, m4, k0, SPLIT, BK // SPLIT, H), PREC)
+        acc = tl.sum(accs, axis=0)
+    else:
+        acc = tl.zeros([BB, 4 * BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            hk = _rows(h_in, rb, mb, HS, 0, k0, BK, H)
+            acc += _mma(hk, _wtile(w_ptr, 1, H, r4, m4, k0, BK, H), PREC)
+    return acc
 
 
 @triton.jit
@@ -483,22 +504,10 @@ def _bwd_kernel(
     count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
-    # W_hh blocks of this program's columns, one per gate: [K, BN] = W_hh[g*H + k, rn].
+    # Resident W_hh blocks of this program's columns, one per gate: W_hh[g*H + k, rn].
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
     if RESIDENT:
-        wa0 = _wtile(w_ptr, H, 1, rn, mn, 0, KA, H)
-        if KB > 0:
-            wb0 = _wtile(w_ptr, H, 1, rn, mn, KA, KB, H)
-        if G >= 3:
-            wa1 = _wtile(w_ptr + H * H, H, 1, rn, mn, 0, KA, H)
-            wa2 = _wtile(w_ptr + 2 * H * H, H, 1, rn, mn, 0, KA, H)
-            if KB > 0:
-                wb1 = _wtile(w_ptr + H * H, H, 1, rn, mn, KA, KB, H)
-                wb2 = _wtile(w_ptr + 2 * H * H, H, 1, rn, mn, KA, KB, H)
-        if G == 4:
-            wa3 = _wtile(w_ptr + 3 * H * H, H, 1, rn, mn, 0, KA, H)
-            if KB > 0:
-                wb3 = _wtile(w_ptr + 3 * H * H, H, 1, rn, mn, KA, KB, H)
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
     dgw_ptr = dgh_ptr if MODE == 1 else dg_ptr  # what flows back through W_hh
     s = tl.program_id(0) * 0
     while s < T:
@@ -525,18 +534,9 @@ def _bwd_kernel(
                         acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
                     if G == 4:
                         acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
-                elif SPLIT > 1:  # S independent MMA chains (batched dot), summed after
-                    acc3 = tl.zeros([SPLIT, BB, BN], dtype=tl.float32)
-                    for k0 in range(0, G * H, BK):
-                        a3 = _split_rows(nxt, rb, mb, DS, k0, SPLIT, BK // SPLIT, G * H)
-                        w3 = _split_wtile(w_ptr, H, 1, rn, mn, k0, SPLIT, BK // SPLIT, G * H)
-                        acc3 += _mma(a3, w3, PREC)
-                    acc += tl.sum(acc3, axis=0)
-                else:  # the gates one after another: one K loop over G*H
-                    for k0 in range(0, G * H, BK):
-                        a = _rows(nxt, rb, mb, DS, 0, k0, BK, G * H)
-                        w = _wtile(w_ptr, H, 1, rn, mn, k0, BK, G * H)
-                        acc += _mma(a, w, PREC)
+                else:
+                    acc += _streamed_back(nxt, w_ptr, rb, mb, rn, mn, G * H, H, DS, BK, BB, BN,
+                                          SPLIT, PREC)  # fmt: skip
             _bwd_update(
                 dh_ptr, dc_ptr, dg_ptr + t64 * B * DS, dgh_ptr + t64 * B * DS,
                 x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid, acc, rb, mb, rn, mn,
@@ -547,6 +547,26 @@ def _bwd_kernel(
             _stamp(probe_ptr + t64 * 4 + 2)
         s += 1
         grid_barrier(count_ptr, s * programs, SPIN_LOAD)
+
+
+@triton.jit
+def _streamed_back(nxt, w_ptr, rb, mb, rn, mn, GH: tl.constexpr, H: tl.constexpr,
+                   DS: tl.constexpr, BK: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr,
+                   SPLIT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """dG_{t+1}[rb] @ W_hh[:, rn], W streamed: the gates one after another (W_hh's rows
+    are contiguous across them), one K loop over G*H, optionally in SPLIT chains."""
+    if SPLIT > 1:  # a batched dot over the slices, summed after
+        accs = tl.zeros([SPLIT, BB, BN], dtype=tl.float32)
+        for k0 in range(0, GH, BK):
+            a = _split_rows(nxt, rb, mb, DS, k0, SPLIT, BK // SPLIT, GH)
+            accs += _mma(a, _split_wtile(w_ptr, H, 1, rn, mn, k0, SPLIT, BK // SPLIT, GH), PREC)
+        acc = tl.sum(accs, axis=0)
+    else:
+        acc = tl.zeros([BB, BN], dtype=tl.float32)
+        for k0 in range(0, GH, BK):
+            a = _rows(nxt, rb, mb, DS, 0, k0, BK, GH)
+            acc += _mma(a, _wtile(w_ptr, H, 1, rn, mn, k0, BK, GH), PREC)
+    return acc
 
 
 @triton.jit
