@@ -84,7 +84,9 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
-NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 8))
+# NOTE: 4 warps beat 8 for streamed W (H100, LSTM 2x650 B20 fp32, layer level: 2.47 ms
+# against 2.75; window 2 sweep, docs/notes/rnn-persistent.md).
+NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
 NUM_STAGES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_STAGES", 3))
 # Resident W: forward 16 warps, backward 8 (ptxas for sm_90: no spills at H 512 fp32 and
 # H 1024 bf16 that way; the forward spills ~8 KB per thread at 4 or 8 warps).
@@ -97,6 +99,8 @@ ALLOW_SPILLS = False
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
 # since the whole-K h tile lives in registers beside W).
 BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
+# NOTE: SPLIT_K and the BWD_* knobs were added after the last GPU window: unmeasured, so
+# their defaults keep the measured code path (one chain, 64-deep chunks).
 # Streamed: each K chunk in SPLIT_K slices of BLOCK_K / SPLIT_K (>= 16), one MMA chain
 # each (a batched dot), summed after the loop: chains SPLIT_K times shorter.
 SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPLIT_K", 1))
