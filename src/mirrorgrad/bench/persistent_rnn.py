@@ -1,7 +1,8 @@
 """Kernel-level benchmark of the persistent RNN layer (ops/rnn/persistent.py) on one GPU.
 
     python -m mirrorgrad.bench.persistent_rnn --out DIR [--dtypes fp32,bf16]
-        [--modes lstm,gru] [--configs 0,4,7] [--methods ...] [--reps 10] [--profile]
+        [--modes lstm,gru] [--configs 0,4,7] | [--cases lstm:fp32:0,gru:bf16:7]
+        [--methods ...] [--reps 10] [--profile] [--sweep] [--knobs best_knobs.json]
 
 Forward + backward median ms (``mirrorgrad._timing``) of one stack at the shapes of
 issue 16 (``bench.rnn_kernels.CONFIGS``: the seven LSTM shapes, then batch 1-4), TF32 on
@@ -11,12 +12,16 @@ both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
   one CUDA Graph and replayed;
 * ``triton`` / ``persistent``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users call;
 * ``layer-triton`` / ``layer-persistent``: the per-layer functions called directly
-  (no module, no autograd), as ``bench.rnn_kernels`` drives them.
+  (no module, no autograd) in the module's memory mode.
 
 TFLOP/s counts the gate GEMMs (3x the forward's) and is given as a share of the GPU's
-dense peak. ``--profile`` writes a torch.profiler table of the persistent module per
-config; every run times the grid barrier alone (``barrier_us``: one step of an empty
-persistent loop over the same grid). Writes ``persistent_rnn.json``; prints a table last.
+dense peak; each row also records the persistent layout, its compiled kernels
+(registers, spills, shared memory) and the grid barrier's cost alone (``barrier_us``).
+``--profile`` adds a torch.profiler table and each step's split into work and barrier
+wait (program 0's timestamps, ``persistent.PROBES``). ``--sweep`` times the SWEEP knob
+sets at the layer level and writes the best to ``best_knobs.json``; ``--knobs`` applies
+such a file first. Writes ``persistent_rnn.json``; prints a table last. About 8 s per
+row and method set on an H100 (most of it compiling).
 """
 
 from __future__ import annotations
