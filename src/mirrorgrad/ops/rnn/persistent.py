@@ -14,17 +14,18 @@ runs ``"triton"``. Per layer and direction:
   columns]`` and the gate gradients of its units, barrier per step; dW_ih, dW_hh, db
   and dx are GEMMs over the stored dG after the launch (kernels.py's helpers).
 
-W_hh's slice per program is **resident** (loaded once before the time loop, kept in
-registers across steps) when it is at most RESIDENT_BYTES, else **streamed** from L2
-each step in BK-deep chunks. h_{t-1} and dG_{t+1} are read from global memory with
-L2. Triton's pipeliner turns those loads into ``cp.async.ca`` (through L1, which is not
-coherent) whatever their cache modifier, so every step writes them to addresses of their
-own (h: [T+1, B, H] workspace instead of a ping-pong pair; dG: [T, B, G*H] as stored for
-the weight GEMMs) with rows padded to whole 128-byte lines: an L1 line is only ever
-fetched after its step's barrier, complete, and never written again in the launch.
-The barrier is a monotonic int32 counter:
-``atomic_add(+1, release)`` after the step's stores, then a spin on
-``atomic_add(0, acquire)`` until it reaches programs * steps done.
+W_hh's slice per program is **resident** (loaded once before the time loop; Triton keeps
+it in shared memory and loads MMA operands from there each step) where it is at most
+RESIDENT_BYTES and compiles without spills, else **streamed** from L2 each step in
+BK-deep chunks. Batch tiles are spread over groups of programs (grid axis 1), each group
+with its own barrier. h_{t-1} and dG_{t+1} come from L2: Triton's pipeliner turns
+their loads into ``cp.async.ca`` (through L1, which is not coherent) whatever their
+cache modifier, so every step writes them to addresses of their own (h: [T+1, B, H]
+workspace instead of a ping-pong pair; dG: [T, B, G*H] as stored for the weight GEMMs)
+with rows padded to whole 128-byte lines: an L1 line is only ever fetched after its
+step's barrier, complete, and never written again in the launch. The barrier is a
+monotonic int32 counter: ``atomic_add(+1, release)`` after the step's stores, a poll
+with volatile loads, then one acquiring read (``grid_barrier``).
 
 A spin barrier needs every program resident at once: the grid is capped at the SM
 count (one program per SM), else the layer runs kernels.py (``plan`` returns None).
