@@ -94,6 +94,8 @@ class Plan:
     # floor: what no mirroring can remove (parameters, gradients, inputs, ...).
     floor: liveness.PeakBreakdown | None = field(default=None, repr=False)
     sizes: dict[Node, int] = field(default_factory=dict, repr=False)
+    # The memory mode chosen for each of our RNN ops (mirror/op_memory.py).
+    op_memory: list = field(default_factory=list, repr=False)
 
     def _stashed(self) -> list[Node]:
         """Saved values other than primals (those are the caller's anyway)."""
@@ -118,6 +120,7 @@ class Plan:
             "step_time_s": self.step_time_s,
             "budget_met": self.budget_met,
             "floor": self.floor.to_dict() if self.floor is not None else None,
+            "op_memory": [c.to_dict() for c in self.op_memory],
         }
 
     def floor_summary(self) -> str:
@@ -162,6 +165,7 @@ class Plan:
             lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
+        lines += [f"op memory:      {c}" for c in self.op_memory]
         return "\n".join(lines)
 
 
@@ -282,8 +286,11 @@ def stash_sizes(joint: JointGraph, graph: UnitGraph, saved: list[Node]) -> dict[
     return sizes
 
 
-def plan(joint: JointGraph, options: PlanOptions) -> Plan:
-    """Decide what the forward pass stashes and what the backward pass recomputes."""
+def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
+    """Decide what the forward pass stashes and what the backward pass recomputes.
+
+    ``warn=False``: no ``MirrorgradBudgetWarning`` (a caller that compares plans warns
+    once for the one it keeps)."""
     policy = options.policy if options.policy is not None else MirrorPolicy()
     rates = options.device if options.device is not None else rates_for(joint.device)
     graph = UnitGraph(joint, policy)
@@ -330,12 +337,12 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
         floor=floor,
         sizes=sizes,
     )
-    if met is False:
-        warnings.warn(_budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
+    if met is False and warn:
+        warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
     return result
 
 
-def _budget_message(p: Plan) -> str:
+def budget_message(p: Plan) -> str:
     return (
         f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
         f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
