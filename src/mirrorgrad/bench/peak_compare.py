@@ -329,7 +329,7 @@ def compare(workload_name: str, plan_text: str, args: argparse.Namespace) -> dic
     marks: dict[str, int] = {}
 
     def mark(name: str) -> None:
-        if cuda and "step" in marks:
+        if cuda and (name == "step" or "step" in marks):
             marks[name] = len(_compat.memory_snapshot()["device_traces"][index])
 
     if cuda:
