@@ -130,3 +130,15 @@ def test_balance_takes_the_peak_lowering_op_within_the_cap_and_charges_its_time(
     assert plan.peak_before == off.peak_before == off.peak_after
     assert plan.added_time_s >= decided.added_seconds > 0
     assert plan.added_time_s <= plan.step_time_s  # within the cap
+
+
+def test_summary_line_names_peaks_op_choices_and_an_unmet_budget():
+    model, x = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        _, _, unmet = _run(model, x, mode="budget", budget=0.05)
+    line = unmet.summary_line()
+    assert "\n" not in line and line.startswith("mirror budget: estimated peak ")
+    assert "rnn recompute" in line and "NOT met" in line and "parameters" in line
+    _, _, met = _run(model, x, mode="budget", budget=1.0)
+    assert met.summary_line().endswith("met") and "rnn stash" in met.summary_line()

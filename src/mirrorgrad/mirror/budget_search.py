@@ -50,6 +50,12 @@ PRUNE_TRIALS = 16
 BUDGET_TOLERANCE = 0.05
 # The largest values alive at the peak that a plan's summary names.
 FLOOR_VALUES = 5
+# What an estimated peak counts (str(plan), the budget warning, the README).
+PEAK_INCLUDES = (
+    "one forward+backward of the compiled graph: parameters, inputs, gradients, saved "
+    "and temporary values, the ops' declared temporaries; optimizer state and memory "
+    "held outside the graph (cuBLAS workspaces, CUDA Graph pools, data) come on top"
+)
 
 
 class MirrorgradBudgetWarning(UserWarning):
@@ -138,6 +144,28 @@ class Plan:
             f"largest values: {largest}"
         )
 
+    def _budget_state(self) -> str:
+        if self.budget_met is False:
+            return "NOT met"
+        if self.budget_bytes is not None and self.peak_after > self.budget_bytes:
+            over = self.peak_after / self.budget_bytes - 1
+            return f"met within the {BUDGET_TOLERANCE:.0%} tolerance (+{over:.1%})"
+        return "met"
+
+    def summary_line(self) -> str:
+        """The plan in one line, for a training log: peaks, time, op choices, budget."""
+        overhead = self.added_time_s / self.step_time_s if self.step_time_s else 0.0
+        parts = [
+            f"mirror {self.mode}: estimated peak {_fmt(self.peak_after)} "
+            f"({_fmt(self.peak_before)} unmirrored), +{overhead:.1%} time"
+        ]
+        parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
+        if self.budget_bytes is not None:
+            parts.append(f"budget {_fmt(self.budget_bytes)} {self._budget_state()}")
+            if not self.budget_met:
+                parts.append(self.floor_summary())
+        return "; ".join(parts)
+
     def __str__(self) -> str:
         rows = [
             (kind, n.name, op_name(n), str(_shape(n)), _fmt(self.sizes[n]))
@@ -156,13 +184,13 @@ class Plan:
             "",
             f"stash bytes:    {_fmt(self.stash_bytes_before)} -> {_fmt(self.stash_bytes_after)}",
             f"estimated peak: {_fmt(self.peak_before)} -> {_fmt(self.peak_after)}",
+            f"                ({PEAK_INCLUDES})",
             f"added FLOPs:    {self.added_flops:,}",
             f"added time:     {self.added_time_s * 1e6:.1f} us "
             f"({overhead:.1%} of an estimated {self.step_time_s * 1e6:.1f} us step)",
         ]
         if self.budget_bytes is not None:
-            met = "met" if self.peak_after <= self.budget_bytes else "NOT met"
-            lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
+            lines.append(f"budget:         {_fmt(self.budget_bytes)} ({self._budget_state()})")
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
@@ -347,8 +375,8 @@ def budget_message(p: Plan) -> str:
         f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
         f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
         f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
-        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. Optimizer state and "
-        "anything outside the compiled graph come on top."
+        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. The peak is of "
+        f"{PEAK_INCLUDES}."
     )
 
 
