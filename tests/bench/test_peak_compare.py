@@ -88,3 +88,13 @@ def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
         assert choice.startswith("rnn_forward (rnn): stash [off]")
         assert result["estimated"]["by_row"]["inputs"] > 0
     assert "word-lm-medium-b20 / off on cpu" in capsys.readouterr().out
+
+
+def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypatch):
+    from mirrorgrad.bench import op_memory_timing
+
+    monkeypatch.setattr(op_memory_timing, "SIZES", ((1, 8, 2),))
+    assert op_memory_timing.main(["--out", str(tmp_path), "--device", "cpu"]) == 0
+    (row,) = json.loads((tmp_path / "op_memory_timing.json").read_text())
+    assert row["stash"]["forward_ms"] > 0 and row["recompute"]["forward_ms"] > 0
+    assert row["gemm_ms_est"] > 0
