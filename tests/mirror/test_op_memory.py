@@ -142,3 +142,12 @@ def test_summary_line_names_peaks_op_choices_and_an_unmet_budget():
     assert "rnn recompute" in line and "NOT met" in line and "parameters" in line
     _, _, met = _run(model, x, mode="budget", budget=1.0)
     assert met.summary_line().endswith("met") and "rnn stash" in met.summary_line()
+
+
+def test_symbolic_sizes_are_decided_by_their_example_values():
+    """Dynamic shapes (the last, shorter BPTT window): sizes and FLOPs are SymInts."""
+    model, x = _model()
+    plan = _check_against_eager(model, x, mode="balance", max_overhead=1.0, dynamic=True)
+    (decided,) = plan.op_memory
+    assert isinstance(decided.stash_bytes, int) and isinstance(decided.recompute_seconds, float)
+    assert decided.choice == "recompute" and "rnn_forward (rnn)" in str(plan)

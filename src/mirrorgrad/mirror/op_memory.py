@@ -34,6 +34,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils.flop_counter import flop_registry
 
+from mirrorgrad import _compat
 from mirrorgrad._units import format_bytes
 from mirrorgrad.graph.cost import DeviceRates, rates_for
 from mirrorgrad.graph.joint import JointGraph, fake_value
@@ -235,7 +236,7 @@ def _candidate(forward: Node, rates: DeviceRates) -> _Candidate:
     args = [fake_value(a) for a in forward.args]
     backward = [u for u in _users_through_getitems(forward) if u.target is _BACKWARD]
     flops = flop_registry[torch.ops.mirrorgrad.rnn_forward]
-    forward_flops = flops(*args, out_val=forward.meta.get("val"))
+    forward_flops = _hint(flops(*args, out_val=forward.meta.get("val")))
     recomputes = args[_FWD_MODE] in ("lstm", "gru")
     added = len(backward) * forward_flops if recomputes else 0
     return _Candidate(
@@ -258,7 +259,14 @@ def _saved_bytes(forward: Node, memory: str) -> int:
     per_direction = rnn_op.layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
     layer_outputs = (num_layers - 1) * T * B * (2 if bidirectional else 1) * hx.shape[-1]
     directions = num_layers * (2 if bidirectional else 1)
-    return int(directions * per_direction + layer_outputs * x.dtype.itemsize)
+    return _hint(directions * per_direction + layer_outputs * x.dtype.itemsize)
+
+
+def _hint(value: object) -> int:
+    """An int from a size that may be symbolic (dynamic shapes: its example value)."""
+    if isinstance(value, torch.SymInt):
+        return int(_compat.optimization_hint(value, fallback=4096))
+    return int(value)
 
 
 def _users_through_getitems(node: Node) -> list[Node]:
