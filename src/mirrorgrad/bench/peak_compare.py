@@ -68,11 +68,12 @@ def _estimate(plans: list) -> dict[str, Any]:
     by_row = {row: 0 for row, _ in ROWS}
     for kind, nbytes in floor.bytes_by_kind.items():
         by_row[row_of[kind]] += nbytes
+    by_row[HELD] = sum(plan.held.values())  # the BLAS workspaces (graph/held.py)
     values = [
         {"name": n.name, "row": row_of[kind], "bytes": b} for n, kind, b in floor.values if b
     ]
     return {
-        "peak": floor.peak,
+        "peak": floor.peak + by_row[HELD],
         "phase": floor.phase,
         "node": floor.node,
         "by_row": by_row,

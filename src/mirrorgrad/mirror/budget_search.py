@@ -53,8 +53,9 @@ FLOOR_VALUES = 5
 # What an estimated peak counts (str(plan), the budget warning, the README).
 PEAK_INCLUDES = (
     "one forward+backward of the compiled graph: parameters, inputs, gradients, saved "
-    "and temporary values, the ops' declared temporaries; optimizer state and memory "
-    "held outside the graph (cuBLAS workspaces, CUDA Graph pools, data) come on top"
+    "and temporary values, the ops' declared temporaries; the cuBLAS workspaces are "
+    "listed apart ('held outside', in the step peak); optimizer state and other memory "
+    "held outside the graph (CUDA Graph pools, data) come on top"
 )
 
 
@@ -102,6 +103,13 @@ class Plan:
     sizes: dict[Node, int] = field(default_factory=dict, repr=False)
     # The memory mode chosen for each of our RNN ops (mirror/op_memory.py).
     op_memory: list = field(default_factory=list, repr=False)
+    # What the step holds outside the graph, by holder (graph/held.py: BLAS workspaces).
+    held: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def step_peak(self) -> int:
+        """The estimated peak of the step: the graph's (``peak_after``) and ``held``."""
+        return self.peak_after + sum(self.held.values())
 
     def _stashed(self) -> list[Node]:
         """Saved values other than primals (those are the caller's anyway)."""
@@ -127,6 +135,8 @@ class Plan:
             "budget_met": self.budget_met,
             "floor": self.floor.to_dict() if self.floor is not None else None,
             "op_memory": [c.to_dict() for c in self.op_memory],
+            "held": dict(self.held),
+            "step_peak": self.step_peak,
         }
 
     def floor_summary(self) -> str:
@@ -156,8 +166,9 @@ class Plan:
         """The plan in one line, for a training log: peaks, time, op choices, budget."""
         overhead = self.added_time_s / self.step_time_s if self.step_time_s else 0.0
         parts = [
-            f"mirror {self.mode}: estimated peak {_fmt(self.peak_after)} "
-            f"({_fmt(self.peak_before)} unmirrored), +{overhead:.1%} time"
+            f"mirror {self.mode}: estimated peak {_fmt(self.step_peak)} "
+            f"(graph {_fmt(self.peak_after)}, {_fmt(self.peak_before)} unmirrored), "
+            f"+{overhead:.1%} time"
         ]
         parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
         if self.budget_bytes is not None:
@@ -185,6 +196,10 @@ class Plan:
             f"stash bytes:    {_fmt(self.stash_bytes_before)} -> {_fmt(self.stash_bytes_after)}",
             f"estimated peak: {_fmt(self.peak_before)} -> {_fmt(self.peak_after)}",
             f"                ({PEAK_INCLUDES})",
+            *(
+                f"held outside:   {what} {_fmt(b)}: step peak {_fmt(self.step_peak)}"
+                for what, b in self.held.items()
+            ),
             f"added FLOPs:    {self.added_flops:,}",
             f"added time:     {self.added_time_s * 1e6:.1f} us "
             f"({overhead:.1%} of an estimated {self.step_time_s * 1e6:.1f} us step)",

@@ -37,6 +37,7 @@ from torch.utils.flop_counter import flop_registry
 from mirrorgrad import _compat
 from mirrorgrad._units import format_bytes
 from mirrorgrad.graph.cost import DeviceRates, rates_for
+from mirrorgrad.graph.held import held_bytes
 from mirrorgrad.graph.joint import JointGraph, fake_value
 from mirrorgrad.mirror import budget_search
 from mirrorgrad.mirror.budget_search import Plan, PlanOptions
@@ -141,6 +142,7 @@ def plan_joint(
         joint, chosen = planned(best, trials[best][1])
     choices = _choices(sized, candidates, free[:best], policy, options.mode)
     result = _combined(chosen, base, free[:best], choices)
+    result.held = held_bytes(joint)
     if result.budget_met is False:
         warnings.warn(
             budget_search.budget_message(result), budget_search.MirrorgradBudgetWarning,

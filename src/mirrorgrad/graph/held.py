@@ -1,0 +1,66 @@
+"""Memory a training step holds outside its graph that the planner can know: the BLAS
+workspaces.
+
+PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator
+the first time a matmul runs there, and keeps it for the life of the process: one for
+the thread that runs the forward, one for autograd's device thread that runs the
+backward. They count in ``torch.cuda.max_memory_allocated`` like any tensor, so a step
+whose graph runs matmuls on a GPU peaks that much above its values. Sizes as torch sets
+them (ATen's CublasHandlePool.cpp): cuBLAS ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count``
+pairs; default 32 MiB on sm90, 8 MiB + 128 KiB elsewhere), cuBLASLt
+``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1 MiB).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from torch.fx import Node
+
+from mirrorgrad.graph.joint import JointGraph, op_name
+
+_BLAS_OPS = frozenset(
+    ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+     "aten::_scaled_mm", "aten::addmv", "aten::mv")
+)  # fmt: skip
+_PAIR = re.compile(r":(\d+):(\d+)")
+
+
+def blas_workspace_bytes(device: torch.device) -> int:
+    """cuBLAS + cuBLASLt workspace bytes of one (handle, stream) on ``device``; 0 off CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    sm90 = torch.cuda.get_device_capability(device) == (9, 0)
+    return workspace_config_bytes(
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"), os.environ.get("CUBLASLT_WORKSPACE_SIZE"), sm90
+    )
+
+
+def workspace_config_bytes(cublas_config: str | None, lt_kib: str | None, sm90: bool) -> int:
+    """The workspace torch sizes from these settings: ``CUBLAS_WORKSPACE_CONFIG``
+    (``:KiB:count`` pairs, e.g. ``:4096:8``), ``CUBLASLT_WORKSPACE_SIZE`` (KiB)."""
+    pairs = _PAIR.findall(cublas_config or "")
+    if pairs:
+        cublas = sum(int(kib) * int(n) for kib, n in pairs) * 1024
+    else:
+        cublas = 4096 * 8 * 1024 if sm90 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return cublas + int(lt_kib or 1024) * 1024
+
+
+def _runs_blas(node: Node) -> bool:
+    """A node whose op calls cuBLAS: the matmul family, or one of our custom ops (their
+    GPU paths run GEMMs through torch)."""
+    if node.op != "call_function":
+        return False
+    name = op_name(node)
+    return name in _BLAS_OPS or name.startswith("mirrorgrad::")
+
+
+def held_bytes(joint: JointGraph) -> dict[str, int]:
+    """What the step holds beyond the graph's values, by what holds it: the BLAS
+    workspaces of the forward's thread and of the backward's, where they run matmuls."""
+    per_thread = blas_workspace_bytes(joint.device)
+    threads = any(map(_runs_blas, joint.forward)) + any(map(_runs_blas, joint.backward))
+    return {"cuBLAS workspaces": threads * per_thread} if per_thread and threads else {}

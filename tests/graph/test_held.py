@@ -1,0 +1,47 @@
+"""graph/held.py: the BLAS workspaces a step holds outside its graph."""
+
+import pytest
+import torch
+
+from mirrorgrad.graph.held import blas_workspace_bytes, held_bytes, workspace_config_bytes
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("config", "lt", "sm90", "expected"),
+    [
+        (None, None, True, 32 * MiB + MiB),  # torch's sm90 default, cuBLASLt 1 MiB
+        (None, None, False, 8 * MiB + 128 * 1024 + MiB),
+        (":4096:8", "2048", False, 32 * MiB + 2 * MiB),
+        (":4096:2:16:8", None, True, 8 * MiB + 128 * 1024 + MiB),
+    ],
+)
+def test_workspace_sizes_follow_torchs_settings(config, lt, sm90, expected):
+    assert workspace_config_bytes(config, lt, sm90) == expected
+
+
+def test_nothing_is_held_off_cuda():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
+    from joint_graphs import joint_of
+
+    joint = joint_of(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert blas_workspace_bytes(torch.device("cpu")) == 0 and held_bytes(joint) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_forward_and_backward_matmul_hold_two_workspaces():
+    """Fresh threads' handles: the forward's (this thread) and autograd's."""
+    torch.cuda.synchronize()
+    a = torch.randn(256, 256, device="cuda", requires_grad=True)
+    before = torch.cuda.memory_allocated()
+    (a @ a).sum().backward()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before - a.grad.nbytes
+    per_thread = blas_workspace_bytes(a.device)
+    # This thread may have run a matmul before (its workspace exists): one or two.
+    assert grown in (per_thread, 2 * per_thread)
