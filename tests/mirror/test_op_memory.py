@@ -151,3 +151,15 @@ def test_symbolic_sizes_are_decided_by_their_example_values():
     (decided,) = plan.op_memory
     assert isinstance(decided.stash_bytes, int) and isinstance(decided.recompute_seconds, float)
     assert decided.choice == "recompute" and "rnn_forward (rnn)" in str(plan)
+
+
+def test_budget_mode_stays_monotone_with_the_op_choice():
+    """A lower budget never gets a higher peak, the op's mode being one more choice."""
+    peaks = []
+    for budget in (1.0, 0.97, 0.5, 0.1):
+        model, x = _model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+            _, _, plan = _run(model, x, mode="budget", budget=budget)
+        peaks.append(plan.peak_after)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
