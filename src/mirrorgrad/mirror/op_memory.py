@@ -289,6 +289,7 @@ def _rewrite(gm: GraphModule, c: _Candidate, memory: str) -> None:
     args = list(forward.args)
     args[_FWD_MEMORY] = memory
     forward.args = tuple(args)
+    _refresh_input_vals(forward)
     value = rnn_op.rnn_forward_fake(*[fake_value(a) for a in args])
     forward.meta["val"] = value
     saved_list = next(
@@ -304,13 +305,26 @@ def _rewrite(gm: GraphModule, c: _Candidate, memory: str) -> None:
             for i in reversed(range(len(value[_SAVED_OUTPUT]))):
                 item = gm.graph.call_function(operator.getitem, (saved_list, i))
                 item.meta = {**template.meta, "val": value[_SAVED_OUTPUT][i]}
+                item.meta.pop("tensor_meta", None)  # the old element's shape
                 items.insert(0, item)
     for node in c.backward:
         bargs = list(node.args)
         bargs[_BWD_SAVED] = items
         bargs[_BWD_MEMORY] = memory
         node.args = tuple(bargs)
+        _refresh_input_vals(node)
     if saved_list is not None:
         for u in list(saved_list.users):
             if u not in items and not u.users:
                 gm.graph.erase_node(u)
+
+
+def _refresh_input_vals(node: Node) -> None:
+    """Make ``meta["eager_input_vals"]`` (the fake arguments recorded at tracing, from which
+    Inductor rebuilds a custom op's call to fix its inputs' strides) the rewritten ones:
+    a stale copy made Inductor pass the old number of saved tensors to the backward."""
+    if "eager_input_vals" in node.meta:
+        node.meta["eager_input_vals"] = (
+            tuple(fake_value(a) for a in node.args),
+            {k: fake_value(v) for k, v in node.kwargs.items()},
+        )
