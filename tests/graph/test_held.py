@@ -11,10 +11,10 @@ MiB = 2**20
 @pytest.mark.parametrize(
     ("config", "lt", "sm90", "expected"),
     [
-        (None, None, True, 32 * MiB + MiB),  # torch's sm90 default, cuBLASLt 1 MiB
-        (None, None, False, 8 * MiB + 128 * 1024 + MiB),
-        (":4096:8", "2048", False, 32 * MiB + 2 * MiB),
-        (":4096:2:16:8", None, True, 8 * MiB + 128 * 1024 + MiB),
+        (None, None, True, 32 * MiB),  # torch's sm90 default; cuBLASLt shares it
+        (None, None, False, 8 * MiB + 128 * 1024),
+        (":4096:8", "2048", False, 32 * MiB + 2 * MiB),  # a separate cuBLASLt size
+        (":4096:2:16:8", None, True, 8 * MiB + 128 * 1024),
     ],
 )
 def test_workspace_sizes_follow_torchs_settings(config, lt, sm90, expected):
