@@ -45,3 +45,36 @@ def test_a_forward_and_backward_matmul_hold_two_workspaces():
     per_thread = blas_workspace_bytes(a.device)
     # This thread may have run a matmul before (its workspace exists): one or two.
     assert grown in (per_thread, 2 * per_thread)
+
+
+def test_declared_op_caches_count_once_per_key():
+    """Two calls of an op that keeps one buffer per size: the two same-size calls share it."""
+    from mirrorgrad.formulas import register_held_formula
+
+    lib = torch.library.Library("mirrorgrad_held_test", "FRAGMENT")
+    torch.library.define("mirrorgrad_held_test::cached_sin", "(Tensor x) -> Tensor", lib=lib)
+    torch.library.impl("mirrorgrad_held_test::cached_sin", "CompositeExplicitAutograd",
+                       torch.sin, lib=lib)  # fmt: skip
+    torch.library.register_fake("mirrorgrad_held_test::cached_sin", torch.empty_like, lib=lib)
+    op = torch.ops.mirrorgrad_held_test.cached_sin
+
+    @register_held_formula(op)
+    def _(x):
+        return {("cached_sin", tuple(x.shape)): 1000 * x.numel()}
+
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
+    from joint_graphs import joint_of
+
+    class TwoCalls(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return (op(x * self.w) + op(x + self.w) + op(self.w)).sum()
+
+    joint = joint_of(TwoCalls(), torch.randn(2, 3))
+    assert held_bytes(joint) == {"op caches": 1000 * 6 + 1000 * 3}

@@ -1,5 +1,6 @@
 """Memory a training step holds outside its graph that the planner can know: the BLAS
-workspaces.
+workspaces, and what custom ops declare they keep between calls
+(``formulas.register_held_formula``: the RNN op's CUDA Graph arenas).
 
 PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator
 the first time a matmul runs there, and keeps it for the life of the process: one for
@@ -20,7 +21,9 @@ import re
 import torch
 from torch.fx import Node
 
-from mirrorgrad.graph.joint import JointGraph, op_name
+from mirrorgrad import _compat
+from mirrorgrad.formulas import held_formula
+from mirrorgrad.graph.joint import JointGraph, fake_args, op_name
 
 _BLAS_OPS = frozenset(
     ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
@@ -61,7 +64,28 @@ def _runs_blas(node: Node) -> bool:
 
 def held_bytes(joint: JointGraph) -> dict[str, int]:
     """What the step holds beyond the graph's values, by what holds it: the BLAS
-    workspaces of the forward's thread and of the backward's, where they run matmuls."""
+    workspaces of the forward's thread and of the backward's, where they run matmuls,
+    and the ops' declared caches (each key once)."""
+    held = {}
     per_thread = blas_workspace_bytes(joint.device)
     threads = any(map(_runs_blas, joint.forward)) + any(map(_runs_blas, joint.backward))
-    return {"cuBLAS workspaces": threads * per_thread} if per_thread and threads else {}
+    if per_thread and threads:
+        held["cuBLAS workspaces"] = threads * per_thread
+    caches = _op_caches(joint)
+    if caches:
+        held["op caches"] = caches
+    return held
+
+
+def _op_caches(joint: JointGraph) -> int:
+    buffers: dict[object, int] = {}
+    for node in joint.gm.graph.nodes:
+        formula = held_formula(node.target) if node.op == "call_function" else None
+        if formula is None:
+            continue
+        args, kwargs = fake_args(node)
+        for key, nbytes in formula(*args, **kwargs).items():
+            if isinstance(nbytes, torch.SymInt):
+                nbytes = _compat.optimization_hint(nbytes, fallback=0)
+            buffers[key] = max(buffers.get(key, 0), int(nbytes))
+    return sum(buffers.values())
