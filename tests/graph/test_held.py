@@ -78,3 +78,29 @@ def test_declared_op_caches_count_once_per_key():
 
     joint = joint_of(TwoCalls(), torch.randn(2, 3))
     assert held_bytes(joint) == {"op caches": 1000 * 6 + 1000 * 3}
+
+
+def test_rnn_ops_capture_on_a_stream_of_their_own():
+    """An LSTM LM's forward and backward each run matmuls on their thread's stream and
+    on the RNN op's capture stream: four (handle, stream) workspaces; a Linear two."""
+    import sys
+    from pathlib import Path
+
+    import mirrorgrad.nn as mnn
+    from mirrorgrad.graph import held
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
+    from joint_graphs import joint_of
+
+    class Lm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.out = mnn.LSTM(4, 6, impl="reference"), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0]).sum()
+
+    lm = joint_of(Lm(), torch.randn(5, 2, 4))
+    assert held._streams(lm.forward) == held._streams(lm.backward) == 2
+    linear = joint_of(torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert held._streams(linear.forward) == held._streams(linear.backward) == 1

@@ -5,12 +5,15 @@ workspaces, and what custom ops declare they keep between calls
 PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator
 the first time a matmul runs there, and keeps it for the life of the process: one for
 the thread that runs the forward, one for autograd's device thread that runs the
-backward. They count in ``torch.cuda.max_memory_allocated`` like any tensor, so a step
-whose graph runs matmuls on a GPU peaks that much above its values. Sizes as torch sets
-them (ATen's CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG`` (``:KiB:count`` pairs;
-default 32 MiB on sm90, 8 MiB + 128 KiB elsewhere). cuBLASLt shares it (torch 2.11 on an
-H100: 32.00 MiB per thread measured, nothing more after a TF32 matmul); a separate
-``CUBLASLT_WORKSPACE_SIZE`` (KiB) counts only where it is set.
+backward, and one more for each of them where our RNN op captures its step loops as
+CUDA Graphs (captured on a stream of their own: the H100 showed four 32 MiB workspaces
+on the +mgnn workloads, allocated by the forward loop, the backward loop and the
+graph's own matmuls). They count in ``torch.cuda.max_memory_allocated`` like any
+tensor, so a step whose graph runs matmuls on a GPU peaks that much above its values.
+Sizes as torch sets them (ATen's CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG``
+(``:KiB:count`` pairs; default 32 MiB on sm90, 8 MiB + 128 KiB elsewhere). cuBLASLt
+shares it (torch 2.11 on an H100: 32.00 MiB per thread measured, nothing more after a
+TF32 matmul); a separate ``CUBLASLT_WORKSPACE_SIZE`` (KiB) counts only where it is set.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ _BLAS_OPS = frozenset(
     ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
      "aten::_scaled_mm", "aten::addmv", "aten::mv")
 )  # fmt: skip
+# Ops that capture CUDA Graphs of their own on a side stream (ops/rnn/graphs.py).
+_CAPTURING = frozenset(("mirrorgrad::rnn_forward", "mirrorgrad::rnn_backward"))
 _PAIR = re.compile(r":(\d+):(\d+)")
 
 
@@ -62,15 +67,22 @@ def _runs_blas(node: Node) -> bool:
     return name in _BLAS_OPS or name.startswith("mirrorgrad::")
 
 
+def _streams(nodes: list[Node]) -> int:
+    """(handle, stream) pairs one phase's thread runs matmuls on: its stream, and the
+    capture stream where an op captures its loops."""
+    blas = any(map(_runs_blas, nodes))
+    return blas + any(n.op == "call_function" and op_name(n) in _CAPTURING for n in nodes)
+
+
 def held_bytes(joint: JointGraph) -> dict[str, int]:
     """What the step holds beyond the graph's values, by what holds it: the BLAS
     workspaces of the forward's thread and of the backward's, where they run matmuls,
     and the ops' declared caches (each key once)."""
     held = {}
     per_thread = blas_workspace_bytes(joint.device)
-    threads = any(map(_runs_blas, joint.forward)) + any(map(_runs_blas, joint.backward))
-    if per_thread and threads:
-        held["cuBLAS workspaces"] = threads * per_thread
+    streams = sum(_streams(nodes) for nodes in (joint.forward, joint.backward))
+    if per_thread and streams:
+        held["cuBLAS workspaces"] = streams * per_thread
     caches = _op_caches(joint)
     if caches:
         held["op caches"] = caches
