@@ -149,8 +149,12 @@ class Plan:
         largest = ", ".join(
             f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.values[:FLOOR_VALUES]
         )
+        by_kind = self.floor.bytes_by_kind
+        fixed = by_kind.get("parameters", 0) + by_kind.get("gradients", 0)
+        share = fixed / self.floor.peak if self.floor.peak else 0.0
         return (
-            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds}; "
+            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds} "
+            f"(parameters and gradients {_fmt(fixed)}, {share:.0%} of it, no plan removes); "
             f"largest values: {largest}"
         )
 
@@ -386,11 +390,12 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
 
 
 def budget_message(p: Plan) -> str:
+    held = "".join(f" Held outside the graph: {what} {_fmt(b)}." for what, b in p.held.items())
     return (
         f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
         f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
         f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
-        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. The peak is of "
+        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}.{held} The peak is of "
         f"{PEAK_INCLUDES}."
     )
 
