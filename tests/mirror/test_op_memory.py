@@ -117,9 +117,12 @@ def test_an_unmet_budget_warns_once_for_the_plan_kept():
     budget = [w for w in caught if issubclass(w.category, mirrorgrad.MirrorgradBudgetWarning)]
     assert len(budget) == 1 and plan.budget_met is False
     assert plan.op_memory[0].choice == "recompute"
+    message = str(budget[0].message)
     assert f"lowest estimated peak found is {mirrorgrad._units.format_bytes(plan.peak_after)}" in (
-        str(budget[0].message)
+        message
     )
+    fixed = plan.floor.bytes_by_kind["parameters"] + plan.floor.bytes_by_kind["gradients"]
+    assert f"parameters and gradients {mirrorgrad._units.format_bytes(fixed)}" in message
 
 
 def test_balance_takes_the_peak_lowering_op_within_the_cap_and_charges_its_time():
