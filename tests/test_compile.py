@@ -14,7 +14,7 @@ from tests.zoo import ZOO, build, loss_of
 
 import mirrorgrad
 from mirrorgrad import _compat
-from mirrorgrad.mirror import partition as partition_module
+from mirrorgrad.mirror import budget_search as budget_search_module
 from mirrorgrad.mirror.partition import MirrorgradFallbackWarning
 
 MODES = [
@@ -192,10 +192,10 @@ def test_bad_options_raise_value_error(options, message):
 
 
 def test_planner_failure_warns_once_and_falls_back(monkeypatch):
-    def broken_plan(joint, options):
+    def broken_plan(joint, options, **kwargs):
         raise RuntimeError("injected planner failure")
 
-    monkeypatch.setattr(partition_module, "plan", broken_plan)
+    monkeypatch.setattr(budget_search_module, "plan", broken_plan)
     reference, model, compiled, inputs = compiled_twin("mlp", mode="balance")
     with pytest.warns(MirrorgradFallbackWarning) as record:
         step(compiled, inputs)

@@ -8,7 +8,11 @@ The planner also needs what fake tensors cannot show:
 - ``register_memory_formula(op, fn)``: the peak of the temporaries the op allocates
   while it runs, beyond its inputs and outputs (workspace, chunk buffers), for the
   liveness simulation. What an op saves for backward is one of its outputs and is
-  sized from its fake value like any other.
+  sized from its fake value like any other;
+- ``register_held_formula(op, fn)``: memory the op keeps allocated *between* calls
+  (a cache of CUDA Graph arenas, per loop configuration), as ``{key: bytes}``: ops whose
+  calls share a buffer return the same key, and it counts once per step (graph/held.py).
+  Memory counted here is held for the whole step, so it is not a temporary as well.
 
 Formulas receive the op's arguments with fake tensors (or real ones) in place of
 tensors, as ``fn(*args, **kwargs) -> int``; register them on the overload packet
@@ -24,6 +28,7 @@ Formula = Callable[..., int]
 
 _BYTES: dict[Any, Formula] = {}
 _TEMPORARY: dict[Any, Formula] = {}
+_HELD: dict[Any, Callable[..., dict]] = {}
 
 
 def _packet(op: Any) -> Any:
@@ -49,6 +54,22 @@ def register_memory_formula(op: Any) -> Callable[[Formula], Formula]:
         return fn
 
     return register
+
+
+def register_held_formula(op: Any) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+    """Decorator: ``fn(*args, **kwargs)`` returns ``{key: bytes}`` that ``op`` keeps
+    allocated between calls; equal keys are one buffer."""
+
+    def register(fn: Callable[..., dict]) -> Callable[..., dict]:
+        _HELD[_packet(op)] = fn
+        return fn
+
+    return register
+
+
+def held_formula(op: Any) -> Callable[..., dict] | None:
+    """The registered between-calls memory formula of ``op``, or None."""
+    return _HELD.get(_packet(op))
 
 
 def bytes_formula(op: Any) -> Formula | None:

@@ -136,6 +136,13 @@ def test_explain_prints_a_table(capsys):
     assert capsys.readouterr().out.startswith("nmt-attention: ")
 
 
+def test_explain_lists_the_op_memory_of_swapped_rnns(capsys):
+    assert cli.main(["explain", "lstm-lm-medium", "--quick", "--mgnn", "--mode", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "mirrorgrad.nn RNNs" in out.splitlines()[0]
+    assert "op memory:      rnn_forward (rnn): stash [off] (recompute: saved " in out
+
+
 @pytest.mark.parametrize(
     ("text", "options"),
     [

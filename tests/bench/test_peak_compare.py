@@ -42,11 +42,21 @@ def test_classify_sorts_the_peak_into_rows():
     rows = {k: v for k, v in measured["by_row"].items() if v}
     assert rows == {
         "parameters": 1024,
-        "workspace": 512,
+        peak_compare.HELD: 512,
         "saved activations": 2048,
         "backward temporaries": 8192,
     }
     assert measured["phase"] == "backward" and measured["peak"] == sum(rows.values())
+    held = [v for v in measured["by_source"] if v["row"] == peak_compare.HELD]
+    assert held == [{"row": peak_compare.HELD, "source": "before the recording", "bytes": 512}]
+
+
+def test_the_peak_is_the_steps_from_its_mark_on():
+    """A3's peak before the step's mark (a warm-up's) does not count after it."""
+    peak, at, _ = peak_compare._replay(_snapshot(), 0, start=3)
+    assert (peak, at) == (1024 + 512 + 2048 + 8192, 3)
+    peak, at, _ = peak_compare._replay(_snapshot(), 0, start=5)
+    assert (peak, at) == (1024 + 512 + 2048 + 1024, 5)
 
 
 def test_match_pairs_blocks_with_values_of_the_same_rounded_size():
@@ -66,3 +76,25 @@ def test_cpu_mode_reports_the_estimate(tmp_path, capsys):
     assert sum(est["by_row"].values()) == est["peak"] > 0
     assert est["by_row"]["parameters"] > 0 and est["by_row"]["gradients"] > 0
     assert "mlp / balance on cpu" in capsys.readouterr().out
+
+
+def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
+    workloads = "word-lm-medium-b20,lstm-lm-medium+mgnn"
+    argv = ["--quick", "--workloads", workloads, "--plans", "off", "--out", str(tmp_path)]
+    assert peak_compare.main(argv) == 0
+    results = json.loads((tmp_path / "peak_compare.json").read_text())
+    for result in results:
+        (choice,) = result["estimated"]["op_memory"]
+        assert choice.startswith("rnn_forward (rnn): stash [off]")
+        assert result["estimated"]["by_row"]["inputs"] > 0
+    assert "word-lm-medium-b20 / off on cpu" in capsys.readouterr().out
+
+
+def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypatch):
+    from mirrorgrad.bench import op_memory_timing
+
+    monkeypatch.setattr(op_memory_timing, "SIZES", ((1, 8, 2),))
+    assert op_memory_timing.main(["--out", str(tmp_path), "--device", "cpu"]) == 0
+    (row,) = json.loads((tmp_path / "op_memory_timing.json").read_text())
+    assert row["stash"]["forward_ms"] > 0 and row["recompute"]["forward_ms"] > 0
+    assert row["gemm_ms_est"] > 0

@@ -1,5 +1,7 @@
 """Liveness on a hand-built joint graph, with the peak worked out by hand."""
 
+import itertools
+import operator
 import sys
 from pathlib import Path
 
@@ -221,3 +223,22 @@ def test_rnn_and_loss_ops_declare_their_temporaries_to_the_simulation():
     for n in joint.gm.graph.nodes:
         if "mirrorgrad." in str(n.target):
             assert with_scratch[n.name] - without[n.name] == declared[str(n.target)]
+
+
+def test_list_outputs_of_custom_ops_are_counted_once():
+    """rnn_forward returns (y, h_n, c_n, [saved...]) and rnn_backward (..., [grad_w...]):
+    the list's elements are allocated by the op itself, so a getitem of the list (or of
+    an element) allocates nothing and the live bytes never grow at a getitem."""
+    joint = joint_of(_LstmThenLoss(), torch.randn(5, 3, 4), torch.randint(0, 10, (5, 3)))
+    backward = set(joint.backward)
+    saved = [n for n in (*joint.primals, *joint.forward) if backward.intersection(n.users)]
+    sim = liveness.simulate(joint, saved, [])
+    nodes = {n.name: n for n in joint.gm.graph.nodes}
+    timeline = sim.timeline
+    nested = 0
+    for before, event in itertools.pairwise(timeline):
+        node = nodes[event.node]
+        if node.target is operator.getitem:
+            nested += isinstance(node.meta.get("val"), (list, tuple))
+            assert event.live_bytes <= before.live_bytes, event.node
+    assert nested == 2  # the forward's saved list and the backward's weight gradients

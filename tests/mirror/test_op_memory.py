@@ -1,111 +1,181 @@
-"""The RNN op's memory mode chosen by the planner (mirror/op_memory.py)."""
+"""The RNN op's memory mode chosen by the planner (mirror/op_memory.py), through
+``mirrorgrad.compile`` (eager codegen, the reference impl on the CPU)."""
 
-import sys
-from pathlib import Path
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+import mirrorgrad
 import mirrorgrad.nn as mnn
-from mirrorgrad import _compat
-from mirrorgrad.graph.joint import JointGraph
-from mirrorgrad.mirror.op_memory import choose_op_memory
 from mirrorgrad.ops.rnn.cells import GATES
 
-sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import joint_of_compiled
-
-T, B, N_IN, H = 5, 3, 4, 6
+T, B, N_IN, H, VOCAB = 6, 3, 4, 8, 600
 
 
 class _Lm(nn.Module):
+    """An LSTM under a large decoder: the backward's peak is at the decoder, where the
+    LSTM's stash is alive, so recomputing the op lowers the peak."""
+
     def __init__(self, memory: str = "auto", layers: int = 2) -> None:
         super().__init__()
         self.rnn = mnn.LSTM(N_IN, H, num_layers=layers, impl="reference", memory=memory)
-        self.out = nn.Linear(H, 1)
+        self.out = nn.Linear(H, VOCAB)
 
     def forward(self, x):
         return self.out(self.rnn(x)[0]).square().mean()
 
 
-def _rnn_nodes(gm, name):
-    return [n for n in gm.graph.nodes if n.target is getattr(torch.ops.mirrorgrad, name).default]
+def _run(model, x, backend="eager", **options):
+    """Loss, parameter gradients and the one plan of ``model`` under ``mirrorgrad.compile``."""
+    torch._dynamo.reset()
+    compiled = mirrorgrad.compile(model, backend=backend, fullgraph=True, **options)
+    loss = compiled(x)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    (plan,) = compiled._mirrorgrad_plans
+    return loss, grads, plan
 
 
-def test_auto_reaches_the_compiled_graph_and_explicit_memory_is_left_alone():
-    joint = joint_of_compiled(_Lm(), torch.randn(T, B, N_IN))
-    assert [n.args[12] for n in _rnn_nodes(joint.gm, "rnn_forward")] == ["auto"]
-    explicit = joint_of_compiled(_Lm("stash"), torch.randn(T, B, N_IN))
-    assert choose_op_memory(explicit.gm, mode="balance", step_seconds=1.0) == []
+def _check_against_eager(model, x, tolerance=1e-12, **options):
+    loss, grads, plan = _run(model, x, **options)
+    ref_loss = model(x)
+    ref = torch.autograd.grad(ref_loss, list(model.parameters()))
+    torch.testing.assert_close(loss, ref_loss, rtol=tolerance, atol=tolerance)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, rtol=tolerance, atol=tolerance)
+    return plan
 
 
-def _saved_shapes(gm):
-    (backward,) = _rnn_nodes(gm, "rnn_backward")
-    return [tuple(n.meta["val"].shape) for n in backward.args[10]]
+def _model(memory="auto"):
+    torch.manual_seed(0)
+    return _Lm(memory).double(), torch.randn(T, B, N_IN, dtype=torch.float64)
+
+
+def _gates_stashed(plan) -> bool:
+    """Whether the plan stashes the reference LSTM's [T, B, 4H] pre-activations."""
+    return [T, B, GATES["lstm"] * H] in [row["shape"] for row in plan.to_dict()["stashed"]]
 
 
 @pytest.mark.parametrize(
     ("options", "choice"),
     [
-        ({"mode": "balance", "step_seconds": 1.0}, "recompute"),  # time to spare
-        ({"mode": "balance", "step_seconds": 1.0, "max_overhead": 0.0}, "stash"),
-        ({"mode": "budget", "step_seconds": 1.0, "peak_bytes": 10**6, "budget_bytes": 10**5},
-         "recompute"),
-        ({"mode": "budget", "step_seconds": 1.0, "peak_bytes": 10**5, "budget_bytes": 10**6},
-         "stash"),
-        ({"mode": "off", "step_seconds": 1.0}, "stash"),
+        ({"mode": "balance", "max_overhead": 1.0}, "recompute"),  # room in the cap
+        ({"mode": "balance", "max_overhead": 0.0}, "stash"),  # no room
+        ({"mode": "budget", "budget": 0.5}, "recompute"),  # the budget needs it
+        ({"mode": "budget", "budget": 1.0}, "stash"),  # met without it: no time spent
+        ({"mode": "off"}, "stash"),
     ],
 )
-def test_choice_rewrites_forward_backward_and_saved_outputs(options, choice):
-    joint = joint_of_compiled(_Lm(), torch.randn(T, B, N_IN))
-    (decided,) = choose_op_memory(joint.gm, **options)
-    assert decided.choice == choice and decided.reason == options["mode"]
-    (forward,) = _rnn_nodes(joint.gm, "rnn_forward")
-    (backward,) = _rnn_nodes(joint.gm, "rnn_backward")
-    assert forward.args[12] == backward.args[17] == choice
-    # reference layout per layer: stash (gates [T,B,4H], cells [T,B,H]), recompute (cells);
-    # then layer 0's output.
-    per_layer = [(T, B, GATES["lstm"] * H), (T, B, H)] if choice == "stash" else [(T, B, H)]
-    assert _saved_shapes(joint.gm) == [*per_layer, (T, B, H), *per_layer]
-    gates = T * B * 4 * H * 4
-    assert decided.bytes_saved == (2 * gates if choice == "recompute" else 0)
-    assert (decided.added_seconds > 0) == (choice == "recompute")
-    JointGraph.from_fx(joint.gm, joint.num_fwd_outputs)  # still a well-formed joint graph
+def test_the_plan_chooses_the_ops_memory_and_gradients_stay_eager(options, choice):
+    model, x = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        plan = _check_against_eager(model, x, **options)
+    (decided,) = plan.op_memory
+    assert (decided.choice, decided.reason, decided.module) == (choice, options["mode"], "rnn")
+    # The partition saw the rewritten op: the gates are stashed exactly with "stash".
+    assert _gates_stashed(plan) == (choice == "stash")
+    recomputes = choice == "recompute"
+    assert (plan.peak_after < plan.peak_before) == recomputes
+    assert (plan.added_time_s > 0) == recomputes
+    gates = T * B * GATES["lstm"] * H * 8
+    assert decided.stash_bytes - decided.recompute_bytes == 2 * gates  # two layers
+    assert decided.bytes_saved == (2 * gates if recomputes else 0)
+    assert plan.to_dict()["op_memory"][0]["choice"] == choice
+    assert f"rnn_forward (rnn): {choice} [{options['mode']}]" in str(plan)
 
 
 def test_mark_mirror_false_pins_stash():
-    joint = joint_of_compiled(_Lm(), torch.randn(T, B, N_IN))
-    (decided,) = choose_op_memory(joint.gm, mode="balance", step_seconds=1.0,
-                                  pinned=lambda node: True)  # fmt: skip
-    assert (decided.choice, decided.reason, decided.bytes_saved) == ("stash", "pinned", 0)
+    model, x = _model()
+    mirrorgrad.mark(model.rnn, mirror=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        plan = _check_against_eager(model, x, mode="budget", budget=0.5)
+    (decided,) = plan.op_memory
+    assert (decided.choice, decided.reason) == ("stash", "pinned")
+    assert _gates_stashed(plan)
 
 
-@pytest.mark.parametrize("mode", ["balance", "off"])
-def test_gradients_do_not_depend_on_the_choice(mode):
-    """A backend whose partitioner lets op_memory decide first: same loss and gradients
-    as eager (recompute for balance with room, stash for off)."""
-    torch.manual_seed(0)
-    model = _Lm().double()
-    x = torch.randn(T, B, N_IN, dtype=torch.float64)
-    decided = []
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+def test_an_explicit_memory_is_respected(memory):
+    model, x = _model(memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        plan = _check_against_eager(model, x, mode="budget", budget=0.5)
+    (decided,) = plan.op_memory
+    assert (decided.choice, decided.reason) == (memory, "explicit")
+    assert _gates_stashed(plan) == (memory == "stash")
 
-    def partition(gm, joint_inputs, *, num_fwd_outputs, **kwargs):
-        decided.extend(choose_op_memory(gm, mode=mode, step_seconds=1.0))
-        return _compat.default_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                         **kwargs)  # fmt: skip
 
-    def backend(gm, example_inputs):
-        return _compat.aot_module_simplified(gm, example_inputs, fw_compiler=_compat.boxed_nop,
-                                             bw_compiler=_compat.boxed_nop,
-                                             partition_fn=partition)  # fmt: skip
+def test_an_unmet_budget_warns_once_for_the_plan_kept():
+    """Each candidate op choice gets its own value plan: one warning, the final one's."""
+    model, x = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, plan = _run(model, x, mode="budget", budget=0.05)
+    budget = [w for w in caught if issubclass(w.category, mirrorgrad.MirrorgradBudgetWarning)]
+    assert len(budget) == 1 and plan.budget_met is False
+    assert plan.op_memory[0].choice == "recompute"
+    message = str(budget[0].message)
+    assert f"lowest estimated peak found is {mirrorgrad._units.format_bytes(plan.peak_after)}" in (
+        message
+    )
+    fixed = plan.floor.bytes_by_kind["parameters"] + plan.floor.bytes_by_kind["gradients"]
+    assert f"parameters and gradients {mirrorgrad._units.format_bytes(fixed)}" in message
 
-    torch._dynamo.reset()
-    loss = torch.compile(model, backend=backend, fullgraph=True)(x)
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    ref_loss = model(x)
-    ref = torch.autograd.grad(ref_loss, list(model.parameters()))
-    assert [d.choice for d in decided] == ["recompute" if mode == "balance" else "stash"]
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
-    for g, r in zip(grads, ref):
-        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+def test_balance_takes_the_peak_lowering_op_within_the_cap_and_charges_its_time():
+    model, x = _model()
+    _, _, off = _run(model, x, mode="off")
+    _, _, plan = _run(model, x, mode="balance", max_overhead=1.0)
+    (decided,) = plan.op_memory
+    assert plan.peak_before == off.peak_before == off.peak_after
+    assert plan.added_time_s >= decided.added_seconds > 0
+    assert plan.added_time_s <= plan.step_time_s  # within the cap
+
+
+def test_summary_line_names_peaks_op_choices_and_an_unmet_budget():
+    model, x = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        _, _, unmet = _run(model, x, mode="budget", budget=0.05)
+    line = unmet.summary_line()
+    assert "\n" not in line and line.startswith("mirror budget: estimated peak ")
+    assert "rnn recompute" in line and "NOT met" in line and "parameters" in line
+    _, _, met = _run(model, x, mode="budget", budget=1.0)
+    assert met.summary_line().endswith("met") and "rnn stash" in met.summary_line()
+
+
+def test_symbolic_sizes_are_decided_by_their_example_values():
+    """Dynamic shapes (the last, shorter BPTT window): sizes and FLOPs are SymInts."""
+    model, x = _model()
+    plan = _check_against_eager(model, x, mode="balance", max_overhead=1.0, dynamic=True)
+    (decided,) = plan.op_memory
+    assert isinstance(decided.stash_bytes, int) and isinstance(decided.recompute_seconds, float)
+    assert decided.choice == "recompute" and "rnn_forward (rnn)" in str(plan)
+
+
+def test_budget_mode_stays_monotone_with_the_op_choice():
+    """A lower budget never gets a higher peak, the op's mode being one more choice."""
+    peaks = []
+    for budget in (1.0, 0.97, 0.5, 0.1):
+        model, x = _model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+            _, _, plan = _run(model, x, mode="budget", budget=budget)
+        peaks.append(plan.peak_after)
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
+
+
+@pytest.mark.parametrize(("options", "choice"), [({"mode": "off"}, "stash"),
+                                                 ({"mode": "budget", "budget": 0.5}, "recompute")])
+def test_inductor_runs_the_rewritten_op(options, choice):
+    """Inductor rebuilds a custom op's call from the fake arguments recorded at tracing
+    (``eager_input_vals``): the rewrite must update them, or the backward gets the old
+    number of saved tensors (the H100 crash of window 1: an IndexError in the backward)."""
+    model, x = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        plan = _check_against_eager(model, x, tolerance=1e-9, backend="inductor", **options)
+    assert plan.op_memory[0].choice == choice

@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-overhead", type=float, help="balance mode's time cap (fraction)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--mgnn",
+        action="store_true",
+        help="swap the model's torch.nn RNNs for mirrorgrad.nn's first (the plan then "
+        "chooses each RNN op's memory mode: its 'op memory' lines)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, on the CPU")
     parser.add_argument("--batch", type=int, help="default: the workload's batch")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -45,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     built = workload.build(
         batch=args.batch, dtype=DTYPES[args.dtype], device=device, quick=args.quick
     )
+    if args.mgnn:
+        import mirrorgrad.nn
+
+        built.model = mirrorgrad.nn.convert(built.model)
     options = dict(args.mode)
     if args.max_overhead is not None:
         options["max_overhead"] = args.max_overhead
@@ -54,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
     else:
-        print(f"{workload.name}: {workload.description}; batch {built.batch}, {args.dtype}")
+        rnns = ", mirrorgrad.nn RNNs" if args.mgnn else ""
+        print(f"{workload.name}: {workload.description}; batch {built.batch}, {args.dtype}{rnns}")
         print(plan)
     return 0

@@ -1,16 +1,25 @@
 """What is alive at the measured peak of one training step, against the planner's estimate.
 
 ``python -m mirrorgrad.bench.peak_compare --out DIR`` runs, per workload and plan, one
-step under ``mirrorgrad.compile`` with the CUDA allocator's history recorded, replays
-that history to the moment of the peak, and sorts the blocks alive then by kind
-(parameters, gradients, optimizer state, inputs, saved activations, temporaries,
-workspace); the plan's own estimate (``Plan.floor``: ``liveness.peak_breakdown``) is
-sorted the same way. It prints one table per run and writes ``peak_compare.json``.
-Blocks are matched to estimated values by size (the allocator rounds to 512 bytes),
-largest first, so what the model misses shows by name on one side or the other.
+step under ``mirrorgrad.compile`` with the CUDA allocator's history recorded from
+before the model is built, replays that history to the moment of the step's peak, and
+sorts the blocks alive then by kind (parameters, gradients, optimizer state, inputs,
+saved activations, temporaries, what was held from before the step: workspaces,
+caches, CUDA Graph pools), each with the line of code that allocated it; the plan's
+own estimate (``Plan.floor``: ``liveness.peak_breakdown``) is sorted the same way. It
+prints one table per run and writes ``peak_compare.json``. Blocks are matched to
+estimated values by size (the allocator rounds to 512 bytes), largest first, so what
+the model misses shows by name on one side or the other.
+
+Workloads: the suite's by name; ``NAME+mgnn`` with its RNN modules swapped for
+``mirrorgrad.nn``'s (``mirrorgrad.nn.convert``); ``word-lm-medium-b20`` (any word-lm
+workload) is the step ``mirrorgrad train lm`` runs (its model, compile and SGD step
+with clipping, the state carried between windows), without CUDA Graphs as the train
+loop's peak probe runs it.
 
 Without CUDA (or with ``--quick``) it plans on the CPU and reports the estimate only.
-The step is the bench runner's: zero_grad(set_to_none), forward, backward, SGD.
+The step is the bench runner's: zero_grad(set_to_none), forward, backward, SGD; the
+"backward" mark is the optimizer's step pre-hook (gradient clipping counts as backward).
 """
 
 from __future__ import annotations
@@ -20,15 +29,20 @@ import bisect
 import json
 import linecache
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from mirrorgrad.bench.runner import DTYPES, default_device
 from mirrorgrad.bench.suites import WORKLOADS, get_workload
 
-# Comparison rows: (row, the liveness kinds estimated under it).
+HELD = "held before the step"
+# Comparison rows: (row, the liveness kinds estimated under it). The estimate's "op
+# temporaries" (what ops declare beyond their values) go to the row of its peak's phase.
 ROWS = (
     ("parameters", ("parameters",)),
     ("gradients", ("gradients",)),
@@ -37,8 +51,9 @@ ROWS = (
     ("saved activations", ("saved activations", "forward outputs")),
     ("forward temporaries", ("forward temporaries",)),
     ("backward temporaries", ("backward temporaries", "recomputed")),
-    ("workspace", ("op temporaries",)),
+    (HELD, ()),
 )
+MGNN = "+mgnn"
 ROUND = 512  # the caching allocator's block granularity
 TOP = 12  # values listed per side
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -48,26 +63,34 @@ def _estimate(plans: list) -> dict[str, Any]:
     """The estimated peak by row, and every value alive there, from the largest plan."""
     plan = max(plans, key=lambda p: p.peak_before)
     floor = plan.floor
-    by_row = {row: sum(floor.bytes_by_kind.get(k, 0) for k in kinds) for row, kinds in ROWS}
-    row_of = {k: row for row, kinds in ROWS for k in kinds}
+    temporaries = f"{floor.phase} temporaries"
+    row_of = {k: row for row, kinds in ROWS for k in kinds} | {"op temporaries": temporaries}
+    by_row = {row: 0 for row, _ in ROWS}
+    for kind, nbytes in floor.bytes_by_kind.items():
+        by_row[row_of[kind]] += nbytes
+    by_row[HELD] = sum(plan.held.values())  # the BLAS workspaces (graph/held.py)
     values = [
         {"name": n.name, "row": row_of[kind], "bytes": b} for n, kind, b in floor.values if b
     ]
     return {
-        "peak": floor.peak,
+        "peak": floor.peak + by_row[HELD],
         "phase": floor.phase,
         "node": floor.node,
         "by_row": by_row,
         "values": values,
         "peak_before": plan.peak_before,
         "budget_bytes": plan.budget_bytes,
+        "budget_met": plan.budget_met,
+        "op_memory": [str(c) for c in plan.op_memory],
         "graphs": len(plans),
     }
 
 
-def _replay(snapshot: dict, device: int) -> tuple[int, int, dict[int, tuple[int, int]]]:
-    """(peak bytes, trace position of the peak, blocks alive then: addr -> (size, position
-    of their allocation, -1 if before the recording))."""
+def _replay(
+    snapshot: dict, device: int, start: int = 0
+) -> tuple[int, int, dict[int, tuple[int, int]]]:
+    """(peak bytes from trace position ``start`` on, its position, blocks alive then:
+    addr -> (size, position of their allocation, -1 if before the recording))."""
     trace = snapshot["device_traces"][device]
     alive: dict[int, int] = {}
     for seg in snapshot["segments"]:
@@ -84,16 +107,20 @@ def _replay(snapshot: dict, device: int) -> tuple[int, int, dict[int, tuple[int,
         elif e["action"] == "free_completed":
             alive[e["addr"]] = e["size"]
     blocks = {addr: (size, -1) for addr, size in alive.items()}
-    current = peak = sum(alive.values())
-    peak_at, peak_blocks = -1, dict(blocks)
+    current = sum(alive.values())
+    peak, peak_at, peak_blocks = -1, -1, dict(blocks)
     for i, e in enumerate(trace):
+        if i == start and current > peak:
+            peak, peak_at, peak_blocks = current, i - 1, dict(blocks)
         if e["action"] == "alloc":
             blocks[e["addr"]] = (e["size"], i)
             current += e["size"]
-            if current > peak:
+            if i >= start and current > peak:
                 peak, peak_at, peak_blocks = current, i, dict(blocks)
         elif e["action"] == "free_completed" and e["addr"] in blocks:
             current -= blocks.pop(e["addr"])[0]
+    if peak < 0:  # nothing recorded from ``start`` on
+        peak, peak_at, peak_blocks = current, len(trace) - 1, dict(blocks)
     return peak, peak_at, peak_blocks
 
 
@@ -121,76 +148,149 @@ def _source(entry: dict) -> str:
     return f"{Path(frame['filename']).name}:{frame['line']} {frame['name']}: {code}"
 
 
+def _row_by_time(at: int, peak_at: int, marks: dict[str, int]) -> str:
+    """The row of a block no known tensor owns, from when it was allocated."""
+    if at < marks.get("step", 0):
+        return HELD  # cuBLAS workspaces, caches, CUDA Graph pools, carried copies
+    if at < marks["forward"]:
+        return "saved activations" if peak_at >= marks["forward"] else "forward temporaries"
+    if at < marks["backward"]:
+        return "backward temporaries"
+    return "optimizer state"
+
+
 def _classify(snapshot, device, marks, pointers) -> dict[str, Any]:
-    """The measured peak by row, and every block alive there."""
-    peak, peak_at, blocks = _replay(snapshot, device)
+    """The measured peak of the step (from ``marks["step"]``) by row, every block alive
+    there with where it was allocated, and the bytes by allocating line."""
+    peak, peak_at, blocks = _replay(snapshot, device, marks.get("step", 0))
     trace = snapshot["device_traces"][device]
     owner = _owner(blocks, pointers)
     by_row = {row: 0 for row, _ in ROWS}
-    values = []
+    values, by_source = [], {}
     for addr, (size, at) in sorted(blocks.items(), key=lambda kv: -kv[1][0]):
-        row = owner.get(addr)
-        if row is None:
-            if at < 0:
-                row = "workspace"  # alive before the step: cuBLAS/cuDNN workspaces, caches
-            elif at < marks["forward"]:
-                row = "saved activations" if peak_at >= marks["forward"] else "forward temporaries"
-            elif at < marks["backward"]:
-                row = "backward temporaries"
-            else:
-                row = "optimizer state"
+        row = owner.get(addr) or _row_by_time(at, peak_at, marks)
         by_row[row] += size
-        source = _source(trace[at]) if at >= 0 else "before the step"
+        source = _source(trace[at]) if at >= 0 else "before the recording"
         values.append({"row": row, "bytes": size, "source": source})
+        by_source[(row, source)] = by_source.get((row, source), 0) + size
     phase = "forward" if peak_at < marks["forward"] else "backward"
     if peak_at >= marks["backward"]:
         phase = "optimizer"
-    return {"peak": peak, "phase": phase, "by_row": by_row, "values": values}
-
-
-def _measure(built, compiled, device: str) -> dict[str, Any]:
-    """One recorded step after two warm-up steps; the measured breakdown at its peak."""
-    from mirrorgrad import _compat
-
-    model, batch = built.model, built.make_batch()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    index = torch.device(device).index or 0
-    marks: dict[str, int] = {}
-    pointers: dict[str, set[int]] = {
-        "parameters": {p.data_ptr() for p in model.parameters()},
-        "inputs": {t.data_ptr() for t in (*batch, *model.buffers())},
+    sources = sorted(by_source.items(), key=lambda kv: -kv[1])
+    return {
+        "peak": peak,
+        "phase": phase,
+        "by_row": by_row,
+        "values": values,
+        "by_source": [{"row": r, "source": src, "bytes": b} for (r, src), b in sources],
     }
 
-    def mark(name: str) -> None:
-        if recording:
-            marks[name] = len(_compat.memory_snapshot()["device_traces"][index])
+
+@dataclass(kw_only=True, slots=True)
+class _Setup:
+    """One workload under one plan, ready to step: ``step()`` runs a whole training step
+    and calls ``marks`` at the end of the forward and of the backward."""
+
+    model: nn.Module
+    compiled: Any  # has ``_mirrorgrad_plans``
+    step: Callable[[], None]
+    optimizer: torch.optim.Optimizer
+    inputs: list[torch.Tensor]  # the step's inputs as of its last call (carried state too)
+    example: tuple  # the compiled model's arguments, for ``mirrorgrad.explain``
+
+
+def _marked(fn: Callable[..., Any], inputs: list, mark: Callable[[str], None]):
+    """``fn`` that records its tensor arguments in ``inputs`` and marks "forward" after."""
+
+    def call(*args: Any) -> Any:
+        flat = [t for a in args for t in (a if isinstance(a, (tuple, list)) else (a,))]
+        inputs[:] = [t for t in flat if isinstance(t, torch.Tensor)]
+        out = fn(*args)
+        mark("forward")
+        return out
+
+    return call
+
+
+def _setup(name: str, options: dict, args, device: str, mark: Callable[[str], None]) -> _Setup:
+    """Build, swap (``+mgnn``) and compile one workload; word-lm ones as the train step."""
+    import mirrorgrad
+    import mirrorgrad.nn
+
+    base = name.removesuffix(MGNN)
+    built = get_workload(base).build(
+        batch=args.batch, dtype=DTYPES[args.dtype], device=device, quick=args.quick
+    )
+    inputs: list[torch.Tensor] = []
+    if base.startswith("word-lm-"):
+        return _train_step_setup(built, options, device, inputs, mark)
+    model = built.model
+    if name.endswith(MGNN):
+        model = mirrorgrad.nn.convert(model)
+    compiled = mirrorgrad.compile(model, **options)
+    forward = _marked(compiled, inputs, mark)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    optimizer.register_step_pre_hook(lambda *_: mark("backward"))
+    batch = built.make_batch()
 
     def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = compiled(*batch)
-        mark("forward")
-        loss.backward()
-        mark("backward")
-        pointers["gradients"] = {
-            p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None
-        }
-        opt.step()
+        optimizer.zero_grad(set_to_none=True)
+        forward(*batch).backward()
+        optimizer.step()
 
-    recording = False
-    step(), step()
+    return _Setup(model=model, compiled=compiled, step=step, optimizer=optimizer,
+                  inputs=inputs, example=batch)  # fmt: skip
+
+
+def _train_step_setup(built, options: dict, device: str, inputs: list, mark) -> _Setup:
+    """The step of ``mirrorgrad train lm`` (train.step), as its peak probe runs it."""
+    from mirrorgrad.bench.word_lm import CLIP, LR, _to_train_model
+    from mirrorgrad.options import MirrorOptions
+    from mirrorgrad.train import step as train_step
+
+    model = _to_train_model(built.model)
+    mirror = MirrorOptions(**options)
+    compiled = train_step.compile_for_training(
+        model, mirror, torch.device(device), cuda_graphs=False
+    )
+    forward = _marked(compiled, inputs, mark)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer.register_step_pre_hook(lambda *_: mark("backward"))
+    tokens, targets = built.make_batch()
+    state = [model.initial_state(tokens.shape[1], device)]
+
+    def step() -> None:
+        _, _, state[0] = train_step.sgd_step(
+            forward, model, optimizer, tokens, targets, state[0], clip=CLIP
+        )
+
+    return _Setup(model=model, compiled=compiled, step=step, optimizer=optimizer,
+                  inputs=inputs, example=(tokens, targets, state[0]))  # fmt: skip
+
+
+def _measure(setup: _Setup, device: str, marks: dict[str, int], mark) -> dict[str, Any]:
+    """One recorded step after two warm-up steps; the measured breakdown at its peak.
+    The allocator's history is being recorded (since before the build)."""
+    from mirrorgrad import _compat
+
+    setup.step(), setup.step()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    _compat.record_memory_history(True)
-    recording = True
-    try:
-        step()
-        torch.cuda.synchronize(device)
-        snapshot = _compat.memory_snapshot()
-    finally:
-        _compat.record_memory_history(False)
-    pointers["optimizer state"] = {
-        t.data_ptr() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    marks.clear()
+    mark("step")
+    setup.step()
+    torch.cuda.synchronize(device)
+    snapshot = _compat.memory_snapshot()
+    model, opt = setup.model, setup.optimizer
+    pointers: dict[str, set[int]] = {
+        "parameters": {p.data_ptr() for p in model.parameters()},
+        "gradients": {p.grad.data_ptr() for p in model.parameters() if p.grad is not None},
+        "inputs": {t.data_ptr() for t in (*setup.inputs, *model.buffers())},
+        "optimizer state": {
+            t.data_ptr() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        },
     }
+    index = torch.device(device).index or 0
     measured = _classify(snapshot, index, marks, pointers)
     measured["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
     return measured
@@ -219,29 +319,39 @@ def _match(measured: list[dict], estimated: list[dict]) -> tuple[list[dict], lis
 def compare(workload_name: str, plan_text: str, args: argparse.Namespace) -> dict[str, Any]:
     """Plan (and, on CUDA, measure) one workload under one plan."""
     import mirrorgrad
+    from mirrorgrad import _compat
     from mirrorgrad.bench.explain import parse_mode
 
     options = parse_mode(plan_text)
     device = args.device or default_device(args.quick)
-    workload = get_workload(workload_name)
-    built = workload.build(
-        batch=args.batch, dtype=DTYPES[args.dtype], device=device, quick=args.quick
-    )
-    result: dict[str, Any] = {
-        "workload": workload_name, "plan": plan_text, "device": device, "batch": built.batch
-    }
-    if device.startswith("cuda"):
+    result: dict[str, Any] = {"workload": workload_name, "plan": plan_text, "device": device}
+    cuda = device.startswith("cuda")
+    index = torch.device(device).index or 0
+    marks: dict[str, int] = {}
+
+    def mark(name: str) -> None:
+        if cuda and (name == "step" or "step" in marks):
+            marks[name] = len(_compat.memory_snapshot()["device_traces"][index])
+
+    if cuda:
         torch.set_float32_matmul_precision("high")
-        compiled = mirrorgrad.compile(built.model, **options)
-        result["measured"] = _measure(built, compiled, device)
-        plans = compiled._mirrorgrad_plans
-    else:
-        plans = [mirrorgrad.explain(built.model, *built.make_batch(), fullgraph=False, **options)]
+        _compat.record_memory_history(True)
+    try:
+        setup = _setup(workload_name, options, args, device, mark)
+        if cuda:
+            result["measured"] = _measure(setup, device, marks, mark)
+            plans = setup.compiled._mirrorgrad_plans
+        else:
+            plans = [mirrorgrad.explain(setup.model, *setup.example, fullgraph=False, **options)]
+    finally:
+        if cuda:
+            _compat.record_memory_history(False)
     result["estimated"] = _estimate(plans)
     if "measured" in result:
         missed, extra = _match(result["measured"]["values"], result["estimated"]["values"])
         result["measured_unmatched"], result["estimated_unmatched"] = missed[:TOP], extra[:TOP]
         result["measured"]["values"] = result["measured"]["values"][:TOP]
+        result["measured"]["by_source"] = result["measured"]["by_source"][:TOP]
     result["estimated"]["values"] = result["estimated"]["values"][:TOP]
     return result
 
@@ -257,7 +367,14 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{row:22}{m:>14}{est['by_row'][row] / mib:>15,.0f}")
     m = f"{meas['peak'] / mib:,.0f} ({meas['phase']})" if meas else "-"
     lines.append(f"{'peak':22}{m:>14}{est['peak'] / mib:>9,.0f} ({est['phase']}, {est['node']})")
+    lines += [f"op memory: {c}" for c in est["op_memory"]]
     if meas:
+        lines.append(f"max_memory_allocated: {meas['max_memory_allocated'] / mib:,.1f} {unit}")
+        lines.append("measured at the peak, by allocating line:")
+        lines += [
+            f"  {v['bytes'] / mib:9,.1f}  {v['row']:20} {v['source']}"
+            for v in meas["by_source"][:8]
+        ]
         lines.append("measured, no estimated value of that size:")
         lines += [
             f"  {v['bytes'] / mib:9,.1f}  {v['row']:20} {v['source']}"
@@ -282,17 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS]
+    unknown = [w for w in names if w.removesuffix(MGNN) not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
     results = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         for plan_text in (p for p in args.plans.split(",") if p):
             torch._dynamo.reset()
             results.append(compare(name, plan_text, args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peak_compare.json").write_text(json.dumps(results, indent=1))
-    print("\n\n".join(table(r) for r in results))
+            (args.out / "peak_compare.json").write_text(json.dumps(results, indent=1))
+            print(table(results[-1]), end="\n\n", flush=True)
     return 0
 
 

@@ -90,10 +90,16 @@ class GraphIndex:
         self.nbytes = [joint.nbytes(n) for n in nodes]
         self.temporary = [temporary_bytes(n) for n in nodes]
         self.tuple_valued = [isinstance(n.meta.get("val"), (tuple, list)) for n in nodes]
+        # A multi-output op allocates its outputs, those inside a list output too (a
+        # custom op's saved tensors or weight gradients): the list, read by getitems, is
+        # a container of 0 bytes, its elements are the op's outputs.
+        nested = [self.tuple_valued[i] and is_getitem(n) for i, n in enumerate(nodes)]
+        for i in (i for i, inner in enumerate(nested) if inner):
+            self.nbytes[i] = 0
         self.getitems = {
-            i: [ix[u] for u in n.users if is_getitem(u)]
+            i: [ix[u] for u in _leaf_getitems(n)]
             for i, n in enumerate(nodes)
-            if self.tuple_valued[i]
+            if self.tuple_valued[i] and not nested[i]
         }
         self.view = [is_view(n) for n in nodes]
         # May be computed in its readers' kernels (fusion.inlined, before the readers).
@@ -176,6 +182,19 @@ class GraphIndex:
             deps.sort()
             schedule.extend(deps)
         return schedule
+
+
+def _leaf_getitems(node: Node) -> list[Node]:
+    """The getitems that read ``node``'s tensors, through getitems of list outputs."""
+    leaves = []
+    for user in node.users:
+        if not is_getitem(user):
+            continue
+        if isinstance(user.meta.get("val"), (tuple, list)):
+            leaves += _leaf_getitems(user)
+        else:
+            leaves.append(user)
+    return leaves
 
 
 def forward_schedule(joint: JointGraph, saved: Iterable[Node]) -> list[Node]:

@@ -50,6 +50,13 @@ PRUNE_TRIALS = 16
 BUDGET_TOLERANCE = 0.05
 # The largest values alive at the peak that a plan's summary names.
 FLOOR_VALUES = 5
+# What an estimated peak counts (str(plan), the budget warning, the README).
+PEAK_INCLUDES = (
+    "one forward+backward of the compiled graph: parameters, inputs, gradients, saved "
+    "and temporary values, the ops' declared temporaries; the cuBLAS workspaces are "
+    "listed apart ('held outside', in the step peak); optimizer state and other memory "
+    "held outside the graph (CUDA Graph pools, data) come on top"
+)
 
 
 class MirrorgradBudgetWarning(UserWarning):
@@ -94,6 +101,15 @@ class Plan:
     # floor: what no mirroring can remove (parameters, gradients, inputs, ...).
     floor: liveness.PeakBreakdown | None = field(default=None, repr=False)
     sizes: dict[Node, int] = field(default_factory=dict, repr=False)
+    # The memory mode chosen for each of our RNN ops (mirror/op_memory.py).
+    op_memory: list = field(default_factory=list, repr=False)
+    # What the step holds outside the graph, by holder (graph/held.py: BLAS workspaces).
+    held: dict[str, int] = field(default_factory=dict, repr=False)
+
+    @property
+    def step_peak(self) -> int:
+        """The estimated peak of the step: the graph's (``peak_after``) and ``held``."""
+        return self.peak_after + sum(self.held.values())
 
     def _stashed(self) -> list[Node]:
         """Saved values other than primals (those are the caller's anyway)."""
@@ -118,6 +134,9 @@ class Plan:
             "step_time_s": self.step_time_s,
             "budget_met": self.budget_met,
             "floor": self.floor.to_dict() if self.floor is not None else None,
+            "op_memory": [c.to_dict() for c in self.op_memory],
+            "held": dict(self.held),
+            "step_peak": self.step_peak,
         }
 
     def floor_summary(self) -> str:
@@ -130,10 +149,37 @@ class Plan:
         largest = ", ".join(
             f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.values[:FLOOR_VALUES]
         )
+        by_kind = self.floor.bytes_by_kind
+        fixed = by_kind.get("parameters", 0) + by_kind.get("gradients", 0)
+        share = fixed / self.floor.peak if self.floor.peak else 0.0
         return (
-            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds}; "
+            f"alive at the peak ({self.floor.phase}, {self.floor.node}): {kinds} "
+            f"(parameters and gradients {_fmt(fixed)}, {share:.0%} of it, no plan removes); "
             f"largest values: {largest}"
         )
+
+    def _budget_state(self) -> str:
+        if self.budget_met is False:
+            return "NOT met"
+        if self.budget_bytes is not None and self.peak_after > self.budget_bytes:
+            over = self.peak_after / self.budget_bytes - 1
+            return f"met within the {BUDGET_TOLERANCE:.0%} tolerance (+{over:.1%})"
+        return "met"
+
+    def summary_line(self) -> str:
+        """The plan in one line, for a training log: peaks, time, op choices, budget."""
+        overhead = self.added_time_s / self.step_time_s if self.step_time_s else 0.0
+        parts = [
+            f"mirror {self.mode}: estimated peak {_fmt(self.step_peak)} "
+            f"(graph {_fmt(self.peak_after)}, {_fmt(self.peak_before)} unmirrored), "
+            f"+{overhead:.1%} time"
+        ]
+        parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
+        if self.budget_bytes is not None:
+            parts.append(f"budget {_fmt(self.budget_bytes)} {self._budget_state()}")
+            if not self.budget_met:
+                parts.append(self.floor_summary())
+        return "; ".join(parts)
 
     def __str__(self) -> str:
         rows = [
@@ -153,15 +199,20 @@ class Plan:
             "",
             f"stash bytes:    {_fmt(self.stash_bytes_before)} -> {_fmt(self.stash_bytes_after)}",
             f"estimated peak: {_fmt(self.peak_before)} -> {_fmt(self.peak_after)}",
+            f"                ({PEAK_INCLUDES})",
+            *(
+                f"held outside:   {what} {_fmt(b)}: step peak {_fmt(self.step_peak)}"
+                for what, b in self.held.items()
+            ),
             f"added FLOPs:    {self.added_flops:,}",
             f"added time:     {self.added_time_s * 1e6:.1f} us "
             f"({overhead:.1%} of an estimated {self.step_time_s * 1e6:.1f} us step)",
         ]
         if self.budget_bytes is not None:
-            met = "met" if self.peak_after <= self.budget_bytes else "NOT met"
-            lines.append(f"budget:         {_fmt(self.budget_bytes)} ({met})")
+            lines.append(f"budget:         {_fmt(self.budget_bytes)} ({self._budget_state()})")
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
+        lines += [f"op memory:      {c}" for c in self.op_memory]
         return "\n".join(lines)
 
 
@@ -282,8 +333,11 @@ def stash_sizes(joint: JointGraph, graph: UnitGraph, saved: list[Node]) -> dict[
     return sizes
 
 
-def plan(joint: JointGraph, options: PlanOptions) -> Plan:
-    """Decide what the forward pass stashes and what the backward pass recomputes."""
+def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
+    """Decide what the forward pass stashes and what the backward pass recomputes.
+
+    ``warn=False``: no ``MirrorgradBudgetWarning`` (a caller that compares plans warns
+    once for the one it keeps)."""
     policy = options.policy if options.policy is not None else MirrorPolicy()
     rates = options.device if options.device is not None else rates_for(joint.device)
     graph = UnitGraph(joint, policy)
@@ -330,18 +384,19 @@ def plan(joint: JointGraph, options: PlanOptions) -> Plan:
         floor=floor,
         sizes=sizes,
     )
-    if met is False:
-        warnings.warn(_budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
+    if met is False and warn:
+        warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
     return result
 
 
-def _budget_message(p: Plan) -> str:
+def budget_message(p: Plan) -> str:
+    held = "".join(f" Held outside the graph: {what} {_fmt(b)}." for what, b in p.held.items())
     return (
         f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
         f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
         f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
-        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}. Optimizer state and "
-        "anything outside the compiled graph come on top."
+        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}.{held} The peak is of "
+        f"{PEAK_INCLUDES}."
     )
 
 

@@ -24,8 +24,9 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from mirrorgrad import _compat
-from mirrorgrad.graph.joint import JointGraph, is_getitem, is_view
-from mirrorgrad.mirror.budget_search import Plan, PlanOptions, plan
+from mirrorgrad.graph.joint import is_getitem, is_view
+from mirrorgrad.mirror.budget_search import Plan, PlanOptions
+from mirrorgrad.mirror.op_memory import plan_joint
 from mirrorgrad.mirror.policy import is_random, policy_for
 
 Partitioner = Callable[..., tuple[GraphModule, GraphModule]]
@@ -73,8 +74,8 @@ def partition(
         options = dataclasses.replace(options, policy=policy_for(root_module))
     try:
         remove_detaches(joint_gm)
-        joint = JointGraph.from_fx(joint_gm, num_fwd_outputs)
-        the_plan = plan(joint, options)
+        # Our RNN ops' memory modes are decided with the plan (and the graph rewritten).
+        joint, the_plan = plan_joint(joint_gm, num_fwd_outputs, options)
         fw_gm, bw_gm = _split(
             joint_gm, the_plan, num_fwd_outputs, static_lifetime_input_indices or []
         )

@@ -199,11 +199,17 @@ class MirrorPolicy:
     def may_mirror_heavy(self, node: Node) -> bool:
         """A heavy op budget mode may recompute as a last resort: never when
         mirroring is off or a ``mark(module, mirror=False)`` covers it."""
-        if not self.enabled or node.op != "call_function" or is_random(node):
-            return False
-        if self._module_override(node) is False or self.op_overrides.get(op_name(node)) is False:
+        if node.op != "call_function" or is_random(node) or self.forbids(node):
             return False
         return _namespace(node) == "aten" and _packet(node) in self.classes.recomputable_heavy
+
+    def forbids(self, node: Node) -> bool:
+        """The user forbade recomputing ``node``: mirroring is off, or a ``mark(module,
+        mirror=False)`` covers it, or an op override says False. (Our RNN op's memory
+        mode is then stash: mirror/op_memory.py.)"""
+        if not self.enabled:
+            return True
+        return self._module_override(node) is False or self.op_overrides.get(op_name(node)) is False
 
     def _module_override(self, node: Node) -> bool | None:
         if not self.module_overrides:
