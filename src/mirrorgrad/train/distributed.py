@@ -1,13 +1,25 @@
-"""Data parallelism under ``torchrun``: process group from the environment, small collectives.
+"""Data parallelism under ``torchrun``: process group, gradient averaging, small collectives.
 
 A single process (no ``WORLD_SIZE`` in the environment) takes the same code paths:
 every collective here is the identity when the world has one rank.
+
+How the gradients meet (``MIRRORGRAD_DATA_PARALLEL``, an internal switch for the
+benchmark ``mirrorgrad.bench.ddp_scaling``; the default is the one measured fastest):
+
+- ``allreduce`` (default): the plain model is compiled exactly as on one GPU (whole-step
+  CUDA Graphs), and after the backward each gradient is averaged in place by
+  ``torch.distributed.all_reduce``. No wrapper, no buckets: no second copy of the
+  gradients, no graph split.
+- ``ddp``: ``DistributedDataParallel`` (overlapping buckets), compiled without CUDA Graphs.
+- ``ddp-graphs``: the same with ``static_graph=True`` and Inductor's CUDA Graphs on.
+- ``ddp-graphs-whole``: that, with Dynamo's DDP optimizer off (one graph, no split).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,6 +40,21 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+DATA_PARALLEL_ENV = "MIRRORGRAD_DATA_PARALLEL"
+DATA_PARALLEL_MODES = ("allreduce", "ddp", "ddp-graphs", "ddp-graphs-whole")
+
+
+def data_parallel_mode() -> str:
+    """The gradient exchange ``$MIRRORGRAD_DATA_PARALLEL`` names (default allreduce)."""
+    mode = os.environ.get(DATA_PARALLEL_ENV, "allreduce")
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"{DATA_PARALLEL_ENV}={mode!r}: choose one of {', '.join(DATA_PARALLEL_MODES)} "
+            "(or unset it)"
+        )
+    return mode
 
 
 class NoGPUError(RuntimeError):
@@ -98,6 +125,40 @@ def any_true(world: World, flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def broadcast_parameters(world: World, module: torch.nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DDP's constructor does)."""
+    if world.distributed:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+
+def average_gradients(world: World, parameters: Iterable[torch.nn.Parameter]) -> None:
+    """Replaces each ``.grad`` by its mean over ranks, in place (no flat copy).
+
+    All calls are queued before the first wait, so NCCL runs them back to back; a
+    parameter without a gradient on this rank takes part with zeros (the collectives of
+    all ranks must match).
+    """
+    if not world.distributed:
+        return
+    grads = []
+    for p in parameters:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    # gloo has no AVG: sum, then divide.
+    average = dist.get_backend() == dist.Backend.NCCL
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+    works = [dist.all_reduce(g, op=op, async_op=True) for g in grads]
+    for work in works:
+        work.wait()
+    if not average:
+        for g in grads:
+            g.div_(world.world_size)
 
 
 def gather_columns(world: World, tensor: Tensor, dim: int) -> Tensor:

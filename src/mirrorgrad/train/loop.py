@@ -13,7 +13,7 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,16 +308,11 @@ class _Run:
             torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.world.distributed:
-            # Gradients as views of the all-reduce buckets: no second copy of them, so
-            # the per-GPU peak stays that of one process with the same per-GPU batch.
-            model = nn.parallel.DistributedDataParallel(
-                model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                gradient_as_bucket_view=True,
-            )
-        return step.compile_for_training(model, self.config.mirror, self.device)
+    def _wrap(self, model: nn.Module) -> Callable[..., Any]:
+        step_model, self.reduce_gradients = step.compile_for_world(
+            model, self.config.mirror, self.device, self.world
+        )
+        return step_model
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -403,6 +398,7 @@ class _Run:
             self._synchronize()
             seconds = time.perf_counter() - clock.started
             steps_per_s = clock.steps_per_s(pos.step, self.eval_seconds)
+            first_step_s = None if clock.timed_from is None else clock.timed_from[1] - clock.started
             train_loss = self.losses.train_loss(self.world)
             path = self._save()
         # A signal that came while the last checkpoint was written also skips evaluation.
@@ -411,6 +407,7 @@ class _Run:
         return self._summary(
             seconds=seconds,
             steps_per_s=steps_per_s,
+            first_step_seconds=first_step_s,
             losses=(train_loss, valid_loss, test_loss),
             interrupted=interrupted,
             checkpoint=path,
@@ -449,8 +446,9 @@ class _Run:
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
         loss, grad_norm, self.state = step.sgd_step(
-            self.step_model, self.model, self.optimizer, x, y, self.state, clip=self.config.clip
-        )
+            self.step_model, self.model, self.optimizer, x, y, self.state,
+            clip=self.config.clip, reduce_gradients=self.reduce_gradients,
+        )  # fmt: skip
         # Recorded on the device (no sync per step); checked at log steps and saves.
         bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)
         self.first_bad_step.masked_fill_(bad, self.position.step + 1)
@@ -540,6 +538,7 @@ class _Run:
         *,
         seconds: float,
         steps_per_s: float,
+        first_step_seconds: float | None,
         losses: tuple[float | None, float | None, float | None],
         interrupted: bool,
         checkpoint: str | None,
@@ -561,16 +560,22 @@ class _Run:
             seconds=seconds,
             samples_per_s=samples_per_s,
             tokens_per_s=samples_per_s * cfg.bptt,
-            peak_measured_bytes=(
-                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-            ),
+            peak_measured_bytes=self._peak_per_gpu(),
             peak_step_without=None if self.step_peaks is None else self.step_peaks[0],
             peak_step_with=None if self.step_peaks is None else self.step_peaks[1],
             peak_estimated_without=getattr(self.plan, "peak_before", None),
             peak_estimated_with=getattr(self.plan, "peak_after", None),
+            first_step_seconds=first_step_seconds,
             interrupted=interrupted,
             checkpoint=checkpoint,
         )
+
+    def _peak_per_gpu(self) -> int | None:
+        """The largest ``max_memory_allocated`` of all ranks (collective)."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.tensor(torch.cuda.max_memory_allocated(self.device), device=self.device)
+        return int(distributed.maximum(self.world, peak))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
