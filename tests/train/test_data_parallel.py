@@ -1,5 +1,5 @@
-"""Each data-parallel mode on 2 gloo processes: one step's gradients and weights equal
-those of one process on the whole batch."""
+"""Each data-parallel mode on 2 processes: three steps give the gradients and weights of
+one process on the whole batch (gloo on CPU; nccl on 2 GPUs, CUDA Graphs replaying)."""
 
 import dataclasses
 import os
@@ -16,42 +16,53 @@ from mirrorgrad.train.config import PRESETS
 from mirrorgrad.train.distributed import World
 from mirrorgrad.train.model import LanguageModel
 
-_VOCAB, _T, _B = 50, 6, 4
+_VOCAB, _T, _B, _STEPS = 50, 6, 4, 3
 # Dropout off: the masks of two half batches cannot equal those of the whole batch.
 _PRESET = dataclasses.replace(PRESETS["tiny"], dropout=0.0, layers=2, embedding=16, hidden=16)
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, _VOCAB, (_T + 1, _B), generator=g)
-    return tokens[:-1], tokens[1:]
+    tokens = torch.randint(0, _VOCAB, (_STEPS * _T + 1, _B), generator=g).to(device)
+    return [
+        (tokens[i * _T : (i + 1) * _T], tokens[i * _T + 1 : (i + 1) * _T + 1])
+        for i in range(_STEPS)
+    ]
 
 
-def _one_step(world: World, columns: slice) -> dict[str, list[torch.Tensor]]:
+def _train(world: World, columns: slice, device: torch.device) -> dict[str, list[torch.Tensor]]:
     torch.manual_seed(1 + world.rank)  # different initial weights: rank 0's must win
-    model = LanguageModel(_VOCAB, _PRESET)
+    model = LanguageModel(_VOCAB, _PRESET).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     step_model, reduce = step.compile_for_world(
-        model, MirrorOptions.from_cli("balance"), torch.device("cpu"), world
+        model, MirrorOptions.from_cli("balance"), device, world
     )
-    x, y = (t[:, columns] for t in _batch())
-    state = model.initial_state(x.shape[1], "cpu")
-    # A clip above the gradient norm: the averaged gradient itself is compared.
-    step.sgd_step(step_model, model, optimizer, x, y, state, clip=1e3, reduce_gradients=reduce)
+    state = model.initial_state(_B // (2 if world.distributed else 1), device)
+    for x, y in _windows(device):  # on a GPU: CUDA Graphs record, then replay
+        # A clip above the gradient norm: the averaged gradient itself is compared.
+        _, _, state = step.sgd_step(
+            step_model, model, optimizer, x[:, columns], y[:, columns], state,
+            clip=1e3, reduce_gradients=reduce,
+        )  # fmt: skip
     return {
-        "grads": [p.grad.clone() for p in model.parameters()],
-        "weights": [p.detach().clone() for p in model.parameters()],
+        "grads": [p.grad.cpu() for p in model.parameters()],
+        "weights": [p.detach().cpu() for p in model.parameters()],
     }
 
 
-def _worker(rank: int, port: int, mode: str, results) -> None:
+def _worker(rank: int, port: int, mode: str, device_type: str, results) -> None:
     os.environ[distributed.DATA_PARALLEL_ENV] = mode
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    init = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2)
     try:
-        world = World(rank=rank, world_size=2)
         half = _B // 2
-        results[rank] = _one_step(world, slice(rank * half, (rank + 1) * half))
+        columns = slice(rank * half, (rank + 1) * half)
+        results[rank] = _train(World(rank=rank, world_size=2), columns, device)
     finally:
         dist.destroy_process_group()
 
@@ -62,17 +73,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", distributed.DATA_PARALLEL_MODES)
-def test_two_processes_step_as_one_on_the_whole_batch(mode):
-    single = _one_step(World(), slice(None))
+def _check_two_processes_match_one(mode: str, device_type: str, rtol: float, atol: float):
+    single = _train(World(), slice(None), torch.device(device_type))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), mode, results), nprocs=2)
+        mp.spawn(_worker, args=(_free_port(), mode, device_type, results), nprocs=2)
         ranks = [results[0], results[1]]
     for key in ("grads", "weights"):
         for rank in ranks:
             for got, want in zip(rank[key], single[key], strict=True):
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mode", distributed.DATA_PARALLEL_MODES)
+def test_two_processes_step_as_one_on_the_whole_batch(mode):
+    _check_two_processes_match_one(mode, "cpu", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("mode", ["allreduce", "ddp-graphs"])
+def test_two_gpus_step_as_one_on_the_whole_batch(mode):
+    _check_two_processes_match_one(mode, "cuda", rtol=1e-3, atol=1e-5)
 
 
 def test_unknown_mode_names_the_choices(monkeypatch):
