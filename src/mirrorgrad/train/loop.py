@@ -243,9 +243,9 @@ class _Run:
             self.optimizer, mode="min", factor=0.25, patience=0
         )
         self.plan = self._explain() if self.world.is_main else None
+        # On every GPU, before any wrapper: the plain model's step is each rank's.
+        self.step_peaks = self._measure_step_peaks() if device.type == "cuda" else None
         self.step_model = self._wrap(self.model)
-        one_gpu = device.type == "cuda" and not self.world.distributed
-        self.step_peaks = self._measure_step_peaks() if one_gpu else None
 
     def _shard(self, batches: Tensor) -> Tensor:
         return data.shard_columns(batches, self.world.rank, self.world.world_size).to(self.device)
@@ -277,8 +277,8 @@ class _Run:
     def _measure_step_peaks(self) -> tuple[int, int] | None:
         """Measured peak bytes of one forward+backward without and with mirroring.
 
-        For one GPU. Runs before training, leaves no gradients, and the RNG is seeded
-        afresh after it, so training is the same with or without it.
+        Of this rank's GPU. Runs before training, leaves no gradients, and the RNG is
+        seeded afresh after it, so training is the same with or without it.
         """
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
