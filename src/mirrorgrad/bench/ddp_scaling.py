@@ -19,9 +19,11 @@ time does not depend on the words).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -102,18 +104,41 @@ def _launch(
     full = [*launcher, f"--nproc_per_node={gpus}", "-m", "mirrorgrad.bench.ddp_scaling", *command]
     row: dict[str, Any] = {"run": name, "gpus": gpus, "mode": mode or "one process"}
     started = time.monotonic()
-    try:
-        done = subprocess.run(full, env=env, capture_output=True, text=True, timeout=limit)
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
-        log = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        status, log = f"timeout {limit:.0f} s", f"{e.stdout or ''}{e.stderr or ''}"
+    with subprocess.Popen(
+        full, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        try:
+            log, _ = process.communicate(timeout=limit)
+            status = "ok" if process.returncode == 0 else f"exit {process.returncode}"
+        except subprocess.TimeoutExpired:
+            # torchrun starts its workers in sessions of their own: a hung run's
+            # workers are found by parentage, or they would keep the GPUs.
+            for pid in [process.pid, *_descendants(process.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            log, _ = process.communicate()
+            status = f"timeout {limit:.0f} s"
     row["wall_s"] = round(time.monotonic() - started, 1)
-    (args.out / f"{slug}.log").write_text(log if isinstance(log, str) else log.decode())
+    (args.out / f"{slug}.log").write_text(log)
     if out_json.is_file():
         row.update(json.loads(out_json.read_text()))
     row["status"] = status
     return row
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux: parentage read from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 def _worker(out_json: Path, train_args: list[str]) -> int:
