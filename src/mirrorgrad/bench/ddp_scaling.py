@@ -96,6 +96,7 @@ def _launch(
         **os.environ,  # keeps the machine's NCCL settings
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
+        "TORCH_LOGS": os.environ.get("TORCH_LOGS", "perf_hints"),  # why CUDA Graphs were skipped
     }
     if mode is not None:
         env["MIRRORGRAD_DATA_PARALLEL"] = mode
