@@ -138,9 +138,10 @@ def broadcast_parameters(world: World, module: torch.nn.Module) -> None:
 def average_gradients(world: World, parameters: Iterable[torch.nn.Parameter]) -> None:
     """Replaces each ``.grad`` by its mean over ranks, in place (no flat copy).
 
-    All calls are queued before the first wait, so NCCL runs them back to back; a
-    parameter without a gradient on this rank takes part with zeros (the collectives of
-    all ranks must match).
+    On NCCL one coalesced collective (the tensors run as one group, not one launch
+    each); on gloo, which has no AVG and whose coalesced form copies, one sum per
+    tensor, all queued before the first wait, then a division. A parameter without a
+    gradient on this rank takes part with zeros (the collectives of all ranks must match).
     """
     if not world.distributed:
         return
@@ -150,15 +151,13 @@ def average_gradients(world: World, parameters: Iterable[torch.nn.Parameter]) ->
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    # gloo has no AVG: sum, then divide.
-    average = dist.get_backend() == dist.Backend.NCCL
-    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    works = [dist.all_reduce(g, op=op, async_op=True) for g in grads]
-    for work in works:
+    if dist.get_backend() == dist.Backend.NCCL:
+        dist.all_reduce_coalesced(grads, op=dist.ReduceOp.AVG)
+        return
+    works = [dist.all_reduce(g, async_op=True) for g in grads]
+    for work, g in zip(works, grads, strict=True):
         work.wait()
-    if not average:
-        for g in grads:
-            g.div_(world.world_size)
+        g.div_(world.world_size)
 
 
 def gather_columns(world: World, tensor: Tensor, dim: int) -> Tensor:
