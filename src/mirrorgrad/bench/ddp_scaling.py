@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("allreduce", "ddp-graphs", "ddp", "ddp-graphs-whole")
+MODES = ("allreduce", "ddp-graphs", "ddp-graphs-whole", "ddp")
 _PER_GPU_BATCH = 20
 
 
