@@ -2,6 +2,7 @@
 one process on the whole batch (gloo on CPU; nccl on 2 GPUs, CUDA Graphs replaying)."""
 
 import dataclasses
+import functools
 import os
 import socket
 
@@ -21,24 +22,27 @@ _VOCAB, _T, _B, _STEPS = 50, 6, 4, 3
 _PRESET = dataclasses.replace(PRESETS["tiny"], dropout=0.0, layers=2, embedding=16, hidden=16)
 
 
-def _windows(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _tokens(device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, _VOCAB, (_STEPS * _T + 1, _B), generator=g).to(device)
-    return [
-        (tokens[i * _T : (i + 1) * _T], tokens[i * _T + 1 : (i + 1) * _T + 1])
-        for i in range(_STEPS)
-    ]
+    return torch.randint(0, _VOCAB, (_STEPS * _T + 1, _B), generator=g).to(device)
 
 
 def _train(world: World, columns: slice, device: torch.device) -> dict[str, list[torch.Tensor]]:
     torch.manual_seed(1 + world.rank)  # different initial weights: rank 0's must win
     model = LanguageModel(_VOCAB, _PRESET).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    step_model, reduce = step.compile_for_world(
+    step_model, average = step.compile_for_world(
         model, MirrorOptions.from_cli("balance"), device, world
     )
     state = model.initial_state(_B // (2 if world.distributed else 1), device)
-    for x, y in _windows(device):  # on a GPU: CUDA Graphs record, then replay
+    tokens = _tokens(device)
+    rows = distributed.window_rows(tokens.cpu(), _T).to(device)  # as the loop gives them
+    sparse = world.distributed and distributed.data_parallel_mode() == "allreduce-rows"
+    for w in range(_STEPS):  # on a GPU: CUDA Graphs record, then replay
+        x, y = tokens[w * _T : (w + 1) * _T], tokens[w * _T + 1 : (w + 1) * _T + 1]
+        reduce = average
+        if sparse:
+            reduce = functools.partial(average, rows=(model.encoder.weight, rows[w]))
         # A clip above the gradient norm: the averaged gradient itself is compared.
         _, _, state = step.sgd_step(
             step_model, model, optimizer, x[:, columns], y[:, columns], state,
@@ -92,12 +96,18 @@ def test_two_processes_step_as_one_on_the_whole_batch(mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("mode", ["allreduce", "ddp-graphs"])
+@pytest.mark.parametrize("mode", ["allreduce", "allreduce-rows", "ddp-graphs"])
 def test_two_gpus_step_as_one_on_the_whole_batch(mode):
     _check_two_processes_match_one(mode, "cuda", rtol=1e-3, atol=1e-5)
 
 
 def test_unknown_mode_names_the_choices(monkeypatch):
     monkeypatch.setenv(distributed.DATA_PARALLEL_ENV, "fsdp")
-    with pytest.raises(ValueError, match="allreduce, ddp"):
+    with pytest.raises(ValueError, match="choose one of allreduce, allreduce-rows"):
         distributed.data_parallel_mode()
+
+
+def test_window_rows_are_the_tokens_each_window_reads():
+    tokens = torch.tensor([[3, 1], [1, 4], [5, 9], [2, 6], [5, 3]])  # 2 windows of 2 rows
+    rows = distributed.window_rows(tokens, 2)
+    assert rows.tolist() == [[1, 3, 4, 1], [2, 5, 6, 9]]  # padded with the first id

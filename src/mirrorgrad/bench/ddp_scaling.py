@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("allreduce", "ddp-graphs", "ddp-graphs-whole", "ddp")
+MODES = ("allreduce", "allreduce-rows", "ddp-graphs", "ddp-graphs-whole", "ddp")
 _PER_GPU_BATCH = 20
 
 

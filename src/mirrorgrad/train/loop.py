@@ -9,6 +9,7 @@ loss curve and summary equal the uninterrupted ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -220,7 +221,9 @@ class _Run:
                 f"processes ({world.world_size}): it is the global batch"
             )
         eval_batch = math.ceil(cfg.eval_batch_size / world.world_size) * world.world_size
-        self.train_data = self._shard(data.batchify(corpus.train, cfg.batch_size))
+        train_batches = data.batchify(corpus.train, cfg.batch_size)
+        self.train_data = self._shard(train_batches)
+        self.embedding_rows = self._embedding_rows(train_batches)
         self.valid_data, self.test_data = (
             None if ids is None else self._shard(data.batchify(ids, eval_batch))
             for ids in (corpus.valid, corpus.test)
@@ -231,6 +234,14 @@ class _Run:
                 f"the training text is too short for --bptt {cfg.bptt} at --batch-size "
                 f"{cfg.batch_size}; lower them or add text"
             )
+
+    def _embedding_rows(self, train_batches: Tensor) -> Tensor | None:
+        """Per window, the embedding rows all ranks' inputs touch (``allreduce-rows``)."""
+        mode = distributed.data_parallel_mode() if self.world.distributed else None
+        if mode != "allreduce-rows" or self.config.tie_weights:  # tied: the decoder's too
+            return None
+        rows = distributed.window_rows(train_batches, self.config.bptt)
+        return rows.pin_memory() if self.device.type == "cuda" else rows
 
     def _build_model(self) -> None:
         cfg, device = self.config, self.device
@@ -445,9 +456,13 @@ class _Run:
         return False
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
+        reduce = self.reduce_gradients
+        if self.embedding_rows is not None:
+            rows = self.embedding_rows[self.position.window].to(self.device, non_blocking=True)
+            reduce = functools.partial(reduce, rows=(self.model.encoder.weight, rows))
         loss, grad_norm, self.state = step.sgd_step(
             self.step_model, self.model, self.optimizer, x, y, self.state,
-            clip=self.config.clip, reduce_gradients=self.reduce_gradients,
+            clip=self.config.clip, reduce_gradients=reduce,
         )  # fmt: skip
         # Recorded on the device (no sync per step); checked at log steps and saves.
         bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)

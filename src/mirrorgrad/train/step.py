@@ -60,7 +60,7 @@ def compile_for_world(
     (``distributed.data_parallel_mode``, docs/BENCHMARKS.md).
     """
     mode = distributed.data_parallel_mode() if world.distributed else "allreduce"
-    if mode == "allreduce":
+    if mode in ("allreduce", "allreduce-rows"):
         distributed.broadcast_parameters(world, model)
         average = functools.partial(distributed.average_gradients, world, list(model.parameters()))
         return compile_for_training(model, mirror, device), average if world.distributed else None
