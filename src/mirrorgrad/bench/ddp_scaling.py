@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ddp-scaling-") as tmp:
         data = _corpus(Path(tmp))
         probe = _launch(args, Path(tmp), "probe", 2, None, ["--probe", "{json}", args.device], 60)
-        rows = []
+        rows: list[dict[str, Any]] = []
+        result = {"corpus": data.name, "probe": probe, "runs": rows, "steps": args.steps}
         for name, gpus, mode in [("1 GPU", 1, None)] + [(m, 2, m) for m in args.modes]:
             left = args.time_limit - (time.monotonic() - started)
             if left < 30:
@@ -60,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             train += ["--logdir", str(Path(tmp) / name.replace(" ", "-"))]
             limit = min(left, args.run_limit)
             rows.append(_launch(args, Path(tmp), name, gpus, mode, train, limit))
-    result = {"corpus": data.name, "probe": probe, "runs": rows, "steps": args.steps}
-    (args.out / "ddp_scaling.json").write_text(json.dumps(result, indent=2))
+            (args.out / "ddp_scaling.json").write_text(json.dumps(result, indent=2))  # so far
     print(_table(result))
     return 0
 
