@@ -266,3 +266,12 @@ def test_tracing_context_gives_the_mutated_inputs():
     assert seen["mismatch"] is None
     # BatchNorm's running mean, running variance and batch count, nothing else.
     assert sorted(seen["shapes"][i] for i in seen["mutated"]) == [(), (5,), (5,)]
+
+
+def test_ddp_graph_split_setting():
+    from torch._dynamo import config
+
+    assert config.optimize_ddp is True  # torch's default: split at the buckets
+    with _compat.ddp_graph_split(False):
+        assert config.optimize_ddp is False
+    assert config.optimize_ddp is True

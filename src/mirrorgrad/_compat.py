@@ -265,3 +265,12 @@ def needs_plain_autograd(tensors) -> bool:
     if fwad._current_level < 0:  # no dual_level() context open
         return False
     return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+# --- Dynamo's DDP optimizer (used by train/loop.py's ddp-graphs-whole benchmark mode) ----
+def ddp_graph_split(enabled: bool):
+    """A context in which Dynamo does (``True``, its default) or does not split a
+    DDP-wrapped model's graph at the gradient buckets (``torch._dynamo.config.optimize_ddp``)."""
+    from torch._dynamo import config as dynamo_config
+
+    return dynamo_config.patch(optimize_ddp=enabled)

@@ -6,9 +6,11 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mirrorgrad.callbacks import Callback
+from mirrorgrad.train import distributed
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
@@ -30,14 +32,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(corpus, logdir, *extra: str) -> subprocess.CompletedProcess:
+def _torchrun(corpus, logdir, *extra: str, mode: str) -> subprocess.CompletedProcess:
     options = [f"--{k.replace('_', '-')}={v}" for k, v in _OPTIONS.items()]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         f"--master_port={_free_port()}", "-m", "mirrorgrad", "train", "lm",
         f"--data={corpus}", f"--logdir={logdir}", *options, *extra,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", distributed.DATA_PARALLEL_ENV: mode}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -49,17 +51,20 @@ def _logged_losses(logdir) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars("train/loss")}
 
 
-def test_two_processes_match_one_and_resume(corpus, tmp_path):
+# The default, and the variant that sends only the embedding rows each window reads
+# (its row ids come from the loop's window position: an epoch boundary and a resume).
+@pytest.mark.parametrize("mode", ["allreduce", "allreduce-rows"])
+def test_two_processes_match_one_and_resume(corpus, tmp_path, mode):
     single = Losses()
     train(
         TrainConfig.from_preset("tiny", data=corpus, logdir=None, max_steps=9, **_OPTIONS), [single]
     )
 
     logdir = tmp_path / "ddp"
-    first = _torchrun(corpus, logdir, "--max-steps=5")
+    first = _torchrun(corpus, logdir, "--max-steps=5", mode=mode)
     assert "cpu x 2" in first.stdout
     assert first.stdout.count("perplexity") == 1  # rank 0 alone reports
-    _torchrun(corpus, logdir, "--max-steps=9", "--resume")
+    _torchrun(corpus, logdir, "--max-steps=9", "--resume", mode=mode)
     logged = _logged_losses(logdir)
     assert sorted(logged) == list(range(1, 10))
     # Gradients are averaged over the two halves of the batch, as one process sums them.

@@ -1,13 +1,27 @@
-"""Data parallelism under ``torchrun``: process group from the environment, small collectives.
+"""Data parallelism under ``torchrun``: process group, gradient averaging, small collectives.
 
 A single process (no ``WORLD_SIZE`` in the environment) takes the same code paths:
 every collective here is the identity when the world has one rank.
+
+How the gradients meet (``MIRRORGRAD_DATA_PARALLEL``, an internal switch for the
+benchmark ``mirrorgrad.bench.ddp_scaling``; the default is the one measured fastest):
+
+- ``allreduce`` (default): the plain model is compiled exactly as on one GPU (whole-step
+  CUDA Graphs), and after the backward each gradient is averaged in place by
+  ``torch.distributed.all_reduce``. No wrapper, no buckets: no second copy of the
+  gradients, no graph split.
+- ``allreduce-rows``: that, with the embedding's gradient sent as the rows that the
+  window's tokens (of all ranks) touch: the others are zero on every rank.
+- ``ddp``: ``DistributedDataParallel`` (overlapping buckets), compiled without CUDA Graphs.
+- ``ddp-graphs``: the same with ``static_graph=True`` and Inductor's CUDA Graphs on.
+- ``ddp-graphs-whole``: that, with Dynamo's DDP optimizer off (one graph, no split).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,6 +42,21 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+DATA_PARALLEL_ENV = "MIRRORGRAD_DATA_PARALLEL"
+DATA_PARALLEL_MODES = ("allreduce", "allreduce-rows", "ddp", "ddp-graphs", "ddp-graphs-whole")
+
+
+def data_parallel_mode() -> str:
+    """The gradient exchange ``$MIRRORGRAD_DATA_PARALLEL`` names (default allreduce)."""
+    mode = os.environ.get(DATA_PARALLEL_ENV, "allreduce")
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(
+            f"{DATA_PARALLEL_ENV}={mode!r}: choose one of {', '.join(DATA_PARALLEL_MODES)} "
+            "(or unset it)"
+        )
+    return mode
 
 
 class NoGPUError(RuntimeError):
@@ -98,6 +127,65 @@ def any_true(world: World, flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def broadcast_parameters(world: World, module: torch.nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers (as DDP's constructor does)."""
+    if world.distributed:
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+
+def average_gradients(
+    world: World,
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    rows: tuple[torch.nn.Parameter, Tensor] | None = None,
+) -> None:
+    """Replaces each ``.grad`` by its mean over ranks, in place (no flat copy).
+
+    ``rows`` (a parameter and row ids): only those rows of its gradient are sent, the
+    others being zero on every rank (an embedding's rows that no rank's tokens touch).
+    On NCCL one coalesced collective (the tensors run as one group, not one launch
+    each); on gloo, which has no AVG and whose coalesced form copies, one sum per
+    tensor, all queued before the first wait, then a division. A parameter without a
+    gradient on this rank takes part with zeros (the collectives of all ranks must match).
+    """
+    if not world.distributed:
+        return
+    grads, sparse = [], None
+    for p in parameters:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if rows is not None and p is rows[0]:
+            sparse = p.grad.index_select(0, rows[1])
+            grads.append(sparse)
+        else:
+            grads.append(p.grad)
+    if dist.get_backend() == dist.Backend.NCCL:
+        dist.all_reduce_coalesced(grads, op=dist.ReduceOp.AVG)
+    else:
+        works = [dist.all_reduce(g, async_op=True) for g in grads]
+        for work, g in zip(works, grads, strict=True):
+            work.wait()
+            g.div_(world.world_size)
+    if rows is not None and sparse is not None:
+        rows[0].grad.index_copy_(0, rows[1], sparse)
+
+
+def window_rows(batches: Tensor, bptt: int) -> Tensor:
+    """Per training window of ``batches`` (all ranks' columns), the token ids of its
+    inputs, sorted and padded to one length by repeating the first: ``[windows, K]``."""
+    count = (batches.shape[0] - 1) // bptt
+    ids = [torch.unique(batches[w * bptt : (w + 1) * bptt]) for w in range(count)]
+    out = torch.empty(count, max((len(i) for i in ids), default=1), dtype=torch.long)
+    for w, i in enumerate(ids):
+        out[w, : len(i)] = i
+        out[w, len(i) :] = i[0]
+    return out
 
 
 def gather_columns(world: World, tensor: Tensor, dim: int) -> Tensor:

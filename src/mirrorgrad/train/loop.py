@@ -9,11 +9,12 @@ loss curve and summary equal the uninterrupted ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,9 @@ class _Run:
                 f"processes ({world.world_size}): it is the global batch"
             )
         eval_batch = math.ceil(cfg.eval_batch_size / world.world_size) * world.world_size
-        self.train_data = self._shard(data.batchify(corpus.train, cfg.batch_size))
+        train_batches = data.batchify(corpus.train, cfg.batch_size)
+        self.train_data = self._shard(train_batches)
+        self.embedding_rows = self._embedding_rows(train_batches)
         self.valid_data, self.test_data = (
             None if ids is None else self._shard(data.batchify(ids, eval_batch))
             for ids in (corpus.valid, corpus.test)
@@ -231,6 +234,14 @@ class _Run:
                 f"the training text is too short for --bptt {cfg.bptt} at --batch-size "
                 f"{cfg.batch_size}; lower them or add text"
             )
+
+    def _embedding_rows(self, train_batches: Tensor) -> Tensor | None:
+        """Per window, the embedding rows all ranks' inputs touch (``allreduce-rows``)."""
+        mode = distributed.data_parallel_mode() if self.world.distributed else None
+        if mode != "allreduce-rows" or self.config.tie_weights:  # tied: the decoder's too
+            return None
+        rows = distributed.window_rows(train_batches, self.config.bptt)
+        return rows.pin_memory() if self.device.type == "cuda" else rows
 
     def _build_model(self) -> None:
         cfg, device = self.config, self.device
@@ -243,9 +254,9 @@ class _Run:
             self.optimizer, mode="min", factor=0.25, patience=0
         )
         self.plan = self._explain() if self.world.is_main else None
+        # On every GPU, before any wrapper: the plain model's step is each rank's.
+        self.step_peaks = self._measure_step_peaks() if device.type == "cuda" else None
         self.step_model = self._wrap(self.model)
-        one_gpu = device.type == "cuda" and not self.world.distributed
-        self.step_peaks = self._measure_step_peaks() if one_gpu else None
 
     def _shard(self, batches: Tensor) -> Tensor:
         return data.shard_columns(batches, self.world.rank, self.world.world_size).to(self.device)
@@ -277,8 +288,8 @@ class _Run:
     def _measure_step_peaks(self) -> tuple[int, int] | None:
         """Measured peak bytes of one forward+backward without and with mirroring.
 
-        For one GPU. Runs before training, leaves no gradients, and the RNG is seeded
-        afresh after it, so training is the same with or without it.
+        Of this rank's GPU. Runs before training, leaves no gradients, and the RNG is
+        seeded afresh after it, so training is the same with or without it.
         """
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
@@ -308,16 +319,11 @@ class _Run:
             torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.world.distributed:
-            # Gradients as views of the all-reduce buckets: no second copy of them, so
-            # the per-GPU peak stays that of one process with the same per-GPU batch.
-            model = nn.parallel.DistributedDataParallel(
-                model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                gradient_as_bucket_view=True,
-            )
-        return step.compile_for_training(model, self.config.mirror, self.device)
+    def _wrap(self, model: nn.Module) -> Callable[..., Any]:
+        step_model, self.reduce_gradients = step.compile_for_world(
+            model, self.config.mirror, self.device, self.world
+        )
+        return step_model
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -403,6 +409,7 @@ class _Run:
             self._synchronize()
             seconds = time.perf_counter() - clock.started
             steps_per_s = clock.steps_per_s(pos.step, self.eval_seconds)
+            first_step_s = None if clock.timed_from is None else clock.timed_from[1] - clock.started
             train_loss = self.losses.train_loss(self.world)
             path = self._save()
         # A signal that came while the last checkpoint was written also skips evaluation.
@@ -411,6 +418,7 @@ class _Run:
         return self._summary(
             seconds=seconds,
             steps_per_s=steps_per_s,
+            first_step_seconds=first_step_s,
             losses=(train_loss, valid_loss, test_loss),
             interrupted=interrupted,
             checkpoint=path,
@@ -448,9 +456,14 @@ class _Run:
         return False
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
+        reduce = self.reduce_gradients
+        if self.embedding_rows is not None:
+            rows = self.embedding_rows[self.position.window].to(self.device, non_blocking=True)
+            reduce = functools.partial(reduce, rows=(self.model.encoder.weight, rows))
         loss, grad_norm, self.state = step.sgd_step(
-            self.step_model, self.model, self.optimizer, x, y, self.state, clip=self.config.clip
-        )
+            self.step_model, self.model, self.optimizer, x, y, self.state,
+            clip=self.config.clip, reduce_gradients=reduce,
+        )  # fmt: skip
         # Recorded on the device (no sync per step); checked at log steps and saves.
         bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)
         self.first_bad_step.masked_fill_(bad, self.position.step + 1)
@@ -540,6 +553,7 @@ class _Run:
         *,
         seconds: float,
         steps_per_s: float,
+        first_step_seconds: float | None,
         losses: tuple[float | None, float | None, float | None],
         interrupted: bool,
         checkpoint: str | None,
@@ -561,16 +575,22 @@ class _Run:
             seconds=seconds,
             samples_per_s=samples_per_s,
             tokens_per_s=samples_per_s * cfg.bptt,
-            peak_measured_bytes=(
-                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-            ),
+            peak_measured_bytes=self._peak_per_gpu(),
             peak_step_without=None if self.step_peaks is None else self.step_peaks[0],
             peak_step_with=None if self.step_peaks is None else self.step_peaks[1],
             peak_estimated_without=getattr(self.plan, "peak_before", None),
             peak_estimated_with=getattr(self.plan, "peak_after", None),
+            first_step_seconds=first_step_seconds,
             interrupted=interrupted,
             checkpoint=checkpoint,
         )
+
+    def _peak_per_gpu(self) -> int | None:
+        """The largest ``max_memory_allocated`` of all ranks (collective)."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.tensor(torch.cuda.max_memory_allocated(self.device), device=self.device)
+        return int(distributed.maximum(self.world, peak))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

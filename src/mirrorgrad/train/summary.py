@@ -33,6 +33,7 @@ class Summary:
     peak_step_with: int | None
     peak_estimated_without: int | None
     peak_estimated_with: int | None
+    first_step_seconds: float | None = None  # compiles included
     interrupted: bool = False
     checkpoint: str | None = None
 
@@ -40,11 +41,15 @@ class Summary:
         def ppl(x: float | None) -> str:
             return "n/a" if x is None else f"{x:.2f}" if x < 1e6 else f"{x:.3g}"
 
+        first_step = ""
+        if self.first_step_seconds is not None:
+            first_step = f" (the first, which compiles, {self.first_step_seconds:.1f} s)"
         lines = [
             f"{'interrupted' if self.interrupted else 'done'}: {self.model} LSTM LM, "
             f"{self.parameters / 1e6:.2f}M parameters, mirror={self.mirror}, "
             f"{self.device} x {self.world_size}",
-            f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s",
+            f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s"
+            + first_step,
             f"  perplexity   train {ppl(self.train_perplexity)}  "
             f"valid {ppl(self.valid_perplexity)}  test {ppl(self.test_perplexity)}",
             f"  throughput   {self.samples_per_s:.1f} samples/s ({self.tokens_per_s:.0f} tokens/s, "
@@ -59,7 +64,8 @@ class Summary:
             )
         if self.peak_measured_bytes is not None:
             lines.append(
-                f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU"
+                f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU "
+                "(the largest of all GPUs)"
             )
         if self.checkpoint:
             lines.append(f"  checkpoint   {self.checkpoint}")
