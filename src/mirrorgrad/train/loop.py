@@ -583,6 +583,7 @@ class _Run:
             first_step_seconds=first_step_seconds,
             interrupted=interrupted,
             checkpoint=checkpoint,
+            plan=None if self.plan is None else self.plan.summary_line(),
         )
 
     def _peak_per_gpu(self) -> int | None:

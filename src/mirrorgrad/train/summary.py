@@ -36,6 +36,7 @@ class Summary:
     first_step_seconds: float | None = None  # compiles included
     interrupted: bool = False
     checkpoint: str | None = None
+    plan: str | None = None  # Plan.summary_line(): the op choices, and a budget not met
 
     def __str__(self) -> str:
         def ppl(x: float | None) -> str:
@@ -67,6 +68,8 @@ class Summary:
                 f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU "
                 "(the largest of all GPUs)"
             )
+        if self.plan:
+            lines.append(f"  plan         {self.plan}")
         if self.checkpoint:
             lines.append(f"  checkpoint   {self.checkpoint}")
         return "\n".join(lines)
