@@ -2,6 +2,8 @@
 
 import inspect
 
+import torch
+
 from mirrorgrad import _compat
 
 
@@ -266,3 +268,19 @@ def test_tracing_context_gives_the_mutated_inputs():
     assert seen["mismatch"] is None
     # BatchNorm's running mean, running variance and batch count, nothing else.
     assert sorted(seen["shapes"][i] for i in seen["mutated"]) == [(), (5,), (5,)]
+
+
+def test_dispatches_plainly_sees_modes_and_subclasses():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t = torch.ones(2)
+    assert _compat.dispatches_plainly([t, None, torch.nn.Parameter(torch.ones(1))])
+    with FlopCounterMode(display=False):
+        assert not _compat.dispatches_plainly([t])
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert not _compat.dispatches_plainly([t])
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not _compat.dispatches_plainly([t.as_subclass(Sub)])

@@ -265,3 +265,28 @@ def needs_plain_autograd(tensors) -> bool:
     if fwad._current_level < 0:  # no dual_level() context open
         return False
     return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+# --- dispatch modes (used by ops/rnn/op.py) ---------------------------------------------
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def dispatches_plainly(tensors) -> bool:
+    """True when a custom op called on ``tensors`` would meet no one but its own kernel:
+    no TorchDispatchMode (fake tensors, FlopCounterMode, tracing) and no TorchFunctionMode
+    (a default device included) is active, and every tensor is a plain ``Tensor`` or
+    ``Parameter`` (no subclass with ``__torch_dispatch__``/``__torch_function__``)."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    if is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+# --- fake tensors (used by ops/rnn/graphs.py) -------------------------------------------
+def fake_tensors():
+    """Context manager: factory calls inside make fake tensors (shape, dtype, device; no
+    memory); real tensors may be passed in (``empty_like`` of one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

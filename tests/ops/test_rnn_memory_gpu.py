@@ -82,6 +82,6 @@ def test_graphs_raise_the_peak_by_their_workspace_at_most(monkeypatch):
     uncaptured = peak()
     monkeypatch.setattr(graphs, "GRAPH_MAX_ELEMENTS", 1 << 27)
     captured = peak()
-    workspace = sum(t.untyped_storage().nbytes() for t in graphs._WORKSPACE.values())
+    workspace = sum(a.untyped_storage().nbytes() for a in graphs._ARENAS.values())
     assert captured <= uncaptured + workspace
     graphs.clear_graphs()

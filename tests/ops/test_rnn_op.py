@@ -128,6 +128,42 @@ def test_eager_function_agrees_with_the_registered_autograd():
         torch.testing.assert_close(a, b)
 
 
+def test_eager_calls_skip_the_dispatcher_unless_something_would_see_the_op(monkeypatch):
+    """In plain eager mode EagerStack calls the op's Python implementations directly
+    (no torch.library wrappers); under a dispatch mode it goes through the dispatcher,
+    which is what the mode sees. Both give the same gradients."""
+    direct = {"forward": 0, "backward": 0}
+
+    def counting(name, impl):
+        def call(*args):
+            direct[name] += 1
+            return impl(*args)
+
+        return call
+
+    monkeypatch.setattr(op, "_forward_impl", counting("forward", op._forward_impl))
+    monkeypatch.setattr(op, "_backward_impl", counting("backward", op._backward_impl))
+    mod = mnn.LSTM(4, 5, 2, dtype=DT, memory="recompute")
+    x = torch.randn(3, 2, 4, dtype=DT, requires_grad=True)
+    inputs = [x, *mod.parameters()]
+
+    def grads():
+        mod(x)[0].square().sum().backward()
+        out = [t.grad for t in inputs]
+        for t in inputs:
+            t.grad = None
+        return out
+
+    plain = grads()
+    assert direct == {"forward": 1, "backward": 1}
+    with FlopCounterMode(display=False) as counter:
+        seen = grads()
+    assert direct == {"forward": 1, "backward": 1}
+    assert torch.ops.mirrorgrad.rnn_backward in counter.get_flop_counts()["Global"]
+    for a, b in zip(plain, seen):
+        torch.testing.assert_close(a, b)
+
+
 def test_flop_formulas():
     T, B, n_in, H = 2, 3, 4, 5
     mod = mnn.LSTM(n_in, H, dtype=DT, memory="recompute")
