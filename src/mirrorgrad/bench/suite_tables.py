@@ -34,10 +34,14 @@ def _speedup(base: dict | None, m: dict | None) -> float | None:
 
 
 def rnn_table(doc: dict[str, Any]) -> str:
+    """Module level first: cuDNN plain and graphed, mirrorgrad.nn as users get it (auto)
+    and with each implementation fixed; then the kernels alone, and what the module adds
+    to them (the module with impl="triton" over ``kernel-recompute``: same memory mode)."""
     peak = (doc["env"].get("peak_tflops") or {}).get(doc["options"]["dtype"])
+    impls = [n for n in _methods(doc) if n.startswith("mgnn-")]
     head = ["workload", "cuDNN ms", "cuDNN graphed ms", "mirrorgrad.nn ms", "vs cuDNN",
-            "vs graphed", "mgnn TFLOP/s", "of peak", "mgnn graphed ms", "kernel-auto ms",
-            "best kernel ms", "gradients"]  # fmt: skip
+            "vs graphed", "TFLOP/s", "of peak", *(f"{n} ms" for n in impls),
+            "mgnn graphed ms", "best kernel ms", "module / kernels", "gradients"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     ratios: dict[str, tuple[list[float], list[float]]] = {}
     for name, w in doc["workloads"].items():
@@ -52,19 +56,28 @@ def rnn_table(doc: dict[str, Any]) -> str:
                 bucket.append(value)
         share = f"{100 * mg['tflops'] / peak:.1f}%" if mg and peak and mg.get("tflops") else "—"
         wrong = [n for n, m in ok.items() if m.get("grads_ok") is False]
+        added = _speedup(ok.get("kernel-recompute"), ok.get("mgnn-triton"))
         cells = [name, _ms(cu), _ms(cug), _ms(mg), _x(vs), _x(vsg),
                  "—" if not mg or mg.get("tflops") is None else f"{mg['tflops']:.2f}", share,
-                 _ms(ok.get("cuda-graph+mgnn")), _ms(ok.get("kernel-auto")),
+                 *(_ms(ok.get(n)) for n in impls), _ms(ok.get("cuda-graph+mgnn")),
                  "—" if best is None else f"{best['median_ms']:.2f} ({best['method']})",
+                 _x(1 / added if added else None),
                  "WRONG: " + ", ".join(wrong) if wrong else "ok"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for mode, (vs, vsg) in ratios.items():
         lines.append(
             f"- {mode}: mirrorgrad.nn geomean {_x(_geomean(vs))} of cuDNN, "
-            f"{_x(_geomean(vsg))} of cuDNN in a CUDA Graph ({len(vs)} shapes)"
+            f"{_x(_geomean(vsg))} of cuDNN in a CUDA Graph ({len(vs)} shapes); "
+            f"{sum(v < 1 for v in vs)} shapes slower than cuDNN"
         )
     return "\n".join(lines)
+
+
+def _methods(doc: dict[str, Any]) -> list[str]:
+    """Every method of the document, in the order first seen."""
+    return list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
+                              for m in w["methods"]))  # fmt: skip
 
 
 def _zoo_cell(m: dict[str, Any]) -> str:
@@ -78,8 +91,7 @@ def _zoo_cell(m: dict[str, Any]) -> str:
 
 
 def zoo_table(doc: dict[str, Any]) -> str:
-    methods = list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
-                                 for m in w["methods"]))  # fmt: skip
+    methods = _methods(doc)
     mirror = [m for m in methods if m.startswith("mirror-")]
     head = ["model", *methods]
     for m in mirror:
