@@ -1,6 +1,8 @@
 """The CUDA Graph cache of the RNN step loops (graphs.py), run on CPU with a stand-in
 graph that replays the captured loop on its captured buffers (graph_stand_in.py)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -153,3 +155,15 @@ def test_past_the_byte_bound_idle_entries_of_other_shapes_are_dropped(cpu_graphs
     _forward(long)  # while `held` is referenced its entry stays
     assert any(key[0].T == T - 2 for key in graphs._ENTRIES)
     del held
+
+
+def test_released_keys_leave_nothing_held(cpu_graphs):
+    """What impl="auto" does with the loops of an implementation it timed and dropped."""
+    inp = _inputs("lstm")
+    with graphs.recording() as keys:
+        _step(inp, "recompute")
+    assert {key[1] for key in keys} == {"fwd", "bwd"} and graphs.held_bytes() > 0
+    cpu_graphs.clear()  # the stand-in graphs hold their buffers (a CUDA Graph does not)
+    gc.collect()
+    graphs.release(keys)
+    assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS

@@ -366,6 +366,70 @@ def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
     assert timed == ["triton", "cudnn", "triton", "cudnn"]
 
 
+def test_auto_keeps_only_the_graphs_of_the_implementation_it_picked(monkeypatch):
+    """Timing captures step loops for every candidate; those only the losers used are
+    released (a shape cuDNN wins keeps no CUDA Graph buffers)."""
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    released = []
+    monkeypatch.setattr(dispatch.graphs, "release", released.append)
+
+    def step(name, keys):
+        def run():
+            for recording in dispatch.graphs._RECORDING:
+                recording.update(keys)
+            return name
+
+        return run
+
+    candidates = {
+        "persistent": step("persistent", {"p", "shared"}),
+        "triton": step("triton", {"t", "shared"}),
+        "cudnn": step("cudnn", set()),
+    }
+    times = {"persistent": 3.0, "triton": 2.0, "cudnn": 4.0}
+    assert dispatch._choose_auto(("k",), candidates, lambda fn: times[fn()]) == "triton"
+    assert released == [{"p"}]
+    assert dispatch.AUTO_TIMES[("k",)] == times
+
+
+def test_auto_follows_the_cost_rule_without_timing_while_compiling(monkeypatch):
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {("k",): "cudnn"})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def timer(fn):
+        raise AssertionError("nothing is timed while tracing")
+
+    candidates = {"triton": None, "cudnn": None}
+    assert dispatch._choose_auto(("k",), candidates, timer, rule=lambda: "triton") == "triton"
+
+
+def test_auto_offers_the_persistent_kernel_where_it_covers_the_shape(monkeypatch):
+    """On CUDA the candidates are the persistent kernel (where it runs the shape), the
+    split kernels and cuDNN; the rule ranks only the first two."""
+    seen = {}
+
+    def choose(key, candidates, timer=None, rule=None):
+        seen["candidates"], seen["rule"] = list(candidates), rule()
+        return "cudnn"
+
+    class CudaInput:  # what _auto_impl reads of x
+        device = torch.device("cuda")
+        dtype = torch.float32
+        shape = (35, 20, 650)
+
+    monkeypatch.setattr(dispatch, "_choose_auto", choose)
+    monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
+    shape = dispatch.cost.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
+    for covered in (True, False):
+        monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args, c=covered: c)
+        impl = dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
+                                   lambda: None, [], "auto")  # fmt: skip
+        assert impl == "cudnn"
+        fused = ["persistent", "triton"] if covered else ["triton"]
+        assert seen["candidates"] == [*fused, "cudnn"]
+        assert seen["rule"] == "triton"  # no constants for the persistent kernel yet
+
+
 def test_triton_impl_refuses_what_it_does_not_support():
     mod = mnn.LSTM(3, 4, proj_size=2, impl="triton")
     with pytest.raises(ValueError, match="impl='auto'"):

@@ -26,6 +26,7 @@ Inside an outer capture the loops run plainly and become part of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -76,9 +77,11 @@ class Entry:
 _ENTRIES: OrderedDict[tuple, list[Entry]] = OrderedDict()
 _WORKSPACE: dict[tuple, Tensor] = {}  # (config, name) -> a view of an arena
 _ARENAS: dict[tuple, Tensor] = {}  # (device, arena name) -> bytes
+_ARENA_ALONE: dict[tuple, int] = {}  # its storage use count while no view of it exists
 _STATIC: dict[int, int] = {}  # data_ptr of a handed-out storage -> its nbytes
 _READERS: dict[int, int] = {}  # data_ptr of a handed-out storage -> views entries hold
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 
 
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
@@ -117,6 +120,7 @@ def _arena_view(name: str, like: Tensor) -> Tensor:
     arena = _ARENAS.get(key)
     if arena is None or arena.numel() < nbytes:
         arena = _ARENAS[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=like.device)
+        _ARENA_ALONE[key] = _compat.storage_use_count(arena)
     return arena[:nbytes].view(like.dtype).view(like.shape)
 
 
@@ -152,6 +156,8 @@ def acquire(
     entry's input buffers, then calls ``entry.graph.replay()``."""
     entries = _ENTRIES.setdefault(key, [])
     _ENTRIES.move_to_end(key)
+    for keys in _RECORDING:
+        keys.add(key)
     for entry in entries:
         if entry.idle():
             return entry
@@ -182,11 +188,36 @@ def _drop_idle(keep: tuple) -> None:
             _ENTRIES[key] = busy
         else:
             del _ENTRIES[key]
+    _drop_unused_workspace()
+
+
+def _drop_unused_workspace() -> None:
+    """Workspace of configs no entry uses, and arenas no view is left of."""
     live = {key[0] for key in _ENTRIES}
     for key in [k for k in _WORKSPACE if k[0] not in live]:
         del _WORKSPACE[key]
-    for key in [k for k, a in _ARENAS.items() if _compat.storage_use_count(a) == 1]:
-        del _ARENAS[key]
+    for key, arena in list(_ARENAS.items()):
+        if _compat.storage_use_count(arena) == _ARENA_ALONE[key]:
+            del _ARENAS[key], _ARENA_ALONE[key]
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields the set of entry keys that the loops run inside the block use."""
+    keys: set[tuple] = set()
+    _RECORDING.append(keys)
+    try:
+        yield keys
+    finally:
+        _RECORDING.remove(keys)
+
+
+def release(keys: set[tuple]) -> None:
+    """Forget the entries of ``keys`` (loops ``impl="auto"`` timed but did not pick) and
+    the workspace that only they used."""
+    for key in keys:
+        _forget(_ENTRIES.pop(key, []))
+    _drop_unused_workspace()
 
 
 def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
@@ -245,4 +276,5 @@ def clear_graphs() -> None:
     _ENTRIES.clear()
     _WORKSPACE.clear()
     _ARENAS.clear()
+    _ARENA_ALONE.clear()
     _READERS.clear()
