@@ -120,6 +120,7 @@ def overhead_rows(out: Path, reps: int) -> list[dict]:
         graphs.clear_graphs()
         rows.append(row)
         print(name, {k: round(v, 3) for k, v in row.items() if k != "config"}, flush=True)
+        (out / "overhead_rows.json").write_text(json.dumps(rows, indent=2))  # if cut short
     return rows
 
 
