@@ -168,7 +168,8 @@ def main(out: Path, quick: bool) -> None:
     rows = overhead_rows(out, reps=10 if quick else 20)
     memory = [memory_row(k, b) for b in (20, 128) for k in ("cudnn", "stash", "recompute")]
     device = torch.cuda.get_device_name()
-    picks = {str(key): impl for key, impl in dispatch._AUTO_CHOICE.items()}
+    picks = {str(key): {"picked": impl, "ms": dispatch.AUTO_TIMES.get(key)}
+             for key, impl in dispatch._AUTO_CHOICE.items()}  # fmt: skip
     result = {"device": device, "torch": torch.__version__, "overhead": rows, "memory": memory,
               "auto_picks": picks}  # fmt: skip
     (out / "module_overhead.json").write_text(json.dumps(result, indent=2))
@@ -179,7 +180,8 @@ def main(out: Path, quick: bool) -> None:
         cells = [f"{r[m]:.2f} ({r[m + ' host']:.2f})" for m in methods]
         ratio = [r[f"module-{m}"] / r[f"kernels-{m}"] for m in ("recompute", "stash")]
         print(f"| {r['config']} | " + " | ".join(cells) + f" | {ratio[0]:.3f} | {ratio[1]:.3f} |")
-    print("\nimpl='auto' picked:", sorted(set(picks.values())))
+    for key, pick in picks.items():
+        print(f"impl='auto' picked {pick['picked']} for {key}: {pick['ms']}")
     print("\n| kind | batch | peak MiB | retained MiB | graph cache MiB | arenas MiB |")
     for r in memory:
         arenas = ", ".join(f"{k} {v:.1f}" for k, v in r["arenas_MiB"].items())
