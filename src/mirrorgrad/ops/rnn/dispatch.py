@@ -212,13 +212,16 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
     if x.device.type != "cuda" or x.shape[1] == 0:
         return "reference"
     fused = []  # the custom op's implementations: the only ones the rule may rank
-    if _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, shape.B):
+    # A symbolic batch or length (torch.compile with dynamic shapes) is not specialised on
+    # for the persistent kernel's plan: the split kernels take every shape.
+    static = isinstance(shape.T, int) and isinstance(shape.B, int)
+    if static and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, shape.B):
         fused.append("persistent")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
     memory = resolve_memory(memory, shape.mode)
 
     def rule() -> str:
-        return cost.pick(fused, memory, x.dtype, shape)
+        return cost.pick(fused, memory, x.dtype, shape) if static else fused[-1]
 
     if torch.compiler.is_compiling():
         return rule()
