@@ -76,7 +76,7 @@ def test_rnn_table_leads_with_the_module_and_says_what_it_adds_to_the_kernels():
         "env": {"peak_tflops": {"fp32": 100.0}},
         "options": {"dtype": "fp32"},
         "workloads": {
-            "rnn-lstm-L2-I8-H8-B2-T3": {"methods": [
+            "rnn-lstm-L2-I8-H8-B20-T3": {"methods": [
                 method("eager", 4.0), method("cuda-graph", 2.0),
                 method("eager+mgnn", 2.5, tflops=10.0), method("mgnn-triton", 2.2),
                 method("mgnn-cudnn", 4.1), method("kernel-recompute", 2.0),
@@ -94,6 +94,8 @@ def test_rnn_table_leads_with_the_module_and_says_what_it_adds_to_the_kernels():
     assert cells["best kernel ms"] == "1.80 (kernel-auto)"
     assert "WRONG: kernel-auto" in row
     assert "lstm: mirrorgrad.nn geomean 1.60x of cuDNN, 0.80x of cuDNN in a CUDA Graph" in table
+    doc["workloads"]["rnn-lstm-L1-I8-H8-B4-T3"] = doc["workloads"]["rnn-lstm-L2-I8-H8-B20-T3"]
+    assert "- lstm, batch 1-4: mirrorgrad.nn geomean 1.60x" in rnn_table(doc)
 
 
 def test_the_subset_flag_names_workloads_and_methods_that_exist(monkeypatch):
