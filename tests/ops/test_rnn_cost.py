@@ -64,3 +64,27 @@ def test_an_implementation_without_constants_is_never_preferred():
     assert cost.predicted_ms("persistent", "recompute", torch.float32, shape) is None
     assert cost.pick(["persistent", "triton"], "recompute", torch.float32, shape) == "triton"
     assert cost.pick(["persistent"], "recompute", torch.float32, shape) == "persistent"
+
+
+def test_constants_fitted_to_module_results_recover_the_times_they_came_from():
+    """A results document of `mirrorgrad bench --suite rnn-kernels` whose mgnn-persistent
+    times follow known constants: fit_results gives them back (the way a measured run's
+    constants reach COSTS)."""
+    truth = (5.0, 1.5, 20.0, 0.4)
+    names = ["rnn-lstm-L2-I650-H650-B20-T35", "rnn-lstm-L4-I1024-H1024-B128-T50",
+             "rnn-lstm-L1-I512-H512-B16-T100", "rnn-lstm-L2-I1024-H1024-B64-T50-bi",
+             "rnn-lstm-L2-I1024-H1024-B1-T100", "rnn-gru-L1-I512-H512-B16-T100"]  # fmt: skip
+    assert cost.shape_of(names[3]) == cost.Shape(mode="lstm", T=50, B=64, H=1024, layers=2,
+                                                 directions=2)  # fmt: skip
+    workloads = {}
+    for name in names:
+        ms = sum(c * f for c, f in zip(truth, cost.shape_of(name).features()))
+        workloads[name] = {"methods": [
+            {"method": "mgnn-persistent", "status": "ok", "median_ms": ms},
+            {"method": "mgnn-triton-stash", "status": "failed", "median_ms": None},
+        ]}  # fmt: skip
+    doc = {"options": {"dtype": "bf16"}, "workloads": workloads}
+    fitted = cost.fit_results([doc])
+    # The module's LSTM recomputes, its GRU stashes: one GRU sample is too few to fit.
+    assert list(fitted) == [("persistent", "recompute", "half")]
+    assert fitted["persistent", "recompute", "half"] == pytest.approx(truth, abs=1e-3)

@@ -12,12 +12,20 @@ four constants per (implementation, memory, dtype class), fitted by ``fit`` to t
 measured tables in docs/results/ (relative least squares, constants >= 0);
 tests/ops/test_rnn_cost.py checks the rule against those tables. An implementation
 without constants is never preferred by the rule.
+
+    python -m mirrorgrad.ops.rnn.cost RESULTS.json ...
+
+prints the constants fitted to `mirrorgrad bench --suite rnn-kernels` results (the
+module methods ``mgnn-<impl>``), for COSTS.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -99,3 +107,35 @@ def fit(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
         if (constants >= 0).all():
             return tuple(round(float(c), 3) for c in constants)
         active.remove(int(np.argmin(constants)))
+
+
+def shape_of(workload: str) -> Shape:
+    """The Shape of an rnn-kernels workload, rnn-<mode>-L<l>-I<i>-H<h>-B<b>-T<t>[-bi]."""
+    parts = workload.split("-")
+    sizes = {p[0]: int(p[1:]) for p in parts[2:] if p[:1] in "LIHBT" and p[1:].isdigit()}
+    return Shape(mode=parts[1], T=sizes["T"], B=sizes["B"], H=sizes["H"], layers=sizes["L"],
+                 directions=2 if parts[-1] == "bi" else 1)  # fmt: skip
+
+
+def fit_results(docs: Iterable[dict]) -> dict[tuple[str, str, str], tuple[float, ...]]:
+    """COSTS entries fitted to rnn-kernels results: one per module method ``mgnn-<impl>``
+    (memory: the module's default, or stash for ``-stash``), mode-independent as COSTS."""
+    samples: dict[tuple[str, str, str], list[tuple[Shape, float]]] = {}
+    for doc in docs:
+        dtype = "fp32" if doc["options"]["dtype"] == "fp32" else "half"
+        for name, workload in doc["workloads"].items():
+            shape = shape_of(name)
+            for m in workload["methods"]:
+                if m["status"] != "ok" or not m["method"].startswith("mgnn-"):
+                    continue
+                impl, _, memory = m["method"][5:].partition("-")
+                memory = memory or ("recompute" if shape.mode == "lstm" else "stash")
+                key = (impl, memory_class(impl, memory), dtype)
+                samples.setdefault(key, []).append((shape, m["median_ms"]))
+    return {key: fit(rows) for key, rows in samples.items() if len(rows) >= 4}
+
+
+if __name__ == "__main__":
+    fitted = fit_results(json.loads(Path(path).read_text()) for path in sys.argv[1:])
+    for key, constants in sorted(fitted.items()):
+        print(f"    {key}: {constants},")
