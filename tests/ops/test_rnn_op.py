@@ -585,3 +585,34 @@ def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, me
     for declared, seen in _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
         low, high = (0.9, 1.5) if bidirectional or impl == "reference" else (0.9, 1.1)
         assert low * seen <= declared <= high * seen, (declared, seen)
+
+
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, persistent):
+    """The choice impl="auto" makes on a GPU while torch.compile traces (persistent
+    support, the cost rule) is traced without a graph break, and the op it picks gets
+    the same memory in forward and backward: run here with the interpreted kernels."""
+    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: persistent)
+    picked = []
+    real_pick = dispatch.cost.pick
+    monkeypatch.setattr(dispatch.cost, "pick", lambda *a: picked.append(real_pick(*a)) or picked[0])
+    torch.manual_seed(0)
+    # Dropout: its seed is drawn by torch.randint, not the poisoned torch.empty (whose
+    # frame inspection Dynamo cannot trace).
+    model = mnn.LSTM(4, 5, 2, dropout=0.3)
+    ref = mnn.LSTM(4, 5, 2, dropout=0.3, impl="triton")
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(3, 2, 4)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
+    compiled(x)[0].square().sum().backward()
+    torch.manual_seed(1)
+    ref(x)[0].square().sum().backward()
+    assert picked == ["triton"]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

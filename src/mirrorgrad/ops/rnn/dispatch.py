@@ -209,7 +209,7 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
     """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
     fastest step of the custom op's implementations and cuDNN (None: not a candidate),
     timed once per ``key`` (shape and configuration); the cost rule where it cannot time."""
-    if x.device.type != "cuda" or x.shape[1] == 0:
+    if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
     fused = []  # the custom op's implementations: the only ones the rule may rank
     # A symbolic batch or length (torch.compile with dynamic shapes) is not specialised on
@@ -229,6 +229,10 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
     if cudnn is not None:
         candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
     return _choose_auto(key, candidates, rule=rule)
+
+
+def _on_gpu(x: Tensor) -> bool:
+    return x.device.type == "cuda"
 
 
 def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, proj: bool):
