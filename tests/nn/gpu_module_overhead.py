@@ -1,7 +1,8 @@
 """GPU measurement (run as a script): what mirrorgrad.nn adds to the op's kernels, and
 its peak memory against cuDNN (issue 16 item 3, issue 14 item 3).
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python tests/nn/gpu_module_overhead.py OUT_DIR [--quick]
+    TRITON_INTERPRET=0 PYTHONPATH=src python tests/nn/gpu_module_overhead.py OUT_DIR \
+        [--quick] [--modes lstm,gru] [--no-memory]
 
 1. Time, forward+backward (CUDA events, median): ``torch.nn.LSTM`` (cuDNN), the
    per-layer kernels driven directly (``bench.rnn_kernels._kernel_forward``, what the
@@ -36,8 +37,11 @@ from mirrorgrad.ops.rnn import dispatch, graphs
 
 MiB = 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# (layers, input = hidden, batch, T, dtype)
-CONFIGS = [(2, 650, 20, 35, "fp32"), (2, 650, 20, 35, "bf16"), (4, 1024, 128, 50, "bf16")]
+# (mode, layers, input = hidden, batch, T, dtype)
+CONFIGS = [("lstm", 2, 650, 20, 35, "fp32"), ("lstm", 2, 650, 20, 35, "bf16"),
+           ("lstm", 4, 1024, 128, 50, "bf16"), ("gru", 2, 650, 20, 35, "bf16"),
+           ("gru", 4, 1024, 128, 50, "bf16")]  # fmt: skip
+MODULES = {"lstm": (nn.LSTM, mnn.LSTM), "gru": (nn.GRU, mnn.GRU)}
 
 
 def _inputs(layers, hidden, batch, T, dtype):
@@ -49,24 +53,24 @@ def _inputs(layers, hidden, batch, T, dtype):
     return x, h0, c0, gy
 
 
-def _steps(layers, hidden, batch, T, dtype):
+def _steps(mode, layers, hidden, batch, T, dtype):
     """name -> forward+backward callable, all on the same weights."""
-    reference = nn.LSTM(hidden, hidden, layers).cuda().to(dtype)
+    torch_class, ours = MODULES[mode]
+    reference = torch_class(hidden, hidden, layers).cuda().to(dtype)
     x, h0, c0, gy = _inputs(layers, hidden, batch, T, dtype)
     xg = x.detach().requires_grad_()
+    hx = (h0, c0) if mode == "lstm" else h0
 
     def module(**options):
-        m = mnn.LSTM(hidden, hidden, layers, **options).cuda().to(dtype)
+        m = ours(hidden, hidden, layers, **options).cuda().to(dtype)
         m.load_state_dict(reference.state_dict())
-        return lambda: m(xg, (h0, c0))[0]
+        return lambda: m(xg, hx)[0]
 
     def direct(memory):
-        return lambda: rnn_kernels._kernel_forward(
-            reference, "lstm", {"memory": memory}, xg, (h0, c0)
-        )[0]
+        return lambda: rnn_kernels._kernel_forward(reference, mode, {"memory": memory}, xg, hx)[0]
 
     forwards = {
-        "cudnn": lambda: reference(xg, (h0, c0))[0],
+        "cudnn": lambda: reference(xg, hx)[0],
         "kernels-recompute": direct("recompute"),
         "module-recompute": module(impl="triton", memory="recompute"),
         "kernels-stash": direct("stash"),
@@ -106,11 +110,13 @@ def _profile(step, path: Path, n=20) -> None:
     path.write_text(text.getvalue())
 
 
-def overhead_rows(out: Path, reps: int) -> list[dict]:
+def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
     rows = []
-    for layers, hidden, batch, T, dt in CONFIGS:
-        name = f"L{layers}-H{hidden}-B{batch}-T{T}-{dt}"
-        steps = _steps(layers, hidden, batch, T, DTYPES[dt])
+    for mode, layers, hidden, batch, T, dt in CONFIGS:
+        if mode not in modes:
+            continue
+        name = f"{mode}-L{layers}-H{hidden}-B{batch}-T{T}-{dt}"
+        steps = _steps(mode, layers, hidden, batch, T, DTYPES[dt])
         row = {"config": name}
         for method, step in steps.items():
             timing = time_calls(step, repeats=reps, warmup=3, device="cuda")
@@ -159,14 +165,15 @@ def memory_row(kind: str, batch: int) -> dict:
     return row
 
 
-def main(out: Path, quick: bool) -> None:
+def main(out: Path, quick: bool, modes: list[str], memory_too: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # Both sides in TF32 in fp32, as the benchmark runs them (cuDNN's default).
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
     if quick:
         CONFIGS[:] = CONFIGS[:1]
-    rows = overhead_rows(out, reps=10 if quick else 20)
-    memory = [memory_row(k, b) for b in (20, 128) for k in ("cudnn", "stash", "recompute")]
+    rows = overhead_rows(out, reps=10 if quick else 20, modes=modes)
+    kinds = ("cudnn", "stash", "recompute")
+    memory = [memory_row(k, b) for b in (20, 128) for k in kinds] if memory_too else []
     device = torch.cuda.get_device_name()
     picks = {str(key): {"picked": impl, "ms": dispatch.AUTO_TIMES.get(key)}
              for key, impl in dispatch._AUTO_CHOICE.items()}  # fmt: skip
@@ -192,4 +199,6 @@ def main(out: Path, quick: bool) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2 or not torch.cuda.is_available():
         sys.exit("usage (needs CUDA): python tests/nn/gpu_module_overhead.py OUT_DIR [--quick]")
-    main(Path(sys.argv[1]), "--quick" in sys.argv)
+    args = sys.argv[2:]
+    modes = args[args.index("--modes") + 1].split(",") if "--modes" in args else ["lstm"]
+    main(Path(sys.argv[1]), "--quick" in args, modes, "--no-memory" not in args)
