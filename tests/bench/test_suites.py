@@ -92,6 +92,7 @@ def test_rnn_table_leads_with_the_module_and_says_what_it_adds_to_the_kernels():
     assert cells["of peak"] == "10.0%" and cells["mgnn-cudnn ms"] == "4.10"
     assert cells["module / kernels"] == "1.10x"  # mgnn-triton over kernel-recompute
     assert cells["best kernel ms"] == "1.80 (kernel-auto)"
+    assert cells["auto / best"] == "1.14x"  # 2.5 against mgnn-triton's 2.2
     assert "WRONG: kernel-auto" in row
     assert "lstm: mirrorgrad.nn geomean 1.60x of cuDNN, 0.80x of cuDNN in a CUDA Graph" in table
     doc["workloads"]["rnn-lstm-L1-I8-H8-B4-T3"] = doc["workloads"]["rnn-lstm-L2-I8-H8-B20-T3"]
