@@ -36,7 +36,7 @@ def _speedup(base: dict | None, m: dict | None) -> float | None:
 def rnn_table(doc: dict[str, Any]) -> str:
     """Module level first: cuDNN plain and graphed, mirrorgrad.nn as users get it (auto)
     and with each implementation fixed; then the kernels alone, and what the module adds
-    to them (the module with impl="triton" over ``kernel-recompute``: same memory mode)."""
+    to them (``mgnn-triton-stash`` over ``kernel-auto``: same kernels, same memory mode)."""
     peak = (doc["env"].get("peak_tflops") or {}).get(doc["options"]["dtype"])
     impls = [n for n in _methods(doc) if n.startswith("mgnn-")]
     head = ["workload", "cuDNN ms", "cuDNN graphed ms", "mirrorgrad.nn ms", "vs cuDNN",
@@ -57,7 +57,7 @@ def rnn_table(doc: dict[str, Any]) -> str:
                 bucket.append(value)
         share = f"{100 * mg['tflops'] / peak:.1f}%" if mg and peak and mg.get("tflops") else "—"
         wrong = [n for n, m in ok.items() if m.get("grads_ok") is False]
-        added = _speedup(ok.get("kernel-recompute"), ok.get("mgnn-triton"))
+        added = _speedup(ok.get("kernel-auto"), ok.get("mgnn-triton-stash"))  # both stash
         # impl="auto" against the fastest fixed choice a user could have made (cuDNN too).
         fixed = [m for n, m in ok.items() if n in impls or n == "eager"]
         best_fixed = min(fixed, key=lambda m: m["median_ms"], default=None)
