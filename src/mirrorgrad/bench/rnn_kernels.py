@@ -300,7 +300,7 @@ SUBSET = {
         "rnn-gru-L2-I650-H650-B20-T35",
     ],
     "methods": [
-        "eager", "cuda-graph", "eager+mgnn", *MODULE_IMPLS, "kernel-recompute", "kernel-auto",
+        "eager", "cuda-graph", "eager+mgnn", *MODULE_IMPLS, "kernel-auto",
     ],
 }
 
