@@ -88,3 +88,26 @@ def test_constants_fitted_to_module_results_recover_the_times_they_came_from():
     # The module's LSTM recomputes, its GRU stashes: one GRU sample is too few to fit.
     assert list(fitted) == [("persistent", "recompute", "half")]
     assert fitted["persistent", "recompute", "half"] == pytest.approx(truth, abs=1e-3)
+
+
+# Module-level runs of `mirrorgrad bench --suite rnn-kernels` (another GPU, other
+# shapes): the rule, fitted on the H200 kernel tables, must still rank cuDNN and the
+# split kernels as those runs measured them through the module.
+MODULE_RESULTS = sorted((RESULTS.parent).glob("rnn-module-*/*.results.json"))
+
+
+@pytest.mark.parametrize("path", MODULE_RESULTS, ids=lambda p: p.parent.name + "/" + p.stem)
+def test_the_rule_ranks_the_module_level_runs_within_fifteen_percent(path):
+    doc = json.loads(path.read_text())
+    dtype = DTYPES[doc["options"]["dtype"]]
+    checked = 0
+    for name, workload in doc["workloads"].items():
+        ms = {m["method"]: m["median_ms"] for m in workload["methods"] if m["status"] == "ok"}
+        if "mgnn-triton" not in ms or "mgnn-cudnn" not in ms:
+            continue
+        shape = cost.shape_of(name)
+        memory = "recompute" if shape.mode == "lstm" else "stash"  # the module's default
+        picked = cost.pick(["triton", "cudnn"], memory, dtype, shape)
+        assert ms[f"mgnn-{picked}"] <= 1.15 * min(ms["mgnn-triton"], ms["mgnn-cudnn"]), name
+        checked += 1
+    assert checked > 0
