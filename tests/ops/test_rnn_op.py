@@ -589,10 +589,12 @@ def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, me
 
 @pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("persistent", [False, True])
-def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, persistent):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, persistent, dynamic):
     """The choice impl="auto" makes on a GPU while torch.compile traces (persistent
-    support, the cost rule) is traced without a graph break, and the op it picks gets
-    the same memory in forward and backward: run here with the interpreted kernels."""
+    support, the cost rule) is traced without a graph break, with static or symbolic
+    shapes, and the op it picks gets the same memory in forward and backward: run here
+    with the interpreted kernels."""
     if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
                                         device=torch.device("cpu")):  # fmt: skip
         pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
@@ -607,12 +609,15 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
     model = mnn.LSTM(4, 5, 2, dropout=0.3)
     ref = mnn.LSTM(4, 5, 2, dropout=0.3, impl="triton")
     ref.load_state_dict(model.state_dict())
-    x = torch.randn(3, 2, 4)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    torch.manual_seed(1)
-    compiled(x)[0].square().sum().backward()
-    torch.manual_seed(1)
-    ref(x)[0].square().sum().backward()
-    assert picked == ["triton"]
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for T, B in ((3, 2), (2, 3)):
+        x = torch.randn(T, B, 4)
+        for m in (model, ref):
+            m.zero_grad()
+        torch.manual_seed(1)
+        compiled(x)[0].square().sum().backward()
+        torch.manual_seed(1)
+        ref(x)[0].square().sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert picked and set(picked) == {"triton"}

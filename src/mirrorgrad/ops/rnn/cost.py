@@ -85,9 +85,13 @@ def predicted_ms(impl: str, memory: str, dtype: torch.dtype, shape: Shape) -> fl
 def pick(candidates: Sequence[str], memory: str, dtype: torch.dtype, shape: Shape) -> str:
     """The candidate with the lowest predicted time; the first where none is predicted
     (candidates without constants are never preferred)."""
-    predicted = {c: predicted_ms(c, memory, dtype, shape) for c in candidates}
-    known = {c: ms for c, ms in predicted.items() if ms is not None}
-    return min(known, key=known.__getitem__) if known else candidates[0]
+    # A plain loop: torch.compile traces it with symbolic shapes (min(dict, key=...) breaks).
+    best, best_ms = candidates[0], None
+    for candidate in candidates:
+        ms = predicted_ms(candidate, memory, dtype, shape)
+        if ms is not None and (best_ms is None or ms < best_ms):
+            best, best_ms = candidate, ms
+    return best
 
 
 def fit(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:

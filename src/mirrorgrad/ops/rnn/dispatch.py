@@ -211,19 +211,21 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
     timed once per ``key`` (shape and configuration); the cost rule where it cannot time."""
     if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
+    memory = resolve_memory(memory, shape.mode)
+    compiling = torch.compiler.is_compiling()
     fused = []  # the custom op's implementations: the only ones the rule may rank
-    # A symbolic batch or length (torch.compile with dynamic shapes) is not specialised on
-    # for the persistent kernel's plan: the split kernels take every shape.
-    static = isinstance(shape.T, int) and isinstance(shape.B, int)
-    if static and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, shape.B):
+    # While tracing, the persistent kernel is asked only where the rule could pick it (it
+    # has constants): its plan depends on the batch, which int() then specialises (a
+    # symbolic batch cannot reach an assume_constant_result function).
+    ask = not compiling or cost.predicted_ms("persistent", memory, x.dtype, shape) is not None
+    if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
-    memory = resolve_memory(memory, shape.mode)
 
     def rule() -> str:
-        return cost.pick(fused, memory, x.dtype, shape) if static else fused[-1]
+        return cost.pick(fused, memory, x.dtype, shape)
 
-    if torch.compiler.is_compiling():
+    if compiling:
         return rule()
     candidates = {name: _timed_step(custom(name), grad_inputs) for name in fused}
     if cudnn is not None:
