@@ -284,3 +284,9 @@ def test_dispatches_plainly_sees_modes_and_subclasses():
         pass
 
     assert not _compat.dispatches_plainly([t.as_subclass(Sub)])
+
+
+def test_clear_cublas_workspaces_is_the_private_call_on_cuda_and_a_no_op_without():
+    _compat.clear_cublas_workspaces()  # no CUDA here: nothing to free, no error
+    if torch.cuda.is_available():
+        assert hasattr(torch._C, "_cuda_clearCublasWorkspaces")

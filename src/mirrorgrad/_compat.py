@@ -290,3 +290,13 @@ def fake_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# --- cuBLAS workspaces (used by bench/runner.py) ----------------------------------------
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (thread's handle, stream) for the whole
+    process (32 MiB each on an H100); a no-op without CUDA. Only when no CUDA Graph that
+    ran a cuBLAS call will replay again (its captured kernels point into them)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()
