@@ -2,6 +2,8 @@
 
 import inspect
 
+import torch
+
 from mirrorgrad import _compat
 
 
@@ -275,3 +277,25 @@ def test_ddp_graph_split_setting():
     with _compat.ddp_graph_split(False):
         assert config.optimize_ddp is False
     assert config.optimize_ddp is True
+
+
+def test_dispatches_plainly_sees_modes_and_subclasses():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    t = torch.ones(2)
+    assert _compat.dispatches_plainly([t, None, torch.nn.Parameter(torch.ones(1))])
+    with FlopCounterMode(display=False):
+        assert not _compat.dispatches_plainly([t])
+    with torch.device("cpu"):  # a TorchFunctionMode
+        assert not _compat.dispatches_plainly([t])
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not _compat.dispatches_plainly([t.as_subclass(Sub)])
+
+
+def test_clear_cublas_workspaces_is_the_private_call_on_cuda_and_a_no_op_without():
+    _compat.clear_cublas_workspaces()  # no CUDA here: nothing to free, no error
+    if torch.cuda.is_available():
+        assert hasattr(torch._C, "_cuda_clearCublasWorkspaces")

@@ -274,3 +274,38 @@ def ddp_graph_split(enabled: bool):
     from torch._dynamo import config as dynamo_config
 
     return dynamo_config.patch(optimize_ddp=enabled)
+
+
+# --- dispatch modes (used by ops/rnn/op.py) ---------------------------------------------
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def dispatches_plainly(tensors) -> bool:
+    """True when a custom op called on ``tensors`` would meet no one but its own kernel:
+    no TorchDispatchMode (fake tensors, FlopCounterMode, tracing) and no TorchFunctionMode
+    (a default device included) is active, and every tensor is a plain ``Tensor`` or
+    ``Parameter`` (no subclass with ``__torch_dispatch__``/``__torch_function__``)."""
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    if is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+# --- fake tensors (used by ops/rnn/graphs.py) -------------------------------------------
+def fake_tensors():
+    """Context manager: factory calls inside make fake tensors (shape, dtype, device; no
+    memory); real tensors may be passed in (``empty_like`` of one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# --- cuBLAS workspaces (used by bench/runner.py) ----------------------------------------
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps per (thread's handle, stream) for the whole
+    process (32 MiB each on an H100); a no-op without CUDA. Only when no CUDA Graph that
+    ran a cuBLAS call will replay again (its captured kernels point into them)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()

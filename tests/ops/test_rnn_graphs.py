@@ -1,6 +1,8 @@
 """The CUDA Graph cache of the RNN step loops (graphs.py), run on CPU with a stand-in
 graph that replays the captured loop on its captured buffers (graph_stand_in.py)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -98,3 +100,70 @@ def test_the_cache_holds_one_set_of_outputs_per_layer_and_shared_workspace(cpu_g
     backward_workspace = T * B * H * f32 + B * H * f32 * 2 + T * B * 4 * H * f32  # dy dh dc dg
     assert graphs.held_bytes() == handed_out + forward_workspace + backward_workspace
     assert len(cpu_graphs) == 2  # one forward entry, one backward entry
+
+
+def _step(inp, memory):
+    y, _, _, saved = _forward(inp, memory)
+    kernels.layer_backward("lstm", saved, *inp.values(), None, y, torch.randn_like(y), None,
+                           None, memory=memory, use_graph=True)  # fmt: skip
+
+
+def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
+    """Recompute: the forward's pre-activations (workspace: not saved) and the backward's
+    gate gradients are never live at once: one buffer holds both."""
+    inp = _inputs("lstm")
+    for _ in range(2):
+        _step(inp, "recompute")
+    f32 = 4
+    handed_out = T * B * H * f32 + (T + 1) * B * H * f32  # y, cells
+    gates = T * B * 4 * H * f32  # forward pre = backward dG
+    forward_workspace = 2 * B * H * f32  # h ping-pong
+    backward_workspace = T * B * H * f32 + 2 * B * H * f32 + T * B * 4 * H * f32  # dy dh dc pre
+    assert graphs.held_bytes() == handed_out + gates + forward_workspace + backward_workspace
+    names = {name for _, name in graphs._WORKSPACE}
+    assert {"pre", "bwd.dg"} <= names
+    pre, dg = (next(v for (_, n), v in graphs._WORKSPACE.items() if n == name)
+               for name in ("pre", "bwd.dg"))  # fmt: skip
+    assert pre.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
+
+
+def test_configs_of_several_lengths_share_the_workspace_of_the_longest(cpu_graphs):
+    """A shorter sequence (another loop config) adds its own entries' outputs but no
+    workspace: its buffers are views of the arenas the longer one made."""
+    long, short = _inputs("lstm"), _inputs("lstm", t=T - 2)
+    short.update({k: long[k] for k in ("w_ih", "w_hh", "b_ih", "b_hh")})
+    _step(long, "stash")
+    arenas = graphs.held_bytes()
+    workspace = sum(a.untyped_storage().nbytes() for a in graphs._ARENAS.values())
+    _step(short, "stash")
+    f32 = 4
+    t = T - 2
+    short_outputs = t * B * H * f32 + t * B * 4 * H * f32 + (t + 1) * B * H * f32
+    assert graphs.held_bytes() == arenas + short_outputs
+    assert sum(a.untyped_storage().nbytes() for a in graphs._ARENAS.values()) == workspace
+
+
+def test_past_the_byte_bound_idle_entries_of_other_shapes_are_dropped(cpu_graphs, monkeypatch):
+    long, short = _inputs("lstm"), _inputs("lstm", t=T - 2)
+    _step(long, "stash")
+    one_shape = graphs.held_bytes()
+    monkeypatch.setattr(graphs, "GRAPH_CACHE_BYTES", one_shape)
+    held = _forward(short)  # a new shape past the bound: the long one's idle entries go
+    assert all(key[0].T == T - 2 for key in graphs._ENTRIES)
+    assert all(config.T == T - 2 for config, _ in graphs._WORKSPACE)
+    assert graphs.held_bytes() <= one_shape
+    _forward(long)  # while `held` is referenced its entry stays
+    assert any(key[0].T == T - 2 for key in graphs._ENTRIES)
+    del held
+
+
+def test_released_keys_leave_nothing_held(cpu_graphs):
+    """What impl="auto" does with the loops of an implementation it timed and dropped."""
+    inp = _inputs("lstm")
+    with graphs.recording() as keys:
+        _step(inp, "recompute")
+    assert {key[1] for key in keys} == {"fwd", "bwd"} and graphs.held_bytes() > 0
+    cpu_graphs.clear()  # the stand-in graphs hold their buffers (a CUDA Graph does not)
+    gc.collect()
+    graphs.release(keys)
+    assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS

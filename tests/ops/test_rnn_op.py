@@ -128,6 +128,42 @@ def test_eager_function_agrees_with_the_registered_autograd():
         torch.testing.assert_close(a, b)
 
 
+def test_eager_calls_skip_the_dispatcher_unless_something_would_see_the_op(monkeypatch):
+    """In plain eager mode EagerStack calls the op's Python implementations directly
+    (no torch.library wrappers); under a dispatch mode it goes through the dispatcher,
+    which is what the mode sees. Both give the same gradients."""
+    direct = {"forward": 0, "backward": 0}
+
+    def counting(name, impl):
+        def call(*args):
+            direct[name] += 1
+            return impl(*args)
+
+        return call
+
+    monkeypatch.setattr(op, "_forward_impl", counting("forward", op._forward_impl))
+    monkeypatch.setattr(op, "_backward_impl", counting("backward", op._backward_impl))
+    mod = mnn.LSTM(4, 5, 2, dtype=DT, memory="recompute")
+    x = torch.randn(3, 2, 4, dtype=DT, requires_grad=True)
+    inputs = [x, *mod.parameters()]
+
+    def grads():
+        mod(x)[0].square().sum().backward()
+        out = [t.grad for t in inputs]
+        for t in inputs:
+            t.grad = None
+        return out
+
+    plain = grads()
+    assert direct == {"forward": 1, "backward": 1}
+    with FlopCounterMode(display=False) as counter:
+        seen = grads()
+    assert direct == {"forward": 1, "backward": 1}
+    assert torch.ops.mirrorgrad.rnn_backward in counter.get_flop_counts()["Global"]
+    for a, b in zip(plain, seen):
+        torch.testing.assert_close(a, b)
+
+
 def test_flop_formulas():
     T, B, n_in, H = 2, 3, 4, 5
     mod = mnn.LSTM(n_in, H, dtype=DT, memory="recompute")
@@ -330,6 +366,70 @@ def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
     assert timed == ["triton", "cudnn", "triton", "cudnn"]
 
 
+def test_auto_keeps_only_the_graphs_of_the_implementation_it_picked(monkeypatch):
+    """Timing captures step loops for every candidate; those only the losers used are
+    released (a shape cuDNN wins keeps no CUDA Graph buffers)."""
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    released = []
+    monkeypatch.setattr(dispatch.graphs, "release", released.append)
+
+    def step(name, keys):
+        def run():
+            for recording in dispatch.graphs._RECORDING:
+                recording.update(keys)
+            return name
+
+        return run
+
+    candidates = {
+        "persistent": step("persistent", {"p", "shared"}),
+        "triton": step("triton", {"t", "shared"}),
+        "cudnn": step("cudnn", set()),
+    }
+    times = {"persistent": 3.0, "triton": 2.0, "cudnn": 4.0}
+    assert dispatch._choose_auto(("k",), candidates, lambda fn: times[fn()]) == "triton"
+    assert released == [{"p"}]
+    assert dispatch.AUTO_TIMES[("k",)] == times
+
+
+def test_auto_follows_the_cost_rule_without_timing_while_compiling(monkeypatch):
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {("k",): "cudnn"})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def timer(fn):
+        raise AssertionError("nothing is timed while tracing")
+
+    candidates = {"triton": None, "cudnn": None}
+    assert dispatch._choose_auto(("k",), candidates, timer, rule=lambda: "triton") == "triton"
+
+
+def test_auto_offers_the_persistent_kernel_where_it_covers_the_shape(monkeypatch):
+    """On CUDA the candidates are the persistent kernel (where it runs the shape), the
+    split kernels and cuDNN; the rule ranks only the first two."""
+    seen = {}
+
+    def choose(key, candidates, timer=None, rule=None):
+        seen["candidates"], seen["rule"] = list(candidates), rule()
+        return "cudnn"
+
+    class CudaInput:  # what _auto_impl reads of x
+        device = torch.device("cuda")
+        dtype = torch.float32
+        shape = (35, 20, 650)
+
+    monkeypatch.setattr(dispatch, "_choose_auto", choose)
+    monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
+    shape = dispatch.cost.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
+    for covered in (True, False):
+        monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args, c=covered: c)
+        impl = dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
+                                   lambda: None, [], "auto")  # fmt: skip
+        assert impl == "cudnn"
+        fused = ["persistent", "triton"] if covered else ["triton"]
+        assert seen["candidates"] == [*fused, "cudnn"]
+        assert seen["rule"] == "triton"  # no constants for the persistent kernel yet
+
+
 def test_triton_impl_refuses_what_it_does_not_support():
     mod = mnn.LSTM(3, 4, proj_size=2, impl="triton")
     with pytest.raises(ValueError, match="impl='auto'"):
@@ -485,3 +585,39 @@ def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, me
     for declared, seen in _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
         low, high = (0.9, 1.5) if bidirectional or impl == "reference" else (0.9, 1.1)
         assert low * seen <= declared <= high * seen, (declared, seen)
+
+
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, persistent, dynamic):
+    """The choice impl="auto" makes on a GPU while torch.compile traces (persistent
+    support, the cost rule) is traced without a graph break, with static or symbolic
+    shapes, and the op it picks gets the same memory in forward and backward: run here
+    with the interpreted kernels."""
+    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: persistent)
+    picked = []
+    real_pick = dispatch.cost.pick
+    monkeypatch.setattr(dispatch.cost, "pick", lambda *a: picked.append(real_pick(*a)) or picked[0])
+    torch.manual_seed(0)
+    # Dropout: its seed is drawn by torch.randint, not the poisoned torch.empty (whose
+    # frame inspection Dynamo cannot trace).
+    model = mnn.LSTM(4, 5, 2, dropout=0.3)
+    ref = mnn.LSTM(4, 5, 2, dropout=0.3, impl="triton")
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for T, B in ((3, 2), (2, 3)):
+        x = torch.randn(T, B, 4)
+        for m in (model, ref):
+            m.zero_grad()
+        torch.manual_seed(1)
+        compiled(x)[0].square().sum().backward()
+        torch.manual_seed(1)
+        ref(x)[0].square().sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert picked and set(picked) == {"triton"}

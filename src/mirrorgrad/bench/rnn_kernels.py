@@ -9,7 +9,11 @@ The methods, module level first (what users call):
 
 * ``eager``            ``torch.nn.LSTM/GRU/RNN`` (cuDNN on the GPU);
 * ``cuda-graph``       the same step captured whole in one CUDA Graph;
-* ``eager+mgnn``       ``mirrorgrad.nn`` module (``mirrorgrad.nn.convert``), as users get it;
+* ``eager+mgnn``       ``mirrorgrad.nn`` module (``mirrorgrad.nn.convert``), as users get it
+                       (``impl="auto"``, ``memory="auto"``);
+* ``mgnn-<impl>``      the module with ``impl`` fixed (``triton``, ``cudnn``, ``persistent``
+                       where that implementation exists); ``mgnn-triton-stash`` with
+                       ``memory="stash"`` (the kernels' ``kernel-auto`` through the module);
 * ``cuda-graph+mgnn``  that module's step captured in one CUDA Graph;
 
 and beside them the kernels without the module (the op's Triton path called directly):
@@ -20,7 +24,8 @@ and beside them the kernels without the module (the op's Triton path called dire
 ``eager``'s; TFLOP/s counts the gate GEMMs (3x the forward's: dX and dW in backward).
 
 ``python -m mirrorgrad.bench.rnn_kernels ARGS`` is ``mirrorgrad bench --suite rnn-kernels
-ARGS``.
+ARGS``; with ``--subset`` it runs SUBSET's workloads and methods, 10 steps each (about
+4 minutes of GPU time per dtype).
 """
 
 from __future__ import annotations
@@ -134,10 +139,23 @@ def _workload(mode: str, cfg: Config) -> Workload:
 WORKLOADS: dict[str, Workload] = {
     w.name: w for w in (_workload(mode, cfg) for mode in SUITE_MODES for cfg in CONFIGS)
 }
+
+def _module_impls() -> dict[str, dict[str, str]]:
+    """The module methods with a fixed implementation: name -> mirrorgrad.nn options."""
+    from mirrorgrad.ops.rnn import IMPLS
+
+    impls = [i for i in ("triton", "persistent", "cudnn") if i in IMPLS]
+    methods = {f"mgnn-{impl}": {"impl": impl} for impl in impls}
+    methods["mgnn-triton-stash"] = {"impl": "triton", "memory": "stash"}
+    return methods
+
+
+MODULE_IMPLS = _module_impls()
 METHODS = (
     "eager",
     "cuda-graph",
     "eager+mgnn",
+    *MODULE_IMPLS,
     "cuda-graph+mgnn",
     "kernel-auto",
     "kernel-recompute",
@@ -237,9 +255,29 @@ _KERNELS = {
 }
 
 
+def _use_module(options: dict[str, str]):
+    def wrap(model: nn.Module, blocks: tuple[str, ...], backend: str):
+        import mirrorgrad.nn
+
+        return mirrorgrad.nn.convert(model, **options)
+
+    return wrap
+
+
 def kernel_methods() -> list[Method]:
-    """The kernel-level methods of the suite (registered with the others)."""
-    return [
+    """The suite's own methods, registered with the others: the module with a fixed
+    implementation, and the kernels without the module."""
+    modules = [
+        Method(
+            name=name,
+            description="mirrorgrad.nn RNNs with "
+            + ", ".join(f"{k}={v!r}" for k, v in options.items()),
+            wrap=_use_module(options),
+            compiles=False,
+        )
+        for name, options in MODULE_IMPLS.items()
+    ]
+    return modules + [
         Method(
             name=name,
             description="the op's Triton kernels called directly"
@@ -252,11 +290,31 @@ def kernel_methods() -> list[Method]:
     ]
 
 
+# --subset: the shapes where the module's overhead and the dispatch matter most (LM
+# shapes at batch 20, the largest stack, batch 4), module level first.
+SUBSET = {
+    "workloads": [
+        "rnn-lstm-L2-I650-H650-B20-T35",
+        "rnn-lstm-L4-I1024-H1024-B128-T50",
+        "rnn-lstm-L1-I1024-H1024-B4-T100",
+        "rnn-gru-L2-I650-H650-B20-T35",
+    ],
+    "methods": [
+        "eager", "cuda-graph", "eager+mgnn", *MODULE_IMPLS, "kernel-auto",
+    ],
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``mirrorgrad bench --suite rnn-kernels`` with these arguments."""
+    """``mirrorgrad bench --suite rnn-kernels`` with these arguments (``--subset``: SUBSET's
+    workloads and methods, 10 steps; later arguments override)."""
     from mirrorgrad import cli
 
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--subset" in args:
+        args.remove("--subset")
+        args = ["--workloads", *SUBSET["workloads"], "--methods", *SUBSET["methods"],
+                "--steps", "10", *args]  # fmt: skip
     return cli.main(["bench", "--suite", "rnn-kernels", *args])
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from mirrorgrad import _compat
 from mirrorgrad._timing import synchronize, time_calls
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.methods import Backend, Method, StepFn
@@ -159,6 +160,9 @@ def _fresh_allocator(device: str) -> None:
         graphs.clear_graphs()
     gc.collect()
     if device.startswith("cuda"):
+        # Each method pays for the cuBLAS workspaces of its own streams and threads (the
+        # RNN loops' capture stream adds one per thread), not for an earlier method's.
+        _compat.clear_cublas_workspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 

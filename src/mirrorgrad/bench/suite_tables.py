@@ -34,10 +34,15 @@ def _speedup(base: dict | None, m: dict | None) -> float | None:
 
 
 def rnn_table(doc: dict[str, Any]) -> str:
+    """Module level first: cuDNN plain and graphed, mirrorgrad.nn as users get it (auto)
+    and with each implementation fixed; then the kernels alone, and what the module adds
+    to them (``mgnn-triton-stash`` over ``kernel-auto``: same kernels, same memory mode)."""
     peak = (doc["env"].get("peak_tflops") or {}).get(doc["options"]["dtype"])
+    impls = [n for n in _methods(doc) if n.startswith("mgnn-")]
     head = ["workload", "cuDNN ms", "cuDNN graphed ms", "mirrorgrad.nn ms", "vs cuDNN",
-            "vs graphed", "mgnn TFLOP/s", "of peak", "mgnn graphed ms", "kernel-auto ms",
-            "best kernel ms", "gradients"]  # fmt: skip
+            "vs graphed", "TFLOP/s", "of peak", *(f"{n} ms" for n in impls),
+            "auto / best", "mgnn graphed ms", "best kernel ms", "module / kernels",
+            "gradients"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     ratios: dict[str, tuple[list[float], list[float]]] = {}
     for name, w in doc["workloads"].items():
@@ -46,25 +51,46 @@ def rnn_table(doc: dict[str, Any]) -> str:
         kernels = [m for n, m in ok.items() if n.startswith("kernel-")]
         best = min(kernels, key=lambda m: m["median_ms"], default=None)
         vs, vsg = _speedup(cu, mg), _speedup(cug, mg)
-        mode = name.split("-")[1]
-        for bucket, value in zip(ratios.setdefault(mode, ([], [])), (vs, vsg)):
+        group = _rnn_group(name)
+        for bucket, value in zip(ratios.setdefault(group, ([], [])), (vs, vsg)):
             if value:
                 bucket.append(value)
         share = f"{100 * mg['tflops'] / peak:.1f}%" if mg and peak and mg.get("tflops") else "—"
         wrong = [n for n, m in ok.items() if m.get("grads_ok") is False]
+        added = _speedup(ok.get("kernel-auto"), ok.get("mgnn-triton-stash"))  # both stash
+        # impl="auto" against the fastest fixed choice a user could have made (cuDNN too).
+        fixed = [m for n, m in ok.items() if n in impls or n == "eager"]
+        best_fixed = min(fixed, key=lambda m: m["median_ms"], default=None)
+        auto_vs_best = _speedup(best_fixed, mg)
         cells = [name, _ms(cu), _ms(cug), _ms(mg), _x(vs), _x(vsg),
                  "—" if not mg or mg.get("tflops") is None else f"{mg['tflops']:.2f}", share,
-                 _ms(ok.get("cuda-graph+mgnn")), _ms(ok.get("kernel-auto")),
+                 *(_ms(ok.get(n)) for n in impls),
+                 _x(1 / auto_vs_best if auto_vs_best else None), _ms(ok.get("cuda-graph+mgnn")),
                  "—" if best is None else f"{best['median_ms']:.2f} ({best['method']})",
+                 _x(1 / added if added else None),
                  "WRONG: " + ", ".join(wrong) if wrong else "ok"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    for mode, (vs, vsg) in ratios.items():
+    for group, (vs, vsg) in ratios.items():
         lines.append(
-            f"- {mode}: mirrorgrad.nn geomean {_x(_geomean(vs))} of cuDNN, "
-            f"{_x(_geomean(vsg))} of cuDNN in a CUDA Graph ({len(vs)} shapes)"
+            f"- {group}: mirrorgrad.nn geomean {_x(_geomean(vs))} of cuDNN, "
+            f"{_x(_geomean(vsg))} of cuDNN in a CUDA Graph ({len(vs)} shapes); "
+            f"{sum(v < 1 for v in vs)} shapes slower than cuDNN"
         )
     return "\n".join(lines)
+
+
+def _rnn_group(workload: str) -> str:
+    """"lstm", or "lstm, batch 1-4" (issue 16's two tables) from rnn-<mode>-...-B<b>-..."""
+    parts = workload.split("-")
+    batch = next((int(p[1:]) for p in parts if p[:1] == "B" and p[1:].isdigit()), None)
+    return parts[1] + (", batch 1-4" if batch is not None and batch <= 4 else "")
+
+
+def _methods(doc: dict[str, Any]) -> list[str]:
+    """Every method of the document, in the order first seen."""
+    return list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
+                              for m in w["methods"]))  # fmt: skip
 
 
 def _zoo_cell(m: dict[str, Any]) -> str:
@@ -78,8 +104,7 @@ def _zoo_cell(m: dict[str, Any]) -> str:
 
 
 def zoo_table(doc: dict[str, Any]) -> str:
-    methods = list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
-                                 for m in w["methods"]))  # fmt: skip
+    methods = _methods(doc)
     mirror = [m for m in methods if m.startswith("mirror-")]
     head = ["model", *methods]
     for m in mirror:

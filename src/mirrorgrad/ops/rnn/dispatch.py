@@ -1,9 +1,12 @@
 """Which RNN implementation runs: ``rnn(...)`` resolves ``impl`` and ``memory``.
 
-``impl="auto"`` times the fused custom op against torch's own RNN (cuDNN on CUDA) once
-per shape and keeps the faster; ``impl="cudnn"`` runs torch's RNN outside the custom
-ops, since cuDNN's backward needs its private reserve space that a fake kernel cannot
-size.
+``impl="auto"`` times the custom op's implementations (the persistent kernel where it
+covers the shape, the split Triton kernels) and torch's own RNN (cuDNN on CUDA) once per
+shape, forward and backward as the call runs them, and keeps the fastest; where it may
+not time (torch.compile tracing, a CUDA Graph capture) it ranks the custom op's
+implementations by ``cost.py``'s rule. ``impl="cudnn"`` runs torch's RNN outside the
+custom ops, since cuDNN's backward needs its private reserve space that a fake kernel
+cannot size.
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from mirrorgrad import _compat
 from mirrorgrad._timing import time_calls
+from mirrorgrad.ops.rnn import cost, graphs
 from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
-from mirrorgrad.ops.rnn.op import EagerStack, differentiable_stack, resolve_memory, triton_module
+from mirrorgrad.ops.rnn.op import (
+    EagerStack,
+    _kernels,
+    differentiable_stack,
+    resolve_memory,
+    triton_module,
+)
 
 IMPLS = ("auto", "triton", "reference", "cudnn", "persistent")
 MEMORY = ("auto", *MEMORY_MODES)
@@ -42,37 +52,48 @@ def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_
 
 
 # (mode, device, dtype, T, B, I, G*H, Hr, layers, bidirectional, varlen, memory, dropout,
-#  training) -> the chosen impl
+#  training) -> the chosen impl; and the ms each candidate measured
 _AUTO_CHOICE: dict[tuple, str] = {}
+AUTO_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
-    """Median ms of 5 forward+backward calls on the current GPU, after one warm-up call
-    (it compiles kernels and fills caches)."""
-    return time_calls(fn, repeats=5, warmup=1, device="cuda").median_ms
+    """Median ms of 5 forward+backward calls on the current GPU, after two warm-up calls
+    (they compile kernels, capture the step loops and fill caches)."""
+    return time_calls(fn, repeats=5, warmup=2, device="cuda").median_ms
 
 
 def _choose_auto(
     key: tuple,
     candidates: dict[str, Callable[[], None]],
     timer: Callable[[Callable[[], None]], float] = _time_ms,
+    rule: Callable[[], str] | None = None,
 ) -> str:
-    """Time each candidate's forward+backward once per shape key; cache the fastest.
+    """Time each candidate's forward+backward once per shape key; cache the fastest, and
+    drop the CUDA Graphs that only the others captured.
 
-    While torch.compile traces, the first candidate (the fused custom op) is taken
-    untimed: it is one graph node with a fake kernel, whereas torch's own RNN does not
-    trace reliably (AOTAutograd fails on CPU's aten LSTM in torch 2.13). So is it while
-    a CUDA Graph is captured (timing would synchronize), without caching the pick."""
+    While torch.compile traces, ``rule()`` (else the first candidate) is taken untimed:
+    the candidates it ranks are custom ops, one graph node with a fake kernel each,
+    whereas torch's own RNN does not trace reliably (AOTAutograd fails on CPU's aten
+    LSTM in torch 2.13). So is it while a CUDA Graph is captured (timing would
+    synchronize), without caching the pick."""
     if torch.compiler.is_compiling():
-        return next(iter(candidates))
+        return rule() if rule is not None else next(iter(candidates))
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return next(iter(candidates))
+        return rule() if rule is not None else next(iter(candidates))
     if len(candidates) == 1:
         choice = next(iter(candidates))
     else:
-        choice = min(candidates, key=lambda name: timer(candidates[name]))
+        times, used = {}, {}
+        for name, step in candidates.items():
+            with graphs.recording() as keys:
+                times[name] = timer(step)
+            used[name] = keys
+        choice = min(times, key=times.__getitem__)
+        AUTO_TIMES[key] = times
+        graphs.release(set().union(*used.values()) - used[choice])
     _AUTO_CHOICE[key] = choice
     return choice
 
@@ -83,6 +104,23 @@ def _choose_auto(
 def _triton_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
     module = triton_module()
     return module is not None and module.supports(mode, proj=proj, dtype=dtype, device=device)
+
+
+@torch.compiler.assume_constant_result
+def _persistent_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device,
+                         hidden: int, batch: int) -> bool:  # fmt: skip
+    """Whether impl="persistent" exists here and runs its persistent kernel for this
+    layer shape (elsewhere it runs the split kernels: no candidate of its own)."""
+    if "persistent" not in IMPLS:
+        return False
+    try:
+        module = _kernels("persistent")
+    except (ImportError, RuntimeError):
+        return False
+    supports = getattr(module, "supports_persistent", None)
+    return supports is not None and supports(
+        mode, proj=proj, dtype=dtype, device=device, hidden=hidden, batch=batch
+    )
 
 
 def rnn(
@@ -152,28 +190,51 @@ def rnn(
                       training=training)  # fmt: skip
 
     if impl == "auto":
-        key = (weights[0].shape[0], hx.shape[-1], num_layers, bidirectional,
-               lengths is not None, memory, p > 0, need_saved)  # fmt: skip
-        # cuDNN has no state clip, and no backward outside training mode (it raises).
-        cudnn_ok = state_clip is None and (training or not grad_inputs)
-        impl = _auto_impl(x, mode, proj_size > 0, key, custom, cudnn if cudnn_ok else None,
-                          grad_inputs)  # fmt: skip
+        key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
+               num_layers, bidirectional, lengths is not None, memory, p > 0,
+               need_saved)  # fmt: skip
+        impl = _AUTO_CHOICE.get(key) if not torch.compiler.is_compiling() else None
+        if impl is None:
+            # cuDNN has no state clip, and no backward outside training mode (it raises).
+            cudnn_ok = state_clip is None and (training or not grad_inputs)
+            shape = cost.Shape(mode=mode, T=x.shape[0], B=x.shape[1], H=weights[1].shape[1],
+                               layers=num_layers, directions=2 if bidirectional else 1)  # fmt: skip
+            impl = _auto_impl(x, proj_size > 0, shape, key, custom,
+                              cudnn if cudnn_ok else None, grad_inputs, memory)  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
 
 
-def _auto_impl(x: Tensor, mode: str, proj: bool, key: tuple, custom: Callable,
-               cudnn: Callable | None, grad_inputs: list[Tensor]) -> str:  # fmt: skip
+def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Callable,
+               cudnn: Callable | None, grad_inputs: list[Tensor], memory: str) -> str:  # fmt: skip
     """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
-    fastest step of the fused custom op and cuDNN (None: not a candidate), timed once per
-    shape and ``key`` (the rest of the call's configuration)."""
-    if x.device.type != "cuda" or x.shape[1] == 0:
+    fastest step of the custom op's implementations and cuDNN (None: not a candidate),
+    timed once per ``key`` (shape and configuration); the cost rule where it cannot time."""
+    if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
-    # A custom op comes first: it is the pick while torch.compile traces (no timing).
-    fused = "triton" if _triton_supports(mode, proj, x.dtype, x.device) else "reference"
-    candidates = {fused: _timed_step(custom(fused), grad_inputs)}
+    memory = resolve_memory(memory, shape.mode)
+    compiling = torch.compiler.is_compiling()
+    fused = []  # the custom op's implementations: the only ones the rule may rank
+    # While tracing, the persistent kernel is asked only where the rule could pick it (it
+    # has constants): its plan depends on the batch, which int() then specialises (a
+    # symbolic batch cannot reach an assume_constant_result function).
+    ask = not compiling or cost.predicted_ms("persistent", memory, x.dtype, shape) is not None
+    if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
+        fused.append("persistent")
+    fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
+
+    def rule() -> str:
+        return cost.pick(fused, memory, x.dtype, shape)
+
+    if compiling:
+        return rule()
+    candidates = {name: _timed_step(custom(name), grad_inputs) for name in fused}
     if cudnn is not None:
         candidates["cudnn"] = _timed_step(cudnn, grad_inputs)
-    return _choose_auto((mode, x.device, x.dtype, *x.shape, *key), candidates)
+    return _choose_auto(key, candidates, rule=rule)
+
+
+def _on_gpu(x: Tensor) -> bool:
+    return x.device.type == "cuda"
 
 
 def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, proj: bool):

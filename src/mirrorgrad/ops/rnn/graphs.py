@@ -13,14 +13,20 @@ that nothing is held twice for the whole run:
   backward the outputs a captured forward handed out (``is_static``), are read in
   place, their addresses part of the key; only small or transient inputs are copied;
 - **workspace is shared**: buffers that are dead after each call (pre-activations in
-  recompute mode, gate gradients, copied-in inputs) are one set per loop config,
-  ``workspace(...)``, shared by all its entries (one stream runs them in turn).
+  recompute mode, gate gradients, copied-in inputs) are views of one arena per device
+  and name, as large as the largest config asked (one stream runs the loops in turn),
+  so configs of several sizes (another T, another layer width) add no workspace of
+  their own; a forward's pre-activations and a backward's gate gradients, never live
+  at once, share one arena;
+- **bounded**: past ``GRAPH_CACHE_BYTES`` held, the least recently used idle entries
+  are dropped (and workspace nobody reads any more).
 
 Inside an outer capture the loops run plainly and become part of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,6 +45,14 @@ GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 <
 _GRAPH_CACHE_SIZE = 32
 # Entries of one key alive at once: forward passes of one layer before their backward.
 ENTRIES_PER_KEY = 4
+# Held bytes past which idle entries are dropped, least recently used first. A training
+# loop's working set (each layer's outputs and stash, the arenas) is held between steps
+# by design; the bound is for entries of shapes no longer run.
+GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
+# Workspace names whose buffers are never live at once share an arena: a forward's
+# pre-activations are dead when its loop ends, a backward's gate gradients once the
+# chunk's GEMMs have read them, and no loop runs between a loop and its own readers.
+_ARENA_OF = {"pre": "gates", "bwd.dg": "gates"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,10 +75,13 @@ class Entry:
 
 
 _ENTRIES: OrderedDict[tuple, list[Entry]] = OrderedDict()
-_WORKSPACE: dict[tuple, Tensor] = {}
+_WORKSPACE: dict[tuple, Tensor] = {}  # (config, name) -> a view of an arena
+_ARENAS: dict[tuple, Tensor] = {}  # (device, arena name) -> bytes
+_ARENA_ALONE: dict[tuple, int] = {}  # its storage use count while no view of it exists
 _STATIC: dict[int, int] = {}  # data_ptr of a handed-out storage -> its nbytes
 _READERS: dict[int, int] = {}  # data_ptr of a handed-out storage -> views entries hold
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 
 
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
@@ -82,12 +99,29 @@ def use_graph(device: torch.device, elements: int, requested: bool | None) -> bo
 
 
 def workspace(config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
-    """The buffer ``name`` shared by every captured loop of ``config`` (made once)."""
+    """The buffer ``name`` shared by every captured loop of ``config``: a view, shaped as
+    ``make()`` would make it (nothing is allocated to find out), of the arena that all
+    configs' ``name`` buffers share on that device."""
     key = (config, name)
     buffer = _WORKSPACE.get(key)
     if buffer is None:
-        buffer = _WORKSPACE[key] = make()
+        with _compat.fake_tensors():
+            like = make()
+        buffer = _WORKSPACE[key] = _arena_view(_ARENA_OF.get(name, name), like)
     return buffer
+
+
+def _arena_view(name: str, like: Tensor) -> Tensor:
+    """A tensor shaped like ``like`` at the start of arena ``name`` on its device; the
+    arena is replaced by a larger one when too small (the old one lives on in the
+    views already handed out, until their entries are dropped)."""
+    nbytes = like.numel() * like.dtype.itemsize
+    key = (like.device, name)
+    arena = _ARENAS.get(key)
+    if arena is None or arena.numel() < nbytes:
+        arena = _ARENAS[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=like.device)
+        _ARENA_ALONE[key] = _compat.storage_use_count(arena)
+    return arena[:nbytes].view(like.dtype).view(like.shape)
 
 
 def _ptr(t: Tensor) -> int:
@@ -122,6 +156,8 @@ def acquire(
     entry's input buffers, then calls ``entry.graph.replay()``."""
     entries = _ENTRIES.setdefault(key, [])
     _ENTRIES.move_to_end(key)
+    for keys in _RECORDING:
+        keys.add(key)
     for entry in entries:
         if entry.idle():
             return entry
@@ -134,7 +170,54 @@ def acquire(
     entries.append(entry)
     while len(_ENTRIES) > _GRAPH_CACHE_SIZE:
         _forget(_ENTRIES.popitem(last=False)[1])
+    if held_bytes() > GRAPH_CACHE_BYTES:
+        _drop_idle(keep=key)
     return entry
+
+
+def _drop_idle(keep: tuple) -> None:
+    """Drop idle entries, least recently used first, until the cache holds at most
+    GRAPH_CACHE_BYTES (or nothing idle is left but ``keep``'s), then the workspace of
+    configs no entry uses."""
+    for key in list(_ENTRIES):
+        if key == keep or held_bytes() <= GRAPH_CACHE_BYTES:
+            continue
+        busy = [e for e in _ENTRIES[key] if not e.idle()]
+        _forget([e for e in _ENTRIES[key] if e.idle()])
+        if busy:
+            _ENTRIES[key] = busy
+        else:
+            del _ENTRIES[key]
+    _drop_unused_workspace()
+
+
+def _drop_unused_workspace() -> None:
+    """Workspace of configs no entry uses, and arenas no view is left of."""
+    live = {key[0] for key in _ENTRIES}
+    for key in [k for k in _WORKSPACE if k[0] not in live]:
+        del _WORKSPACE[key]
+    for key, arena in list(_ARENAS.items()):
+        if _compat.storage_use_count(arena) == _ARENA_ALONE[key]:
+            del _ARENAS[key], _ARENA_ALONE[key]
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields the set of entry keys that the loops run inside the block use."""
+    keys: set[tuple] = set()
+    _RECORDING.append(keys)
+    try:
+        yield keys
+    finally:
+        _RECORDING.remove(keys)
+
+
+def release(keys: set[tuple]) -> None:
+    """Forget the entries of ``keys`` (loops ``impl="auto"`` timed but did not pick) and
+    the workspace that only they used."""
+    for key in keys:
+        _forget(_ENTRIES.pop(key, []))
+    _drop_unused_workspace()
 
 
 def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
@@ -168,13 +251,21 @@ def _forget(entries: list[Entry]) -> None:
 
 
 def held() -> list[Tensor]:
-    """One tensor per storage the cache holds: entries' handed-out buffers, workspace."""
-    tensors = [t for entries in _ENTRIES.values() for e in entries for t in e.handed_out]
-    return list({_ptr(t): t for t in (*tensors, *_WORKSPACE.values())}.values())
+    """One tensor per storage the cache holds: entries' handed-out buffers and those they
+    read in place (a forward entry's, kept alive by a backward entry), workspace."""
+    tensors = [
+        t
+        for entries in _ENTRIES.values()
+        for e in entries
+        for t in (*e.handed_out, *e.reads_in_place)
+    ]
+    workspace = (*_WORKSPACE.values(), *_ARENAS.values())
+    return list({_ptr(t): t for t in (*tensors, *workspace)}.values())
 
 
 def held_bytes() -> int:
-    """Bytes the cache holds: handed-out buffers of every entry, and the workspace."""
+    """Bytes the cache holds: handed-out buffers of every entry (and those read in place),
+    and the workspace."""
     return sum(t.untyped_storage().nbytes() for t in held())
 
 
@@ -184,4 +275,6 @@ def clear_graphs() -> None:
         _forget(entries)
     _ENTRIES.clear()
     _WORKSPACE.clear()
+    _ARENAS.clear()
+    _ARENA_ALONE.clear()
     _READERS.clear()

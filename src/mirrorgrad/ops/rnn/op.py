@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from mirrorgrad import _compat
 from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
@@ -97,8 +98,7 @@ def _saved_per_layer(impl: str, mode: str, memory: str) -> int:
     return len(_kernels(impl).saved_layout(mode, memory, 1, 1, 1, torch.float32))
 
 
-@torch.library.custom_op("mirrorgrad::rnn_forward", mutates_args=())
-def rnn_forward(
+def _forward_impl(
     x: Tensor,
     weights: list[Tensor],
     hx: Tensor,
@@ -128,6 +128,9 @@ def rnn_forward(
         kernels.layer_forward, drop, x, weights, hx, cx, lengths, mode, num_layers,
         bidirectional, has_biases, proj_size, memory, state_clip, need_saved,
     )  # fmt: skip
+
+
+rnn_forward = torch.library.custom_op("mirrorgrad::rnn_forward", mutates_args=())(_forward_impl)
 
 
 def _dropout(kernels: ModuleType, x: Tensor, p: float, seed: Tensor | int, layer: int) -> Tensor:
@@ -212,8 +215,7 @@ def rnn_forward_fake(
     return x.new_empty(T, B, num_dirs * Hr), x.new_empty(hx.shape), c_n, saved
 
 
-@torch.library.custom_op("mirrorgrad::rnn_backward", mutates_args=())
-def rnn_backward(
+def _backward_impl(
     grad_y: Tensor | None,
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
@@ -290,6 +292,9 @@ def rnn_backward(
         if layer > 0 and grad_out is not None:
             grad_out = _dropout(kernels, grad_out, dropout, seed_value, layer)
     return _backward_outputs(x, (grad_out, grad_hx, grad_cx, grad_w), needs_input_grad[:3])
+
+
+rnn_backward = torch.library.custom_op("mirrorgrad::rnn_backward", mutates_args=())(_backward_impl)
 
 
 def _backward_outputs(x: Tensor, grads: tuple, needs: Sequence[bool]) -> tuple:
@@ -414,10 +419,12 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable backward
         inputs = (x, weights, hx, cx, lengths, seed)
         return _differentiable_backward(inputs, cfg, (grad_y, grad_hn, grad_cn), needs)
-    grad_x, grad_hx, grad_cx, grad_w = torch.ops.mirrorgrad.rnn_backward(
-        grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
-        cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
-        cfg["proj_size"], cfg["dropout"], cfg["memory"], cfg["state_clip"], cfg["impl"], needs,
+    grad_x, grad_hx, grad_cx, grad_w = _call(
+        torch.ops.mirrorgrad.rnn_backward, _backward_impl,
+        (grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
+         cfg["mode"], cfg["num_layers"], cfg["bidirectional"], cfg["has_biases"],
+         cfg["proj_size"], cfg["dropout"], cfg["memory"], cfg["state_clip"], cfg["impl"], needs),
+        (grad_y, grad_hn, grad_cn, x, hx, cx, lengths, seed, y, *weights, *saved),
     )  # fmt: skip
     need_x, need_hx, need_cx, *need_w = needs
     return (
@@ -426,6 +433,16 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
         grad_cx if need_cx else None,
         [g if n else None for g, n in zip(grad_w, need_w)],
     )
+
+
+def _call(op: Callable, impl: Callable, args: tuple, tensors: Sequence[Tensor | None]):
+    """``op(*args)``; in eager mode with plain tensors and no dispatch or function mode
+    active (nothing that would see the op), ``impl(*args)`` directly: the dispatcher's
+    trip through torch.library's wrappers costs ~50 us of host time per call, paid in
+    full while the GPU waits for the host."""
+    if _compat.dispatches_plainly(tensors):
+        return impl(*args)
+    return op(*args)
 
 
 def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool]):
@@ -470,7 +487,8 @@ class EagerStack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config: tuple, x, hx, cx, lengths, seed, *weights):
         inputs = (x, list(weights), hx, cx, lengths, seed, *config)
-        output = torch.ops.mirrorgrad.rnn_forward(*inputs, True)
+        output = _call(torch.ops.mirrorgrad.rnn_forward, _forward_impl, (*inputs, True),
+                       (x, hx, cx, lengths, seed, *weights))  # fmt: skip
         _save(ctx, inputs, output)
         return output[:3]
 

@@ -1,0 +1,67 @@
+"""On a GPU: impl="auto" through the module (timed candidates, graphs released, the cost
+rule under torch.compile). Run with ``TRITON_INTERPRET=0 python -m pytest -m gpu tests/nn``."""
+
+import pytest
+import torch
+
+import mirrorgrad.nn as mnn
+from mirrorgrad.ops.rnn import dispatch, graphs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _step(model, x):
+    y, _ = model(x)
+    y.square().mean().backward()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
+    graphs.clear_graphs()
+    yield
+    graphs.clear_graphs()
+
+
+def test_auto_times_every_candidate_and_runs_the_fastest(fresh):
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    _step(model, torch.randn(12, 8, 64, device="cuda", requires_grad=True))
+    ((key, times),) = dispatch.AUTO_TIMES.items()
+    assert {"triton", "cudnn"} <= set(times)
+    assert dispatch._AUTO_CHOICE[key] == min(times, key=times.__getitem__)
+
+
+def test_a_shape_cudnn_wins_keeps_no_graph_buffers(fresh, monkeypatch):
+    """Every candidate runs (the fused ones capture their loops), cuDNN is made to win:
+    the captured loops are released."""
+    real = dispatch._choose_auto
+
+    def cudnn_wins(key, candidates, timer=None, rule=None):
+        names = {step: name for name, step in candidates.items()}
+
+        def timer(step):
+            step()
+            return 0.0 if names[step] == "cudnn" else 1.0
+
+        return real(key, candidates, timer)
+
+    monkeypatch.setattr(dispatch, "_choose_auto", cudnn_wins)
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    _step(model, torch.randn(12, 8, 64, device="cuda", requires_grad=True))
+    assert set(dispatch._AUTO_CHOICE.values()) == {"cudnn"}
+    assert graphs.held_bytes() == 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_auto_under_compile_follows_the_rule_and_matches_eager(fresh, dynamic):
+    torch.manual_seed(0)
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    # aot_eager: the choice is made while tracing; Inductor's codegen would add minutes.
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for T in (12, 9):
+        x = torch.randn(T, 8, 64, device="cuda")
+        torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=2e-3, atol=2e-3)
