@@ -165,10 +165,11 @@ class GraphIndex:
         seeds = [a for a in base.reads_outside if allowed[a]]
         seeds += [n for n in self.bwd_outputs if allowed[n]]
         recomputed = self._closure(seeds, allowed)
-        for n, a in base.reads:
-            if not recomputed[a] and not available[a]:
-                raise self._unavailable(n, a)
-        ids = [i for i in range(size) if recomputed[i]]
+        there = np.frombuffer(recomputed, np.uint8) | np.frombuffer(available, np.uint8)
+        missing = np.flatnonzero(there[base.read_values] == 0)
+        if len(missing):
+            raise self._unavailable(*base.reads[missing[0]])
+        ids = np.flatnonzero(np.frombuffer(recomputed, np.uint8)).tolist()
         for n in ids:
             for a in self.inputs[n]:
                 if not recomputed[a] and not available[a]:
@@ -230,6 +231,7 @@ class _BackwardBase:
         self.first = next((n for n in ids if tangents.intersection(ix.inputs[n])), None)
         # (backward node, what it reads outside the backward nodes) pairs
         self.reads = [(n, a) for n in ids for a in ix.inputs[n] if not needed[a]]
+        self.read_values = np.asarray([a for _, a in self.reads], dtype=np.int64)
         self.reads_outside = list(dict.fromkeys(a for _, a in self.reads))
         self.needed = needed
         self.trigger = [_NO_TRIGGER] * size
