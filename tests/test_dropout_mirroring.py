@@ -91,7 +91,10 @@ def test_modes_agree_with_each_other_under_inductor():
             torch.manual_seed(7)
             out = compiled(x)
             loss_of(out).backward()
-        assert len(compiled._mirrorgrad_plans) == 1
+        (plan,) = compiled._mirrorgrad_plans
+        # Inductor's dropout draws from a seed input: budget mode replays it from there
+        recomputed = {str(n.target) for n in plan.mirrored}
+        assert ("prims.inductor_random.default" in recomputed) == (options["mode"] == "budget")
         results.append((out.detach(), [p.grad for p in model.parameters()]))
     (out_a, grads_a), (out_b, grads_b) = results
     assert torch.equal(out_a, out_b)
