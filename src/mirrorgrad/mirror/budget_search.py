@@ -568,22 +568,25 @@ class _Planner:
         current, rejected, k = before, set(), 1
         max_chunk = max(MAX_CHUNK, int(len(self.graph.units) * CHUNK_SHARE))
         stalled = 0  # simulations since the peak last fell
+        ranked: list[Node] | None = None  # for ``current``; a rejection only shortens it
         for _ in range(MAX_BUDGET_TRIALS):
             if current.added_time_s > cap_s or stalled >= STALL_TRIALS:
                 break
-            ranked = self._ranked_additions(current, rejected, last_resort=last_resort)
+            if ranked is None:
+                ranked = self._ranked_additions(current, rejected, last_resort=last_resort)
             if not ranked:
                 break
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
             stalled = 0 if trial.peak < current.peak else stalled + 1
             if trial.peak <= current.peak:
-                current, k = trial, min(2 * k, max_chunk)
+                current, k, ranked = trial, min(2 * k, max_chunk), None
                 path.append(current)
             elif k > 1:
                 k //= 2
             else:
                 rejected.add(chunk[0])
+                ranked = ranked[1:]
         return [*path, self.shorten_recompute_lifetimes(current)]
 
     def _trimmed_balance(self) -> list[_Candidate]:
