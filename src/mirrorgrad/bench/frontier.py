@@ -1,9 +1,9 @@
 """Our plans against PyTorch's min-cut (``activation_memory_budget``) on a workload's
 full-size joint graph, judged by the same liveness and cost models; and planning time.
 
-The joint graph is captured through Dynamo and AOTAutograd with Inductor's
-decompositions (what ``torch.compile`` hands a partitioner) and nothing is executed:
-the capture stops in the partitioner, so full-size graphs cost a trace on any device.
+The joint graph is the one Inductor hands its partitioner (``torch.compile`` with our
+capturing ``custom_partitioner_fn``) and nothing is executed: the capture stops in the
+partitioner, so full-size graphs cost a trace on any device.
 
     python -m mirrorgrad.bench.frontier --out DIR [--workloads gpt2 transformer resnet152]
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import time
 import warnings
@@ -33,7 +34,7 @@ from mirrorgrad.graph.cost import StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
 from mirrorgrad.mirror.partition import remove_detaches
-from mirrorgrad.mirror.policy import is_random
+from mirrorgrad.mirror.policy import is_random, op_name
 
 FRACTIONS = (0.5, 0.3)
 
@@ -46,27 +47,27 @@ class _Captured(Exception):
         self.joint = joint
 
 
-def capture_joint(model: torch.nn.Module, *batch: torch.Tensor) -> JointGraph:
-    """The joint graph ``torch.compile`` would partition for ``model(*batch)``."""
+class _CapturePartitioner(_compat.CustomPartitionerFn):
+    """Inductor's partitioner hook that keeps the joint graph and stops the compile."""
 
-    def partition(gm, joint_inputs, *, num_fwd_outputs, **kwargs):
+    def __call__(self, gm, joint_inputs, *, num_fwd_outputs, **kwargs):
         remove_detaches(gm)
         raise _Captured(JointGraph.from_fx(gm, num_fwd_outputs))
 
-    def backend(gm, example_inputs):
-        return _compat.aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=_compat.boxed_nop,
-            bw_compiler=_compat.boxed_nop,
-            partition_fn=partition,
-            decompositions=_compat.inductor_decompositions(),
-        )
+    def uuid(self) -> bytes:
+        return os.urandom(16)  # never a cache hit: the partitioner must run
 
+
+def capture_joint(model: torch.nn.Module, *batch: torch.Tensor) -> JointGraph:
+    """The joint graph Inductor hands its partitioner for ``model(*batch)``: after its
+    decompositions and joint-graph passes (dropout's ``rand`` is then a seeded
+    ``inductor_random``), before any code generation."""
     torch._dynamo.reset()
+    patch = {_compat.INDUCTOR_PARTITIONER_CONFIG: _CapturePartitioner()}
     try:
-        torch.compile(model, backend=backend, fullgraph=True)(*batch)
-    except Exception as e:  # Dynamo wraps what the backend raises
+        with _compat.inductor_config.patch(patch):
+            torch.compile(model, fullgraph=True)(*batch)
+    except Exception as e:  # Dynamo wraps what the partitioner raises
         cause = e
         while cause is not None and not isinstance(cause, _Captured):
             cause = cause.__cause__ or cause.__context__
@@ -134,10 +135,10 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
         their = liveness.simulate(joint, saved, recomputed, fusion=True, index=index).peak
         seconds = sum(cost.run(n).seconds for n in recomputed)
         # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
-        # every random op: the CPU's SDPA draws its dropout mask with a plain `rand`.
-        random = sum(1 for n in recomputed if is_random(n))
-        wrong = f" (recomputes {random} random ops: wrong gradients)" if random else ""
-        row(f"compile-budget-{f} (min-cut){wrong}", their, seconds, time.process_time() - start)
+        # every op that may draw (an attention kernel with a dropout argument, a `rand`).
+        drawn = sorted({op_name(n).split("::")[-1] for n in recomputed if is_random(n)})
+        note = f" (recomputes {', '.join(drawn)}: may draw)" if drawn else ""
+        row(f"compile-budget-{f} (min-cut){note}", their, seconds, time.process_time() - start)
         ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f))
         ours(f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their))
     return rows
