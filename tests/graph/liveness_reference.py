@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 from torch.fx import Node
 
 from mirrorgrad.graph.fusion import INLINE_READERS, REALIZE_ACC_READS
@@ -56,9 +57,10 @@ def simulate_reference(
         peak_index=index_,
         live_values=[ix.nodes[i] for i in sim.snapshot],
         live_storages={ix.nodes[s]: b for s, b in sim.snapshot_storages},
-        event_nodes=nodes,
-        event_bytes=events,
         forward_events=forward_events,
+        _order=list(sim.event_nodes),
+        _bytes=np.asarray(events, dtype=np.int64),
+        _nodes=ix.nodes,
     )
 
 

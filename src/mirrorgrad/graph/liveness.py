@@ -63,9 +63,20 @@ class Liveness:
     live_values: list[Node] = field(default_factory=list)  # alive at event ``live_at``
     # Bytes of the live storages at ``live_at`` (fused-away ones excluded), by storage.
     live_storages: dict[Node, int] = field(default_factory=dict)
-    event_nodes: list[Node] = field(default_factory=list, repr=False)
-    event_bytes: list[int] = field(default_factory=list, repr=False)
     forward_events: int = 0  # the first this many events are the forward pass
+    # The timeline as the simulation leaves it (node ids, bytes), turned into lists of
+    # nodes and ints only when asked: the planner reads the peak alone.
+    _order: list[int] = field(default_factory=list, repr=False)
+    _bytes: np.ndarray | None = field(default=None, repr=False)
+    _nodes: list[Node] = field(default_factory=list, repr=False)
+
+    @property
+    def event_nodes(self) -> list[Node]:
+        return [self._nodes[i] for i in self._order]
+
+    @property
+    def event_bytes(self) -> list[int]:
+        return [] if self._bytes is None else self._bytes.tolist()
 
     @property
     def timeline(self) -> list[Event]:
@@ -343,9 +354,10 @@ def simulate(
         peak_index=index_,
         live_values=[ix.nodes[i] for i in snapshot.snapshot],
         live_storages={ix.nodes[s]: int(ix.np_nbytes[s]) for s in snapshot.snapshot_storages},
-        event_nodes=[ix.nodes[i] for i in order],
-        event_bytes=events.tolist(),
         forward_events=len(fwd),
+        _order=order,
+        _bytes=events,
+        _nodes=ix.nodes,
     )
 
 
