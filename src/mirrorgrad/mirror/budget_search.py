@@ -378,12 +378,21 @@ class _Planner:
         self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
         self.recompute = {n: costs.run(n) for n in joint.forward}
+        self._evaluated: dict[frozenset[Node], _Candidate] = {}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
     def evaluate(self, units: set[Node]) -> _Candidate:
-        partition = partition_for(self.joint, self.graph, units)
+        """The plan that mirrors ``units``, simulated (once per set of units)."""
+        key = frozenset(units)
+        known = self._evaluated.get(key)
+        if known is None:
+            known = self._evaluated[key] = self._evaluate(key)
+        return known
+
+    def _evaluate(self, units: frozenset[Node]) -> _Candidate:
+        partition = partition_for(self.joint, self.graph, set(units))
         available = partition.saved + partition.saved_sym
         try:
             sim = liveness.simulate(
@@ -392,7 +401,7 @@ class _Planner:
         except JointGraphError as e:
             raise PlanError(f"inconsistent partition: {e}") from e
         return _Candidate(
-            units=frozenset(units),
+            units=units,
             partition=partition,
             peak=sim.peak,
             peak_index=sim.peak_index,
