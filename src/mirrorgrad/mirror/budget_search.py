@@ -10,8 +10,8 @@ what to mirror, judged by the step's peak.
   for nothing.
 - ``budget``: the least added time that meets a peak budget, chosen from a set of
   candidates that does not depend on the budget (mirroring more ops one chunk at a
-  time from no mirroring; the storage-balance plan and trims of it), so a lower
-  budget never gives a higher peak. Within no budget: the lowest peak.
+  time, from no mirroring and from the storage-balance plan; trims of that plan), so
+  a lower budget never gives a higher peak. Within no budget: the lowest peak.
 
 Every plan is checked before it is returned: no random op recomputed, every
 backward read either saved or recomputed from saved values.
@@ -522,13 +522,14 @@ class _Planner:
 
         Candidates come from searches that do not depend on the budget:
 
-        - adding: mirror more, best bytes per second first. Chunks of the ranking
-          double (up to ``MAX_CHUNK``, or ``CHUNK_SHARE`` of the units) while the
-          peak does not rise (a step that leaves it unchanged can open a chain:
-          mirroring a ReLU pays only once its BatchNorm is mirrored too) and halve
-          when it does; a unit that raises the peak alone is never tried again.
-          Every state on this path is a candidate, and its last one after the
-          lifetime repair.
+        - adding, from no mirroring and from the repaired storage-balance plan: mirror
+          more, best bytes per second first. Chunks of the ranking double (up to
+          ``MAX_CHUNK``, or ``CHUNK_SHARE`` of the units) while the peak does not
+          rise (a step that leaves it unchanged can open a chain: mirroring a ReLU
+          pays only once its BatchNorm is mirrored too) and halve when it does; a
+          unit that raises the peak alone is never tried again; ``STALL_TRIALS``
+          simulations without a lower peak end it. Every state on these paths is a
+          candidate, and each last one after the lifetime repair.
         - trimming: one op at a time misses what only a group pays for (each
           decoder step's tanh needs its add mirrored too, all sharing U k), so
           the storage-balance plan (after the lifetime repair) and that plan with
