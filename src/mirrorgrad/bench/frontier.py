@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
+    env = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
     for name in args.workloads:
         try:
             built = get_workload(name).build(device=args.device, quick=args.quick)
@@ -186,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one workload's failure is a row, not the end of the run
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         print(f"{name}: {json.dumps(results[name])[:300]}", file=sys.stderr, flush=True)
-    env = {"device": args.device, "torch": torch.__version__}
-    if args.device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
-    (args.out / "frontier.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+        # after every workload: a run killed by an outer timeout keeps what it measured
+        (args.out / "frontier.json").write_text(
+            json.dumps({"env": env, "results": results}, indent=1)
+        )
     print(_table(results))
     return 0
 
