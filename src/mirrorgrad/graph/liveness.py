@@ -129,6 +129,8 @@ class GraphIndex:
         self.in_count = np.asarray([len(a) for a in self.inputs], dtype=np.int64)
         self.in_ptr = np.concatenate([[0], np.cumsum(self.in_count)[:-1]]).astype(np.int64)
         self.in_idx = np.asarray([a for ins in self.inputs for a in ins], dtype=np.int64)
+        self.np_is_forward = np.frombuffer(self.is_forward, dtype=np.uint8).astype(bool)
+        self._fused_backward: _FusedBackward | None = None
         self.np_view = np.asarray(self.view, dtype=bool)
         self.np_pointwise = np.asarray(self.pointwise, dtype=bool)
         self.np_fusible = np.asarray(self.fusible, dtype=bool)
@@ -186,6 +188,13 @@ class GraphIndex:
                 if not recomputed[a] and not available[a]:
                     raise self._unavailable(n, a)
         return base.order_with(self, ids, recomputed)
+
+    def fused_backward(self, candidates: np.ndarray) -> _FusedBackward:
+        """The backward nodes' inlined chains (``candidates``: the backward nodes that
+        may be inlined, the same for every plan), computed on the first call."""
+        if self._fused_backward is None:
+            self._fused_backward = _FusedBackward(self, candidates.tolist())
+        return self._fused_backward
 
     def _unavailable(self, node: int, value: int) -> JointGraphError:
         return JointGraphError(
@@ -339,6 +348,7 @@ def simulate(
         alive,
         fusion,
         live_at - len(fwd),
+        backward=True,
     )
     events = np.concatenate([forward.events, backward.events])
     if not len(events):
@@ -392,6 +402,7 @@ class _Phase:
         alive: np.ndarray,
         fusion: bool,
         snapshot_at: int,
+        backward: bool = False,
     ) -> None:
         size, length = len(ix.nodes), len(schedule)
         sched = np.asarray(schedule, dtype=np.int64)
@@ -406,7 +417,7 @@ class _Phase:
         if fusion:
             # Per phase: a value computed in registers in the forward pass may be
             # written to memory when it is recomputed for an extern backward kernel.
-            virtual[_fused_away(ix, sched, readers, inputs, keep_ids)] = True
+            virtual[_fused_away(ix, sched, readers, inputs, keep_ids, backward)] = True
             _extend_reads_of_inlined(ix, sched, readers, inputs, last_use, virtual)
         keep = np.zeros(size, dtype=bool)
         keep[keep_ids] = True
@@ -524,6 +535,7 @@ def _fused_away(
     readers: np.ndarray,
     inputs: np.ndarray,
     keep_ids: list[int],
+    backward: bool = False,
 ) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
@@ -531,7 +543,8 @@ def _fused_away(
     extern kernel. A chain whose code would read more than ``REALIZE_ACC_READS``
     buffers is written out there (Inductor's realize_acc_reads_threshold), which ends
     the lifetimes of the buffers it read (a gradient summed over many steps).
-    ``readers``/``inputs``: the schedule's (position, input) pairs."""
+    ``readers``/``inputs``: the schedule's (position, input) pairs; ``backward``: the
+    schedule is a backward schedule (its backward nodes' chains are cached)."""
     size = len(ix.nodes)
     reader_nodes = sched[readers]
     direct_reads = ~ix.np_view[reader_nodes]  # views read nothing
@@ -547,9 +560,22 @@ def _fused_away(
         & (direct[sched] <= INLINE_READERS)
         & ~unfusible[sched]
     )
+    candidates = sched[candidate]
+    if not backward:
+        return list(_inline_chains(ix, candidates.tolist(), {}))
+    # Recomputed forward values read forward values only: their chains come first.
+    recomputed = ix.np_is_forward[candidates]
+    reads = _inline_chains(ix, candidates[recomputed].tolist(), {})
+    return ix.fused_backward(candidates[~recomputed]).inlined_with(ix, reads)
+
+
+def _inline_chains(
+    ix: GraphIndex, candidates: list[int], reads: dict[int, set[int]]
+) -> dict[int, set[int]]:
+    """Add to ``reads`` (inlined value -> the buffers its code reads) the
+    ``candidates`` (in schedule order) whose code reads at most REALIZE_ACC_READS."""
     nbytes, input_storages = ix.nbytes, ix.input_storages
-    reads: dict[int, set[int]] = {}  # inlined value -> the buffers its code reads
-    for n in sched[candidate].tolist():
+    for n in candidates:
         buffers: set[int] = set()
         for s in input_storages[n]:
             inlined = reads.get(s)
@@ -559,7 +585,40 @@ def _fused_away(
                 buffers.add(s)
         if len(buffers) <= REALIZE_ACC_READS:
             reads[n] = buffers
-    return list(reads)
+    return reads
+
+
+class _FusedBackward:
+    """The backward nodes' inlined chains, worked out once per graph.
+
+    Which backward nodes are candidates does not depend on the plan (their readers
+    are backward nodes, the kept values are the same), and neither do their read sets
+    unless a chain reaches a recomputed forward value that is itself inlined: only
+    those chains are redone per plan.
+    """
+
+    def __init__(self, ix: GraphIndex, candidates: list[int]) -> None:
+        self.position = {n: i for i, n in enumerate(candidates)}
+        self.reads = _inline_chains(ix, candidates, {})  # forward values as plain buffers
+        self.readers: dict[int, list[int]] = {}  # storage -> candidates reading it
+        for n in candidates:
+            for s in dict.fromkeys(ix.input_storages[n]):
+                self.readers.setdefault(s, []).append(n)
+
+    def inlined_with(self, ix: GraphIndex, forward: dict[int, set[int]]) -> list[int]:
+        """Every inlined value of the phase, given the recomputed ones (``forward``)."""
+        dirty: set[int] = set()
+        stack = [m for s in forward for m in self.readers.get(s, ())]
+        while stack:
+            n = stack.pop()
+            if n not in dirty:
+                dirty.add(n)
+                stack.extend(self.readers.get(n, ()))
+        if not dirty:
+            return [*self.reads, *forward]
+        reads = {**forward, **{n: r for n, r in self.reads.items() if n not in dirty}}
+        _inline_chains(ix, sorted(dirty, key=self.position.__getitem__), reads)
+        return list(reads)
 
 
 # What holds memory at a peak, in the categories a memory snapshot is read in.
