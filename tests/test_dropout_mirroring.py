@@ -76,11 +76,25 @@ def test_same_seed_same_outputs_and_gradients(name, options):
     assert not any("dropout" in str(n.target) for n in plan.mirrored)
 
 
-def test_modes_agree_with_each_other_under_inductor():
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modes_agree_with_each_other_under_inductor(device):
     """Inductor draws its own random numbers; the modes must still agree bit for bit."""
     torch.manual_seed(0)
-    base = DropoutSandwich()
-    x = torch.randn(8, 16)
+    base = DropoutSandwich().to(device)
+    x = torch.randn(8, 16, device=device)
     results = []
     for options in ({"mode": "off"}, {"mode": "budget", "budget": 0.3}):
         torch._dynamo.reset()
@@ -91,9 +105,13 @@ def test_modes_agree_with_each_other_under_inductor():
             torch.manual_seed(7)
             out = compiled(x)
             loss_of(out).backward()
-        assert len(compiled._mirrorgrad_plans) == 1
+        (plan,) = compiled._mirrorgrad_plans
+        # Inductor's dropout draws from a seed input: budget mode replays it from there
+        recomputed = {str(n.target) for n in plan.mirrored}
+        assert ("prims.inductor_random.default" in recomputed) == (options["mode"] == "budget")
         results.append((out.detach(), [p.grad for p in model.parameters()]))
     (out_a, grads_a), (out_b, grads_b) = results
-    assert torch.equal(out_a, out_b)
+    # a different mask would differ by O(1); kernels fused differently by rounding
+    torch.testing.assert_close(out_a, out_b, rtol=1e-6, atol=1e-7)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

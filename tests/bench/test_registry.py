@@ -16,6 +16,8 @@ ALL_WORKLOADS = (
     "nmt-attention",
     "resnet50",
     "transformer",
+    "resnet152",
+    "gpt2",
     "deepspeech2",
     "mlp",
 )
@@ -23,6 +25,7 @@ BASE_METHODS = (
     "eager",
     "compile",
     "compile-budget-0.5",
+    "compile-budget-0.3",
     "compile-budget-0.1",
     "checkpoint",
     "mirror-balance",
@@ -59,6 +62,8 @@ FULL_SHAPES = {
     "nmt-attention": [(50, 80), (30, 80), (30, 80)],
     "resnet50": [(64, 3, 224, 224), (64,)],
     "transformer": [(8, 1024), (8, 1024)],
+    "resnet152": [(32, 3, 224, 224), (32,)],
+    "gpt2": [(8, 1024)],
     "deepspeech2": [(32, 1, 161, 300), (32, 60)],
     "mlp": [(2048, 1024), (2048,)],
 }
@@ -67,6 +72,7 @@ FULL_SHAPES = {
 @pytest.mark.parametrize("name", ALL_WORKLOADS)
 def test_full_size_batch_shapes(name):
     workload = WORKLOADS[name]
+    _skip_if_missing(workload)
     with torch.device("meta"):
         _, sample, _ = workload.builder(workload.batch, False)
     batch = sample(torch.Generator().manual_seed(0))
@@ -81,6 +87,24 @@ def test_resnet50_has_resnet50_parameter_count():
     assert len(blocks) == 16
 
 
+def _skip_if_missing(workload):
+    if workload.missing_packages():
+        pytest.skip(f"needs {', '.join(workload.missing_packages())}")
+
+
+def test_resnet152_and_gpt2_have_their_parameter_counts():
+    # torchvision's resnet152: 60,192,808; GPT-2 small (tied head): 124,439,808.
+    expected = {"resnet152": 60_192_808, "gpt2": 124_439_808}
+    for name, count in expected.items():
+        workload = WORKLOADS[name]
+        if workload.missing_packages():
+            continue
+        with torch.device("meta"):
+            model, _, blocks = workload.builder(workload.batch, False)
+        assert sum(p.numel() for p in model.parameters()) == count, name
+        assert len(blocks) == {"resnet152": 50, "gpt2": 12}[name]
+
+
 def test_lstm_lm_large_sizes():
     with torch.device("meta"):
         model, _, _ = WORKLOADS["lstm-lm-large"].builder(20, False)
@@ -91,6 +115,7 @@ def test_lstm_lm_large_sizes():
 @pytest.mark.parametrize("name", ALL_WORKLOADS)
 def test_quick_workload_trains(name):
     workload = WORKLOADS[name]
+    _skip_if_missing(workload)
     built = workload.build(quick=True, dtype=torch.float64)
     assert built.batch == workload.quick_batch
     for block in built.blocks:

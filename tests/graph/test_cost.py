@@ -53,6 +53,9 @@ def test_convolution_flops():
         out_shape=(2, 4, 8, 8),
     )
     assert op_cost(n, RATES).flops == 2 * 2 * 4 * 3 * 3 * 3 * 8 * 8
+    # at the convolution rate, not the matmul rate
+    slow = DeviceRates(matmul_flops_per_s=1e12, conv_flops_per_s=1e9, bytes_per_s=1e15)
+    assert op_cost(n, slow).seconds == pytest.approx(2 * 2 * 4 * 3 * 3 * 3 * 8 * 8 / 1e9)
 
 
 def test_pointwise_is_memory_bound():

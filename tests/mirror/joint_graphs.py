@@ -58,8 +58,11 @@ def joint_of(model: nn.Module, *inputs: torch.Tensor, decompose: bool = False) -
     return joint
 
 
-def joint_of_compiled(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
-    """Like ``joint_of`` but traced by Dynamo: nodes carry ``nn_module_stack``."""
+def joint_of_compiled(
+    model: nn.Module, *inputs: torch.Tensor, decompose: bool = False
+) -> JointGraph:
+    """Like ``joint_of`` but traced by Dynamo: nodes carry ``nn_module_stack``, and
+    models with data-dependent Python branches (Hugging Face's) trace."""
     capture = _Capture()
 
     def backend(gm, example_inputs):
@@ -69,6 +72,7 @@ def joint_of_compiled(model: nn.Module, *inputs: torch.Tensor) -> JointGraph:
             fw_compiler=_nop,
             bw_compiler=_nop,
             partition_fn=capture.partition,
+            decompositions=_compat.inductor_decompositions() if decompose else None,
         )
 
     torch._dynamo.reset()

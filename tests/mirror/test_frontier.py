@@ -1,6 +1,7 @@
 """The budget search against PyTorch's min-cut partitioner with ``activation_memory_budget``.
 
-For each zoo graph and fraction, min-cut's saved set is judged by our liveness model
+For each zoo graph (and the bench suite's transformer, ResNet-50 layout and a GPT-2 of
+transformers, small) and fraction, min-cut's saved set is judged by our liveness model
 and cost model (as Inductor runs the step); asked for min-cut's peak in bytes, our
 plan must reach it at no more estimated time.
 """
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from mirrorgrad import _compat
+from mirrorgrad.bench import models
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import StepCost
 from mirrorgrad.graph.joint import JointGraph
@@ -22,7 +24,7 @@ from mirrorgrad.mirror.budget_search import PlanOptions, plan
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of
+from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, joint_of_compiled
 
 import zoo
 
@@ -54,6 +56,40 @@ GRAPHS = {
         decompose=True,
     ),
 }
+
+
+def _transformer() -> JointGraph:
+    """The suite's transformer (bench/models.py) at 2 x 64, length 64."""
+    torch.manual_seed(0)
+    model = models.TransformerLM(vocab=512, width=64, heads=4, layers=2, length=64, dropout=0.1)
+    tokens = torch.randint(0, 512, (2, 65))
+    return joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
+
+
+def _resnet50ish() -> JointGraph:
+    """The suite's ResNet-50 layout (3, 4, 6, 3 bottlenecks) at width 8, 32x32."""
+    torch.manual_seed(0)
+    model = models.ResNet(layers=(3, 4, 6, 3), width=8, classes=10)
+    return joint_of(model, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)), decompose=True)
+
+
+def _gpt2() -> JointGraph:
+    """transformers' GPT-2 at 2 x 64, length 64, dropout 0.1 but in the attention: the
+    CPU's SDPA draws that mask as a separate ``rand`` (the GPU's kernel draws it
+    inside), which min-cut recomputes (``rand`` is not in its random ops)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, use_cache=False,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    gpt2.loss_type = "ForCausalLM"
+    tokens = torch.randint(0, 512, (2, 64))
+    return joint_of_compiled(models.CausalLM(gpt2), tokens, decompose=True)
+
+
+GRAPHS |= {"transformer": _transformer, "resnet50-ish": _resnet50ish, "gpt2": _gpt2}
 # NOTE: on this toy LM (batch 3, 5 steps, hidden 10) min-cut's plan recomputes the
 # LSTMCell matmuls to reach 0.984x of the peak; our lowest is 0.990x.
 LOSSES = {"lstm_lm"}

@@ -46,6 +46,22 @@ def test_op_classes(target, expected):
     assert MirrorPolicy(enabled=True).may_mirror(_call(target, 1)) is expected
 
 
+def test_seeded_random_ops_are_replayed_and_seed_draws_are_not():
+    import torch._inductor.inductor_prims  # registers the prims
+
+    from mirrorgrad.mirror.policy import is_random
+
+    prims = torch.ops.prims
+    policy = MirrorPolicy()
+    # inductor_random(shape, seed, mode): the same seed draws the same numbers
+    replayed = _call(prims.inductor_random.default, "shape", "seed", "mode")
+    assert not is_random(replayed) and policy.may_mirror(replayed)
+    # inductor_seeds draws the seeds themselves
+    draw = _call(prims.inductor_seeds.default, "count", "device")
+    assert is_random(draw) and not policy.may_mirror(draw)
+    assert is_random(_call(aten.rand.default, "shape"))
+
+
 def test_switches_and_op_overrides():
     gelu, mm = _call(aten.gelu.default, 1), _call(aten.mm.default, 1, 2)
     assert not MirrorPolicy(enabled=True, mirror_pointwise=False).may_mirror(gelu)

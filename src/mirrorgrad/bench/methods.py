@@ -114,7 +114,7 @@ def _base_methods() -> list[Method]:
             compiles=True,
         ),
     ]
-    for fraction in (0.5, 0.1):
+    for fraction in (0.5, 0.3, 0.1):
         methods.append(
             Method(
                 name=f"compile-budget-{fraction}",
@@ -181,6 +181,7 @@ PLANNER_METHODS = (
     "eager",
     "compile",
     "compile-budget-0.5",
+    "compile-budget-0.3",
     "compile-budget-0.1",
     "checkpoint",
     "mirror-balance",

@@ -263,3 +263,26 @@ class MlpBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Classifier(nn.Module):
+    """An image classifier whose logits go into the cross-entropy (torchvision models)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: Tensor, labels: Tensor) -> Tensor:
+        return F.cross_entropy(self.model(images), labels)
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face causal LM given its own tokens as labels: its ``.loss`` (which
+    shifts the labels by one) is the step's loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.model(input_ids=tokens, labels=tokens).loss

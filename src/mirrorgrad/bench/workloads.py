@@ -156,6 +156,43 @@ def _transformer(batch: int, quick: bool):
     return model, sample, tuple(f"blocks.{i}" for i in range(layers))
 
 
+def _resnet152(batch: int, quick: bool):
+    """torchvision's ResNet-152, no weights; quick: its bottleneck at one block a stage."""
+    from torchvision.models import resnet152
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    classes, size = (10, 32) if quick else (1000, 224)
+    net = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes) if quick else resnet152()
+    depths = [len(getattr(net, f"layer{i}")) for i in range(1, 5)]
+
+    def sample(g: torch.Generator):
+        images = torch.randn(batch, 3, size, size, generator=g)
+        return images, torch.randint(0, classes, (batch,), generator=g)
+
+    blocks = tuple(f"model.layer{i + 1}.{j}" for i, d in enumerate(depths) for j in range(d))
+    return models.Classifier(net), sample, blocks
+
+
+def _gpt2(batch: int, quick: bool):
+    """transformers' GPT-2 small config (12x768, 12 heads, vocab 50257, dropout 0.1,
+    SDPA attention), no weights; quick: 2x32."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=16)
+    tiny |= dict(bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(use_cache=False, **(tiny if quick else {}))
+    length = config.n_positions
+    gpt2 = GPT2LMHeadModel(config)
+    # Named: with none set, the model logs a warning on its first call (a graph break).
+    gpt2.loss_type = "ForCausalLM"
+    model = models.CausalLM(gpt2)
+
+    def sample(g: torch.Generator):
+        return (torch.randint(0, config.vocab_size, (batch, length), generator=g),)
+
+    return model, sample, tuple(f"model.transformer.h.{i}" for i in range(config.n_layer))
+
+
 def _deepspeech2(batch: int, quick: bool):
     features, frames, hidden, layers, label_len = (
         (9, 8, 8, 2, 3) if quick else (161, 300, 800, 5, 60)
@@ -229,6 +266,29 @@ WORKLOADS: dict[str, Workload] = {
             recurrent=False,
             compile_weight=4,
             builder=_transformer,
+        ),
+        Workload(
+            name="resnet152",
+            description="torchvision ResNet-152 (no weights), 224x224, 1000 classes",
+            batch=32,
+            quick_batch=2,
+            recurrent=False,
+            compile_weight=8,
+            builder=_resnet152,
+            packages=("torchvision",),
+            cpu_slice=False,
+        ),
+        Workload(
+            name="gpt2",
+            description="transformers GPT-2 small config (12x768, vocab 50257, dropout 0.1), "
+            "length 1024",
+            batch=8,
+            quick_batch=2,
+            recurrent=False,
+            compile_weight=4,
+            builder=_gpt2,
+            packages=("transformers",),
+            cpu_slice=False,
         ),
         Workload(
             name="deepspeech2",

@@ -35,7 +35,11 @@ REALIZE_ACC_READS = 8
 CONSTANT_FILLS = frozenset(
     ("full", "zeros", "ones", "full_like", "zeros_like", "ones_like", "scalar_tensor")
 )
-POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(("gather", "embedding", "index"))
+# Inductor's seeded random numbers (dropout after its joint-graph passes) are computed
+# in registers from the seed and the element index.
+POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(
+    ("gather", "embedding", "index", "inductor_random", "inductor_randint")
+)
 
 
 def is_pointwise(node: Node) -> bool:

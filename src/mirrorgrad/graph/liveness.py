@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 from torch.fx import Node
 
@@ -61,9 +63,20 @@ class Liveness:
     live_values: list[Node] = field(default_factory=list)  # alive at event ``live_at``
     # Bytes of the live storages at ``live_at`` (fused-away ones excluded), by storage.
     live_storages: dict[Node, int] = field(default_factory=dict)
-    event_nodes: list[Node] = field(default_factory=list, repr=False)
-    event_bytes: list[int] = field(default_factory=list, repr=False)
     forward_events: int = 0  # the first this many events are the forward pass
+    # The timeline as the simulation leaves it (node ids, bytes), turned into lists of
+    # nodes and ints only when asked: the planner reads the peak alone.
+    _order: list[int] = field(default_factory=list, repr=False)
+    _bytes: np.ndarray | None = field(default=None, repr=False)
+    _nodes: list[Node] = field(default_factory=list, repr=False)
+
+    @property
+    def event_nodes(self) -> list[Node]:
+        return [self._nodes[i] for i in self._order]
+
+    @property
+    def event_bytes(self) -> list[int]:
+        return [] if self._bytes is None else self._bytes.tolist()
 
     @property
     def timeline(self) -> list[Event]:
@@ -114,40 +127,104 @@ class GraphIndex:
         self.tangents = [ix[n] for n in joint.tangents]
         self.fwd_outputs = [ix[n] for n in joint.fwd_outputs]
         self.bwd_outputs = [ix[n] for n in joint.bwd_outputs]
+        # The same as numpy arrays, for the simulation's interval arithmetic.
+        self.np_storage = np.asarray(self.storage, dtype=np.int64)
+        self.np_nbytes = np.asarray(self.nbytes, dtype=np.int64)
+        self.np_temporary = np.asarray(self.temporary, dtype=np.int64)
+        self.np_tuple_valued = np.asarray(self.tuple_valued, dtype=bool)
+        self.in_count = np.asarray([len(a) for a in self.inputs], dtype=np.int64)
+        self.in_ptr = np.concatenate([[0], np.cumsum(self.in_count)[:-1]]).astype(np.int64)
+        self.in_idx = np.asarray([a for ins in self.inputs for a in ins], dtype=np.int64)
+        self.np_is_forward = np.frombuffer(self.is_forward, dtype=np.uint8).astype(bool)
+        self._fused_backward: _FusedBackward | None = None
+        self.np_view = np.asarray(self.view, dtype=bool)
+        self.np_pointwise = np.asarray(self.pointwise, dtype=bool)
+        self.np_fusible = np.asarray(self.fusible, dtype=bool)
+        self.input_storages = [tuple(self.storage[a] for a in ins) for ins in self.inputs]
+        self.getitem_parent = np.full(len(nodes), -1, dtype=np.int64)
+        for parent, children in self.getitems.items():
+            self.getitem_parent[children] = parent
 
     def ids(self, nodes: Iterable[Node]) -> list[int]:
         return [self.ix[n] for n in nodes]
 
     def forward_schedule(self, saved: list[int]) -> list[int]:
-        allowed = self.is_forward
-        roots = [n for n in (*self.fwd_outputs, *saved) if allowed[n]]
-        seen = self._closure(roots, allowed)
+        """Forward nodes the forward module runs: what its outputs (the same for every
+        plan, walked once) and the saved values need."""
+        base = self._forward_base
+        extra = [n for n in saved if self.is_forward[n] and not base[n]]
+        if not extra:
+            return list(self._forward_base_order)
+        seen = self._closure(extra, self.is_forward, seen=bytearray(base))
         return [i for i in self.forward if seen[i]]
 
+    @cached_property
+    def _forward_base(self) -> bytearray:
+        roots = [n for n in self.fwd_outputs if self.is_forward[n]]
+        return self._closure(roots, self.is_forward)
+
+    @cached_property
+    def _forward_base_order(self) -> list[int]:
+        return [i for i in self.forward if self._forward_base[i]]
+
     def backward_schedule(self, saved: list[int], mirrored: list[int]) -> list[int]:
+        """Backward-module nodes in execution order (``saved``: forward values and
+        primals). The backward nodes and their order among themselves are the same for
+        every plan (``_BackwardBase``); a plan adds the recomputed forward nodes they
+        need, each placed with the first backward node that needs it."""
+        base = self._backward_base
         size = len(self.nodes)
         available = bytearray(size)
         for i in (*saved, *self.tangents):
             available[i] = 1
         allowed = bytearray(size)
-        for i in (*self.backward, *mirrored):
-            if not available[i]:
+        for i in mirrored:
+            if not available[i] and self.is_forward[i]:
                 allowed[i] = 1
-        roots = [n for n in self.bwd_outputs if not available[n]]
-        needed = self._closure(roots, allowed)
-        order = [i for i in range(size) if needed[i]]
-        for n in order:
+        seeds = [a for a in base.reads_outside if allowed[a]]
+        seeds += [n for n in self.bwd_outputs if allowed[n]]
+        recomputed = self._closure(seeds, allowed)
+        there = np.frombuffer(recomputed, np.uint8) | np.frombuffer(available, np.uint8)
+        missing = np.flatnonzero(there[base.read_values] == 0)
+        if len(missing):
+            raise self._unavailable(*base.reads[missing[0]])
+        ids = np.flatnonzero(np.frombuffer(recomputed, np.uint8)).tolist()
+        for n in ids:
             for a in self.inputs[n]:
-                if not needed[a] and not available[a]:
-                    raise JointGraphError(
-                        f"backward node {self.nodes[n].name} reads {self.nodes[a].name}, "
-                        "which is neither saved nor recomputed"
-                    )
-        return self._autograd_order(order, needed)
+                if not recomputed[a] and not available[a]:
+                    raise self._unavailable(n, a)
+        return base.order_with(self, ids, recomputed)
 
-    def _closure(self, roots: list[int], allowed: bytearray) -> bytearray:
+    def fused_backward(self, candidates: np.ndarray) -> _FusedBackward:
+        """The backward nodes' inlined chains (``candidates``: the backward nodes that
+        may be inlined, the same for every plan), computed on the first call."""
+        if self._fused_backward is None:
+            self._fused_backward = _FusedBackward(self, candidates.tolist())
+        return self._fused_backward
+
+    def _unavailable(self, node: int, value: int) -> JointGraphError:
+        return JointGraphError(
+            f"backward node {self.nodes[node].name} reads {self.nodes[value].name}, "
+            "which is neither saved nor recomputed"
+        )
+
+    @cached_property
+    def _backward_base(self) -> _BackwardBase:
+        return _BackwardBase(self)
+
+    @cached_property
+    def users(self) -> list[list[int]]:
+        users: list[list[int]] = [[] for _ in self.nodes]
+        for n, ins in enumerate(self.inputs):
+            for a in dict.fromkeys(ins):
+                users[a].append(n)
+        return users
+
+    def _closure(
+        self, roots: list[int], allowed: bytearray, seen: bytearray | None = None
+    ) -> bytearray:
         inputs = self.inputs
-        seen = bytearray(len(self.nodes))
+        seen = bytearray(len(self.nodes)) if seen is None else seen
         stack = [r for r in roots if allowed[r]]
         while stack:
             n = stack.pop()
@@ -157,31 +234,69 @@ class GraphIndex:
             stack.extend(a for a in inputs[n] if allowed[a] and not seen[a])
         return seen
 
-    def _autograd_order(self, ordered: list[int], nodes: bytearray) -> list[int]:
-        """Mimic ``reordering_to_mimic_autograd_engine``: walk the nodes from the first
-        tangent reader in graph order; before each, run its not-yet-run inputs."""
-        inputs = self.inputs
-        tangents = set(self.tangents)
-        first = next((k for k, n in enumerate(ordered) if tangents.intersection(inputs[n])), None)
-        if first is None:
-            return ordered
-        done = bytearray(len(self.nodes))
-        schedule: list[int] = []
-        for n in ordered[first:]:
-            if done[n]:
-                continue
-            deps: list[int] = []
-            stack = [n]
-            while stack:
-                d = stack.pop()
-                if done[d]:
-                    continue
-                done[d] = 1
-                deps.append(d)
-                stack.extend(a for a in inputs[d] if nodes[a] and not done[a])
-            deps.sort()
-            schedule.extend(deps)
-        return schedule
+
+class _BackwardBase:
+    """The backward nodes every plan runs, and their order.
+
+    The order mimics ``reordering_to_mimic_autograd_engine``: walk the nodes in graph
+    order from the first that reads a tangent; before each, run its not-yet-run
+    inputs, in graph order. Equivalently, each node runs with its *trigger*, the
+    first node of that walk that needs it (itself if it is on the walk), and the
+    schedule is sorted by (trigger, node): forward nodes never read backward ones,
+    so the backward nodes' triggers do not depend on what a plan recomputes.
+    """
+
+    def __init__(self, ix: GraphIndex) -> None:
+        size = len(ix.nodes)
+        backward = bytearray(size)
+        for i in ix.backward:
+            backward[i] = 1
+        needed = ix._closure([n for n in ix.bwd_outputs if backward[n]], backward)
+        ids = [i for i in range(size) if needed[i]]
+        tangents = set(ix.tangents)
+        self.first = next((n for n in ids if tangents.intersection(ix.inputs[n])), None)
+        # (backward node, what it reads outside the backward nodes) pairs
+        self.reads = [(n, a) for n in ids for a in ix.inputs[n] if not needed[a]]
+        self.read_values = np.asarray([a for _, a in self.reads], dtype=np.int64)
+        self.reads_outside = list(dict.fromkeys(a for _, a in self.reads))
+        self.needed = needed
+        self.trigger = [_NO_TRIGGER] * size
+        self._set_triggers(ix, reversed(ids), needed)
+        self.keys = np.asarray(
+            [self.trigger[n] * size + n for n in ids if self.trigger[n] != _NO_TRIGGER],
+            dtype=np.int64,
+        )
+
+    def _set_triggers(self, ix: GraphIndex, descending: Iterable[int], needed) -> None:
+        """Triggers of ``descending`` (nodes, latest first), from those of their
+        readers in ``needed`` (already set: readers come later in graph order)."""
+        first, trigger, users = self.first, self.trigger, ix.users
+        own = first is not None
+        for n in descending:
+            t = n if own and n >= first else _NO_TRIGGER
+            for u in users[n]:
+                if needed[u] and trigger[u] < t:
+                    t = trigger[u]
+            trigger[n] = t
+
+    def order_with(self, ix: GraphIndex, recomputed: list[int], is_recomputed) -> list[int]:
+        """The schedule with the ``recomputed`` forward nodes placed at their triggers."""
+        size = len(ix.nodes)
+        if self.first is None:  # no tangent reader: graph order
+            base = np.flatnonzero(np.frombuffer(self.needed, np.uint8)).tolist()
+            return sorted([*base, *recomputed])
+        needed = bytearray(self.needed)
+        for n in recomputed:
+            needed[n] = 1
+        self._set_triggers(ix, reversed(recomputed), needed)
+        extra = [self.trigger[n] * size + n for n in recomputed if self.trigger[n] != _NO_TRIGGER]
+        for n in recomputed:
+            self.trigger[n] = _NO_TRIGGER
+        keys = np.sort(np.concatenate([self.keys, np.asarray(extra, dtype=np.int64)]))
+        return (keys % size).tolist()
+
+
+_NO_TRIGGER = 1 << 40
 
 
 def _leaf_getitems(node: Node) -> list[Node]:
@@ -231,202 +346,298 @@ def simulate(
     saved_ids = ix.ids(saved)
     fwd = ix.forward_schedule(saved_ids)
     bwd = ix.backward_schedule(saved_ids, ix.ids(mirrored))
-    sim = _Simulator(ix, live_at, fusion)
-    for p in ix.primals:
-        sim.hold(p)
-    sim.run(fwd, [*saved_ids, *ix.fwd_outputs, *ix.primals])
-    turn = sim.live_bytes
-    forward_events = len(sim.event_bytes)
-    sim.release_unread(saved_ids, bwd)
-    for t in ix.tangents:
-        sim.hold(t)
-    sim.run(bwd, [*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals])
-    nodes = [ix.nodes[i] for i in sim.event_nodes]
-    if not nodes:
+    live_at = -1 if live_at is None else live_at
+    alive = np.zeros(len(ix.nodes), dtype=bool)
+    alive[ix.primals] = True
+    forward = _Phase(ix, fwd, [*saved_ids, *ix.fwd_outputs, *ix.primals], alive, fusion, live_at)
+    turn = forward.live_after
+    alive = forward.alive_after
+    # Saved values the backward does not read are dropped at the turn.
+    read = np.zeros(len(ix.nodes), dtype=bool)
+    read[_read_by(ix, np.asarray(bwd, dtype=np.int64))] = True
+    read[ix.fwd_outputs] = True
+    read[ix.primals] = True
+    unread = np.asarray(saved_ids, dtype=np.int64)
+    alive[unread[~read[unread]]] = False
+    alive[ix.tangents] = True
+    backward = _Phase(
+        ix,
+        bwd,
+        [*ix.bwd_outputs, *ix.fwd_outputs, *ix.primals],
+        alive,
+        fusion,
+        live_at - len(fwd),
+        backward=True,
+    )
+    events = np.concatenate([forward.events, backward.events])
+    if not len(events):
         return Liveness(peak=turn, peak_phase="forward", peak_node="", turn_bytes=turn)
-    events = sim.event_bytes
-    index_ = max(range(len(events)), key=events.__getitem__)
+    index_ = int(np.argmax(events))
+    snapshot = forward if 0 <= live_at < len(fwd) else backward
+    order = [*fwd, *bwd]
     return Liveness(
-        peak=max(events[index_], turn),
-        peak_phase="forward" if index_ < forward_events else "backward",
-        peak_node=nodes[index_].name,
+        peak=max(int(events[index_]), turn),
+        peak_phase="forward" if index_ < len(fwd) else "backward",
+        peak_node=ix.nodes[order[index_]].name,
         turn_bytes=turn,
         peak_index=index_,
-        live_values=[ix.nodes[i] for i in sim.snapshot],
-        live_storages={ix.nodes[s]: b for s, b in sim.snapshot_storages},
-        event_nodes=nodes,
-        event_bytes=events,
-        forward_events=forward_events,
+        live_values=[ix.nodes[i] for i in snapshot.snapshot],
+        live_storages={ix.nodes[s]: int(ix.np_nbytes[s]) for s in snapshot.snapshot_storages},
+        forward_events=len(fwd),
+        _order=order,
+        _bytes=events,
+        _nodes=ix.nodes,
     )
 
 
-class _Simulator:
-    """Reference-counted storages: a value holds its storage while it is alive."""
+def _read_by(ix: GraphIndex, schedule: np.ndarray) -> np.ndarray:
+    """The inputs of the nodes of ``schedule``, one entry per (reader, input) pair."""
+    return ix.in_idx[_edge_slots(ix, schedule)]
 
-    def __init__(self, ix: GraphIndex, live_at: int | None, fusion: bool) -> None:
-        size = len(ix.nodes)
-        self.ix = ix
-        self.live_at = -1 if live_at is None else live_at
-        self.fusion = fusion
-        self.virtual = bytearray(size)  # storages a fusing compiler never allocates
-        self.refs = [0] * size  # storage -> number of live values on it
-        self.alive = bytearray(size)
-        self.live_bytes = 0
-        self.event_nodes: list[int] = []
-        self.event_bytes: list[int] = []
-        self.snapshot: list[int] = []
-        self.snapshot_storages: list[tuple[int, int]] = []
 
-    def hold(self, value: int) -> None:
-        if self.alive[value]:
-            return
-        self.alive[value] = 1
-        s = self.ix.storage[value]
-        self.refs[s] += 1
-        if self.refs[s] == 1 and not self.virtual[s]:
-            self.live_bytes += self.ix.nbytes[s]
+def _edge_slots(ix: GraphIndex, schedule: np.ndarray) -> np.ndarray:
+    """Positions in ``ix.in_idx`` of the inputs of ``schedule``'s nodes, in order."""
+    starts, counts = ix.in_ptr[schedule], ix.in_count[schedule]
+    total = int(counts.sum())
+    offsets = np.repeat(starts - np.cumsum(counts) + counts, counts)
+    return offsets + np.arange(total, dtype=np.int64)
 
-    def drop(self, value: int) -> None:
-        if not self.alive[value]:
-            return
-        self.alive[value] = 0
-        s = self.ix.storage[value]
-        self.refs[s] -= 1
-        if self.refs[s] == 0 and not self.virtual[s]:
-            self.live_bytes -= self.ix.nbytes[s]
 
-    def release_unread(self, saved: list[int], bwd: list[int]) -> None:
-        inputs = self.ix.inputs
-        read = {a for n in bwd for a in inputs[n]}
-        kept = {*self.ix.fwd_outputs, *self.ix.primals}
-        for s in saved:
-            if s not in read and s not in kept:
-                self.drop(s)
+class _Phase:
+    """One pass (forward or backward) over a schedule, as interval arithmetic.
 
-    def run(self, schedule: list[int], keep_ids: list[int]) -> None:
-        ix = self.ix
-        inputs, storage, nbytes, getitems = ix.inputs, ix.storage, ix.nbytes, ix.getitems
-        keep = bytearray(len(ix.nodes))
-        for i in keep_ids:
-            keep[i] = 1
-        last_use: dict[int, int] = {}
-        for pos, n in enumerate(schedule):
-            for a in inputs[n]:
-                last_use[a] = pos
-        if self.fusion:
+    A value is alive from the event that allocates it (its producer's; a tuple op's
+    outputs at the tuple op) to the event of its last reader, or for good if it is
+    kept; a storage is alive while any value on it is, and adds its bytes unless the
+    fusing compiler never allocates it. The bytes alive at each event are a prefix
+    sum over the storages' intervals. Values ``alive`` before the phase start at -1.
+    """
+
+    def __init__(
+        self,
+        ix: GraphIndex,
+        schedule: list[int],
+        keep_ids: list[int],
+        alive: np.ndarray,
+        fusion: bool,
+        snapshot_at: int,
+        backward: bool = False,
+    ) -> None:
+        size, length = len(ix.nodes), len(schedule)
+        sched = np.asarray(schedule, dtype=np.int64)
+        pos = np.full(size, -1, dtype=np.int64)
+        pos[sched] = np.arange(length)
+        slots = _edge_slots(ix, sched)
+        readers = np.repeat(np.arange(length), ix.in_count[sched])
+        inputs = ix.in_idx[slots]
+        last_use = np.full(size, -1, dtype=np.int64)
+        np.maximum.at(last_use, inputs, readers)
+        virtual = np.zeros(size, dtype=bool)
+        if fusion:
             # Per phase: a value computed in registers in the forward pass may be
             # written to memory when it is recomputed for an extern backward kernel.
-            self.virtual = bytearray(len(ix.nodes))
-            for s in _fused_away(ix, schedule, keep_ids):
-                self.virtual[s] = 1
-            _extend_reads_of_inlined(ix, schedule, last_use, self.virtual)
-        dies_at: dict[int, list[int]] = {}
-        for a, pos in last_use.items():
-            if not keep[a]:
-                dies_at.setdefault(pos, []).append(a)
-        alive, refs, virtual = self.alive, self.refs, self.virtual
-        scheduled = bytearray(len(ix.nodes))
-        for n in schedule:
-            scheduled[n] = 1
-        live = self.live_bytes
-        start = len(self.event_bytes)
-        event_nodes, event_bytes = self.event_nodes, self.event_bytes
-        snapshot_at = self.live_at - start
-        for pos, n in enumerate(schedule):
-            produced = getitems.get(n)
-            if produced is None:
-                allocated, transient = (n,), 0
-            else:
-                # A multi-output op allocates all its outputs; those nobody reads die at once.
-                allocated = [g for g in produced if scheduled[g]]
-                transient = max(nbytes[n] - sum(nbytes[g] for g in allocated), 0)
-            for v in allocated:
-                if not alive[v]:
-                    alive[v] = 1
-                    s = storage[v]
-                    refs[s] += 1
-                    if refs[s] == 1 and not virtual[s]:
-                        live += nbytes[s]
-            transient += ix.temporary[n]
-            event_nodes.append(n)
-            event_bytes.append(live + transient)
-            if pos == snapshot_at:
-                self._snapshot()
-            dead = dies_at.get(pos, ())
-            if produced is None and n not in last_use and not keep[n]:
-                dead = [*dead, n]
-            for v in dead:
-                if alive[v]:
-                    alive[v] = 0
-                    s = storage[v]
-                    refs[s] -= 1
-                    if refs[s] == 0 and not virtual[s]:
-                        live -= nbytes[s]
-        self.live_bytes = live
+            virtual[_fused_away(ix, sched, readers, inputs, keep_ids, backward)] = True
+            _extend_reads_of_inlined(ix, sched, readers, inputs, last_use, virtual)
+        keep = np.zeros(size, dtype=bool)
+        keep[keep_ids] = True
+        start, end = self._intervals(ix, sched, pos, last_use, keep, alive)
+        self.alive_after = end == _FOREVER
+        self._storages(ix, start, end, virtual, length)
+        self.events = self._bytes_at(length) + self._transients(ix, sched, pos)
+        self.snapshot: list[int] = []
+        self.snapshot_storages: list[int] = []
+        if 0 <= snapshot_at < length:
+            self.snapshot = np.flatnonzero((start <= snapshot_at) & (end >= snapshot_at)).tolist()
+            held = (self.s_start <= snapshot_at) & (self.s_end >= snapshot_at) & self.s_counted
+            self.snapshot_storages = sorted(set(self.s_id[held].tolist()))
 
-    def _snapshot(self) -> None:
-        ix = self.ix
-        self.snapshot = [i for i in range(len(ix.nodes)) if self.alive[i]]
-        self.snapshot_storages = [
-            (s, ix.nbytes[s])
-            for s in range(len(ix.nodes))
-            if self.refs[s] > 0 and not self.virtual[s]
-        ]
+    @staticmethod
+    def _intervals(ix, sched, pos, last_use, keep, alive):
+        """Per value: the event that allocates it and the one after which it is
+        dropped (_NEVER / _FOREVER where neither happens in this phase)."""
+        size = len(pos)
+        start = np.full(size, _NEVER, dtype=np.int64)
+        start[alive] = -1
+        values = sched[~ix.np_tuple_valued[sched]]
+        # A tuple op's outputs are allocated with it (those this phase runs).
+        parent = ix.getitem_parent[values]
+        at = np.where((parent >= 0) & (pos[np.maximum(parent, 0)] >= 0), pos[parent], pos[values])
+        fresh = start[values] == _NEVER
+        start[values[fresh]] = at[fresh]
+        end = np.full(size, _FOREVER, dtype=np.int64)
+        dies = (last_use >= 0) & ~keep
+        end[dies] = last_use[dies]
+        unread = values[(last_use[values] < 0) & ~keep[values]]
+        end[unread] = pos[unread]
+        end[start == _NEVER] = _NEVER
+        return start, end
+
+    def _storages(self, ix, start, end, virtual, length):
+        """Merge the values' intervals per storage (a storage is alive while any
+        value on it is)."""
+        values = np.flatnonzero(start != _NEVER)
+        storage = ix.np_storage[values]
+        span = length + 3
+        lo = storage * span + (start[values] + 1)
+        hi = storage * span + np.minimum(end[values], length) + 1
+        order = np.argsort(lo, kind="stable")
+        lo, hi, storage = lo[order], hi[order], storage[order]
+        reach = np.maximum.accumulate(hi)
+        first = np.ones(len(lo), dtype=bool)
+        first[1:] = lo[1:] > reach[:-1]
+        group = np.cumsum(first) - 1
+        merged_hi = np.zeros(int(first.sum()), dtype=np.int64)
+        np.maximum.at(merged_hi, group, hi)
+        self.s_id = storage[first]
+        base = self.s_id * span
+        self.s_start = lo[first] - base - 1
+        self.s_end = merged_hi - base - 1
+        self.s_end[self.s_end >= length] = _FOREVER
+        self.s_counted = ~virtual[self.s_id]
+        self.s_bytes = np.where(self.s_counted, ix.np_nbytes[self.s_id], 0)
+        self.live_after = int(self.s_bytes[self.s_end == _FOREVER].sum())
+
+    def _bytes_at(self, length: int) -> np.ndarray:
+        diff = np.zeros(length + 1, dtype=np.int64)
+        np.add.at(diff, np.maximum(self.s_start, 0), self.s_bytes)
+        ends = self.s_end < length
+        np.add.at(diff, self.s_end[ends] + 1, -self.s_bytes[ends])
+        return np.cumsum(diff)[:length]
+
+    @staticmethod
+    def _transients(ix, sched, pos):
+        """Bytes an op holds beyond its values: a tuple op's outputs that nobody in
+        this phase reads (not scheduled), and declared temporaries."""
+        extra = ix.np_temporary[sched].copy()
+        tuples = ix.np_tuple_valued[sched]
+        if tuples.any():
+            unread = ix.np_nbytes[sched].copy()
+            children = np.flatnonzero((ix.getitem_parent >= 0) & (pos >= 0))
+            parents = ix.getitem_parent[children]
+            ran = pos[parents] >= 0
+            np.add.at(unread, pos[parents[ran]], -ix.np_nbytes[children[ran]])
+            extra += np.where(tuples, np.maximum(unread, 0), 0)
+        return extra
+
+
+_NEVER = np.iinfo(np.int64).min // 4  # not alive in this phase
+_FOREVER = np.iinfo(np.int64).max // 4  # alive to the end of the phase
 
 
 def _extend_reads_of_inlined(
-    ix: GraphIndex, schedule: list[int], last_use: dict[int, int], virtual: bytearray
+    ix: GraphIndex,
+    sched: np.ndarray,
+    readers: np.ndarray,
+    inputs: np.ndarray,
+    last_use: np.ndarray,
+    virtual: np.ndarray,
 ) -> None:
     """An inlined value is computed inside the kernels of its readers: the values it
-    reads are read there too, so they live until its last reader has run."""
-    inputs, storage = ix.inputs, ix.storage
-    for pos in range(len(schedule) - 1, -1, -1):
-        n = schedule[pos]
-        if not virtual[storage[n]]:
-            continue
-        end = last_use.get(n, pos)
-        for a in inputs[n]:
-            if last_use[a] < end:
-                last_use[a] = end
+    reads are read there too, so they live until its last reader has run (through
+    chains of inlined values: repeated until nothing moves)."""
+    inlined = virtual[ix.np_storage[sched]]
+    edges = inlined[readers]
+    if not edges.any():
+        return
+    src_pos, src, dst = readers[edges], sched[readers[edges]], inputs[edges]
+    while True:
+        end = np.where(last_use[src] >= 0, last_use[src], src_pos)
+        before = last_use[dst]
+        np.maximum.at(last_use, dst, end)
+        if np.array_equal(before, last_use[dst]):
+            return
 
 
-def _fused_away(ix: GraphIndex, schedule: list[int], keep_ids: list[int]) -> list[int]:
+def _fused_away(
+    ix: GraphIndex,
+    sched: np.ndarray,
+    readers: np.ndarray,
+    inputs: np.ndarray,
+    keep_ids: list[int],
+    backward: bool = False,
+) -> list[int]:
     """Pointwise values a fusing compiler (Inductor) computes inside their readers'
     kernels and never writes to memory (``fusion.inlined``): not kept past the phase,
     read by at most a few pointwise ops or reductions (through views), never by an
     extern kernel. A chain whose code would read more than ``REALIZE_ACC_READS``
     buffers is written out there (Inductor's realize_acc_reads_threshold), which ends
-    the lifetimes of the buffers it read (a gradient summed over many steps)."""
+    the lifetimes of the buffers it read (a gradient summed over many steps).
+    ``readers``/``inputs``: the schedule's (position, input) pairs; ``backward``: the
+    schedule is a backward schedule (its backward nodes' chains are cached)."""
     size = len(ix.nodes)
-    inputs, storage, view, fusible = ix.inputs, ix.storage, ix.view, ix.fusible
-    direct = [0] * size  # non-view readers of each storage
-    unfusible = bytearray(size)
-    for n in schedule:
-        if view[n]:
-            continue
-        for a in inputs[n]:
-            s = storage[a]
-            direct[s] += 1
-            if not fusible[n]:
-                unfusible[s] = 1
-    kept = bytearray(size)
-    for i in keep_ids:
-        kept[storage[i]] = 1
-    pointwise, nbytes = ix.pointwise, ix.nbytes
-    reads: dict[int, set[int]] = {}  # inlined value -> the buffers its code reads
-    for n in schedule:
-        if not pointwise[n] or kept[n] or direct[n] > INLINE_READERS or unfusible[n]:
-            continue
+    reader_nodes = sched[readers]
+    direct_reads = ~ix.np_view[reader_nodes]  # views read nothing
+    read = ix.np_storage[inputs[direct_reads]]
+    direct = np.bincount(read, minlength=size)
+    unfusible = np.zeros(size, dtype=bool)
+    unfusible[read[~ix.np_fusible[reader_nodes[direct_reads]]]] = True
+    kept = np.zeros(size, dtype=bool)
+    kept[ix.np_storage[np.asarray(keep_ids, dtype=np.int64)]] = True
+    candidate = (
+        ix.np_pointwise[sched]
+        & ~kept[sched]
+        & (direct[sched] <= INLINE_READERS)
+        & ~unfusible[sched]
+    )
+    candidates = sched[candidate]
+    if not backward:
+        return list(_inline_chains(ix, candidates.tolist(), {}))
+    # Recomputed forward values read forward values only: their chains come first.
+    recomputed = ix.np_is_forward[candidates]
+    reads = _inline_chains(ix, candidates[recomputed].tolist(), {})
+    return ix.fused_backward(candidates[~recomputed]).inlined_with(ix, reads)
+
+
+def _inline_chains(
+    ix: GraphIndex, candidates: list[int], reads: dict[int, set[int]]
+) -> dict[int, set[int]]:
+    """Add to ``reads`` (inlined value -> the buffers its code reads) the
+    ``candidates`` (in schedule order) whose code reads at most REALIZE_ACC_READS."""
+    nbytes, input_storages = ix.nbytes, ix.input_storages
+    for n in candidates:
         buffers: set[int] = set()
-        for a in inputs[n]:
-            s = storage[a]
-            if s in reads:
-                buffers |= reads[s]
+        for s in input_storages[n]:
+            inlined = reads.get(s)
+            if inlined is not None:
+                buffers |= inlined
             elif nbytes[s]:
                 buffers.add(s)
         if len(buffers) <= REALIZE_ACC_READS:
             reads[n] = buffers
-    return list(reads)
+    return reads
+
+
+class _FusedBackward:
+    """The backward nodes' inlined chains, worked out once per graph.
+
+    Which backward nodes are candidates does not depend on the plan (their readers
+    are backward nodes, the kept values are the same), and neither do their read sets
+    unless a chain reaches a recomputed forward value that is itself inlined: only
+    those chains are redone per plan.
+    """
+
+    def __init__(self, ix: GraphIndex, candidates: list[int]) -> None:
+        self.position = {n: i for i, n in enumerate(candidates)}
+        self.reads = _inline_chains(ix, candidates, {})  # forward values as plain buffers
+        self.readers: dict[int, list[int]] = {}  # storage -> candidates reading it
+        for n in candidates:
+            for s in dict.fromkeys(ix.input_storages[n]):
+                self.readers.setdefault(s, []).append(n)
+
+    def inlined_with(self, ix: GraphIndex, forward: dict[int, set[int]]) -> list[int]:
+        """Every inlined value of the phase, given the recomputed ones (``forward``)."""
+        dirty: set[int] = set()
+        stack = [m for s in forward for m in self.readers.get(s, ())]
+        while stack:
+            n = stack.pop()
+            if n not in dirty:
+                dirty.add(n)
+                stack.extend(self.readers.get(n, ()))
+        if not dirty:
+            return [*self.reads, *forward]
+        reads = {**forward, **{n: r for n, r in self.reads.items() if n not in dirty}}
+        _inline_chains(ix, sorted(dirty, key=self.position.__getitem__), reads)
+        return list(reads)
 
 
 # What holds memory at a peak, in the categories a memory snapshot is read in.

@@ -71,9 +71,16 @@ class OpClasses:
         "native_dropout", "dropout", "feature_dropout", "alpha_dropout", "bernoulli",
         "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
         "randperm", "normal", "uniform", "multinomial", "exponential", "geometric",
-        "cauchy", "log_normal", "rrelu_with_noise", "philox_rand", "run_and_save_rng_state",
-        "run_with_rng_state", "seed", "inductor_random", "inductor_seeds",
+        "cauchy", "log_normal", "rrelu_with_noise", "run_and_save_rng_state", "seed",
+        "inductor_seeds",
     )  # fmt: skip
+    # Random ops whose numbers are fixed by a seed (or RNG state) they take as an input:
+    # recomputed, they draw the same numbers. Inductor rewrites the joint graph's
+    # dropout `rand` into `inductor_random(shape, seed)` before any partitioner runs, so
+    # a dropout mask can be recomputed from its seed instead of stashed (min-cut does).
+    seeded_random: frozenset[str] = _packets(
+        "inductor_random", "inductor_randint", "philox_rand", "run_with_rng_state"
+    )
     normalization: frozenset[str] = _packets(
         "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
         "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
@@ -114,8 +121,14 @@ def _namespace(node: Node) -> str:
     return name.split("::")[0] if "::" in name else ""
 
 
+_SEEDED_NAMESPACES = ("prims", "rngprims", "")  # Inductor's prims, functionalized RNG, HOPs
+
+
 def is_random(node: Node) -> bool:
-    """A random op: recomputing it draws fresh random numbers."""
+    """A random op: recomputing it draws fresh random numbers (an op whose draw a seed
+    input fixes, ``OpClasses.seeded_random``, is not)."""
+    if _packet(node) in DEFAULT_CLASSES.seeded_random and _namespace(node) in _SEEDED_NAMESPACES:
+        return False
     target = node.target
     if isinstance(target, _compat.OpOverload) and torch.Tag.nondeterministic_seeded in (
         target.tags
@@ -223,6 +236,8 @@ class MirrorPolicy:
 
     def _by_class(self, node: Node) -> bool:
         packet, c = _packet(node), self.classes
+        if packet in c.seeded_random and _namespace(node) in _SEEDED_NAMESPACES:
+            return self.mirror_pointwise  # an elementwise generator, replayed from its seed
         if _namespace(node) not in ("aten", "prims") or packet in c.heavy:
             return False
         if is_view(node):

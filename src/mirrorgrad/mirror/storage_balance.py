@@ -44,6 +44,7 @@ class UnitGraph:
 
     def __init__(self, joint: JointGraph, policy: MirrorPolicy) -> None:
         self.joint = joint
+        self._roots: dict[Node, Node] = {}  # the planner asks for roots very often
         self.units = [n for n in joint.forward if not is_getitem(n) and not is_view(n)]
         self.unit_set = frozenset(self.units)
         self.fwd_outputs = frozenset(joint.fwd_outputs)
@@ -64,9 +65,13 @@ class UnitGraph:
 
     def root(self, value: Node) -> Node:
         """The value whose storage ``value`` aliases (itself unless it is a view)."""
-        while is_view(value) and value.args and isinstance(value.args[0], Node):
-            value = value.args[0]
-        return value
+        root = self._roots.get(value)
+        if root is None:
+            root = value
+            while is_view(root) and root.args and isinstance(root.args[0], Node):
+                root = root.args[0]
+            self._roots[value] = root
+        return root
 
     def producer(self, value: Node) -> Node | None:
         """The unit computing root value ``value`` (None for primals)."""

@@ -1,0 +1,201 @@
+"""Our plans against PyTorch's min-cut (``activation_memory_budget``) on a workload's
+full-size joint graph, judged by the same liveness and cost models; and planning time.
+
+The joint graph is the one Inductor hands its partitioner (``torch.compile`` with our
+capturing ``custom_partitioner_fn``) and nothing is executed: the capture stops in the
+partitioner, so full-size graphs cost a trace on any device.
+
+    python -m mirrorgrad.bench.frontier --out DIR [--workloads gpt2 transformer resnet152]
+
+Per workload: min-cut at each fraction, our budget at the same fraction, our budget
+asked for min-cut's estimated peak in bytes (the frontier comparison: same peak, whose
+recomputation costs less), and balance; estimated peak (MiB and against no
+mirroring), estimated added time (against the estimated step), planning seconds.
+Writes ``frontier.json`` to ``--out``; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mirrorgrad import _compat
+from mirrorgrad.graph import liveness
+from mirrorgrad.graph.cost import StepCost, rates_for
+from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror.partition import remove_detaches
+from mirrorgrad.mirror.policy import is_random, op_name
+
+FRACTIONS = (0.5, 0.3)
+
+
+class _Captured(Exception):
+    """Raised from the partitioner once the joint graph is in hand: nothing runs."""
+
+    def __init__(self, joint: JointGraph) -> None:
+        super().__init__("joint graph captured")
+        self.joint = joint
+
+
+class _CapturePartitioner(_compat.CustomPartitionerFn):
+    """Inductor's partitioner hook that keeps the joint graph and stops the compile."""
+
+    def __call__(self, gm, joint_inputs, *, num_fwd_outputs, **kwargs):
+        remove_detaches(gm)
+        raise _Captured(JointGraph.from_fx(gm, num_fwd_outputs))
+
+    def uuid(self) -> bytes:
+        return os.urandom(16)  # never a cache hit: the partitioner must run
+
+
+def capture_joint(model: torch.nn.Module, *batch: torch.Tensor) -> JointGraph:
+    """The joint graph Inductor hands its partitioner for ``model(*batch)``: after its
+    decompositions and joint-graph passes (dropout's ``rand`` is then a seeded
+    ``inductor_random``), before any code generation."""
+    torch._dynamo.reset()
+    patch = {_compat.INDUCTOR_PARTITIONER_CONFIG: _CapturePartitioner()}
+    try:
+        with _compat.inductor_config.patch(patch):
+            torch.compile(model, fullgraph=True)(*batch)
+    except Exception as e:  # Dynamo wraps what the partitioner raises
+        cause = e
+        while cause is not None and not isinstance(cause, _Captured):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        return cause.joint
+    finally:
+        torch._dynamo.reset()
+    raise RuntimeError("the model compiled without a backward graph")
+
+
+def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
+    """(saved, recomputed) forward values of min-cut's partition at ``fraction``."""
+    with _compat.activation_memory_budget(fraction):
+        fwd, _ = _compat.min_cut_rematerialization_partition(
+            copy.deepcopy(joint.gm), None, num_fwd_outputs=joint.num_fwd_outputs
+        )
+    by_name = {n.name: n for n in joint.gm.graph.nodes}
+    outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
+    saved = {by_name[a.name] for a in outputs[joint.num_fwd_outputs :] if a is not None}
+    # What the backward reads and min-cut did not save, it recomputes.
+    recomputed, stack = set(), [a for n in joint.backward for a in n.all_input_nodes]
+    while stack:
+        v = stack.pop()
+        if v.op == "placeholder" and v not in joint.tangents:
+            saved.add(v)
+        if v in saved or v in recomputed or v not in joint.forward_set:
+            continue
+        recomputed.add(v)
+        stack.extend(v.all_input_nodes)
+    return saved, recomputed
+
+
+def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
+    """One row per plan: min-cut's and ours, by the same models."""
+    cost = StepCost(joint, rates_for(joint.device), fusion=True)
+    index = liveness.GraphIndex(joint)
+    base = liveness.simulate(joint, *min_cut_partition(joint, 1.0), fusion=True, index=index)
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, peak: int, added_s: float, seconds: float | None) -> None:
+        rows.append(
+            {
+                "plan": name,
+                "peak_mib": peak / 2**20,
+                "peak_vs_compile": peak / base.peak,
+                "added_time": added_s / cost.step_seconds,
+                "planning_s": seconds,
+            }
+        )
+
+    row("compile (min-cut)", base.peak, 0.0, None)
+
+    def ours(name: str, options: PlanOptions) -> None:
+        start = time.process_time()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unmet budget is in the table
+            p = plan(joint, options)
+        row(name, p.peak_after, p.added_time_s, time.process_time() - start)
+
+    ours("mirror-balance", PlanOptions(mode="balance"))
+    for f in fractions:
+        start = time.process_time()
+        saved, recomputed = min_cut_partition(joint, f)
+        their = liveness.simulate(joint, saved, recomputed, fusion=True, index=index).peak
+        seconds = sum(cost.run(n).seconds for n in recomputed)
+        # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
+        # every op that may draw (an attention kernel with a dropout argument, a `rand`).
+        drawn = sorted({op_name(n).split("::")[-1] for n in recomputed if is_random(n)})
+        note = f" (recomputes {', '.join(drawn)}: may draw)" if drawn else ""
+        row(f"compile-budget-{f} (min-cut){note}", their, seconds, time.process_time() - start)
+        ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f))
+        ours(f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their))
+    return rows
+
+
+def _table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| workload | nodes | plan | est. peak MiB | / compile | est. added time | planning s |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | | {r['error']} | | | | |")
+            continue
+        for i, row in enumerate(r["rows"]):
+            s = row["planning_s"]
+            lines.append(
+                f"| {name if i == 0 else ''} | {r['nodes'] if i == 0 else ''} | {row['plan']} "
+                f"| {row['peak_mib']:,.0f} | {row['peak_vs_compile']:.3f}x "
+                f"| +{row['added_time']:.1%} | {'' if s is None else f'{s:.2f}'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mirrorgrad.bench.suites import get_workload
+
+    parser = argparse.ArgumentParser(prog="python -m mirrorgrad.bench.frontier")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workloads", nargs="+", default=["transformer", "gpt2", "resnet50"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    env = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    for name in args.workloads:
+        try:
+            built = get_workload(name).build(device=args.device, quick=args.quick)
+            start = time.perf_counter()
+            joint = capture_joint(built.model, *built.make_batch())
+            capture_s = time.perf_counter() - start
+            rows = compare(joint)
+            results[name] = {"nodes": len(joint.gm.graph.nodes), "capture_s": capture_s}
+            results[name]["rows"] = rows
+        except Exception as e:  # one workload's failure is a row, not the end of the run
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print(f"{name}: {json.dumps(results[name])[:300]}", file=sys.stderr, flush=True)
+        # after every workload: a run killed by an outer timeout keeps what it measured
+        (args.out / "frontier.json").write_text(
+            json.dumps({"env": env, "results": results}, indent=1)
+        )
+    print(_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
