@@ -454,8 +454,11 @@ def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path
     resumed = train(config(run, resume=run / "checkpoints"))
     whole = train(config(tmp_path / "whole"))
     assert resumed.steps == whole.steps == steps
-    assert resumed.train_perplexity == whole.train_perplexity
-    assert resumed.test_perplexity == whole.test_perplexity
+    # Equal up to float rounding: the killed steps ran in another process, whose BLAS may
+    # split its sums differently on a loaded machine (CI saw 2e-7 relative); a resume
+    # from the wrong window, RNG or optimizer state moves the perplexity by far more.
+    assert resumed.train_perplexity == pytest.approx(whole.train_perplexity, rel=1e-5)
+    assert resumed.test_perplexity == pytest.approx(whole.test_perplexity, rel=1e-5)
     assert not list(last.parent.glob(".*.tmp"))
 
 
