@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import tempfile
 import time
 
 import pytest
@@ -201,8 +202,12 @@ def test_an_unwritable_output_folder_is_one_line(tmp_path, capsys):
     assert err.startswith("mirrorgrad bench: cannot write") and "\n" not in err
 
 
-def test_suites_select_their_workloads_and_methods(tmp_path):
+def test_suites_select_their_workloads_and_methods(tmp_path, monkeypatch):
     out = tmp_path / "zoo"
+    # The reference gradients go to the temp folder, which is removed at the end.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     argv = ["bench", "--suite", "zoo-sweep", "--quick", "--workloads", "ours-m*", "--limit", "1"]
     argv += ["--out", str(out), "--steps", "1", "--warmup", "1", "--no-progress"]
     assert cli.main(argv) == 0
@@ -212,6 +217,7 @@ def test_suites_select_their_workloads_and_methods(tmp_path):
     assert [m["method"] for m in methods] == list(zoo.METHODS)
     assert all(m["status"] == "ok" for m in methods)
     assert all(m["grads_ok"] for m in methods if m["method"] != "compile")
+    assert not list(out.rglob("*.pt")) and not list(temp.iterdir())
     assert "Model x mode results: 5 ok." in (out / "results.md").read_text()
 
 

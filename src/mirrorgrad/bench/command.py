@@ -6,12 +6,16 @@ methods measured side by side. A method that fails, hangs past ``--method-timeou
 or kills its worker is recorded with the reason and the rest go on in a new worker.
 With ``--cap-gb``, the largest batch under the cap is searched per method, each probe
 in its own process.
+
+results.json and results.md are rewritten (atomically) after every finished method, so a
+run stopped at any moment (SIGTERM, Ctrl-C, a machine taken back) leaves what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import fnmatch
 import json
@@ -19,13 +23,17 @@ import math
 import os
 import queue
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 from tqdm import tqdm
 
@@ -42,6 +50,7 @@ _PROBE_STEPS = {"steps": 1, "warmup": 1}
 # Shares of --time-limit: the batch search's default, and pre-compiling's of the rest.
 _SEARCH_SHARE = 0.25
 _PRECOMPILE_SHARE = 0.4
+NOT_RUN = ("not run", "stopped before this method")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,10 +172,13 @@ def _check(names: list[str] | None, known: dict[str, Any], what: str) -> None:
 class _Worker:
     """One runner process; its result lines arrive on a queue (None when it exits)."""
 
+    live: ClassVar[set[_Worker]] = set()  # killed all at once when the run is stopped
+
     def __init__(self, cmd: list[str], log: TextIO, env: dict[str, str] | None = None) -> None:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        _Worker.live.add(self)
         self.records: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -184,6 +196,7 @@ class _Worker:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.kill()
+        _Worker.live.discard(self)
         return self.proc.wait()
 
 
@@ -202,6 +215,8 @@ class _WorkerSettings:
     deadline: float | None = None
     kill_at: float | None = None
     env: dict[str, str] | None = None
+    # Called with (workload, its results so far) after each method of the workload ends.
+    on_result: Callable[[str, dict[str, dict[str, Any]]], None] | None = None
 
 
 class _Bench:
@@ -213,6 +228,14 @@ class _Bench:
         self.backend = args.backend or defaults["backend"]
         self.env: dict[str, Any] = {}
         self.logs = args.out / "logs"
+        self.stopping = False  # set by a signal: no new workers, no more results
+        self._grads_dir: Path | None = None
+
+    def stop(self) -> None:
+        self.stopping = True
+        for worker in list(_Worker.live):
+            if worker.proc.poll() is None:
+                worker.proc.kill()
 
     def worker_cmd(
         self, workload: str, methods: list[str], settings: _WorkerSettings, **extra: Any
@@ -238,7 +261,14 @@ class _Bench:
         return cmd
 
     def grads_file(self, workload: str) -> Path:
-        return self.logs / f"{workload}.reference-grads.pt"
+        """Under the system's temp folder, not --out: the files can be 100s of MiB."""
+        if self._grads_dir is None:
+            self._grads_dir = Path(tempfile.mkdtemp(prefix="mirrorgrad-bench-grads-"))
+        return self._grads_dir / f"{workload}.reference-grads.pt"
+
+    def remove_grads(self) -> None:
+        if self._grads_dir is not None:
+            shutil.rmtree(self._grads_dir, ignore_errors=True)
 
     def worker_env(self, jobs: int) -> dict[str, str] | None:
         """With several workers at a time, Inductor's compile threads are shared out."""
@@ -269,13 +299,15 @@ class _Bench:
         if reference in methods:  # an earlier run's reference must not stand in for it
             self.grads_file(workload).unlink(missing_ok=True)
         with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
-            while pending:
+            while pending and not self.stopping:
                 if settings.deadline is not None and time.time() > settings.deadline:
                     for name in pending:
                         results[name] = _not_run(workload, name, "skipped", "time limit reached")
                     bar.update(len(pending))
                     break
                 worker = _Worker(self.worker_cmd(workload, pending, settings), log, settings.env)
+                if self.stopping:  # stopped while it started: stop() missed it
+                    worker.stop()
                 try:
                     lost = self._collect(worker, workload, pending, results, settings, bar)
                 finally:
@@ -286,7 +318,16 @@ class _Bench:
                     name = pending.pop(0)
                     results[name] = _not_run(workload, name, *lost)
                     bar.update(1)
+                    self._report(workload, results, settings)
+        for name in pending:  # only when stopped
+            results[name] = _not_run(workload, name, *NOT_RUN)
         return [results[name] for name in methods]
+
+    def _report(
+        self, workload: str, results: dict[str, dict[str, Any]], settings: _WorkerSettings
+    ) -> None:
+        if settings.on_result is not None and not self.stopping:
+            settings.on_result(workload, results)
 
     def _collect(
         self,
@@ -319,6 +360,7 @@ class _Bench:
             results[record["method"]] = record
             pending.remove(record["method"])
             bar.update(1)
+            self._report(workload, results, settings)
         return None
 
     def precompile(
@@ -422,11 +464,29 @@ def _share(now: float, end: float | None, parts: int) -> float | None:
     return None if end is None else now + max(0.0, end - now) / parts
 
 
-def _write_report(doc: dict[str, Any], out: Path) -> None:
+def _write_atomic(path: Path, text: str) -> None:
+    """A reader (or a kill) sees the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_results(doc: dict[str, Any], out: Path) -> str:
+    """results.json and results.md (no plots: those take seconds); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(doc, indent=1, allow_nan=False))
+    _write_atomic(out / "results.json", json.dumps(doc, indent=1, allow_nan=False))
     table = report.markdown(doc)
-    (out / "results.md").write_text(table)
+    _write_atomic(out / "results.md", table)
+    return table
+
+
+def _write_report(doc: dict[str, Any], out: Path) -> None:
+    table = _write_results(doc, out)
     pngs = report.plots(doc, out)
     print(report.summary(doc))
     print(f"\nwrote {out / 'results.json'}, results.md and {len(pngs)} plot(s)\n")
@@ -504,15 +564,42 @@ def _document(args: argparse.Namespace, bench: _Bench, suite: Suite) -> dict[str
     }
 
 
-def _timed_runs(
-    bench: _Bench,
-    plan: dict[str, list[str]],
-    doc: dict[str, Any],
-    timed_end: float | None,
-    cold: dict[tuple[str, str], dict[str, Any]],
-) -> None:
-    """Every workload's methods, ``--jobs`` workers at a time; results into ``doc``."""
-    args = bench.args
+class _Progress:
+    """The results document, rewritten to --out after every finished method."""
+
+    def __init__(self, doc: dict[str, Any], plan: dict[str, list[str]], bench: _Bench) -> None:
+        self.doc, self.plan, self.bench = doc, plan, bench
+        self.cold: dict[tuple[str, str], dict[str, Any]] = {}
+        self.lock = threading.Lock()
+        doc["complete"], doc["stopped"] = False, None
+        for name, methods in plan.items():
+            self.doc["workloads"][name] = {
+                "description": WORKLOADS[name].description,
+                "methods": [_not_run(name, m, *NOT_RUN) for m in methods],
+            }
+
+    def update(self, name: str, results: dict[str, dict[str, Any]]) -> None:
+        """``name``'s results so far; its methods not in ``results`` are marked not run."""
+        methods = [results.get(m) or _not_run(name, m, *NOT_RUN) for m in self.plan[name]]
+        for m in methods:
+            warm = self.cold.get((name, m["method"]))
+            if warm is not None:
+                m["cold_compile_s"] = warm.get("compile_s")
+                m["precompile_error"] = warm.get("error")
+        report.add_ratios(methods, self.doc["baselines"])
+        with self.lock:
+            self.doc["workloads"][name]["methods"] = methods
+            self.save()
+
+    def save(self) -> None:
+        """Write results.json and results.md as they stand (call with the lock held)."""
+        self.doc["env"] = self.bench.env
+        _write_results(self.doc, self.bench.args.out)
+
+
+def _timed_runs(bench: _Bench, progress: _Progress, timed_end: float | None) -> None:
+    """Every workload's methods, ``--jobs`` workers at a time; results into the document."""
+    args, plan = bench.args, progress.plan
     total = sum(len(methods) for methods in plan.values())
     lock = threading.Lock()
     counter = iter(range(len(plan)))
@@ -529,30 +616,20 @@ def _timed_runs(
             deadline = kill_at = min(timed_end or math.inf, now + args.workload_time)
         settings = _WorkerSettings(
             steps=bench.steps, warmup=bench.warmup, name="run", deadline=deadline,
-            kill_at=kill_at, env=bench.worker_env(args.jobs),
+            kill_at=kill_at, env=bench.worker_env(args.jobs), on_result=progress.update,
         )  # fmt: skip
         results = bench.run_workload(name, methods, settings, bar)
-        for m in results:
-            warm = cold.get((name, m["method"]))
-            if warm is not None:
-                m["cold_compile_s"] = warm.get("compile_s")
-                m["precompile_error"] = warm.get("error")
-        report.add_ratios(results, doc["baselines"])
-        with lock:
-            doc["workloads"][name] = {
-                "description": WORKLOADS[name].description,
-                "methods": results,
-            }
+        if not bench.stopping:
+            progress.update(name, {m["method"]: m for m in results})
 
     bar = tqdm(total=total, unit="method", disable=args.no_progress, file=sys.stderr)
     with bar, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for future in [pool.submit(one, name, methods) for name, methods in plan.items()]:
             future.result()
-    doc["workloads"] = {name: doc["workloads"][name] for name in plan}
 
 
-def _batch_searches(bench: _Bench, doc: dict[str, Any], end: float | None) -> None:
-    args = bench.args
+def _batch_searches(bench: _Bench, progress: _Progress, end: float | None) -> None:
+    args, doc = bench.args, progress.doc
     cap_bytes = int(args.cap_gb * 1e9)
     search_methods = _names(args.search_methods)
     targets = [
@@ -564,7 +641,10 @@ def _batch_searches(bench: _Bench, doc: dict[str, Any], end: float | None) -> No
     with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
         for name, m in bar:
             bar.set_description(f"max batch {name} / {m['method']}")
-            m["max_batch"] = bench.search(name, m, cap_bytes, end)
+            found = bench.search(name, m, cap_bytes, end)
+            with progress.lock:
+                m["max_batch"] = found
+                progress.save()
 
 
 def _list_suites() -> int:
@@ -587,24 +667,79 @@ def _run(args: argparse.Namespace) -> int:
     suite, plan = _select(args)
     bench = _Bench(args)
     bench.logs.mkdir(parents=True, exist_ok=True)
+    progress = _Progress(_document(args, bench, suite), plan, bench)
+    progress.save()
+    try:
+        with _stop_on_signals(bench):
+            _phases(bench, progress, start)
+    except _Stopped as e:
+        with progress.lock:
+            progress.doc["stopped"] = e.signal_name
+            progress.save()
+        done = sum(m["status"] != NOT_RUN[0] for m in _all_methods(progress.doc))
+        total = len(_all_methods(progress.doc))
+        print(f"mirrorgrad bench: stopped by {e.signal_name}; {done} of {total} methods "
+              f"finished, written to {args.out / 'results.json'} and results.md "
+              "(plots: --from-json)", file=sys.stderr)  # fmt: skip
+        return 128 + e.signum
+    finally:
+        bench.remove_grads()
+    progress.doc["complete"] = True
+    progress.doc["wall_s"] = round(time.time() - start, 1)
+    _write_report(progress.doc, args.out)
+    return 0
+
+
+def _all_methods(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [m for w in doc["workloads"].values() for m in w["methods"]]
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: the run ends, writing what it has."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.signal_name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_on_signals(bench: _Bench) -> Iterator[None]:
+    """SIGTERM (what ``timeout`` sends) and SIGINT kill the workers and raise _Stopped;
+    a second signal while the report is written is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set in the main thread
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        bench.stop()
+        raise _Stopped(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def _phases(bench: _Bench, progress: _Progress, start: float) -> None:
+    """Pre-compiling, the timed runs, the batch searches."""
+    args = bench.args
     # With --time-limit: the batch search keeps --search-time, pre-compiling may
     # take up to 40% of the rest, and each workload a fair share of what is left.
     end = start + args.time_limit if args.time_limit else None
     timed_end = end
     if end is not None and args.cap_gb:
         timed_end = end - (args.search_time or _SEARCH_SHARE * args.time_limit)
-    cold: dict[tuple[str, str], dict[str, Any]] = {}
     if args.precompile_jobs:
         warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
-        cold = bench.precompile(plan, args.precompile_jobs, warm_end)
-    doc = _document(args, bench, suite)
-    _timed_runs(bench, plan, doc, timed_end, cold)
+        progress.cold = bench.precompile(progress.plan, args.precompile_jobs, warm_end)
+    _timed_runs(bench, progress, timed_end)
     if args.cap_gb:
-        _batch_searches(bench, doc, end)
-    doc["env"] = bench.env
-    doc["wall_s"] = round(time.time() - start, 1)
-    _write_report(doc, args.out)
-    return 0
+        _batch_searches(bench, progress, end)
+    progress.doc["env"] = bench.env
 
 
 def run(args: argparse.Namespace) -> int:

@@ -183,6 +183,7 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         "",
         f"Command: `{doc['command']}`",
+        *_incomplete(doc),
     ]
     from mirrorgrad.bench import suite_tables
 
@@ -191,6 +192,20 @@ def markdown(doc: dict[str, Any]) -> str:
         return "\n\n".join(["\n".join(header), lead]) + "\n"
     tables = [workload_table(name, w, doc) for name, w in doc["workloads"].items()]
     return "\n\n".join(t for t in ["\n".join(header), lead, *tables] if t) + "\n"
+
+
+def _incomplete(doc: dict[str, Any]) -> list[str]:
+    """A line saying the run did not finish, if so ("complete" is absent in older files)."""
+    if doc.get("complete", True):
+        return []
+    methods = [m for w in doc["workloads"].values() for m in w["methods"]]
+    done = sum(m["status"] != "not run" for m in methods)
+    how = (
+        f"stopped by {doc['stopped']}"
+        if doc.get("stopped")
+        else "written while the run went on; if it is over, it was killed"
+    )
+    return ["", f"**Incomplete run** ({how}): {done} of {len(methods)} methods finished."]
 
 
 def _peak_source(doc: dict[str, Any]) -> str:
