@@ -121,8 +121,8 @@ def test_captured_loops_count_their_arenas_as_held_not_per_call(memory):
     CPU declares the difference, at least the largest arena, as temporary."""
     per_call = {}
     for device in ("cpu", "cuda"):
-        fwd, bwd = _op_args("lstm", 1, False, 35, 20, 650, memory, device=device)
+        _, bwd = _op_args("lstm", 1, False, 35, 20, 650, memory, device=device)
         per_call[device] = memory_formula(BACKWARD)(*bwd)
-    fwd, bwd = _op_args("lstm", 1, False, 35, 20, 650, memory)
+    _, bwd = _op_args("lstm", 1, False, 35, 20, 650, memory)
     largest = max(held_formula(BACKWARD)(*bwd).values())
     assert per_call["cpu"] - per_call["cuda"] >= largest
