@@ -606,6 +606,11 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
     return peak
 
 
+def _hint(size) -> int:
+    """A size as an int (a symbolic one by its hint: the capture decides on the real one)."""
+    return size if isinstance(size, int) else int(_compat.optimization_hint(size, fallback=1))
+
+
 def _captures(impl: str, proj_size: int) -> ModuleType | None:
     """kernels.py where ``impl`` runs it (and so may capture its loops), else None."""
     return None if impl in ("reference", "persistent") or proj_size else triton_module()
@@ -615,7 +620,7 @@ def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, *, backward: boo
     """One layer's per-call workspace: none of what a captured loop keeps in arenas."""
     kernels = _kernels(impl)
     captured = _captures(impl, proj_size) is not None and kernels.loop_captured(
-        mode, T, B, H, x.device, backward=backward
+        mode, *map(_hint, (T, B, H)), x.device, backward=backward
     )
     extra = {"captured": True} if captured else {}
     return kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=backward, **extra)
@@ -628,7 +633,7 @@ def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_s
     kernels = _captures(impl, proj_size)
     if kernels is None:
         return {}
-    T, B, _, H, _, _ = _stack_shape(x, weights, hx, mode)
+    T, B, _, H, _, _ = map(_hint, _stack_shape(x, weights, hx, mode))
     return kernels.held_arenas(
         mode, resolve_memory(memory, mode), T, B, H, x.dtype, x.device,
         has_lengths=lengths is not None, has_bias=has_biases, backward=backward,
