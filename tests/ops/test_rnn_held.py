@@ -126,3 +126,23 @@ def test_captured_loops_count_their_arenas_as_held_not_per_call(memory):
     _, bwd = _op_args("lstm", 1, False, 35, 20, 650, memory)
     largest = max(held_formula(BACKWARD)(*bwd).values())
     assert per_call["cpu"] - per_call["cuda"] >= largest
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+def test_op_held_formula_is_what_a_step_leaves_in_the_arenas_on_cuda(mode):
+    """A real step of the op on CUDA (captured by size): the arenas left are the ones
+    its forward and backward declare, as the planner sums them."""
+    import mirrorgrad.nn
+
+    graphs.clear_graphs()
+    module = getattr(mirrorgrad.nn, mode.upper())
+    rnn = module(64, 96, 2, bidirectional=True, memory="stash", impl="triton").cuda()
+    x = torch.randn(12, 8, 64, device="cuda", requires_grad=True)
+    rnn(x)[0].square().mean().backward()
+    allocated = {(str(d), name): a.numel() for (d, name), a in graphs._ARENAS.items()}
+    fwd, bwd = _op_args(mode, 2, True, 12, 8, 96, "stash", device="cuda")
+    declared = _merged([held_formula(FORWARD)(*fwd), held_formula(BACKWARD)(*bwd)])
+    graphs.clear_graphs()
+    assert {key[1:]: n for key, n in declared.items()} == allocated
