@@ -84,6 +84,12 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 
 
+def captures_by_size(elements: int) -> bool:
+    """Whether a loop whose largest buffer has ``elements`` elements is captured when
+    nothing asks otherwise."""
+    return elements <= GRAPH_MAX_ELEMENTS
+
+
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
     """Whether to capture: on CUDA outside another capture and outside the warm-up of
     Inductor's CUDA Graph trees (which run the loop plainly, then capture it in theirs);
@@ -95,7 +101,7 @@ def use_graph(device: torch.device, elements: int, requested: bool | None) -> bo
         return False
     if requested is not None:
         return requested
-    return elements <= GRAPH_MAX_ELEMENTS
+    return captures_by_size(elements)
 
 
 def workspace(config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
@@ -107,8 +113,18 @@ def workspace(config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
     if buffer is None:
         with _compat.fake_tensors():
             like = make()
-        buffer = _WORKSPACE[key] = _arena_view(_ARENA_OF.get(name, name), like)
+        buffer = _WORKSPACE[key] = _arena_view(arena_name(name), like)
     return buffer
+
+
+def arena_name(name: str) -> str:
+    """The arena that workspace buffer ``name`` is a view of."""
+    return _ARENA_OF.get(name, name)
+
+
+def arena_bytes(like: Tensor) -> int:
+    """Bytes of an arena that can hold a buffer shaped like ``like``."""
+    return max(like.numel() * like.dtype.itemsize, 1)
 
 
 def _arena_view(name: str, like: Tensor) -> Tensor:
@@ -119,7 +135,7 @@ def _arena_view(name: str, like: Tensor) -> Tensor:
     key = (like.device, name)
     arena = _ARENAS.get(key)
     if arena is None or arena.numel() < nbytes:
-        arena = _ARENAS[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=like.device)
+        arena = _ARENAS[key] = torch.empty(arena_bytes(like), dtype=torch.uint8, device=like.device)
         _ARENA_ALONE[key] = _compat.storage_use_count(arena)
     return arena[:nbytes].view(like.dtype).view(like.shape)
 

@@ -330,26 +330,49 @@ def saved_layout(
 
 
 def workspace_bytes(
-    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+    mode: str,
+    memory: str,
+    T: int,
+    B: int,
+    H: int,
+    dtype: torch.dtype,
+    *,
+    backward: bool,
+    captured: bool = False,
 ) -> int:
     """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
     and outputs: the pre-activations where they are not the stash, and per backward
     chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
-    are left out."""
+    are left out. ``captured``: the loop runs as a CUDA Graph, whose buffers are arenas
+    held between calls (``held_arenas``), not allocated per call."""
     d = dtype.itemsize
     gh = GATES[mode] * H
     if not backward:
         pre_is_saved = mode == "lstm" and memory == "stash"
-        return (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
+        per_call = (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
+        return 0 if captured else per_call
     rows = _chunk_steps(T, B) * B
     dg = rows * gh * d * (2 if mode == "gru" else 1)
     if memory == "stash" or mode.startswith("rnn"):
-        return dg
+        return 0 if captured else dg
     if mode == "lstm":
-        return rows * gh * d + dg
+        return 0 if captured else rows * gh * d + dg
     # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
+    recompute = rows * H * d + 2 * rows * gh * d
+    if captured:
+        return recompute
     pre = rows * 4 * H * d
-    return max(rows * H * d + 2 * rows * gh * d + pre, pre + dg)
+    return max(recompute + pre, pre + dg)
+
+
+def loop_captured(
+    mode: str, T: int, B: int, H: int, device: torch.device, *, backward: bool
+) -> bool:
+    """Whether a layer's forward (or backward chunk) loop runs as a CUDA Graph when the
+    caller asks nothing (``use_graph=None``), outside another capture."""
+    steps = _chunk_steps(T, B) if backward else T
+    stash_width = 4 * H if mode == "gru" else GATES[mode] * H
+    return torch.device(device).type == "cuda" and graphs.captures_by_size(steps * B * stash_width)
 
 
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -754,16 +777,8 @@ def _forward_entry(
     copy of the fused path, the pre-activations where they are not the stash, the
     hidden state and the lengths are per-config workspace."""
 
-    def shared(name: str, make):
-        return graphs.workspace(config, name, make)
-
     def make() -> _FwdBuffers:
-        buf = _fwd_buffers(config, w, b_hh, lengths, workspace=shared)
-        if config.fused:
-            buf.w = shared("w", lambda: torch.empty_like(w))
-        if lengths is not None:
-            buf.lengths = shared("lengths", lambda: torch.empty_like(lengths))
-        return buf
+        return _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
 
     def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
         return (buf.y, *_saved(config, buf))
@@ -771,6 +786,21 @@ def _forward_entry(
     in_place = None if config.fused else w.data_ptr()
     key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
     return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
+
+
+def _fwd_entry_buffers(config: LoopConfig, w, b_hh, lengths, workspace) -> _FwdBuffers:
+    """A captured forward loop's buffers; ``workspace(config, name, make)`` supplies those
+    that are not handed out."""
+
+    def shared(name: str, make):
+        return workspace(config, name, make)
+
+    buf = _fwd_buffers(config, w, b_hh, lengths, workspace=shared)
+    if config.fused:
+        buf.w = shared("w", lambda: torch.empty_like(w))
+    if lengths is not None:
+        buf.lengths = shared("lengths", lambda: torch.empty_like(lengths))
+    return buf
 
 
 def _recompute_pre(
@@ -864,10 +894,7 @@ def _bwd_chunk(
     pre_width = config.stash_width
     if graphed:
         if recompute is not None:
-            pre = graphs.workspace(
-                config, "bwd.pre", lambda: config.empty(config.T, config.B, pre_width)
-            )
-            fields = {**fields, "pre": pre}
+            fields = {**fields, "pre": _recomputed_pre(config, graphs.workspace)}
         entry, copied = _backward_entry(config, fields)
         buf = entry.buffers
         if recompute is not None:
@@ -918,19 +945,8 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
     readers = {n: graphs.reader(fields[n]) for n in in_place if n != "w_hh"}
 
     def make() -> _BwdBuffers:
-        def shared(name: str, value: Tensor) -> Tensor:
-            return graphs.workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
-
-        inputs = {
-            n: (shared(n, v) if n in copied else readers.get(n, v)) for n, v in fields.items()
-        }
-        dh = graphs.workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
-        dc = None
-        if config.mode == "lstm":
-            dc = graphs.workspace(
-                config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
-            )
-        return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=graphs.workspace)
+        inputs = {n: readers.get(n, v) for n, v in fields.items()}
+        return _bwd_entry_buffers(config, inputs, copied, graphs.workspace)
 
     key = (config, "bwd", tuple(sorted(in_place.items())), tuple(copied))
     entry = graphs.acquire(
@@ -943,6 +959,29 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
     )
     assert entry is not None  # a backward entry hands nothing out: it is always idle
     return entry, copied
+
+
+def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _BwdBuffers:
+    """A captured backward loop's buffers: ``fields`` read in place but those ``copied``
+    into workspace; ``workspace(config, name, make)`` supplies the workspace."""
+
+    def shared(name: str, value: Tensor) -> Tensor:
+        return workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
+
+    inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
+    dh = workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
+    dc = None
+    if config.mode == "lstm":
+        dc = workspace(
+            config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
+        )
+    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace)
+
+
+def _recomputed_pre(config: LoopConfig, workspace) -> Tensor:
+    """The captured backward loop's buffer for recomputed pre-activations."""
+    width = config.stash_width
+    return workspace(config, "bwd.pre", lambda: config.empty(config.T, config.B, width))
 
 
 @torch.no_grad()
@@ -1045,3 +1084,70 @@ def _whh_grad(total, dgh: Tensor, h0: Tensor, y: Tensor, t0: int, t1: int, B: in
         hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
         total = _add_mm(total, dgh[first:].t(), hprev)
     return total
+
+
+def held_arenas(
+    mode: str,
+    memory: str,
+    T: int,
+    B: int,
+    H: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    has_lengths: bool,
+    has_bias: bool,
+    backward: bool,
+    has_grad_y: bool = True,
+    bidirectional: bool = False,
+) -> dict[tuple, int]:
+    """Bytes of each shared arena (graphs.py) that one layer-direction's captured forward
+    (or backward) loop asks for and the cache keeps between calls, keyed
+    ``("mirrorgrad.rnn arena", device, arena name)`` as the cache shares them (an arena
+    is as large as the largest request): the same buffer builders as the capture, run
+    on the meta device. Empty where the loop would not be captured (off CUDA, too large).
+    ``bidirectional``: the layer's output reaches the backward as a slice of both
+    directions' (not the buffer the forward handed out: copied in)."""
+    config = _config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None, memory,
+                     has_bias, _default_fused(B), "ieee")  # fmt: skip
+    forward_captured = graphs.captures_by_size(T * B * config.stash_width)
+    if torch.device(device).type != "cuda":
+        return {}
+    sizes: dict[str, int] = {}
+
+    def record(_config: LoopConfig, name: str, make) -> Tensor:
+        like = make()
+        arena = graphs.arena_name(name)
+        sizes[arena] = max(sizes.get(arena, 0), graphs.arena_bytes(like))
+        return like
+
+    if not backward and forward_captured:
+        lengths = config.empty(B, dtype=torch.int64) if has_lengths else None
+        w = config.empty(H, config.gh) if config.fused else config.empty(config.gh, H)
+        _fwd_entry_buffers(config, w, config.empty(config.gh), lengths, record)
+    chunk = _with_steps(config, _chunk_steps(T, B))
+    if backward and graphs.captures_by_size(chunk.T * B * config.stash_width):
+        fields = _bwd_fields_like(chunk, has_lengths, has_grad_y)
+        if memory == "recompute" and not mode.startswith("rnn"):
+            fields["pre"] = _recomputed_pre(chunk, record)
+        # What a captured forward handed out is read in place; the rest is copied.
+        static = ("pre", "cells", *(() if bidirectional else ("y",))) if forward_captured else ()
+        copied = [n for n, v in fields.items() if v is not None and n not in (*static, "w_hh")]
+        _bwd_entry_buffers(chunk, fields, copied, record)
+    return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
+
+
+def _bwd_fields_like(config: LoopConfig, has_lengths: bool, has_grad_y: bool) -> dict:
+    """Empty stand-ins (on ``config.device``) for a backward chunk's fields, as
+    ``layer_backward`` passes them."""
+    T, B, H, mode = config.T, config.B, config.H, config.mode
+    stash = config.memory == "stash" and not mode.startswith("rnn")
+    return dict(
+        pre=config.empty(T, B, config.stash_width) if stash else None,
+        cells=config.empty(T + 1, B, H, dtype=torch.float32) if mode == "lstm" else None,
+        h0=config.empty(B, H) if mode == "gru" else None,
+        y=config.empty(T, B, H) if mode != "lstm" else None,
+        dy=config.empty(T, B, H) if has_grad_y else None,
+        w_hh=config.empty(config.gh, H),
+        lengths=config.empty(B, dtype=torch.int64) if has_lengths else None,
+    )

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from mirrorgrad import _compat
-from mirrorgrad.formulas import register_memory_formula
+from mirrorgrad.formulas import register_held_formula, register_memory_formula
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cells import GATES
 
@@ -558,10 +558,9 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     outputs before they are concatenated; plus each layer-direction's [B, H] states."""
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
-    kernels = _kernels(impl)
     memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d  # one direction's output
-    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=False)
+    work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, backward=False)
     state = (3 if mode == "lstm" else 2) * B * H * d
     peak = 0
     for layer in range(num_layers):
@@ -590,10 +589,9 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
     gradient and both directions' input gradients."""
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
-    kernels = _kernels(impl)
     memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d
-    work = kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=True)
+    work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, backward=True)
     peak = 0
     for layer in reversed(range(num_layers)):
         layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
@@ -606,3 +604,56 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
             held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
         peak = max(peak, held)
     return peak
+
+
+def _hint(size) -> int:
+    """A size as an int (a symbolic one by its hint: the capture decides on the real one)."""
+    return size if isinstance(size, int) else int(_compat.optimization_hint(size, fallback=1))
+
+
+def _captures(impl: str, proj_size: int) -> ModuleType | None:
+    """kernels.py where ``impl`` runs it (and so may capture its loops), else None."""
+    return None if impl in ("reference", "persistent") or proj_size else triton_module()
+
+
+def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, *, backward: bool) -> int:
+    """One layer's per-call workspace: none of what a captured loop keeps in arenas."""
+    kernels = _kernels(impl)
+    captured = _captures(impl, proj_size) is not None and kernels.loop_captured(
+        mode, *map(_hint, (T, B, H)), x.device, backward=backward
+    )
+    extra = {"captured": True} if captured else {}
+    return kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=backward, **extra)
+
+
+def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
+                 bidirectional, *, backward: bool, has_grad_y: bool = True) -> dict:  # fmt: skip
+    """The arenas of the op's captured loops (one config per call: every layer-direction
+    has the same T, B, H), keyed so that ops of one graph share them as the cache does."""
+    kernels = _captures(impl, proj_size)
+    if kernels is None:
+        return {}
+    T, B, _, H, _, _ = map(_hint, _stack_shape(x, weights, hx, mode))
+    return kernels.held_arenas(
+        mode, resolve_memory(memory, mode), T, B, H, x.dtype, x.device,
+        has_lengths=lengths is not None, has_bias=has_biases, backward=backward,
+        has_grad_y=has_grad_y, bidirectional=bidirectional,
+    )  # fmt: skip
+
+
+@register_held_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_held(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                      has_biases, proj_size, dropout, memory, state_clip, impl,
+                      need_saved) -> dict:  # fmt: skip
+    """What the forward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
+    return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
+                        bidirectional, backward=False)  # fmt: skip
+
+
+@register_held_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_held(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
+                       mode, num_layers, bidirectional, has_biases, proj_size, dropout, memory,
+                       state_clip, impl, needs_input_grad) -> dict:  # fmt: skip
+    """What the backward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
+    return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
+                        bidirectional, backward=True, has_grad_y=grad_y is not None)  # fmt: skip
