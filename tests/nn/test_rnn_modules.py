@@ -363,6 +363,15 @@ def test_bad_constructor_arguments(make, error):
         make()
 
 
+@pytest.mark.parametrize("impl", ["triton", "persistent"])
+def test_kernel_impl_with_projection_names_the_fix(impl):
+    """The split and persistent kernels have no projection: a ValueError at the call
+    that names impl='auto', not a failure inside a kernel."""
+    mod = mnn.LSTM(3, 4, proj_size=2, impl=impl)
+    with pytest.raises(ValueError, match=rf"impl='{impl}' does not support.*impl='auto'"):
+        mod(torch.randn(5, 2, 3))
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
 def test_chunked_run_with_carried_state_equals_whole_run(kind):
     mod = kind[1](3, 4, num_layers=2, dtype=DT, **kind[3])

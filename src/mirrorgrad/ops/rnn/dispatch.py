@@ -247,9 +247,10 @@ def _check_arguments(x: Tensor, mode: str, memory: str, impl: str, state_clip, p
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if state_clip is not None and mode != "lstm":
         raise ValueError("state_clip applies to LSTM only: drop it for GRU/RNN")
-    if impl == "triton" and not _triton_supports(mode, proj, x.dtype, x.device):
+    # persistent runs what the split kernels run (and hands them the rest)
+    if impl in ("triton", "persistent") and not _triton_supports(mode, proj, x.dtype, x.device):
         raise ValueError(
-            f"impl='triton' does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
+            f"impl={impl!r} does not support mode={mode!r}, proj={proj}, dtype={x.dtype} on "
             f"{x.device}: use impl='auto' or impl='reference'"
         )
     if impl == "cudnn" and state_clip is not None:
