@@ -6,7 +6,6 @@ and cost model (as Inductor runs the step); asked for min-cut's peak in bytes, o
 plan must reach it at no more estimated time.
 """
 
-import copy
 import functools
 import sys
 import warnings
@@ -15,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mirrorgrad import _compat
 from mirrorgrad.bench import models
+from mirrorgrad.bench.frontier import min_cut_partition
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import StepCost
 from mirrorgrad.graph.joint import JointGraph
@@ -97,23 +96,7 @@ LOSSES = {"lstm_lm"}
 
 def min_cut_plan(joint: JointGraph, fraction: float) -> tuple[int, float]:
     """(peak, added seconds) of min-cut's partition at ``fraction``, by our models."""
-    with _compat.activation_memory_budget(fraction):
-        fwd, _ = _compat.min_cut_rematerialization_partition(
-            copy.deepcopy(joint.gm), None, num_fwd_outputs=joint.num_fwd_outputs
-        )
-    by_name = {n.name: n for n in joint.gm.graph.nodes}
-    outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-    saved = {by_name[a.name] for a in outputs[joint.num_fwd_outputs :] if a is not None}
-    # What the backward reads and min-cut did not save, it recomputes.
-    mirrored, stack = set(), [a for n in joint.backward for a in n.all_input_nodes]
-    while stack:
-        v = stack.pop()
-        if v.op == "placeholder" and v not in joint.tangents:
-            saved.add(v)
-        if v in saved or v in mirrored or v not in joint.forward_set:
-            continue
-        mirrored.add(v)
-        stack.extend(v.all_input_nodes)
+    saved, mirrored = min_cut_partition(joint, fraction)
     cost = StepCost(joint, fusion=True)
     peak = liveness.simulate(joint, saved, mirrored, fusion=True).peak
     return peak, sum(cost.run(n).seconds for n in mirrored)
