@@ -35,6 +35,10 @@ from mirrorgrad._timing import time_calls
 from mirrorgrad.bench import rnn_kernels
 from mirrorgrad.ops.rnn import dispatch, graphs
 
+# One memory measurement for both GPU scripts: tests/ops/gpu_rnn_memory.py's.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
+from gpu_rnn_memory import memory_row
+
 MiB = 2**20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # (mode, layers, input = hidden, batch, T, dtype)
@@ -128,41 +132,6 @@ def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
         print(name, {k: round(v, 3) for k, v in row.items() if k != "config"}, flush=True)
         (out / "overhead_rows.json").write_text(json.dumps(rows, indent=2))  # if cut short
     return rows
-
-
-def memory_row(kind: str, batch: int) -> dict:
-    torch.manual_seed(0)
-    if kind == "cudnn":
-        model = nn.LSTM(650, 650, 2).cuda()
-    else:
-        model = mnn.LSTM(650, 650, 2, impl="triton", memory=kind).cuda()
-    x = torch.randn(35, batch, 650, device="cuda", requires_grad=True)
-
-    def step() -> None:
-        y, (h, c) = model(x)
-        (y.square().mean() + h.mean() + c.mean()).backward()
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-
-    step()  # warm: kernels, cuBLAS workspaces, graph capture
-    graphs.clear_graphs()
-    step()  # captures again, from a clean cache
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    arenas = {f"{name}": a.numel() / MiB for (_, name), a in graphs._ARENAS.items()}
-    row = {
-        "kind": kind,
-        "batch": batch,
-        "peak_MiB": (torch.cuda.max_memory_allocated() - start) / MiB,
-        "retained_MiB": (torch.cuda.memory_allocated() - start) / MiB,
-        "graph_cache_MiB": graphs.held_bytes() / MiB,
-        "arenas_MiB": arenas,
-    }
-    graphs.clear_graphs()
-    return row
 
 
 def main(out: Path, quick: bool, modes: list[str], memory_too: bool) -> None:

@@ -5,7 +5,7 @@
 1. Forward+backward of a 2-layer LSTM 650 (T35, batch 20 and 128, fp32): peak bytes
    above the inputs and parameters, and bytes still allocated after the outputs and
    gradients are dropped (what the CUDA Graph cache keeps), for torch.nn.LSTM (cuDNN)
-   and mirrorgrad.nn.LSTM (impl="triton", stash and recompute).
+   and mirrorgrad.nn.LSTM (impl="triton", stash and recompute), and the cache's arenas.
 
 The medium LM step's time, eager and compiled, cold compiles and profiles included, is
 ``gpu_lm_step.py``'s (``gpu_check_rnn.py`` runs both).
@@ -59,6 +59,7 @@ def memory_row(kind: str, batch: int) -> dict:
         "peak_MiB": (torch.cuda.max_memory_allocated() - start) / MiB,
         "retained_MiB": (torch.cuda.memory_allocated() - start) / MiB,
         "graph_cache_MiB": graphs.held_bytes() / MiB,
+        "arenas_MiB": {name: a.numel() / MiB for (_, name), a in graphs._ARENAS.items()},
     }
     graphs.clear_graphs()
     return row
