@@ -190,3 +190,14 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     """A scalar that weights every output element differently."""
     weights = torch.linspace(-1.0, 2.0, output.numel(), dtype=output.dtype).view_as(output)
     return (output * weights).sum() + 0.1 * (output**2).mean()
+
+
+class WithLoss(nn.Module):
+    """``model`` with ``loss_of`` on its output: a scalar to trace a joint graph from."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return loss_of(self.model(*inputs))

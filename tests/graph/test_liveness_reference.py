@@ -22,15 +22,6 @@ from liveness_reference import simulate_reference
 import zoo
 
 
-class _WithLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *inputs):
-        return zoo.loss_of(self.model(*inputs))
-
-
 def _same(new: liveness.Liveness, old: liveness.Liveness) -> None:
     assert (new.peak, new.peak_index, new.peak_phase, new.peak_node, new.turn_bytes) == (
         old.peak,
@@ -48,7 +39,7 @@ def _same(new: liveness.Liveness, old: liveness.Liveness) -> None:
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_simulation_equals_the_reference_on_random_plans(name):
     model, inputs = zoo.build(name, torch.float32)
-    joint = joint_of(_WithLoss(model), *inputs, decompose=True)
+    joint = joint_of(zoo.WithLoss(model), *inputs, decompose=True)
     graph, index = UnitGraph(joint, MirrorPolicy()), liveness.GraphIndex(joint)
     units = [u for u in graph.units if graph.mirrorable[u] or u in graph.last_resort]
     rng = random.Random(0)

@@ -28,18 +28,9 @@ from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, joint_of_com
 import zoo
 
 
-class _WithLoss(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *inputs):
-        return zoo.loss_of(self.model(*inputs))
-
-
 def _zoo_joint(name: str) -> JointGraph:
     model, inputs = zoo.build(name, torch.float32)
-    return joint_of(_WithLoss(model), *inputs, decompose=True)
+    return joint_of(zoo.WithLoss(model), *inputs, decompose=True)
 
 
 GRAPHS = {
