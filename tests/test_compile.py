@@ -340,25 +340,16 @@ def test_explain_leaves_dynamo_room_for_the_users_compile():
 def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
     # Inductor raising on the plan's backward must be caught while compiling (the backward
     # compiles with the forward), then min-cut takes over: one warning, eager's gradients.
-    from torch._inductor.compile_fx import compile_fx_inner
-
     from mirrorgrad import compiler
-    from mirrorgrad.mirror.partition import MirrorPartitioner
 
-    real_compile_fx = _compat.compile_fx
+    real_compile_fx_inner = _compat.compile_fx_inner
 
     def reject_the_plans_backward(gm, inputs, **kwargs):
-        if kwargs.get("is_backward") and isinstance(
-            _compat.inductor_config.custom_partitioner_fn, MirrorPartitioner
-        ):
+        if kwargs.get("is_backward") and _compiling_a_plan():
             raise RuntimeError("injected: query: last dimension must be contiguous")
-        return compile_fx_inner(gm, inputs, **kwargs)
+        return real_compile_fx_inner(gm, inputs, **kwargs)
 
-    monkeypatch.setattr(
-        compiler._compat,
-        "compile_fx",
-        lambda gm, inputs: real_compile_fx(gm, inputs, inner_compile=reject_the_plans_backward),
-    )
+    monkeypatch.setattr(compiler._compat, "compile_fx_inner", reject_the_plans_backward)
     reference, inputs = build("mlp")
     model = copy.deepcopy(reference)
     compiled = mirrorgrad.compile(model, mode="balance")
@@ -374,6 +365,12 @@ def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
     assert "Inductor rejected the plan" in message and "last dimension must be" in message
     assert compiled._mirrorgrad_plans == []
     assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def _compiling_a_plan() -> bool:
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    return isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
 
 
 def _dropout_batchnorm_net() -> torch.nn.Module:
@@ -403,8 +400,8 @@ def test_plan_failing_at_run_time_falls_back_once(monkeypatch):
 
         return run
 
-    def compile_fx(gm, inputs):
-        compiled = real_compile_fx(gm, inputs)
+    def compile_fx(gm, inputs, **kwargs):
+        compiled = real_compile_fx(gm, inputs, **kwargs)
         planned = isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
         return fail_after_running(compiled) if planned else compiled
 
@@ -446,6 +443,100 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
         for seed in (1, 2, 3):
             step(compiled, (torch.randn(32, 8),), seed=seed)
     assert len(undo_logs) == 1
+    assert len(compiled._mirrorgrad_plans) == 1
+
+
+def _fail_the_plans_backward(monkeypatch, *, on_call: int) -> list[int]:
+    """Make every planned backward raise on its ``on_call``-th call, after running its
+    compiled code to the end (which frees its inputs and may overwrite donated ones).
+    Returns the list the planned backward's calls are counted in."""
+    from mirrorgrad import compiler
+
+    real_compile_fx_inner = _compat.compile_fx_inner
+    calls: list[int] = []
+
+    def fail_after_running(compiled):
+        def run(args):
+            calls.append(1)
+            out = compiled(args)
+            if len(calls) == on_call:
+                raise RuntimeError("injected: backward kernel cannot take this shape")
+            return out
+
+        run._boxed_call = True
+        return run
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        compiled = real_compile_fx_inner(gm, inputs, **kwargs)
+        planned_backward = kwargs.get("is_backward") and _compiling_a_plan()
+        return fail_after_running(compiled) if planned_backward else compiled
+
+    monkeypatch.setattr(compiler._compat, "compile_fx_inner", compile_fx_inner)
+    return calls
+
+
+def _accumulation_step(model, xs, seed: int) -> None:
+    """One optimizer step's gradients over micro-batches ``xs`` (each a planned forward
+    before any backward runs), dropout drawn from ``seed``."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = sum(model(x).square().sum() for x in xs)
+    loss.backward()
+
+
+def test_plan_backward_failing_on_its_first_call_runs_eagerly_then_min_cut(monkeypatch):
+    # The forward ran with the plan's saved values, so the failed backward is run again by
+    # the plan's own backward graph without Inductor (from copies of its inputs: the
+    # compiled code freed them), with the recomputed dropout mask drawn from the forward's
+    # seed as Inductor drew it; both micro-batches' backwards of that step go there. From
+    # the next step the graph is min-cut's. Gradients equal torch.compile's at each step.
+    from mirrorgrad import compiler
+
+    guards = []
+    real_guard_init = compiler.BackwardGuard.__init__
+
+    def record(self, *args, **kwargs):
+        real_guard_init(self, *args, **kwargs)
+        guards.append(self)
+
+    monkeypatch.setattr(compiler.BackwardGuard, "__init__", record)
+    planned_backward_calls = _fail_the_plans_backward(monkeypatch, on_call=1)
+    reference = _dropout_batchnorm_net()
+    model = copy.deepcopy(reference)
+    # Budget 0.3 recomputes the first Linear and the dropout mask in the backward.
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
+    expected = torch.compile(reference)
+    microbatches = [torch.randn(32, 8), torch.randn(32, 8)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (1, 2, 3):
+            _accumulation_step(compiled, microbatches, seed)
+            _accumulation_step(expected, microbatches, seed)
+            # Gradients reach ~40; the first bias's is zero but for rounding (BatchNorm).
+            assert_same_training_state(model, reference, rtol=1e-5, atol=1e-5)
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "compiled backward failed on its first call" in message
+    assert "cannot take this shape" in message and "without Inductor" in message
+    assert len(planned_backward_calls) == 1  # the second micro-batch's ran eagerly
+    assert compiled._mirrorgrad_plans == []
+    (guard,) = guards
+    recomputed = {n.target for n in guard.graph.graph.nodes}
+    assert torch.ops.prims.inductor_random.default in recomputed
+
+
+def test_plan_backward_failing_after_a_first_call_that_succeeded_is_raised(monkeypatch):
+    # Code that has run once is no plan the code generator could not handle (an
+    # out-of-memory, a device fault): the error reaches the caller, nothing is re-run.
+    _fail_the_plans_backward(monkeypatch, on_call=2)
+    model = _dropout_batchnorm_net()
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
+    x = torch.randn(32, 8)
+    with no_fallback():
+        _accumulation_step(compiled, [x], seed=1)
+        with pytest.raises(RuntimeError, match="cannot take this shape"):
+            _accumulation_step(compiled, [x], seed=2)
     assert len(compiled._mirrorgrad_plans) == 1
 
 
