@@ -446,10 +446,12 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
     assert len(compiled._mirrorgrad_plans) == 1
 
 
-def _fail_the_plans_backward(monkeypatch, *, on_call: int) -> list[int]:
-    """Make every planned backward raise on its ``on_call``-th call, after running its
-    compiled code to the end (which frees its inputs and may overwrite donated ones).
-    Returns the list the planned backward's calls are counted in."""
+def _fail_the_plans_backward(
+    monkeypatch, *, on_call: int, error: type[Exception] = RuntimeError
+) -> list[int]:
+    """Make every planned backward raise ``error`` on its ``on_call``-th call, after
+    running its compiled code to the end (which frees its inputs and may overwrite
+    donated ones). Returns the list the planned backward's calls are counted in."""
     from mirrorgrad import compiler
 
     real_compile_fx_inner = _compat.compile_fx_inner
@@ -460,7 +462,7 @@ def _fail_the_plans_backward(monkeypatch, *, on_call: int) -> list[int]:
             calls.append(1)
             out = compiled(args)
             if len(calls) == on_call:
-                raise RuntimeError("injected: backward kernel cannot take this shape")
+                raise error("injected: backward kernel cannot take this shape")
             return out
 
         run._boxed_call = True
@@ -538,6 +540,14 @@ def test_plan_backward_failing_after_a_first_call_that_succeeded_is_raised(monke
         with pytest.raises(RuntimeError, match="cannot take this shape"):
             _accumulation_step(compiled, [x], seed=2)
     assert len(compiled._mirrorgrad_plans) == 1
+
+
+def test_plan_backward_running_out_of_memory_is_raised(monkeypatch):
+    # Not a plan the code generator cannot handle; the eager graph would hold more.
+    _fail_the_plans_backward(monkeypatch, on_call=1, error=torch.OutOfMemoryError)
+    compiled = mirrorgrad.compile(_dropout_batchnorm_net(), mode="budget", budget=0.3)
+    with no_fallback(), pytest.raises(torch.OutOfMemoryError, match="cannot take this shape"):
+        _accumulation_step(compiled, [torch.randn(32, 8)], seed=1)
 
 
 def test_a_post_grad_pass_of_the_user_still_runs():

@@ -363,6 +363,7 @@ class FirstCallGuard:
     state (restored, so dropout draws what it would have drawn) and the inputs the
     graph mutates (BatchNorm statistics: copies taken before the first call). Anything
     else the compiled forward wrote to (outside its inputs) is assumed not to exist.
+    Running out of memory is raised, not fallen back from: min-cut saves more.
 
     A planned backward that failed on its first call (``BackwardGuard``) sets
     ``backward_failed``: the next call, and every later one, goes to min-cut's graph
@@ -395,6 +396,8 @@ class FirstCallGuard:
         undo = _UndoLog.before(args, self.mutated_inputs)
         try:
             out = self.planned(*args)
+        except torch.OutOfMemoryError:
+            raise  # not a plan the code generator cannot handle: min-cut saves more
         except Exception as exc:
             undo.restore()
             self.fallback = self.min_cut()
@@ -490,7 +493,13 @@ class BackwardGuard:
     was donated, so the first call runs on copies in host memory taken before it (no
     device memory on top of the step's). A failure after a first call that succeeded
     is raised: that code has run, so it is no plan the code generator could not handle,
-    and there are no copies to run again from.
+    and there are no copies to run again from; so is running out of memory (the eager
+    graph holds more).
+
+    Under CUDA Graph trees (``mode="reduce-overhead"``) the compiled backward's first
+    call is the trees' warm-up run, which executes the same generated kernels outside a
+    graph: a failure there is caught, and the eager run allocates outside the trees'
+    pool. Compiled autograd traces the backward graph itself and never calls this.
     """
 
     def __init__(
@@ -516,6 +525,8 @@ class BackwardGuard:
         copies = _HostCopies.of(args)
         try:
             out = self.compiled(args)
+        except torch.OutOfMemoryError:
+            raise  # not a plan the code generator cannot handle: eager holds more
         except Exception as exc:
             args.clear()
             self.eager = EagerBackward(self.graph)
