@@ -588,7 +588,9 @@ class EagerBackward(torch.fx.Interpreter):
         if target not in _compat.inductor_seeded_random_ops():
             return super().call_function(target, args, kwargs)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        key = repr((target, *(_signature(a) for a in (*args, *kwargs.items()))))
+        key = repr(
+            (target, [_signature(a) for a in args], {k: _signature(v) for k, v in kwargs.items()})
+        )
         if key not in self.draws:
             devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
             with torch.random.fork_rng(devices=devices):  # compiling draws nothing
