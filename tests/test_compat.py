@@ -313,7 +313,8 @@ def test_compile_fx_takes_an_inner_compile_told_which_graph_is_the_backward():
         return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
 
     def backend(gm, example_inputs):
-        with _compat.eager_backward_compile():
+        # A hit in AOTAutograd's cache would skip the compilers.
+        with _compat.eager_backward_compile(), _compat.without_autograd_cache():
             return _compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
     torch._dynamo.reset()
