@@ -6,9 +6,9 @@ What tests/test_compile.py checks on the CPU, on CUDA and under CUDA Graph trees
 (``torch.compile(..., mode="reduce-overhead")``, where the first call of the backward is
 the trees' warm-up run): the planned backward (budget 0.3: the dropout mask and the first
 Linear are recomputed) is made to raise after running its compiled code; training goes
-on for 3 steps. Per case: the fallback warnings (1 expected), the planned backward's
-calls (1), the plans left (0) and the largest gradient difference from
-``torch.compile``'s (same mode, same dropout masks) relative to the largest gradient.
+on for 3 steps (the RNG seeded once). Per case: the fallback warnings (1 expected), the
+planned backward's calls (1), the plans left (0) and the largest gradient difference
+from ``torch.compile``'s (same mode, same dropout masks) relative to the largest one.
 Writes OUT_DIR/backward_guard.json after each case and prints a table last.
 """
 
@@ -62,10 +62,17 @@ def fail_the_plans_backward(calls: list[int]) -> None:
     compiler._compat.compile_fx_inner = compile_fx_inner
 
 
-def step(model, xs, seed: int) -> None:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    sum(model(x).square().sum() for x in xs).backward()
+def train(model, xs) -> list[list[torch.Tensor]]:
+    """Each step's gradients, cloned at once (under CUDA Graph trees a gradient may live
+    in the trees' pool until the next replay); the RNG is seeded once."""
+    torch.manual_seed(1)
+    grads = []
+    for _ in range(STEPS):
+        torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        sum(model(x).square().sum() for x in xs).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
 
 
 def run_case(device: str, torch_mode: str | None, microbatches: int) -> dict:
@@ -76,21 +83,18 @@ def run_case(device: str, torch_mode: str | None, microbatches: int) -> dict:
     model = copy.deepcopy(reference)
     kwargs = {"mode": torch_mode} if torch_mode else {}
     backend = mirrorgrad.backend(mode="budget", budget=0.3, root_module=model)
-    compiled = torch.compile(model, backend=backend, **kwargs)
-    expected = torch.compile(reference, **kwargs)
     xs = [torch.randn(256, 64, device=device) for _ in range(microbatches)]
-    worst = 0.0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for seed in range(1, STEPS + 1):
-            step(compiled, xs, seed)
-            step(expected, xs, seed)
-            # Relative to the largest gradient entry: the first bias's gradient is zero
-            # but for rounding (BatchNorm follows it).
-            pairs = list(zip(model.parameters(), reference.parameters()))
-            scale = max(q.grad.abs().max().item() for _, q in pairs)
-            diff = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
-            worst = max(worst, diff / scale)
+        got = train(torch.compile(model, backend=backend, **kwargs), xs)
+    want = train(torch.compile(reference, **kwargs), xs)
+    worst = 0.0
+    for step_got, step_want in zip(got, want):
+        # Relative to the largest gradient entry: the first bias's gradient is zero but
+        # for rounding (BatchNorm follows it).
+        scale = max(q.abs().max().item() for q in step_want)
+        diff = max((p - q).abs().max().item() for p, q in zip(step_got, step_want))
+        worst = max(worst, diff / scale)
     caught = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
     fallbacks = [str(w.message) for w in caught]
     return {
