@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -448,22 +449,24 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
 
 def _fail_the_plans_backward(
     monkeypatch, *, on_call: int, error: type[Exception] = RuntimeError
-) -> list[int]:
+) -> list[weakref.ref | None]:
     """Make every planned backward raise ``error`` on its ``on_call``-th call, after
     running its compiled code to the end (which frees its inputs and may overwrite
-    donated ones). Returns the list the planned backward's calls are counted in."""
+    donated ones). Returns a list with an entry per call of the planned backward: for
+    the failing one, a weak reference to a gradient it computed before raising."""
     from mirrorgrad import compiler
 
     real_compile_fx_inner = _compat.compile_fx_inner
-    calls: list[int] = []
+    calls: list[weakref.ref | None] = []
 
     def fail_after_running(compiled):
         def run(args):
-            calls.append(1)
             out = compiled(args)
-            if len(calls) == on_call:
-                raise error("injected: backward kernel cannot take this shape")
-            return out
+            if len(calls) + 1 != on_call:
+                calls.append(None)
+                return out
+            calls.append(weakref.ref(next(g for g in out if isinstance(g, torch.Tensor))))
+            raise error("injected: backward kernel cannot take this shape")
 
         run._boxed_call = True
         return run
@@ -533,6 +536,8 @@ def test_plan_backward_failing_on_its_first_call_runs_eagerly_then_min_cut(monke
     assert "compiled backward failed on its first call" in message
     assert "cannot take this shape" in message and "without Inductor" in message
     assert len(planned_backward_calls) == 1  # the second micro-batch's ran eagerly
+    # The failed call's buffers are not kept (by the exception's frames, say).
+    assert planned_backward_calls[0]() is None
     assert compiled._mirrorgrad_plans == []
     (guard,) = guards
     recomputed = {n.target for n in guard.graph.graph.nodes}

@@ -399,13 +399,15 @@ class FirstCallGuard:
         except torch.OutOfMemoryError:
             raise  # not a plan the code generator cannot handle: min-cut saves more
         except Exception as exc:
-            undo.restore()
-            self.fallback = self.min_cut()
+            # Outside this block the failed call's frames (and their buffers) are freed.
             cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
-            _warn_fallback(cause)
-            return self.fallback(*kept)
-        self.verified = True
-        return out
+        else:
+            self.verified = True
+            return out
+        undo.restore()
+        self.fallback = self.min_cut()
+        _warn_fallback(cause)
+        return self.fallback(*kept)
 
     def __getattr__(self, name: str) -> Any:
         # What else Dynamo and AOTAutograd read off the compiled function (named_parameters,
@@ -453,9 +455,9 @@ class _UndoLog:
 class _BackwardFailed:
     """Set by a planned backward whose first call failed; read by its forward's guard."""
 
-    cause: BaseException | None = None
+    cause: str | None = None  # a description: an exception would keep its frames alive
 
-    def record(self, cause: BaseException) -> None:
+    def record(self, cause: str) -> None:
         self.cause = cause
 
 
@@ -464,7 +466,7 @@ def _compile_guarding_the_backward(
     example_inputs: Sequence[object],
     *,
     guarded: Callable[[], bool],
-    on_failure: Callable[[BaseException], None],
+    on_failure: Callable[[str], None],
     **kwargs: Any,
 ) -> Any:
     """Inductor's inner compile; a planned backward comes back inside a ``BackwardGuard``.
@@ -506,7 +508,7 @@ class BackwardGuard:
         self,
         compiled: Callable[[list[Any]], Any],
         graph: GraphModule,
-        on_failure: Callable[[BaseException], None],
+        on_failure: Callable[[str], None],
     ) -> None:
         self.compiled = compiled
         self.graph = graph
@@ -528,18 +530,21 @@ class BackwardGuard:
         except torch.OutOfMemoryError:
             raise  # not a plan the code generator cannot handle: eager holds more
         except Exception as exc:
-            args.clear()
-            self.eager = EagerBackward(self.graph)
-            out = self.eager.boxed_run(copies.restore())
-            self.on_failure(exc)
-            _warn_fallback(
-                f"the plan's compiled backward failed on its first call ({_describe(exc)})",
-                "this backward ran the plan's backward graph without Inductor (the same "
-                f"saved values, so the same gradients); from its next call, {MIN_CUT_NOW}",
-                stacklevel=2,
-            )
+            # Outside this block the failed call's frames (and their buffers) are freed.
+            cause = f"the plan's compiled backward failed on its first call ({_describe(exc)})"
+        else:
+            self.verified = True
             return out
-        self.verified = True
+        args.clear()
+        self.eager = EagerBackward(self.graph)
+        out = self.eager.boxed_run(copies.restore())
+        self.on_failure(cause)
+        _warn_fallback(
+            cause,
+            "this backward ran the plan's backward graph without Inductor (the same saved "
+            f"values, so the same gradients); from its next call, {MIN_CUT_NOW}",
+            stacklevel=2,
+        )
         return out
 
     def __getattr__(self, name: str) -> Any:
