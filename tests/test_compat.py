@@ -299,3 +299,35 @@ def test_clear_cublas_workspaces_is_the_private_call_on_cuda_and_a_no_op_without
     _compat.clear_cublas_workspaces()  # no CUDA here: nothing to free, no error
     if torch.cuda.is_available():
         assert hasattr(torch._C, "_cuda_clearCublasWorkspaces")
+
+
+def test_compile_fx_takes_an_inner_compile_told_which_graph_is_the_backward():
+    params = inspect.signature(_compat.compile_fx).parameters
+    assert "inner_compile" in params
+    inner = inspect.signature(_compat.compile_fx_inner).parameters
+    assert list(inner)[:2] == ["gm", "example_inputs"]
+    seen = []
+
+    def inner_compile(gm, example_inputs, **kwargs):
+        seen.append(bool(kwargs.get("is_backward")))
+        return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+
+    def backend(gm, example_inputs):
+        # A hit in AOTAutograd's cache would skip the compilers.
+        with _compat.eager_backward_compile(), _compat.without_autograd_cache():
+            return _compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+    torch._dynamo.reset()
+    x = torch.randn(4, requires_grad=True)
+    torch.compile(lambda t: t.sin(), backend=backend)(x).sum().backward()
+    torch._dynamo.reset()
+    assert sorted(seen) == [False, True]
+
+
+def test_inductor_seeded_random_ops_ignore_the_seed_when_run_eagerly():
+    # Why compiler.EagerBackward compiles them alone: eagerly, one seed draws anew.
+    ops = _compat.inductor_seeded_random_ops()
+    assert all(isinstance(op, _compat.OpOverload) for op in ops)
+    random = ops[0]
+    seed = torch.tensor(1234)
+    assert not torch.equal(random([64], seed, "rand"), random([64], seed, "rand"))

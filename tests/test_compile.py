@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -340,25 +341,16 @@ def test_explain_leaves_dynamo_room_for_the_users_compile():
 def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
     # Inductor raising on the plan's backward must be caught while compiling (the backward
     # compiles with the forward), then min-cut takes over: one warning, eager's gradients.
-    from torch._inductor.compile_fx import compile_fx_inner
-
     from mirrorgrad import compiler
-    from mirrorgrad.mirror.partition import MirrorPartitioner
 
-    real_compile_fx = _compat.compile_fx
+    real_compile_fx_inner = _compat.compile_fx_inner
 
     def reject_the_plans_backward(gm, inputs, **kwargs):
-        if kwargs.get("is_backward") and isinstance(
-            _compat.inductor_config.custom_partitioner_fn, MirrorPartitioner
-        ):
+        if kwargs.get("is_backward") and _compiling_a_plan():
             raise RuntimeError("injected: query: last dimension must be contiguous")
-        return compile_fx_inner(gm, inputs, **kwargs)
+        return real_compile_fx_inner(gm, inputs, **kwargs)
 
-    monkeypatch.setattr(
-        compiler._compat,
-        "compile_fx",
-        lambda gm, inputs: real_compile_fx(gm, inputs, inner_compile=reject_the_plans_backward),
-    )
+    monkeypatch.setattr(compiler._compat, "compile_fx_inner", reject_the_plans_backward)
     reference, inputs = build("mlp")
     model = copy.deepcopy(reference)
     compiled = mirrorgrad.compile(model, mode="balance")
@@ -374,6 +366,12 @@ def test_plan_inductor_rejects_falls_back_at_compile_time(monkeypatch):
     assert "Inductor rejected the plan" in message and "last dimension must be" in message
     assert compiled._mirrorgrad_plans == []
     assert_same_training_state(model, reference, rtol=1e-5, atol=1e-6)
+
+
+def _compiling_a_plan() -> bool:
+    from mirrorgrad.mirror.partition import MirrorPartitioner
+
+    return isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
 
 
 def _dropout_batchnorm_net() -> torch.nn.Module:
@@ -403,8 +401,8 @@ def test_plan_failing_at_run_time_falls_back_once(monkeypatch):
 
         return run
 
-    def compile_fx(gm, inputs):
-        compiled = real_compile_fx(gm, inputs)
+    def compile_fx(gm, inputs, **kwargs):
+        compiled = real_compile_fx(gm, inputs, **kwargs)
         planned = isinstance(_compat.inductor_config.custom_partitioner_fn, MirrorPartitioner)
         return fail_after_running(compiled) if planned else compiled
 
@@ -447,6 +445,125 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
             step(compiled, (torch.randn(32, 8),), seed=seed)
     assert len(undo_logs) == 1
     assert len(compiled._mirrorgrad_plans) == 1
+
+
+def _fail_the_plans_backward(
+    monkeypatch, *, on_call: int, error: type[Exception] = RuntimeError
+) -> list[weakref.ref | None]:
+    """Make every planned backward raise ``error`` on its ``on_call``-th call, after
+    running its compiled code to the end (which frees its inputs and may overwrite
+    donated ones). Returns a list with an entry per call of the planned backward: for
+    the failing one, a weak reference to a gradient it computed before raising."""
+    from mirrorgrad import compiler
+
+    real_compile_fx_inner = _compat.compile_fx_inner
+    calls: list[weakref.ref | None] = []
+
+    def fail_after_running(compiled):
+        def run(args):
+            out = compiled(args)
+            if len(calls) + 1 != on_call:
+                calls.append(None)
+                return out
+            calls.append(weakref.ref(next(g for g in out if isinstance(g, torch.Tensor))))
+            raise error("injected: backward kernel cannot take this shape")
+
+        run._boxed_call = True
+        return run
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        compiled = real_compile_fx_inner(gm, inputs, **kwargs)
+        planned_backward = kwargs.get("is_backward") and _compiling_a_plan()
+        return fail_after_running(compiled) if planned_backward else compiled
+
+    monkeypatch.setattr(compiler._compat, "compile_fx_inner", compile_fx_inner)
+    return calls
+
+
+def _accumulation_step(model, xs) -> None:
+    """One optimizer step's gradients over micro-batches ``xs`` (each a planned forward
+    before any backward runs)."""
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(x).square().sum() for x in xs)
+    loss.backward()
+
+
+def _train(model, xs, steps: int) -> list[list[torch.Tensor]]:
+    """Each step's gradients and the BatchNorm statistics after it; the RNG is seeded
+    once, so a guard that drew random numbers of its own would shift later masks."""
+    torch.manual_seed(1)
+    states = []
+    for _ in range(steps):
+        _accumulation_step(model, xs)
+        grads = [p.grad.clone() for p in model.parameters()]
+        states.append(grads + [b.clone() for b in model.buffers()])
+    return states
+
+
+def test_plan_backward_failing_on_its_first_call_runs_eagerly_then_min_cut(monkeypatch):
+    # The forward ran with the plan's saved values, so the failed backward is run again by
+    # the plan's own backward graph without Inductor (from copies of its inputs: the
+    # compiled code freed them), with the recomputed dropout mask drawn from the forward's
+    # seed as Inductor drew it; both micro-batches' backwards of that step go there. From
+    # the next step the graph is min-cut's. Each step equals torch.compile's.
+    from mirrorgrad import compiler
+
+    guards = []
+    real_guard_init = compiler.BackwardGuard.__init__
+
+    def record(self, *args, **kwargs):
+        real_guard_init(self, *args, **kwargs)
+        guards.append(self)
+
+    monkeypatch.setattr(compiler.BackwardGuard, "__init__", record)
+    planned_backward_calls = _fail_the_plans_backward(monkeypatch, on_call=1)
+    reference = _dropout_batchnorm_net()
+    model = copy.deepcopy(reference)
+    microbatches = [torch.randn(32, 8), torch.randn(32, 8)]
+    # Budget 0.3 recomputes the first Linear and the dropout mask in the backward.
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps = _train(compiled, microbatches, steps=3)
+    expected = _train(torch.compile(reference), microbatches, steps=3)
+    for step_number, (got, want) in enumerate(zip(steps, expected)):
+        # Gradients reach ~40; the first bias's is zero but for rounding (BatchNorm).
+        for i, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step_number}, {i}")
+    fallbacks = [w for w in caught if issubclass(w.category, MirrorgradFallbackWarning)]
+    assert len(fallbacks) == 1
+    message = str(fallbacks[0].message)
+    assert "compiled backward failed on its first call" in message
+    assert "cannot take this shape" in message and "without Inductor" in message
+    assert len(planned_backward_calls) == 1  # the second micro-batch's ran eagerly
+    # The failed call's buffers are not kept (by the exception's frames, say).
+    assert planned_backward_calls[0]() is None
+    assert compiled._mirrorgrad_plans == []
+    (guard,) = guards
+    recomputed = {n.target for n in guard.graph.graph.nodes}
+    assert torch.ops.prims.inductor_random.default in recomputed
+
+
+def test_plan_backward_failing_after_a_first_call_that_succeeded_is_raised(monkeypatch):
+    # Code that has run once is no plan the code generator could not handle (an
+    # out-of-memory, a device fault): the error reaches the caller, nothing is re-run.
+    _fail_the_plans_backward(monkeypatch, on_call=2)
+    model = _dropout_batchnorm_net()
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
+    x = torch.randn(32, 8)
+    with no_fallback():
+        _accumulation_step(compiled, [x])
+        with pytest.raises(RuntimeError, match="cannot take this shape"):
+            _accumulation_step(compiled, [x])
+    assert len(compiled._mirrorgrad_plans) == 1
+
+
+def test_plan_backward_running_out_of_memory_is_raised(monkeypatch):
+    # Not a plan the code generator cannot handle; the eager graph would hold more.
+    _fail_the_plans_backward(monkeypatch, on_call=1, error=torch.OutOfMemoryError)
+    compiled = mirrorgrad.compile(_dropout_batchnorm_net(), mode="budget", budget=0.3)
+    with no_fallback(), pytest.raises(torch.OutOfMemoryError, match="cannot take this shape"):
+        _accumulation_step(compiled, [torch.randn(32, 8)])
 
 
 def test_a_post_grad_pass_of_the_user_still_runs():

@@ -25,7 +25,7 @@ from torch._functorch.partitioners import (  # noqa: E402
     reordering_to_mimic_autograd_engine,
 )
 from torch._inductor import config as inductor_config  # noqa: E402
-from torch._inductor.compile_fx import compile_fx  # noqa: E402
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
 from torch._inductor.custom_graph_pass import (  # noqa: E402
     CustomGraphPass,
     CustomPartitionerFn,
@@ -114,6 +114,15 @@ def eager_backward_compile():
     return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
+def inductor_seeded_random_ops() -> tuple[OpOverload, ...]:
+    """Inductor's seeded draws (``prims.inductor_random``/``inductor_randint``, what its
+    joint-graph passes make of ``rand``/``randint``). Their eager kernels ignore the seed:
+    only Inductor's generated code draws the same values from the same seed."""
+    import torch._inductor.inductor_prims  # registers the prims
+
+    return (torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default)
+
+
 # --- storage references (used by ops/rnn/graphs.py) -------------------------------------
 def storage_use_count(t: torch.Tensor) -> int:
     """How many references (tensors, views, storage objects) hold ``t``'s storage; the
@@ -198,6 +207,7 @@ __all__ = [
     "aot_module_simplified",
     "boxed_nop",
     "compile_fx",
+    "compile_fx_inner",
     "cudagraph_trees_warming_up",
     "default_partition",
     "eager_backward_compile",
@@ -207,6 +217,7 @@ __all__ = [
     "inductor_config",
     "inductor_decompositions",
     "inductor_mode_options",
+    "inductor_seeded_random_ops",
     "inductor_setting_names",
     "is_primal",
     "is_tangent",

@@ -11,6 +11,7 @@ graphs run as they are (``backend="eager"``: no code generation).
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -112,7 +113,8 @@ class MirrorBackend:
         self, gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
     ) -> Callable[..., Any]:
         """Inductor with our partition; if Inductor rejects the plan's forward or backward,
-        PyTorch's partition (min-cut) with one ``MirrorgradFallbackWarning``."""
+        or either fails on its first call, PyTorch's partition (min-cut) with one
+        ``MirrorgradFallbackWarning``."""
         applied: list[Plan] = []
         partitioner = MirrorPartitioner(self.plan_options(), on_plan=applied.append)
         # Patched for this compilation only: other torch.compile calls keep min-cut. The
@@ -130,9 +132,15 @@ class MirrorBackend:
             _compat.INDUCTOR_POST_GRAD_PASS_CONFIG: pin,
         }
         context = _compat.tracing_context()
+        backward_failed = _BackwardFailed()
+        inner_compile = functools.partial(
+            _compile_guarding_the_backward,
+            guarded=lambda: bool(applied) and not self.strict,
+            on_failure=backward_failed.record,
+        )
         try:
             with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
-                compiled = _compat.compile_fx(gm, example_inputs)
+                compiled = _compat.compile_fx(gm, example_inputs, inner_compile=inner_compile)
         except Exception as exc:
             if self.strict or not applied:  # no plan of ours was in it: not ours to fix
                 raise
@@ -144,17 +152,18 @@ class MirrorBackend:
         if not applied or self.strict:  # min-cut ran (planning fell back): nothing to guard
             return compiled
 
-        def fall_back(exc: BaseException) -> Callable[..., Any]:
+        def min_cut() -> Callable[..., Any]:
             for applied_plan in applied:
-                self.plans.remove(applied_plan)
+                if applied_plan in self.plans:
+                    self.plans.remove(applied_plan)
             with _compat.tracing(context):
-                fallback = _compile_min_cut(gm, example_inputs, settings)
-            cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
-            _warn_fallback(cause)
-            return fallback
+                return _compile_min_cut(gm, example_inputs, settings)
 
         return FirstCallGuard(
-            compiled, fall_back, _compat.mutated_input_indices(context, len(example_inputs))
+            compiled,
+            min_cut,
+            _compat.mutated_input_indices(context, len(example_inputs)),
+            backward_failed,
         )
 
     def _aot_eager(self) -> Callable[..., Any]:
@@ -321,12 +330,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
-def _warn_fallback(cause: str) -> None:
-    warnings.warn(
-        f"mirrorgrad: {cause}; using PyTorch's min-cut partition for this graph instead",
-        MirrorgradFallbackWarning,
-        stacklevel=3,
-    )
+MIN_CUT_NOW = "using PyTorch's min-cut partition for this graph instead"
+
+
+def _warn_fallback(cause: str, now: str = MIN_CUT_NOW, stacklevel: int = 3) -> None:
+    warnings.warn(f"mirrorgrad: {cause}; {now}", MirrorgradFallbackWarning, stacklevel=stacklevel)
 
 
 def _compile_min_cut(
@@ -347,7 +355,7 @@ class FirstCallGuard:
 
     Compile-time checks cannot see every layout Inductor settles on, so an error can
     surface only when the generated code runs (issue 18). The first call that raises
-    inside the planned code is run again by ``fall_back(exc)``'s graph (PyTorch's own
+    inside the planned code is run again by ``min_cut()``'s graph (PyTorch's own
     partition, compiled then), and every later call goes there too.
 
     Re-running the call is sound because a forward that raised returned nothing and
@@ -355,22 +363,30 @@ class FirstCallGuard:
     state (restored, so dropout draws what it would have drawn) and the inputs the
     graph mutates (BatchNorm statistics: copies taken before the first call). Anything
     else the compiled forward wrote to (outside its inputs) is assumed not to exist.
-    A failure in the backward, which runs later, is not covered.
+    Running out of memory is raised, not fallen back from: min-cut saves more.
+
+    A planned backward that failed on its first call (``BackwardGuard``) sets
+    ``backward_failed``: the next call, and every later one, goes to min-cut's graph
+    (its forward saves what its own backward reads).
     """
 
     def __init__(
         self,
         planned: Callable[..., Any],
-        fall_back: Callable[[BaseException], Callable[..., Any]],
+        min_cut: Callable[[], Callable[..., Any]],
         mutated_inputs: Sequence[int] | None,
+        backward_failed: _BackwardFailed,
     ) -> None:
         self.planned = planned
-        self.fall_back = fall_back
+        self.min_cut = min_cut
         self.mutated_inputs = mutated_inputs  # None: unknown, every non-grad tensor
+        self.backward_failed = backward_failed
         self.verified = False
         self.fallback: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any) -> Any:
+        if self.fallback is None and self.backward_failed.cause is not None:
+            self.fallback = self.min_cut()  # warned when the backward failed
         if self.fallback is not None:
             return self.fallback(*args)
         if self.verified:
@@ -380,12 +396,18 @@ class FirstCallGuard:
         undo = _UndoLog.before(args, self.mutated_inputs)
         try:
             out = self.planned(*args)
+        except torch.OutOfMemoryError:
+            raise  # not a plan the code generator cannot handle: min-cut saves more
         except Exception as exc:
-            undo.restore()
-            self.fallback = self.fall_back(exc)
-            return self.fallback(*kept)
-        self.verified = True
-        return out
+            # Outside this block the failed call's frames (and their buffers) are freed.
+            cause = f"the plan's compiled forward failed on its first call ({_describe(exc)})"
+        else:
+            self.verified = True
+            return out
+        undo.restore()
+        self.fallback = self.min_cut()
+        _warn_fallback(cause)
+        return self.fallback(*kept)
 
     def __getattr__(self, name: str) -> Any:
         # What else Dynamo and AOTAutograd read off the compiled function (named_parameters,
@@ -427,6 +449,184 @@ class _UndoLog:
         with torch.no_grad():
             for tensor, copy in self.inputs:
                 tensor.copy_(copy)
+
+
+@dataclass(slots=True)
+class _BackwardFailed:
+    """Set by a planned backward whose first call failed; read by its forward's guard."""
+
+    cause: str | None = None  # a description: an exception would keep its frames alive
+
+    def record(self, cause: str) -> None:
+        self.cause = cause
+
+
+def _compile_guarding_the_backward(
+    gm: GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    guarded: Callable[[], bool],
+    on_failure: Callable[[str], None],
+    **kwargs: Any,
+) -> Any:
+    """Inductor's inner compile; a planned backward comes back inside a ``BackwardGuard``.
+
+    ``guarded()`` is asked when the backward compiles, after partitioning: whether the
+    graph is ours (a plan was applied) rather than min-cut's."""
+    if not kwargs.get("is_backward") or not guarded():
+        return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+    # Inductor's post-grad passes rewrite gm in place: keep the graph as partitioned.
+    as_partitioned = GraphModule(gm, copy.deepcopy(gm.graph))
+    compiled = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
+    return BackwardGuard(compiled, as_partitioned, on_failure)
+
+
+class BackwardGuard:
+    """A planned graph's compiled backward, and what to do if its first call fails.
+
+    By the time the backward runs, the forward has run with the plan's saved values, so
+    min-cut's backward (another saved set) cannot take over. The first call that raises
+    is run again by the *same* backward graph without Inductor (``EagerBackward``: the
+    same inputs, so the same gradients), with one ``MirrorgradFallbackWarning``, and
+    ``on_failure`` tells the forward's guard to use min-cut's graph from its next call.
+    A backward of a forward that ran before then (gradient accumulation) runs eagerly.
+
+    The compiled code frees its inputs as it goes and may write into saved values it
+    was donated, so the first call runs on copies in host memory taken before it (no
+    device memory on top of the step's). A failure after a first call that succeeded
+    is raised: that code has run, so it is no plan the code generator could not handle,
+    and there are no copies to run again from; so is running out of memory (the eager
+    graph holds more).
+
+    Under CUDA Graph trees (``mode="reduce-overhead"``) the compiled backward's first
+    call is the trees' warm-up run, which executes the same generated kernels outside a
+    graph: a failure there is caught, and the eager run allocates outside the trees'
+    pool. Compiled autograd traces the backward graph itself and never calls this.
+    """
+
+    def __init__(
+        self,
+        compiled: Callable[[list[Any]], Any],
+        graph: GraphModule,
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.compiled = compiled
+        self.graph = graph
+        self.on_failure = on_failure
+        self.verified = False
+        self.eager: EagerBackward | None = None
+        # AOTAutograd passes the inputs as one list, which the call empties. An instance
+        # attribute: Dynamo's disable() wrapper copies the instance's __dict__ only.
+        self._boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.eager is not None:
+            return self.eager.boxed_run(args)
+        if self.verified:
+            return self.compiled(args)
+        copies = _HostCopies.of(args)
+        try:
+            out = self.compiled(args)
+        except torch.OutOfMemoryError:
+            raise  # not a plan the code generator cannot handle: eager holds more
+        except Exception as exc:
+            # Outside this block the failed call's frames (and their buffers) are freed.
+            cause = f"the plan's compiled backward failed on its first call ({_describe(exc)})"
+        else:
+            self.verified = True
+            return out
+        args.clear()
+        self.eager = EagerBackward(self.graph)
+        out = self.eager.boxed_run(copies.restore())
+        self.on_failure(cause)
+        _warn_fallback(
+            cause,
+            "this backward ran the plan's backward graph without Inductor (the same saved "
+            f"values, so the same gradients); from its next call, {MIN_CUT_NOW}",
+            stacklevel=2,
+        )
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # What AOTAutograd reads off the compiled backward (compile times, cache keys).
+        if name == "compiled":
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
+
+
+@dataclass(slots=True)
+class _HostCopies:
+    """The backward's inputs, tensors copied to host memory (others as they are)."""
+
+    values: list[Any]
+    devices: list[torch.device | None]
+
+    @classmethod
+    def of(cls, args: Sequence[Any]) -> _HostCopies:
+        with torch.no_grad():
+            values = [
+                a.detach().to("cpu", copy=True) if isinstance(a, torch.Tensor) else a
+                for a in args
+            ]
+        devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
+        return cls(values, devices)
+
+    def restore(self) -> list[Any]:
+        return [
+            v if device is None else v.to(device) for v, device in zip(self.values, self.devices)
+        ]
+
+
+class EagerBackward(torch.fx.Interpreter):
+    """A backward graph run op by op on PyTorch's own kernels.
+
+    Inductor's seeded draws (``inductor_random``: a dropout mask recomputed from the
+    forward's seed) are the exception: their eager kernel ignores the seed, so each is
+    compiled alone by Inductor, whose draw depends only on the seed and the element's
+    position: the mask the forward's generated code drew."""
+
+    def __init__(self, graph: GraphModule) -> None:
+        super().__init__(graph)
+        self.draws: dict[str, Callable[..., Any]] = {}
+
+    def call_function(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if target not in _compat.inductor_seeded_random_ops():
+            return super().call_function(target, args, kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        key = repr(
+            (target, [_signature(a) for a in args], {k: _signature(v) for k, v in kwargs.items()})
+        )
+        if key not in self.draws:
+            devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+            with torch.random.fork_rng(devices=devices):  # compiling draws nothing
+                self.draws[key] = _compile_alone(target, args, kwargs)
+        return self.draws[key](*tensors)[0]
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device, tuple(value.shape))
+    return value
+
+
+def _compile_alone(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``target(*args, **kwargs)`` compiled by Inductor, its tensor arguments as inputs."""
+    graph = torch.fx.Graph()
+    inputs: list[torch.Tensor] = []
+
+    def lift(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        inputs.append(value)
+        return graph.placeholder(f"input_{len(inputs)}")
+
+    node = graph.call_function(
+        target, tuple(lift(a) for a in args), {k: lift(v) for k, v in kwargs.items()}
+    )
+    graph.output((node,))
+    return _compat.compile_fx(GraphModule({}, graph), inputs)
 
 
 def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:
