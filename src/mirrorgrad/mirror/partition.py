@@ -47,7 +47,9 @@ VIEW_READ_OUTPUTS = "mirrorgrad_view_read_outputs"
 
 
 class MirrorgradFallbackWarning(UserWarning):
-    """The planner failed on a graph; PyTorch's own partition was used for it."""
+    """A plan failed on a graph (planning, compiling, or its first run): PyTorch's own
+    partition is used for that graph from then on; a backward whose first compiled call
+    failed ran the plan's own graph eagerly once."""
 
 
 def partition(
