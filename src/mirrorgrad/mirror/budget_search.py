@@ -11,7 +11,8 @@ what to mirror, judged by the step's peak.
 - ``budget``: the least added time that meets a peak budget, chosen from a set of
   candidates that does not depend on the budget (mirroring more ops one chunk at a
   time, from no mirroring and from the storage-balance plan; trims of that plan), so
-  a lower budget never gives a higher peak. Within no budget: the lowest peak.
+  a lower budget never gives a higher peak. Within no budget: the lowest peak. A
+  fraction is on PyTorch's ``activation_memory_budget`` scale (``BudgetScale``).
 
 Every plan is checked before it is returned: no random op recomputed, every
 backward read either saved or recomputed from saved values.
@@ -52,6 +53,12 @@ STALL_TRIALS = 32
 PRUNE_TRIALS = 16
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
+# torch.compile's default partition (min-cut) recomputes only cheap ops that Inductor
+# fuses for nearly nothing; the plan that stands for it on the budget scale
+# (BudgetScale) is balance's with this time cap (our cost model charges a fused
+# recomputation its arithmetic). Running min-cut itself would cost 4-7 s of planning
+# on a 10k-node graph.
+DEFAULT_PLAN_OVERHEAD = 0.01
 # The largest values alive at the peak that a plan's summary names.
 FLOOR_VALUES = 5
 # What an estimated peak counts (str(plan), the budget warning, the README).
@@ -69,6 +76,40 @@ class MirrorgradBudgetWarning(UserWarning):
 
 class PlanError(RuntimeError):
     """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BudgetScale:
+    """What a budget fraction is of: PyTorch's ``activation_memory_budget`` scale.
+
+    PyTorch's fraction F bounds the saved activations to F of what its default
+    partition saves (1: torch.compile's default; 0: save only the inputs). As a
+    peak: the estimated peak of the plan standing for that default
+    (``DEFAULT_PLAN_OVERHEAD``) less (1 - F) of the saved activations alive at it.
+    So ``budget=0.5`` and ``activation_memory_budget=0.5`` ask for the same memory.
+    """
+
+    fraction: float
+    default_peak: int
+    default_activations: int  # saved activations alive at the default plan's peak
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(int(self.default_peak - (1 - self.fraction) * self.default_activations), 1)
+
+    def describe(self) -> str:
+        return (
+            f"{self.fraction:g} of the default plan's saved activations: its estimated "
+            f"peak {_fmt(self.default_peak)} less {1 - self.fraction:.0%} of the "
+            f"{_fmt(self.default_activations)} saved there"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "fraction": self.fraction,
+            "default_peak": self.default_peak,
+            "default_activations": self.default_activations,
+        }
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -99,6 +140,8 @@ class Plan:
     step_time_s: float
     mode: str
     budget_bytes: int | None = None
+    # A fractional budget: what the fraction is of (None for bytes and other modes).
+    budget_scale: BudgetScale | None = None
     # Budget mode: whether the estimated peak is within BUDGET_TOLERANCE of the budget.
     budget_met: bool | None = None
     # What is alive at the estimated peak of this plan; when a budget is not met, the
@@ -126,6 +169,7 @@ class Plan:
         return {
             "mode": self.mode,
             "budget_bytes": self.budget_bytes,
+            "budget_scale": self.budget_scale.to_dict() if self.budget_scale else None,
             "stashed": [row(n) for n in self._stashed()],
             "mirrored": [row(n) for n in self.mirrored if not is_getitem(n)],
             "saved_sym": [n.name for n in self.saved_sym],
@@ -180,7 +224,9 @@ class Plan:
         ]
         parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
         if self.budget_bytes is not None:
-            parts.append(f"budget {_fmt(self.budget_bytes)} {self._budget_state()}")
+            scale = self.budget_scale
+            of = f" ({scale.fraction:g} of the default's activations)" if scale else ""
+            parts.append(f"budget {_fmt(self.budget_bytes)}{of} {self._budget_state()}")
             if not self.budget_met:
                 parts.append(self.floor_summary())
         return "; ".join(parts)
@@ -214,6 +260,8 @@ class Plan:
         ]
         if self.budget_bytes is not None:
             lines.append(f"budget:         {_fmt(self.budget_bytes)} ({self._budget_state()})")
+        if self.budget_scale is not None:
+            lines.append(f"                ({self.budget_scale.describe()})")
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
@@ -347,16 +395,19 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     graph = UnitGraph(joint, policy)
     planner = _Planner(joint, graph, rates, fusion=options.fusion)
     before = planner.evaluate(set())
-    budget_bytes = None
+    budget_bytes, scale = None, None
     if options.mode == "off" or not policy.enabled:
         chosen = before
     elif options.mode == "balance":
         chosen = planner.balance(options.max_overhead, before)
     else:
-        budget_bytes = int(
-            options.budget * before.peak if options.budget <= 1.0 else options.budget
-        )
-        chosen = planner.meet_budget(budget_bytes, before)
+        candidates, default = planner.budget_candidates(before)
+        if isinstance(options.budget, float):
+            scale = planner.budget_scale(options.budget, default)
+            budget_bytes = scale.budget_bytes
+        else:
+            budget_bytes = int(options.budget)
+        chosen = planner.meet_budget(budget_bytes, candidates)
     _check(joint, chosen.partition)
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
@@ -384,6 +435,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         step_time_s=planner.step_time_s,
         mode=options.mode,
         budget_bytes=budget_bytes,
+        budget_scale=scale,
         budget_met=met,
         floor=floor,
         sizes=sizes,
@@ -395,12 +447,12 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
 
 def budget_message(p: Plan) -> str:
     held = "".join(f" Held outside the graph: {what} {_fmt(b)}." for what, b in p.held.items())
+    asked = f" ({p.budget_scale.describe()})" if p.budget_scale else ""
     return (
-        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
-        f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
-        f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
-        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}.{held} The peak is of "
-        f"{PEAK_INCLUDES}."
+        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)}{asked} is not met: the lowest "
+        f"estimated peak found is {_fmt(p.peak_after)} ({p.peak_after / p.peak_before:.2f} "
+        f"of the unmirrored {_fmt(p.peak_before)}). {p.floor_summary()}.{held} The peak is "
+        f"of {PEAK_INCLUDES}."
     )
 
 
@@ -572,10 +624,11 @@ class _Planner:
                     stack.append(p)
         return seconds
 
-    def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
-        """The least added time whose peak meets the budget, else the lowest peak.
+    def budget_candidates(self, before: _Candidate) -> tuple[list[_Candidate], _Candidate]:
+        """The plans budget mode chooses from (they do not depend on the budget), and
+        the one standing for torch.compile's default (``BudgetScale``).
 
-        Candidates come from searches that do not depend on the budget:
+        - the default: balance's plan with a ``DEFAULT_PLAN_OVERHEAD`` cap (cheap ops).
 
         - adding, from no mirroring and from the repaired storage-balance plan: mirror
           more, best bytes per second first. Chunks of the ranking double (up to
@@ -589,11 +642,6 @@ class _Planner:
           decoder step's tanh needs its add mirrored too, all sharing U k), so
           the storage-balance plan (after the lifetime repair) and that plan with
           its costliest 1, 2, 4, ... units un-mirrored are candidates too.
-
-        Choosing the cheapest candidate within the budget from a fixed set means a
-        lower budget never gets a higher peak. Within no budget, the lowest peak
-        wins; among equal peaks the smaller stash (the user asked for memory: it
-        is headroom where the estimate errs), then the least time.
         """
         trims = self._trimmed_balance()
         path = self._adding_path(before, last_resort=True)
@@ -601,7 +649,30 @@ class _Planner:
         # (the path from nothing spends the budget on convolutions first; the balance plan
         # reaches 0.59x of ResNet-152's peak with BatchNorm and ReLU alone).
         deeper = self._adding_path(trims[0], last_resort=True)
-        candidates = [*path, *trims, *deeper]
+        default = self.balance(DEFAULT_PLAN_OVERHEAD, before)
+        return [default, *path, *trims, *deeper], default
+
+    def budget_scale(self, fraction: float, default: _Candidate) -> BudgetScale:
+        """``fraction`` on PyTorch's scale, ``default`` standing for torch.compile's."""
+        p = default.partition
+        at_peak = liveness.peak_breakdown(
+            self.joint, p.saved + p.saved_sym, p.mirrored, fusion=self.fusion, index=self.index
+        )
+        return BudgetScale(
+            fraction=fraction,
+            default_peak=default.peak,
+            default_activations=at_peak.bytes_by_kind["saved activations"],
+        )
+
+    def meet_budget(self, budget_bytes: int, candidates: list[_Candidate]) -> _Candidate:
+        """The least added time whose peak meets the budget, else the lowest peak.
+
+        Choosing the cheapest candidate within the budget from a fixed set
+        (``budget_candidates``) means a lower budget never gets a higher peak. Within
+        no budget, the lowest peak wins; among equal peaks the smaller stash (the
+        user asked for memory: it is headroom where the estimate errs), then the
+        least time.
+        """
         feasible = [c for c in candidates if c.peak <= budget_bytes]
         if feasible:
             return self._prune(min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash)))
