@@ -9,15 +9,17 @@ import torch
 
 import mirrorgrad
 from mirrorgrad import _compat
+from mirrorgrad.bench import models
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.joint import op_name
+from mirrorgrad.graph.joint import is_getitem, is_view, op_name
 from mirrorgrad.mirror.budget_search import (
     DEFAULT_PLAN_OVERHEAD,
+    MAX_RECOMPUTE_CHAIN,
     PlanOptions,
     partition_for,
     plan,
 )
-from mirrorgrad.mirror.policy import MirrorPolicy
+from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -262,3 +264,37 @@ def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
         # breakdown and the second adding path; a search that re-simulates per unit
         # would need thousands
         assert len(sims) <= 170, (options.mode, len(sims))
+
+
+def _longest_recompute_chain(p) -> int:
+    """The most elementwise ops one recomputed value goes through back to a stashed
+    value, an extern kernel (matmul, attention) or a reduction."""
+    classes = DEFAULT_CLASSES
+    ends = classes.heavy | classes.reduction | classes.normalization | classes.softmax
+    recomputed, chain = set(p.mirrored), {}
+    for n in p.mirrored:
+        inputs = [chain[a] for a in n.all_input_nodes if a in recomputed]
+        if is_view(n) or is_getitem(n):
+            chain[n] = max(inputs, default=0)
+        else:
+            chain[n] = 0 if op_name(n).split("::")[-1] in ends else 1 + max(inputs, default=0)
+    return max(chain.values(), default=0)
+
+
+def test_no_plan_recomputes_a_long_elementwise_chain():
+    # A Transformer's residual stream is elementwise from block to block: recomputed,
+    # block k's backward kernels re-read every earlier block's values (and differ per
+    # block). Without the cut, balance and budget plans here held chains of 16 ops.
+    torch.manual_seed(0)
+    model = models.TransformerLM(vocab=64, width=32, heads=2, layers=6, length=32, dropout=0.1)
+    tokens = torch.randint(0, 64, (2, 33))
+    joint = joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
+        for options in (
+            PlanOptions(mode="balance", max_overhead=1.0),
+            PlanOptions(mode="budget", budget=0.3),
+        ):
+            p = plan(joint, options)
+            assert p.peak_after < 0.9 * p.peak_before
+            assert 0 < _longest_recompute_chain(p) <= MAX_RECOMPUTE_CHAIN

@@ -29,7 +29,7 @@ from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
-from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
+from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 from mirrorgrad.options import MirrorOptions
 
@@ -51,6 +51,14 @@ CHUNK_SHARE = 1 / 32
 STALL_TRIALS = 32
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
+# The longest chain of recomputed elementwise ops a plan may hold (extern kernels and
+# reductions end a chain). Longer ones are cut: the deepest recomputed input is stashed.
+# On the suite's Transformer, balance recomputed the residual stream through all 12
+# blocks (chains of 28 ops): each block's backward kernels then re-read every earlier
+# block's saved values, each block's kernels were different code (cold compile 99 s
+# against torch.compile's 25 s on an H100) and the step took +10% for +4.7% estimated.
+# Min-cut bans such chains too (``ban_recompute_long_fusible_chains``).
+MAX_RECOMPUTE_CHAIN = 8
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
 # torch.compile's default partition (min-cut) recomputes only cheap ops that Inductor
@@ -67,6 +75,13 @@ PEAK_INCLUDES = (
     "and temporary values, the ops' declared temporaries; the cuBLAS workspaces are "
     "listed apart ('held outside', in the step peak); optimizer state and other memory "
     "held outside the graph (CUDA Graph pools, data) come on top"
+)
+
+
+# Ops whose output Inductor writes to memory (reductions, normalizations), ending a
+# chain of fused elementwise ops.
+_CHAIN_ENDS = frozenset(
+    DEFAULT_CLASSES.reduction | DEFAULT_CLASSES.normalization | DEFAULT_CLASSES.softmax
 )
 
 
@@ -491,12 +506,51 @@ class _Planner:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
     def evaluate(self, units: set[Node]) -> _Candidate:
-        """The plan that mirrors ``units``, simulated (once per set of units)."""
+        """The plan that mirrors ``units`` once its long recompute chains are cut
+        (``MAX_RECOMPUTE_CHAIN``: its ``units`` may be fewer), simulated once per set."""
         key = frozenset(units)
         known = self._evaluated.get(key)
         if known is None:
-            known = self._evaluated[key] = self._evaluate(key)
+            cut = self._cut_long_chains(key)
+            known = self._evaluated.get(cut)
+            if known is None:
+                known = self._evaluated[cut] = self._evaluate(cut)
+            self._evaluated[key] = known
         return known
+
+    def _cut_long_chains(self, units: frozenset[Node]) -> frozenset[Node]:
+        """``units`` less those whose stashing keeps every chain of recomputed
+        elementwise ops within ``MAX_RECOMPUTE_CHAIN``: walking the recomputed nodes in
+        order, where a chain grows too long its deepest recomputed input is stashed.
+        Stashing only shortens chains, so one walk suffices."""
+        recomputed = partition_for(self.joint, self.graph, set(units)).mirrored
+        in_plan, stashed = set(recomputed), set()
+        chain: dict[Node, int] = {}
+
+        def length(v: Node) -> int:
+            unit = self.graph.producer(self.graph.root(v))
+            return 0 if v not in in_plan or unit in stashed else chain[v]
+
+        for n in recomputed:
+            inputs = [a for a in n.all_input_nodes if length(a)]
+            if is_view(n) or is_getitem(n):
+                chain[n] = max(map(length, inputs), default=0)
+                continue
+            if self._ends_chains(n):
+                chain[n] = 0
+                continue
+            while inputs and 1 + max(map(length, inputs)) > MAX_RECOMPUTE_CHAIN:
+                deepest = max(inputs, key=length)
+                stashed.add(self.graph.producer(self.graph.root(deepest)))
+                inputs = [a for a in inputs if length(a)]
+            chain[n] = 1 + max(map(length, inputs), default=0)
+        return units - stashed if stashed else units
+
+    def _ends_chains(self, node: Node) -> bool:
+        """Inductor writes this op's output to memory: an extern kernel, a reduction."""
+        return node in self.graph.last_resort or not self.graph.mirrorable.get(node, True) or (
+            op_name(node).split("::")[-1] in _CHAIN_ENDS
+        )
 
     def _evaluate(self, units: frozenset[Node]) -> _Candidate:
         partition = partition_for(self.joint, self.graph, set(units))
@@ -714,6 +768,7 @@ class _Planner:
                 break
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
+            rejected |= set(chunk) - trial.units  # stashed to cut a long chain
             stalled = 0 if trial.peak < current.peak else stalled + 1
             if trial.peak <= current.peak:
                 current, k, ranked = trial, min(2 * k, max_chunk), None
