@@ -28,6 +28,7 @@ from torch.fx import Node
 from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
+from mirrorgrad.graph.fusion import REALIZE_ACC_READS
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
 from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
@@ -51,14 +52,17 @@ CHUNK_SHARE = 1 / 32
 STALL_TRIALS = 32
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
-# The longest chain of recomputed elementwise ops a plan may hold (extern kernels and
-# reductions end a chain). Longer ones are cut: the deepest recomputed input is stashed.
-# On the suite's Transformer, balance recomputed the residual stream through all 12
-# blocks (chains of 28 ops): each block's backward kernels then re-read every earlier
-# block's saved values, each block's kernels were different code (cold compile 99 s
-# against torch.compile's 25 s on an H100) and the step took +10% for +4.7% estimated.
-# Min-cut bans such chains too (``ban_recompute_long_fusible_chains``).
-MAX_RECOMPUTE_CHAIN = 8
+# The most stored values one chain of recomputed elementwise ops may read (extern
+# kernels and reductions end a chain): Inductor's realize_acc_reads_threshold, past
+# which it writes the chain out (fusion.REALIZE_ACC_READS). Where a chain would read
+# more, its recomputed input reading the most is stashed. On the suite's Transformer,
+# balance recomputed the residual stream through all 12 blocks: block k's backward
+# kernels re-read the saved values of every block before it, each block's kernels were
+# different code (cold compile 99 s against torch.compile's 25 s on an H100) and the
+# step took +10% for +4.7% estimated. Min-cut bans long chains too
+# (``ban_recompute_long_fusible_chains``). Counting ops instead cut GPT-2's tanh GELU
+# (9 ops, 1 read) and left its budgets at 0.61x where 0.35x was reached.
+MAX_CHAIN_READS = REALIZE_ACC_READS
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
 # torch.compile's default partition (min-cut) recomputes only cheap ops that Inductor
@@ -520,30 +524,45 @@ class _Planner:
 
     def _cut_long_chains(self, units: frozenset[Node]) -> frozenset[Node]:
         """``units`` less those whose stashing keeps every chain of recomputed
-        elementwise ops within ``MAX_RECOMPUTE_CHAIN``: walking the recomputed nodes in
-        order, where a chain grows too long its deepest recomputed input is stashed.
-        Stashing only shortens chains, so one walk suffices."""
+        elementwise ops within ``MAX_CHAIN_READS`` stored values (of at least a quarter
+        of the reading op's output: per-channel statistics and weights are not what
+        makes such a chain slow; a ResNet's plans recompute BatchNorm chains over many
+        of them, measured within 3% and 0.97x the time on ResNet-152): walking the
+        recomputed nodes in order, where a chain would read more, its recomputed input
+        reading the most is stashed. Stashing only shortens chains: one walk suffices."""
         recomputed = partition_for(self.joint, self.graph, set(units)).mirrored
         in_plan, stashed = set(recomputed), set()
-        chain: dict[Node, int] = {}
+        reads: dict[Node, frozenset[Node]] = {}
 
-        def length(v: Node) -> int:
+        def chained(v: Node) -> bool:  # a recomputed value computed in a chain's kernel
             unit = self.graph.producer(self.graph.root(v))
-            return 0 if v not in in_plan or unit in stashed else chain[v]
+            return v in in_plan and unit not in stashed and bool(reads[v])
+
+        def read_set(inputs: list[Node], floor: int) -> set[Node]:
+            out: set[Node] = set()
+            for a in inputs:
+                if chained(a):
+                    out |= reads[a]
+                elif self.joint.nbytes(self.graph.root(a)) >= floor:
+                    out.add(self.graph.root(a))
+            return out
 
         for n in recomputed:
-            inputs = [a for a in n.all_input_nodes if length(a)]
+            inputs = list(n.all_input_nodes)
             if is_view(n) or is_getitem(n):
-                chain[n] = max(map(length, inputs), default=0)
+                chain = any(map(chained, inputs))
+                reads[n] = frozenset(read_set(inputs, 0)) if chain else frozenset()
                 continue
             if self._ends_chains(n):
-                chain[n] = 0
+                reads[n] = frozenset()
                 continue
-            while inputs and 1 + max(map(length, inputs)) > MAX_RECOMPUTE_CHAIN:
-                deepest = max(inputs, key=length)
+            floor = self.joint.nbytes(n) // 4  # per-channel statistics and weights: no count
+            while len(read := read_set(inputs, floor)) > MAX_CHAIN_READS and any(
+                map(chained, inputs)
+            ):
+                deepest = max(filter(chained, inputs), key=lambda a: len(reads[a]))
                 stashed.add(self.graph.producer(self.graph.root(deepest)))
-                inputs = [a for a in inputs if length(a)]
-            chain[n] = 1 + max(map(length, inputs), default=0)
+            reads[n] = frozenset(read)
         return units - stashed if stashed else units
 
     def _ends_chains(self, node: Node) -> bool:
