@@ -11,6 +11,7 @@ import mirrorgrad
 from mirrorgrad import _compat
 from mirrorgrad.bench import models
 from mirrorgrad.graph import liveness
+from mirrorgrad.graph.cost import StepCost
 from mirrorgrad.graph.joint import is_getitem, is_view, op_name
 from mirrorgrad.mirror.budget_search import (
     DEFAULT_PLAN_OVERHEAD,
@@ -268,11 +269,12 @@ def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
 
 def _widest_recompute_chain(p, graph: UnitGraph) -> int:
     """The most stored values (of at least a quarter of the reader's output) one chain
-    of recomputed elementwise ops reads (an extern kernel, a reduction or a stashed
-    value ends a chain)."""
+    of recomputed elementwise ops computed in registers reads (an extern kernel, a
+    reduction, a stashed or written-out value ends a chain)."""
     classes = DEFAULT_CLASSES
     ends = classes.heavy | classes.reduction | classes.normalization | classes.softmax
     recomputed, reads = set(p.mirrored), {}
+    inlined = StepCost(graph.joint, fusion=True).inlined
     for n in p.mirrored:
         read, floor = set(), graph.joint.nbytes(n) // 4
         for a in n.all_input_nodes:
@@ -284,7 +286,7 @@ def _widest_recompute_chain(p, graph: UnitGraph) -> int:
             read = set()
         elif is_view(n) or is_getitem(n):
             read = read if any(a in recomputed and reads[a] for a in n.all_input_nodes) else set()
-        reads[n] = read
+        reads[n] = read if n in inlined else set()  # else written out: a chain ends
     return max(map(len, reads.values()), default=0)
 
 

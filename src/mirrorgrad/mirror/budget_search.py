@@ -503,6 +503,7 @@ class _Planner:
         costs = StepCost(joint, rates, fusion=fusion)
         self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
+        self.inlined = costs.inlined  # values computed in their readers' kernels
         self.recompute = {n: costs.run(n) for n in joint.forward}
         self._evaluated: dict[frozenset[Node], _Candidate] = {}
 
@@ -524,10 +525,10 @@ class _Planner:
 
     def _cut_long_chains(self, units: frozenset[Node]) -> frozenset[Node]:
         """``units`` less those whose stashing keeps every chain of recomputed
-        elementwise ops within ``MAX_CHAIN_READS`` stored values (of at least a quarter
-        of the reading op's output: per-channel statistics and weights are not what
-        makes such a chain slow; a ResNet's plans recompute BatchNorm chains over many
-        of them, measured within 3% and 0.97x the time on ResNet-152): walking the
+        elementwise ops computed in registers (``StepCost.inlined``: a value an extern
+        kernel reads is written out and ends the chain, as a ResNet block's output
+        does) within ``MAX_CHAIN_READS`` stored values of at least a quarter of the
+        reading op's output (per-channel statistics and weights do not count): walking the
         recomputed nodes in order, where a chain would read more, its recomputed input
         reading the most is stashed. Stashing only shortens chains: one walk suffices."""
         recomputed = partition_for(self.joint, self.graph, set(units)).mirrored
@@ -562,7 +563,8 @@ class _Planner:
             ):
                 deepest = max(filter(chained, inputs), key=lambda a: len(reads[a]))
                 stashed.add(self.graph.producer(self.graph.root(deepest)))
-            reads[n] = frozenset(read)
+            # written to memory (an extern kernel reads it): its readers read it alone
+            reads[n] = frozenset(read) if n in self.inlined else frozenset()
         return units - stashed if stashed else units
 
     def _ends_chains(self, node: Node) -> bool:
