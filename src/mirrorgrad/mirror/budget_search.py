@@ -506,75 +506,95 @@ class _Planner:
         self.inlined = costs.inlined  # values computed in their readers' kernels
         self.recompute = {n: costs.run(n) for n in joint.forward}
         self._evaluated: dict[frozenset[Node], _Candidate] = {}
+        self._chain_cache: dict[Node, tuple[str, list, int]] = {}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
     def evaluate(self, units: set[Node]) -> _Candidate:
         """The plan that mirrors ``units`` once its long recompute chains are cut
-        (``MAX_RECOMPUTE_CHAIN``: its ``units`` may be fewer), simulated once per set."""
+        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set."""
         key = frozenset(units)
         known = self._evaluated.get(key)
         if known is None:
-            cut = self._cut_long_chains(key)
+            partition = partition_for(self.joint, self.graph, set(key))
+            cut = self._cut_long_chains(key, partition.mirrored)
             known = self._evaluated.get(cut)
             if known is None:
-                known = self._evaluated[cut] = self._evaluate(cut)
+                known = self._evaluate(cut, partition if cut == key else None)
+                self._evaluated[cut] = known
             self._evaluated[key] = known
         return known
 
-    def _cut_long_chains(self, units: frozenset[Node]) -> frozenset[Node]:
+    def _cut_long_chains(self, units: frozenset[Node], recomputed: list[Node]) -> frozenset[Node]:
         """``units`` less those whose stashing keeps every chain of recomputed
         elementwise ops computed in registers (``StepCost.inlined``: a value an extern
         kernel reads is written out and ends the chain, as a ResNet block's output
         does) within ``MAX_CHAIN_READS`` stored values of at least a quarter of the
-        reading op's output (per-channel statistics and weights do not count): walking the
-        recomputed nodes in order, where a chain would read more, its recomputed input
-        reading the most is stashed. Stashing only shortens chains: one walk suffices."""
-        recomputed = partition_for(self.joint, self.graph, set(units)).mirrored
+        reading op's output (per-channel statistics and weights do not count): walking
+        the recomputed nodes in order, where a chain would read more, its recomputed
+        input reading the most is stashed. Stashing only shortens chains: one walk
+        suffices."""
         in_plan, stashed = set(recomputed), set()
         reads: dict[Node, frozenset[Node]] = {}
+        empty: frozenset[Node] = frozenset()
 
-        def chained(v: Node) -> bool:  # a recomputed value computed in a chain's kernel
-            unit = self.graph.producer(self.graph.root(v))
-            return v in in_plan and unit not in stashed and bool(reads[v])
-
-        def read_set(inputs: list[Node], floor: int) -> set[Node]:
-            out: set[Node] = set()
-            for a in inputs:
-                if chained(a):
-                    out |= reads[a]
-                elif self.joint.nbytes(self.graph.root(a)) >= floor:
-                    out.add(self.graph.root(a))
-            return out
+        def chained(a: Node, unit: Node) -> bool:  # computed in a chain's kernel
+            return a in in_plan and bool(reads[a]) and unit not in stashed
 
         for n in recomputed:
-            inputs = list(n.all_input_nodes)
-            if is_view(n) or is_getitem(n):
-                chain = any(map(chained, inputs))
-                reads[n] = frozenset(read_set(inputs, 0)) if chain else frozenset()
+            role, inputs, floor = self._chain_facts(n)
+            if role == "end":
+                reads[n] = empty
                 continue
-            if self._ends_chains(n):
-                reads[n] = frozenset()
+            links = [(a, unit) for a, unit, _, _ in inputs if chained(a, unit)]
+            if not links:  # reads only stored values: an op inlined starts a chain
+                inlined = role == "inlined" and not (is_view(n) or is_getitem(n))
+                reads[n] = (
+                    frozenset(root for _, _, root, size in inputs if size >= floor)
+                    if inlined
+                    else empty
+                )
                 continue
-            floor = self.joint.nbytes(n) // 4  # per-channel statistics and weights: no count
-            while len(read := read_set(inputs, floor)) > MAX_CHAIN_READS and any(
-                map(chained, inputs)
-            ):
-                deepest = max(filter(chained, inputs), key=lambda a: len(reads[a]))
-                stashed.add(self.graph.producer(self.graph.root(deepest)))
-            # written to memory (an extern kernel reads it): its readers read it alone
-            reads[n] = frozenset(read) if n in self.inlined else frozenset()
+            while True:
+                read: set[Node] = set()
+                for a, unit, root, size in inputs:
+                    if chained(a, unit):
+                        read |= reads[a]
+                    elif size >= floor:
+                        read.add(root)
+                links = [(a, unit) for a, unit in links if unit not in stashed]
+                if len(read) <= MAX_CHAIN_READS or not links:
+                    break
+                stashed.add(max(links, key=lambda link: len(reads[link[0]]))[1])
+            # an op not inlined is written to memory: its readers read it alone
+            reads[n] = frozenset(read) if role != "written" else empty
         return units - stashed if stashed else units
 
-    def _ends_chains(self, node: Node) -> bool:
-        """Inductor writes this op's output to memory: an extern kernel, a reduction."""
-        return node in self.graph.last_resort or not self.graph.mirrorable.get(node, True) or (
-            op_name(node).split("::")[-1] in _CHAIN_ENDS
-        )
+    def _chain_facts(self, n: Node) -> tuple[str, list[tuple[Node, Node, Node, int]], int]:
+        """Per node, once: its role in a chain ("end": an extern kernel or a reduction;
+        "view"; "inlined"; "written"), its inputs as (value, unit, root, root bytes),
+        and the smallest read that counts."""
+        facts = self._chain_cache.get(n)
+        if facts is None:
+            g = self.graph
+            inputs = [
+                (a, g.producer(g.root(a)), g.root(a), self.joint.nbytes(g.root(a)))
+                for a in n.all_input_nodes
+            ]
+            if is_view(n) or is_getitem(n):
+                role, floor = "inlined", 0
+            else:
+                ends = n in g.last_resort or not g.mirrorable.get(n, True)
+                ends = ends or op_name(n).split("::")[-1] in _CHAIN_ENDS
+                role = "end" if ends else "inlined" if n in self.inlined else "written"
+                floor = self.joint.nbytes(n) // 4
+            facts = self._chain_cache[n] = (role, inputs, floor)
+        return facts
 
-    def _evaluate(self, units: frozenset[Node]) -> _Candidate:
-        partition = partition_for(self.joint, self.graph, set(units))
+    def _evaluate(self, units: frozenset[Node], partition: Partition | None) -> _Candidate:
+        if partition is None:
+            partition = partition_for(self.joint, self.graph, set(units))
         available = partition.saved + partition.saved_sym
         try:
             sim = liveness.simulate(
