@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from torch.fx import Node
 
@@ -616,7 +617,7 @@ class _Planner:
         """The lowest peak within the time cap: the storage-balance plan, repaired
         and trimmed to the cap, or a state of the adding search within it."""
         cap_s = max_overhead * self.step_time_s
-        chosen = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        chosen = self.repaired_storage_balance
         units = self._within_cap(set(chosen.units), cap_s)
         if units != chosen.units:
             chosen = self.evaluate(units)
@@ -624,6 +625,12 @@ class _Planner:
         candidates = [chosen, *(c for c in path if c.added_time_s <= cap_s)]
         chosen = min(candidates, key=lambda c: (c.peak, c.added_time_s))
         return chosen if chosen.peak < before.peak else before
+
+    @cached_property
+    def repaired_storage_balance(self) -> _Candidate:
+        """The storage-balance plan after the lifetime repair (budget mode's default
+        plan, its trims and balance mode all start from it)."""
+        return self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
 
     def _within_cap(self, units: set[Node], cap_s: float) -> set[Node]:
         """Un-mirror the fewest units, costliest first, for an added time <= ``cap_s``.
@@ -824,7 +831,7 @@ class _Planner:
     def _trimmed_balance(self) -> list[_Candidate]:
         """The repaired storage-balance plan, then with its costliest 1, 2, 4, ...
         units stashed instead (each trim saves time and may cost peak)."""
-        grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        grouped = self.repaired_storage_balance
         units = set(grouped.units)
         recomputed = set(partition_for(self.joint, self.graph, units).mirrored)
         ranked = self._costliest_first(units, recomputed)
