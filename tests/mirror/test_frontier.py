@@ -115,15 +115,20 @@ def test_budget_plan_dominates_min_cut(name, fraction):
 
 
 @pytest.mark.slow
-def test_full_size_transformer_meets_min_cuts_peak_recomputing_attention():
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+def test_full_size_transformer_dominates_min_cut(fraction):
     # The suite's 12x768 transformer, length 1024, as Inductor hands it over (traced,
-    # never run). Min-cut's 0.3 recomputes the attention; with attention never
-    # recomputed our lowest peak was above min-cut's (0.62x against 0.589x of its
-    # default, bench/frontier.py).
-    built = get_workload("transformer").build(device="cpu", quick=False)
-    joint = capture_joint(built.model, *built.make_batch())
-    their_peak, their_seconds = min_cut_plan(joint, 0.3)
+    # never run). Min-cut's 0.3 recomputes the attention; before attention could be
+    # recomputed (and before the in-place loss model) our lowest peak was above
+    # min-cut's there (0.62x against 0.589x of its default, bench/frontier.py).
+    joint = _full_size_transformer()
+    their_peak, their_seconds = min_cut_plan(joint, fraction)
     ours = plan(joint, PlanOptions(mode="budget", budget=their_peak))
     assert ours.peak_after <= their_peak
     assert ours.added_time_s <= their_seconds
-    assert any("attention" in str(n.target) for n in ours.mirrored)
+
+
+@functools.cache
+def _full_size_transformer() -> JointGraph:
+    built = get_workload("transformer").build(device="cpu", quick=False)
+    return capture_joint(built.model, *built.make_batch())
