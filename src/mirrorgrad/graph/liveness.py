@@ -139,6 +139,8 @@ class GraphIndex:
         self._fused_backward: _FusedBackward | None = None
         self.np_view = np.asarray(self.view, dtype=bool)
         self.np_pointwise = np.asarray(self.pointwise, dtype=bool)
+        self.np_owned = np.zeros(len(nodes), dtype=bool)  # the caller's: primals, tangents
+        self.np_owned[[*self.primals, *self.tangents]] = True
         self.np_fusible = np.asarray(self.fusible, dtype=bool)
         self.input_storages = [tuple(self.storage[a] for a in ins) for ins in self.inputs]
         self.getitem_parent = np.full(len(nodes), -1, dtype=np.int64)
@@ -468,8 +470,7 @@ class _Phase:
         done = self.s_counted & (self.s_end >= 0) & (self.s_end < length)
         source, at = self.s_id[done], self.s_end[done]
         node = sched[at]
-        owner = np.zeros(len(ix.nodes), dtype=bool)  # storages a phase may not write over
-        owner[[*ix.primals, *ix.tangents]] = True
+        owner = ix.np_owned  # storages a phase may not write over
         ok = ix.np_pointwise[node] & (ix.np_storage[node] == node) & ~owner[source]
         ok &= ~keep[source] & ~keep[node] & (source != node)
         ok &= ix.np_nbytes[source] == ix.np_nbytes[node]

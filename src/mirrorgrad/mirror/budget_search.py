@@ -550,10 +550,9 @@ class _Planner:
                 continue
             links = [(a, unit) for a, unit, _, _ in inputs if chained(a, unit)]
             if not links:  # reads only stored values: an op inlined starts a chain
-                inlined = role == "inlined" and not (is_view(n) or is_getitem(n))
                 reads[n] = (
                     frozenset(root for _, _, root, size in inputs if size >= floor)
-                    if inlined
+                    if role == "inlined"
                     else empty
                 )
                 continue
@@ -574,8 +573,8 @@ class _Planner:
 
     def _chain_facts(self, n: Node) -> tuple[str, list[tuple[Node, Node, Node, int]], int]:
         """Per node, once: its role in a chain ("end": an extern kernel or a reduction;
-        "view"; "inlined"; "written"), its inputs as (value, unit, root, root bytes),
-        and the smallest read that counts."""
+        "view": a view or getitem, part of its input's chain; "inlined"; "written"), its
+        inputs as (value, unit, root, root bytes), and the smallest read that counts."""
         facts = self._chain_cache.get(n)
         if facts is None:
             g = self.graph
@@ -584,7 +583,7 @@ class _Planner:
                 for a in n.all_input_nodes
             ]
             if is_view(n) or is_getitem(n):
-                role, floor = "inlined", 0
+                role, floor = "view", 0
             else:
                 ends = n in g.last_resort or not g.mirrorable.get(n, True)
                 ends = ends or op_name(n).split("::")[-1] in _CHAIN_ENDS
