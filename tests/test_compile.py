@@ -180,7 +180,7 @@ def test_compile_a_function():
         ({"backend": "tvm"}, "choose one of inductor, eager"),
         ({"mode": "budget"}, "needs budget="),
         ({"mode": "budget", "budget": -1}, "finite and > 0"),
-        ({"mode": "budget", "budget": "abc"}, "a fraction of the unmirrored peak"),
+        ({"mode": "budget", "budget": "abc"}, "activation_memory_budget"),
         ({"mode": "budget", "budget": 1.5}, "neither a fraction"),
         ({"mode": "balance", "budget": 0.5}, "only used by mode='budget'"),
         ({"max_overhead": -0.1}, "max_overhead"),

@@ -249,7 +249,8 @@ def compile(
     - ``mode="balance"``: the lowest estimated peak within ``max_overhead`` (a fraction
       of the step time) of added recompute time.
     - ``mode="budget"``: the least added time whose estimated peak meets ``budget``
-      (a fraction in (0, 1] of the unmirrored peak, or bytes: an int or ``"2GiB"``).
+      (bytes: an int or ``"2GiB"``; or a fraction in (0, 1] on the scale of PyTorch's
+      ``activation_memory_budget``: of the saved activations of torch.compile's default).
     - ``mode="off"``: stash every value the backward reads (no mirroring).
     - ``backend="inductor"`` generates code; ``"eager"`` runs AOTAutograd's graphs
       without code generation.

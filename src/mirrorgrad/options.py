@@ -32,8 +32,9 @@ _UNITS = {
 }
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
 _BUDGET_HELP = (
-    "a fraction of the unmirrored peak in (0, 1] (budget=0.5), or bytes as a positive "
-    "integer (budget=2_000_000_000) or a size string (budget='2GiB')"
+    "a fraction in (0, 1] on activation_memory_budget's scale (budget=0.5: half the saved "
+    "activations of torch.compile's default plan), or peak bytes as a positive integer "
+    "(budget=2_000_000_000) or a size string (budget='2GiB')"
 )
 
 
@@ -44,8 +45,10 @@ class MirrorOptions:
     - ``mode="balance"``: the lowest estimated peak whose added recompute time stays
       within ``max_overhead`` (a fraction of the step time).
     - ``mode="budget"``: the least added time whose estimated peak meets ``budget``:
-      a float fraction in (0, 1] of the unmirrored peak, or an int number of bytes
-      (strings such as ``"2GiB"`` and ``"0.5"`` are parsed into one of those).
+      an int number of bytes, or a float fraction in (0, 1] on the scale of PyTorch's
+      ``activation_memory_budget`` (1: torch.compile's default plan; F: its estimated
+      peak less 1 - F of its saved activations; ``budget_search.BudgetScale``).
+      Strings such as ``"2GiB"`` and ``"0.5"`` are parsed into one of those.
     - ``mode="off"``: stash every value the backward reads (no mirroring).
     """
 
@@ -97,8 +100,9 @@ class MirrorOptions:
         ``budget:2000000000``); ValueError on anything else."""
         name, sep, value = text.strip().partition(":")
         usage = (
-            "use balance, off, budget:FRACTION with 0 < FRACTION <= 1 (budget:0.5 halves "
-            "the unmirrored peak) or budget:BYTES (budget:2GiB, budget:2000000000)"
+            "use balance, off, budget:FRACTION with 0 < FRACTION <= 1 (budget:0.5 keeps half "
+            "the saved activations of torch.compile's default plan, as "
+            "activation_memory_budget=0.5 does) or budget:BYTES (budget:2GiB, budget:2000000000)"
         )
         if name in ("balance", "off") and not sep:
             return cls(mode=name, max_overhead=max_overhead)
@@ -128,7 +132,7 @@ class MirrorOptions:
 def parse_budget(value: object) -> float | int:
     """A budget as the planner takes it: a float fraction in (0, 1] or int bytes > 1.
 
-    Numbers up to 1 are fractions (``1`` is the whole unmirrored peak); integers above
+    Numbers up to 1 are fractions (``1`` is torch.compile's default plan); integers above
     1 are bytes; a float above 1 is refused (1.5 bytes is a mistake, not a budget).
     Strings: a number as above, or a size with a unit (``512MiB``, ``2GB``)."""
     if isinstance(value, str):

@@ -152,13 +152,14 @@ class _Simulator:
                     if refs[s] == 1 and not virtual[s]:
                         live += nbytes[s]
             transient += ix.temporary[n]
-            event_nodes.append(n)
-            event_bytes.append(live + transient)
-            if pos == snapshot_at:
-                self._snapshot()
             dead = dies_at.get(pos, ())
             if produced is None and n not in last_use and not keep[n]:
                 dead = [*dead, n]
+            in_place = produced is None and self._written_in_place(n, dead, keep)
+            event_nodes.append(n)
+            event_bytes.append(live + transient - (nbytes[n] if in_place else 0))
+            if pos == snapshot_at:
+                self._snapshot(skip=n if in_place else None)
             for v in dead:
                 if alive[v]:
                     alive[v] = 0
@@ -168,13 +169,32 @@ class _Simulator:
                         live -= nbytes[s]
         self.live_bytes = live
 
-    def _snapshot(self) -> None:
+    def _written_in_place(self, n: int, dead, keep) -> bool:
+        """Inductor writes pointwise ``n`` over a storage whose last value dies here (same
+        bytes; not a primal, tangent or kept one; ``n`` not kept)."""
+        ix = self.ix
+        if not self.fusion or not ix.pointwise[n] or ix.storage[n] != n:
+            return False
+        if self.virtual[n] or keep[n]:
+            return False
+        owners = {*ix.primals, *ix.tangents}
+        dying: dict[int, int] = {}
+        for v in dead:
+            if self.alive[v]:
+                dying[ix.storage[v]] = dying.get(ix.storage[v], 0) + 1
+        return any(
+            count == self.refs[s] and s != n and not self.virtual[s] and s not in owners
+            and not keep[s] and ix.nbytes[s] == ix.nbytes[n]
+            for s, count in dying.items()
+        )  # fmt: skip
+
+    def _snapshot(self, skip: int | None = None) -> None:
         ix = self.ix
         self.snapshot = [i for i in range(len(ix.nodes)) if self.alive[i]]
         self.snapshot_storages = [
             (s, ix.nbytes[s])
             for s in range(len(ix.nodes))
-            if self.refs[s] > 0 and not self.virtual[s]
+            if self.refs[s] > 0 and not self.virtual[s] and s != skip
         ]
 
 

@@ -27,7 +27,14 @@ from torch.utils.flop_counter import flop_registry
 from mirrorgrad import _compat
 from mirrorgrad.formulas import bytes_formula
 from mirrorgrad.graph.fusion import inlined
-from mirrorgrad.graph.joint import JointGraph, fake_args, is_getitem, is_view, value_nbytes
+from mirrorgrad.graph.joint import (
+    JointGraph,
+    fake_args,
+    is_getitem,
+    is_view,
+    schema_arg,
+    value_nbytes,
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -107,10 +114,22 @@ def _numel(val: object) -> int:
     return 0
 
 
+# Ops without a formula of their own that count as another's (same leading arguments).
+_FLOPS_AS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        "_scaled_dot_product_flash_attention_backward"
+    ),
+}
+
+
 def registered_flops(node: Node) -> int | None:
     """FLOPs from torch's formula registry, or None when it has no formula for the op."""
     target = node.target
     packet = getattr(target, "overloadpacket", target)
+    alias = _FLOPS_AS.get(getattr(packet, "__name__", ""))
+    if alias is not None:
+        packet = getattr(torch.ops.aten, alias)
     formula = flop_registry.get(packet)
     if formula is None:
         return None
@@ -136,14 +155,27 @@ CONVOLUTIONS = frozenset(
 
 def _flops_and_rate(node: Node, rates: DeviceRates) -> tuple[int, float]:
     """FLOPs from the registry at the matmul (or convolution) rate, else one per output
-    element at the vector rate."""
+    element at the vector rate. Attention kernels skip the masked half of a causal
+    product (the formula counts it), and in fp32 (forward and backward) run on the
+    vector units: the memory-efficient kernel has no tensor-core path for fp32."""
     flops = registered_flops(node)
     if flops is None:
         return _numel(node.meta.get("val")), rates.vector_flops_per_s
-    packet = getattr(node.target, "overloadpacket", node.target)
-    if getattr(packet, "__name__", "") in CONVOLUTIONS:
+    name = getattr(getattr(node.target, "overloadpacket", node.target), "__name__", "")
+    if name in CONVOLUTIONS:
         return flops, rates.conv_flops_per_s
+    if "attention" in name:
+        flops = flops // 2 if schema_arg(node, "is_causal") is True else flops
+        if _dtype(node.meta.get("val")) == torch.float32:
+            return flops, rates.vector_flops_per_s
     return flops, rates.matmul_flops_per_s
+
+
+def _dtype(val: object) -> torch.dtype | None:
+    """The dtype of a value, or of a tuple's first tensor."""
+    if isinstance(val, (tuple, list)):
+        return next((_dtype(v) for v in val if hasattr(v, "dtype")), None)
+    return getattr(val, "dtype", None)
 
 
 def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:

@@ -72,6 +72,18 @@ def value_nbytes(val: object) -> int:
     return 0
 
 
+def schema_arg(node: Node, name: str) -> object:
+    """The argument ``name`` of an op node, positional, keyword or by its default
+    (None where the op's schema has no such argument)."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) else arg.default_value
+    return None
+
+
 def fake_value(arg: object) -> object:
     """A node argument as its fake value: nodes by their meta "val", lists/tuples element-wise."""
     if isinstance(arg, Node):

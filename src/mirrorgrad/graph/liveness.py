@@ -139,6 +139,8 @@ class GraphIndex:
         self._fused_backward: _FusedBackward | None = None
         self.np_view = np.asarray(self.view, dtype=bool)
         self.np_pointwise = np.asarray(self.pointwise, dtype=bool)
+        self.np_owned = np.zeros(len(nodes), dtype=bool)  # the caller's: primals, tangents
+        self.np_owned[[*self.primals, *self.tangents]] = True
         self.np_fusible = np.asarray(self.fusible, dtype=bool)
         self.input_storages = [tuple(self.storage[a] for a in ins) for ins in self.inputs]
         self.getitem_parent = np.full(len(nodes), -1, dtype=np.int64)
@@ -443,13 +445,39 @@ class _Phase:
         start, end = self._intervals(ix, sched, pos, last_use, keep, alive)
         self.alive_after = end == _FOREVER
         self._storages(ix, start, end, virtual, length)
+        in_place = self._in_place(ix, sched, keep) if fusion else {}
         self.events = self._bytes_at(length) + self._transients(ix, sched, pos)
+        for at, node in in_place.items():
+            self.events[at] -= ix.np_nbytes[node]
         self.snapshot: list[int] = []
         self.snapshot_storages: list[int] = []
         if 0 <= snapshot_at < length:
             self.snapshot = np.flatnonzero((start <= snapshot_at) & (end >= snapshot_at)).tolist()
             held = (self.s_start <= snapshot_at) & (self.s_end >= snapshot_at) & self.s_counted
-            self.snapshot_storages = sorted(set(self.s_id[held].tolist()))
+            shared = in_place.get(snapshot_at)  # written into its input's storage
+            self.snapshot_storages = sorted(set(self.s_id[held].tolist()) - {shared})
+
+    def _in_place(self, ix, sched, keep) -> dict[int, int]:
+        """Event -> the pointwise op there that Inductor writes into the storage of a
+        value read for the last time there (directly or through values it computes in
+        registers; same bytes; neither a primal, tangent or kept value, nor writing
+        one): its output costs
+        no new bytes at that event. The loss's log-softmax is written over the logits,
+        and its gradient over the saved log-softmax (a saved value is donated to the
+        backward): 1,000 MiB each on the suite's Transformer, where the estimate was
+        12-14% above the measured peak (H100)."""
+        length = len(sched)
+        done = self.s_counted & (self.s_end >= 0) & (self.s_end < length)
+        source, at = self.s_id[done], self.s_end[done]
+        node = sched[at]
+        owner = ix.np_owned  # storages a phase may not write over
+        ok = ix.np_pointwise[node] & (ix.np_storage[node] == node) & ~owner[source]
+        ok &= ~keep[source] & ~keep[node] & (source != node)
+        ok &= ix.np_nbytes[source] == ix.np_nbytes[node]
+        counted = np.zeros(len(ix.nodes), dtype=bool)
+        counted[self.s_id[self.s_counted & (self.s_start <= self.s_end)]] = True
+        ok &= counted[node]
+        return dict(zip(at[ok].tolist(), node[ok].tolist()))
 
     @staticmethod
     def _intervals(ix, sched, pos, last_use, keep, alive):

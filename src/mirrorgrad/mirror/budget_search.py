@@ -11,7 +11,8 @@ what to mirror, judged by the step's peak.
 - ``budget``: the least added time that meets a peak budget, chosen from a set of
   candidates that does not depend on the budget (mirroring more ops one chunk at a
   time, from no mirroring and from the storage-balance plan; trims of that plan), so
-  a lower budget never gives a higher peak. Within no budget: the lowest peak.
+  a lower budget never gives a higher peak. Within no budget: the lowest peak. A
+  fraction is on PyTorch's ``activation_memory_budget`` scale (``BudgetScale``).
 
 Every plan is checked before it is returned: no random op recomputed, every
 backward read either saved or recomputed from saved values.
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from torch.fx import Node
 
 from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
+from mirrorgrad.graph.fusion import REALIZE_ACC_READS
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
-from mirrorgrad.mirror.policy import MirrorPolicy, is_random, op_name
+from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 from mirrorgrad.options import MirrorOptions
 
@@ -50,8 +53,25 @@ CHUNK_SHARE = 1 / 32
 STALL_TRIALS = 32
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
+# The most stored values one chain of recomputed elementwise ops may read (extern
+# kernels and reductions end a chain): Inductor's realize_acc_reads_threshold, past
+# which it writes the chain out (fusion.REALIZE_ACC_READS). Where a chain would read
+# more, its recomputed input reading the most is stashed. On the suite's Transformer,
+# balance recomputed the residual stream through all 12 blocks: block k's backward
+# kernels re-read the saved values of every block before it, each block's kernels were
+# different code (cold compile 99 s against torch.compile's 25 s on an H100) and the
+# step took +10% for +4.7% estimated. Min-cut bans long chains too
+# (``ban_recompute_long_fusible_chains``). Counting ops instead cut GPT-2's tanh GELU
+# (9 ops, 1 read) and left its budgets at 0.61x where 0.35x was reached.
+MAX_CHAIN_READS = REALIZE_ACC_READS
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
+# torch.compile's default partition (min-cut) recomputes only cheap ops that Inductor
+# fuses for nearly nothing; the plan that stands for it on the budget scale
+# (BudgetScale) is balance's with this time cap (our cost model charges a fused
+# recomputation its arithmetic). Running min-cut itself would cost 4-7 s of planning
+# on a 10k-node graph.
+DEFAULT_PLAN_OVERHEAD = 0.01
 # The largest values alive at the peak that a plan's summary names.
 FLOOR_VALUES = 5
 # What an estimated peak counts (str(plan), the budget warning, the README).
@@ -63,12 +83,53 @@ PEAK_INCLUDES = (
 )
 
 
+# Ops whose output Inductor writes to memory (reductions, normalizations), ending a
+# chain of fused elementwise ops.
+_CHAIN_ENDS = frozenset(
+    DEFAULT_CLASSES.reduction | DEFAULT_CLASSES.normalization | DEFAULT_CLASSES.softmax
+)
+
+
 class MirrorgradBudgetWarning(UserWarning):
     """The plan's estimated peak misses the budget asked for; says what holds the floor."""
 
 
 class PlanError(RuntimeError):
     """The planner reached an inconsistent state (callers fall back to PyTorch's partition)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BudgetScale:
+    """What a budget fraction is of: PyTorch's ``activation_memory_budget`` scale.
+
+    PyTorch's fraction F bounds the saved activations to F of what its default
+    partition saves (1: torch.compile's default; 0: save only the inputs). As a
+    peak: the estimated peak of the plan standing for that default
+    (``DEFAULT_PLAN_OVERHEAD``) less (1 - F) of the saved activations alive at it.
+    So ``budget=0.5`` and ``activation_memory_budget=0.5`` ask for the same memory.
+    """
+
+    fraction: float
+    default_peak: int
+    default_activations: int  # saved activations alive at the default plan's peak
+
+    @property
+    def budget_bytes(self) -> int:
+        return max(int(self.default_peak - (1 - self.fraction) * self.default_activations), 1)
+
+    def describe(self) -> str:
+        return (
+            f"{self.fraction:g} of the default plan's saved activations: its estimated "
+            f"peak {_fmt(self.default_peak)} less {1 - self.fraction:.0%} of the "
+            f"{_fmt(self.default_activations)} saved there"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "fraction": self.fraction,
+            "default_peak": self.default_peak,
+            "default_activations": self.default_activations,
+        }
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -99,6 +160,8 @@ class Plan:
     step_time_s: float
     mode: str
     budget_bytes: int | None = None
+    # A fractional budget: what the fraction is of (None for bytes and other modes).
+    budget_scale: BudgetScale | None = None
     # Budget mode: whether the estimated peak is within BUDGET_TOLERANCE of the budget.
     budget_met: bool | None = None
     # What is alive at the estimated peak of this plan; when a budget is not met, the
@@ -126,6 +189,7 @@ class Plan:
         return {
             "mode": self.mode,
             "budget_bytes": self.budget_bytes,
+            "budget_scale": self.budget_scale.to_dict() if self.budget_scale else None,
             "stashed": [row(n) for n in self._stashed()],
             "mirrored": [row(n) for n in self.mirrored if not is_getitem(n)],
             "saved_sym": [n.name for n in self.saved_sym],
@@ -180,7 +244,9 @@ class Plan:
         ]
         parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
         if self.budget_bytes is not None:
-            parts.append(f"budget {_fmt(self.budget_bytes)} {self._budget_state()}")
+            scale = self.budget_scale
+            of = f" ({scale.fraction:g} of the default's activations)" if scale else ""
+            parts.append(f"budget {_fmt(self.budget_bytes)}{of} {self._budget_state()}")
             if not self.budget_met:
                 parts.append(self.floor_summary())
         return "; ".join(parts)
@@ -214,6 +280,8 @@ class Plan:
         ]
         if self.budget_bytes is not None:
             lines.append(f"budget:         {_fmt(self.budget_bytes)} ({self._budget_state()})")
+        if self.budget_scale is not None:
+            lines.append(f"                ({self.budget_scale.describe()})")
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
@@ -347,16 +415,19 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     graph = UnitGraph(joint, policy)
     planner = _Planner(joint, graph, rates, fusion=options.fusion)
     before = planner.evaluate(set())
-    budget_bytes = None
+    budget_bytes, scale = None, None
     if options.mode == "off" or not policy.enabled:
         chosen = before
     elif options.mode == "balance":
         chosen = planner.balance(options.max_overhead, before)
     else:
-        budget_bytes = int(
-            options.budget * before.peak if options.budget <= 1.0 else options.budget
-        )
-        chosen = planner.meet_budget(budget_bytes, before)
+        candidates, default = planner.budget_candidates(before)
+        if isinstance(options.budget, float):
+            scale = planner.budget_scale(options.budget, default)
+            budget_bytes = scale.budget_bytes
+        else:
+            budget_bytes = int(options.budget)
+        chosen = planner.meet_budget(budget_bytes, candidates)
     _check(joint, chosen.partition)
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
@@ -384,6 +455,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         step_time_s=planner.step_time_s,
         mode=options.mode,
         budget_bytes=budget_bytes,
+        budget_scale=scale,
         budget_met=met,
         floor=floor,
         sizes=sizes,
@@ -395,12 +467,12 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
 
 def budget_message(p: Plan) -> str:
     held = "".join(f" Held outside the graph: {what} {_fmt(b)}." for what, b in p.held.items())
+    asked = f" ({p.budget_scale.describe()})" if p.budget_scale else ""
     return (
-        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)} "
-        f"({p.budget_bytes / p.peak_before:.2f} of the unmirrored peak {_fmt(p.peak_before)}) "
-        f"is not met: the lowest estimated peak found is {_fmt(p.peak_after)} "
-        f"({p.peak_after / p.peak_before:.2f}). {p.floor_summary()}.{held} The peak is of "
-        f"{PEAK_INCLUDES}."
+        f"mirrorgrad: the budget of {_fmt(p.budget_bytes)}{asked} is not met: the lowest "
+        f"estimated peak found is {_fmt(p.peak_after)} ({p.peak_after / p.peak_before:.2f} "
+        f"of the unmirrored {_fmt(p.peak_before)}). {p.floor_summary()}.{held} The peak is "
+        f"of {PEAK_INCLUDES}."
     )
 
 
@@ -432,22 +504,97 @@ class _Planner:
         costs = StepCost(joint, rates, fusion=fusion)
         self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
+        self.inlined = costs.inlined  # values computed in their readers' kernels
         self.recompute = {n: costs.run(n) for n in joint.forward}
         self._evaluated: dict[frozenset[Node], _Candidate] = {}
+        self._chain_cache: dict[Node, tuple[str, list, int]] = {}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
     def evaluate(self, units: set[Node]) -> _Candidate:
-        """The plan that mirrors ``units``, simulated (once per set of units)."""
+        """The plan that mirrors ``units`` once its long recompute chains are cut
+        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set."""
         key = frozenset(units)
         known = self._evaluated.get(key)
         if known is None:
-            known = self._evaluated[key] = self._evaluate(key)
+            partition = partition_for(self.joint, self.graph, set(key))
+            cut = self._cut_long_chains(key, partition.mirrored)
+            known = self._evaluated.get(cut)
+            if known is None:
+                known = self._evaluate(cut, partition if cut == key else None)
+                self._evaluated[cut] = known
+            self._evaluated[key] = known
         return known
 
-    def _evaluate(self, units: frozenset[Node]) -> _Candidate:
-        partition = partition_for(self.joint, self.graph, set(units))
+    def _cut_long_chains(self, units: frozenset[Node], recomputed: list[Node]) -> frozenset[Node]:
+        """``units`` less those whose stashing keeps every chain of recomputed
+        elementwise ops computed in registers (``StepCost.inlined``: a value an extern
+        kernel reads is written out and ends the chain, as a ResNet block's output
+        does) within ``MAX_CHAIN_READS`` stored values of at least a quarter of the
+        reading op's output (per-channel statistics and weights do not count): walking
+        the recomputed nodes in order, where a chain would read more, its recomputed
+        input reading the most is stashed. Stashing only shortens chains: one walk
+        suffices."""
+        in_plan, stashed = set(recomputed), set()
+        reads: dict[Node, frozenset[Node]] = {}
+        empty: frozenset[Node] = frozenset()
+
+        def chained(a: Node, unit: Node) -> bool:  # computed in a chain's kernel
+            return a in in_plan and bool(reads[a]) and unit not in stashed
+
+        for n in recomputed:
+            role, inputs, floor = self._chain_facts(n)
+            if role == "end":
+                reads[n] = empty
+                continue
+            links = [(a, unit) for a, unit, _, _ in inputs if chained(a, unit)]
+            if not links:  # reads only stored values: an op inlined starts a chain
+                reads[n] = (
+                    frozenset(root for _, _, root, size in inputs if size >= floor)
+                    if role == "inlined"
+                    else empty
+                )
+                continue
+            while True:
+                read: set[Node] = set()
+                for a, unit, root, size in inputs:
+                    if chained(a, unit):
+                        read |= reads[a]
+                    elif size >= floor:
+                        read.add(root)
+                links = [(a, unit) for a, unit in links if unit not in stashed]
+                if len(read) <= MAX_CHAIN_READS or not links:
+                    break
+                stashed.add(max(links, key=lambda link: len(reads[link[0]]))[1])
+            # an op not inlined is written to memory: its readers read it alone
+            reads[n] = frozenset(read) if role != "written" else empty
+        return units - stashed if stashed else units
+
+    def _chain_facts(self, n: Node) -> tuple[str, list[tuple[Node, Node, Node, int]], int]:
+        """Per node, once: its role in a chain ("end": an extern kernel or a reduction;
+        "view": a view or getitem, part of its input's chain; "inlined"; "written"), its
+        inputs as (value, unit, root, root bytes), and the smallest read that counts."""
+        facts = self._chain_cache.get(n)
+        if facts is None:
+            g = self.graph
+            inputs = [
+                (a, g.producer(g.root(a)), g.root(a), self.joint.nbytes(g.root(a)))
+                for a in n.all_input_nodes
+            ]
+            if is_view(n) or is_getitem(n):
+                role, floor = "view", 0
+            else:
+                ends = n in g.last_resort or not g.mirrorable.get(n, True)
+                ends = ends or op_name(n).split("::")[-1] in _CHAIN_ENDS
+                role = "end" if ends else "inlined" if n in self.inlined else "written"
+                floor = self.joint.nbytes(n) // 4
+            facts = self._chain_cache[n] = (role, inputs, floor)
+        return facts
+
+    def _evaluate(self, units: frozenset[Node], partition: Partition | None) -> _Candidate:
+        if partition is None:
+            partition = partition_for(self.joint, self.graph, set(units))
         available = partition.saved + partition.saved_sym
         try:
             sim = liveness.simulate(
@@ -469,7 +616,7 @@ class _Planner:
         """The lowest peak within the time cap: the storage-balance plan, repaired
         and trimmed to the cap, or a state of the adding search within it."""
         cap_s = max_overhead * self.step_time_s
-        chosen = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        chosen = self.repaired_storage_balance
         units = self._within_cap(set(chosen.units), cap_s)
         if units != chosen.units:
             chosen = self.evaluate(units)
@@ -477,6 +624,12 @@ class _Planner:
         candidates = [chosen, *(c for c in path if c.added_time_s <= cap_s)]
         chosen = min(candidates, key=lambda c: (c.peak, c.added_time_s))
         return chosen if chosen.peak < before.peak else before
+
+    @cached_property
+    def repaired_storage_balance(self) -> _Candidate:
+        """The storage-balance plan after the lifetime repair (budget mode's default
+        plan, its trims and balance mode all start from it)."""
+        return self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
 
     def _within_cap(self, units: set[Node], cap_s: float) -> set[Node]:
         """Un-mirror the fewest units, costliest first, for an added time <= ``cap_s``.
@@ -572,10 +725,11 @@ class _Planner:
                     stack.append(p)
         return seconds
 
-    def meet_budget(self, budget_bytes: int, before: _Candidate) -> _Candidate:
-        """The least added time whose peak meets the budget, else the lowest peak.
+    def budget_candidates(self, before: _Candidate) -> tuple[list[_Candidate], _Candidate]:
+        """The plans budget mode chooses from (they do not depend on the budget), and
+        the one standing for torch.compile's default (``BudgetScale``).
 
-        Candidates come from searches that do not depend on the budget:
+        - the default: balance's plan with a ``DEFAULT_PLAN_OVERHEAD`` cap (cheap ops).
 
         - adding, from no mirroring and from the repaired storage-balance plan: mirror
           more, best bytes per second first. Chunks of the ranking double (up to
@@ -589,11 +743,6 @@ class _Planner:
           decoder step's tanh needs its add mirrored too, all sharing U k), so
           the storage-balance plan (after the lifetime repair) and that plan with
           its costliest 1, 2, 4, ... units un-mirrored are candidates too.
-
-        Choosing the cheapest candidate within the budget from a fixed set means a
-        lower budget never gets a higher peak. Within no budget, the lowest peak
-        wins; among equal peaks the smaller stash (the user asked for memory: it
-        is headroom where the estimate errs), then the least time.
         """
         trims = self._trimmed_balance()
         path = self._adding_path(before, last_resort=True)
@@ -601,7 +750,30 @@ class _Planner:
         # (the path from nothing spends the budget on convolutions first; the balance plan
         # reaches 0.59x of ResNet-152's peak with BatchNorm and ReLU alone).
         deeper = self._adding_path(trims[0], last_resort=True)
-        candidates = [*path, *trims, *deeper]
+        default = self.balance(DEFAULT_PLAN_OVERHEAD, before)
+        return [default, *path, *trims, *deeper], default
+
+    def budget_scale(self, fraction: float, default: _Candidate) -> BudgetScale:
+        """``fraction`` on PyTorch's scale, ``default`` standing for torch.compile's."""
+        p = default.partition
+        at_peak = liveness.peak_breakdown(
+            self.joint, p.saved + p.saved_sym, p.mirrored, fusion=self.fusion, index=self.index
+        )
+        return BudgetScale(
+            fraction=fraction,
+            default_peak=default.peak,
+            default_activations=at_peak.bytes_by_kind["saved activations"],
+        )
+
+    def meet_budget(self, budget_bytes: int, candidates: list[_Candidate]) -> _Candidate:
+        """The least added time whose peak meets the budget, else the lowest peak.
+
+        Choosing the cheapest candidate within the budget from a fixed set
+        (``budget_candidates``) means a lower budget never gets a higher peak. Within
+        no budget, the lowest peak wins; among equal peaks the smaller stash (the
+        user asked for memory: it is headroom where the estimate errs), then the
+        least time.
+        """
         feasible = [c for c in candidates if c.peak <= budget_bytes]
         if feasible:
             return self._prune(min(feasible, key=lambda c: (c.added_time_s, c.peak, c.stash)))
@@ -643,6 +815,7 @@ class _Planner:
                 break
             chunk = ranked[:k]
             trial = self.evaluate(set(current.units) | set(chunk))
+            rejected |= set(chunk) - trial.units  # stashed to cut a long chain
             stalled = 0 if trial.peak < current.peak else stalled + 1
             if trial.peak <= current.peak:
                 current, k, ranked = trial, min(2 * k, max_chunk), None
@@ -657,7 +830,7 @@ class _Planner:
     def _trimmed_balance(self) -> list[_Candidate]:
         """The repaired storage-balance plan, then with its costliest 1, 2, 4, ...
         units stashed instead (each trim saves time and may cost peak)."""
-        grouped = self.shorten_recompute_lifetimes(self.evaluate(storage_balance(self.graph)))
+        grouped = self.repaired_storage_balance
         units = set(grouped.units)
         recomputed = set(partition_for(self.joint, self.graph, units).mirrored)
         ranked = self._costliest_first(units, recomputed)

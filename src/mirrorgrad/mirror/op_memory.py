@@ -194,6 +194,7 @@ def _combined(chosen: Plan, base: Plan, recomputed: list[_Candidate], choices) -
         added_time_s=chosen.added_time_s + _op_seconds(recomputed),
         added_flops=chosen.added_flops + sum(c.added_flops for c in recomputed),
         budget_bytes=base.budget_bytes,
+        budget_scale=base.budget_scale,
         budget_met=met,
         op_memory=choices,
     )

@@ -17,7 +17,7 @@ from torch import nn
 from torch.fx import Node
 
 from mirrorgrad import _compat
-from mirrorgrad.graph.joint import is_getitem, is_view, op_name
+from mirrorgrad.graph.joint import is_getitem, is_view, op_name, schema_arg
 
 aten = torch.ops.aten
 
@@ -61,11 +61,20 @@ class OpClasses:
         "topk", "sort", "nonzero",
     )  # fmt: skip
     # Heavy ops budget mode may still recompute when cheaper ones cannot meet its
-    # budget: deterministic, one output, cost known from their FLOPs. (Attention
-    # kernels are left out: they may draw a dropout mask.)
+    # budget: deterministic, cost known from their FLOPs. Attention kernels only
+    # without dropout (``is_random``): with it they draw their mask inside.
     recomputable_heavy: frozenset[str] = _packets(
         "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
-        "embedding",
+        "embedding", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )  # fmt: skip
+    # Attention kernels: tagged as drawing random numbers (their dropout), which they do
+    # only with ``dropout_p`` > 0.
+    attention: frozenset[str] = _packets(
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward",
     )  # fmt: skip
     random: frozenset[str] = _packets(
         "native_dropout", "dropout", "feature_dropout", "alpha_dropout", "bernoulli",
@@ -129,6 +138,8 @@ def is_random(node: Node) -> bool:
     input fixes, ``OpClasses.seeded_random``, is not)."""
     if _packet(node) in DEFAULT_CLASSES.seeded_random and _namespace(node) in _SEEDED_NAMESPACES:
         return False
+    if _packet(node) in DEFAULT_CLASSES.attention and _namespace(node) == "aten":
+        return schema_arg(node, "dropout_p") != 0  # no dropout: nothing drawn
     target = node.target
     if isinstance(target, _compat.OpOverload) and torch.Tag.nondeterministic_seeded in (
         target.tags

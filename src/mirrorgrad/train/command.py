@@ -72,8 +72,9 @@ def _add_model_options(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--mirror",
         default="balance",
-        help="balance (default), off, budget:FRACTION (peak at most FRACTION of the unmirrored "
-        "one, 0 < FRACTION <= 1) or budget:BYTES (budget:2GiB)",
+        help="balance (default), off, budget:FRACTION (0 < FRACTION <= 1, as "
+        "activation_memory_budget: FRACTION of the saved activations of torch.compile's "
+        "default plan) or budget:BYTES (peak, budget:2GiB)",
     )
 
 
