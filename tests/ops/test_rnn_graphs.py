@@ -109,21 +109,23 @@ def _step(inp, memory):
 
 
 def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
-    """Recompute: the forward's pre-activations (workspace: not saved) and the backward's
-    gate gradients are never live at once: one buffer holds both."""
+    """Recompute: the forward's pre-activations (workspace: not saved), the backward's
+    recomputed ones and its gate gradients, written over them, are never live at once
+    with the forward's: one buffer holds all three (before, the recomputed ones had an
+    arena of their own, [T, B, 4H] held for the whole run)."""
     inp = _inputs("lstm")
     for _ in range(2):
         _step(inp, "recompute")
     f32 = 4
     handed_out = T * B * H * f32 + (T + 1) * B * H * f32  # y, cells
-    gates = T * B * 4 * H * f32  # forward pre = backward dG
+    gates = T * B * 4 * H * f32  # forward pre = backward pre = backward dG
     forward_workspace = 2 * B * H * f32  # h ping-pong
-    backward_workspace = T * B * H * f32 + 2 * B * H * f32 + T * B * 4 * H * f32  # dy dh dc pre
+    backward_workspace = T * B * H * f32 + 2 * B * H * f32  # dy dh dc
     assert graphs.held_bytes() == handed_out + gates + forward_workspace + backward_workspace
     names = {name for _, name in graphs._WORKSPACE}
-    assert {"pre", "bwd.dg"} <= names
+    assert {"pre", "bwd.pre_dg"} <= names and "bwd.dg" not in names
     pre, dg = (next(v for (_, n), v in graphs._WORKSPACE.items() if n == name)
-               for name in ("pre", "bwd.dg"))  # fmt: skip
+               for name in ("pre", "bwd.pre_dg"))  # fmt: skip
     assert pre.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
 
 

@@ -99,9 +99,18 @@ WORKLOADS = {
 }
 
 
+def _folded_since(calls) -> int:
+    """The arena the H100 run (before an LSTM's backward wrote its gate gradients over
+    its recomputed pre-activations) still had: "bwd.pre", one chunk's [rows, 4H] fp32,
+    shared by the graph's calls as the largest of them."""
+    recomputing = [c for c in calls if (c[0], c[-1]) == ("lstm", "recompute")]
+    sizes = [kernels._chunk_steps(T, B) * B * 4 * H * 4 for _, _, _, T, B, H, _ in recomputing]
+    return max(sizes, default=0)
+
+
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_held_formula_matches_the_arenas_measured_on_the_h100(workload):
-    measured = _measured_arenas(workload)
+    measured = _measured_arenas(workload) - _folded_since(WORKLOADS[workload])
     assert measured > 0
     assert _held(WORKLOADS[workload]) == pytest.approx(measured, rel=0.1)
 

@@ -51,8 +51,9 @@ ENTRIES_PER_KEY = 4
 GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
 # Workspace names whose buffers are never live at once share an arena: a forward's
 # pre-activations are dead when its loop ends, a backward's gate gradients once the
-# chunk's GEMMs have read them, and no loop runs between a loop and its own readers.
-_ARENA_OF = {"pre": "gates", "bwd.dg": "gates"}
+# chunk's GEMMs have read them (an LSTM's, written over its recomputed pre-activations:
+# "bwd.pre_dg"), and no loop runs between a loop and its own readers.
+_ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates"}
 
 
 @dataclass(kw_only=True, slots=True)

@@ -355,8 +355,8 @@ def workspace_bytes(
     dg = rows * gh * d * (2 if mode == "gru" else 1)
     if memory == "stash" or mode.startswith("rnn"):
         return 0 if captured else dg
-    if mode == "lstm":
-        return 0 if captured else rows * gh * d + dg
+    if mode == "lstm":  # the gate gradients overwrite the recomputed pre-activations
+        return 0 if captured else rows * gh * d
     # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
     recompute = rows * H * d + 2 * rows * gh * d
     if captured:
@@ -849,7 +849,7 @@ def _bwd_buffers(
         dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
         if lstm
         else None,
-        dg=gate_grads("dg"),
+        dg=pre if dg_overwrites_pre(config) else gate_grads("dg"),
         dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
@@ -966,7 +966,8 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
     into workspace; ``workspace(config, name, make)`` supplies the workspace."""
 
     def shared(name: str, value: Tensor) -> Tensor:
-        return workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
+        key = _recomputed_pre_name(config) if name == "pre" else f"bwd.{name}"
+        return workspace(config, key, lambda: torch.empty_like(value))
 
     inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
     dh = workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
@@ -978,10 +979,26 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
     return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace)
 
 
+def dg_overwrites_pre(config: LoopConfig) -> bool:
+    """Whether the backward loop writes the gate gradients over the pre-activations it
+    reads: an LSTM's recomputed ones (our own buffer, of the same layout: the step kernel
+    loads a tile's four gates before it stores their gradients, and no step reads another
+    step's). Never the stash: a saved tensor, read again by a retained graph."""
+    return config.mode == "lstm" and config.memory == "recompute"
+
+
 def _recomputed_pre(config: LoopConfig, workspace) -> Tensor:
-    """The captured backward loop's buffer for recomputed pre-activations."""
+    """The captured backward loop's buffer for recomputed pre-activations (an LSTM's gate
+    gradients too: its own arena name, which shares "gates" with the forward's)."""
     width = config.stash_width
-    return workspace(config, "bwd.pre", lambda: config.empty(config.T, config.B, width))
+    return workspace(config, _recomputed_pre_name(config),
+                     lambda: config.empty(config.T, config.B, width))  # fmt: skip
+
+
+def _recomputed_pre_name(config: LoopConfig) -> str:
+    """The workspace name of a backward loop's pre-activations where they are copied in
+    (recomputed, or a stash not read in place)."""
+    return "bwd.pre_dg" if dg_overwrites_pre(config) else "bwd.pre"
 
 
 @torch.no_grad()
