@@ -169,3 +169,29 @@ def test_released_keys_leave_nothing_held(cpu_graphs):
     gc.collect()
     graphs.release(keys)
     assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS
+
+
+def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monkeypatch):
+    """The forward is captured from the caller's thread, the backward from autograd's
+    device thread: recorded there, each would get a cuBLAS workspace of its own on the
+    side stream (32 MiB on an H100, held for the process). One capturing thread: one."""
+    import threading
+
+    threads = []
+    stand_in = graphs._record
+
+    def record(device, buffers, loop):
+        threads.append(threading.get_ident())
+        assert not torch.is_grad_enabled()  # the loops write into buffers in place
+        return stand_in(device, buffers, loop)
+
+    monkeypatch.setattr(graphs, "_record", record)
+    inp = _inputs("lstm")
+    y, _, _, saved = _forward(inp)
+    backward = threading.Thread(target=kernels.layer_backward, args=(
+        "lstm", saved, *inp.values(), None, y, torch.randn_like(y), None, None),
+        kwargs={"use_graph": True})  # fmt: skip
+    backward.start()
+    backward.join()
+    assert len(threads) == 2 and len(set(threads)) == 1
+    assert threads[0] not in (threading.get_ident(), backward.ident)
