@@ -339,12 +339,14 @@ def workspace_bytes(
     *,
     backward: bool,
     captured: bool = False,
+    dg_over_pre: bool = True,
 ) -> int:
     """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
     and outputs: the pre-activations where they are not the stash, and per backward
     chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
     are left out. ``captured``: the loop runs as a CUDA Graph, whose buffers are arenas
-    held between calls (``held_arenas``), not allocated per call."""
+    held between calls (``held_arenas``), not allocated per call. ``dg_over_pre=False``:
+    an LSTM's gate gradients have a buffer of their own (persistent.py's backward)."""
     d = dtype.itemsize
     gh = GATES[mode] * H
     if not backward:
@@ -356,7 +358,7 @@ def workspace_bytes(
     if memory == "stash" or mode.startswith("rnn"):
         return 0 if captured else dg
     if mode == "lstm":  # the gate gradients overwrite the recomputed pre-activations
-        return 0 if captured else rows * gh * d
+        return 0 if captured else rows * gh * d + (0 if dg_over_pre else dg)
     # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
     recompute = rows * H * d + 2 * rows * gh * d
     if captured:
@@ -827,10 +829,13 @@ def _recompute_pre(
 
 
 def _bwd_buffers(
-    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None
+    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None,
+    dg_over_pre: bool = False,
 ) -> _BwdBuffers:
     """Buffers of one backward loop; ``workspace(config, name, make)``, when given,
-    supplies the gate gradients (shared between captured loops of one config)."""
+    supplies the gate gradients (shared between captured loops of one config).
+    ``dg_over_pre``: the gate gradients are written over ``pre`` (``dg_overwrites_pre``;
+    this file's step kernel only: persistent.py keeps its own, padded, buffer)."""
     lstm = config.mode == "lstm"
 
     def gate_grads(name: str) -> Tensor:
@@ -849,7 +854,7 @@ def _bwd_buffers(
         dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
         if lstm
         else None,
-        dg=pre if dg_overwrites_pre(config) else gate_grads("dg"),
+        dg=pre if dg_over_pre else gate_grads("dg"),
         dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
@@ -914,7 +919,8 @@ def _bwd_chunk(
     dh = dh if carried else _owned_state(config, dh, config.dtype)
     if lstm:
         dc = dc if carried else _owned_state(config, dc, torch.float32)
-    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None)
+    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None,
+                       dg_over_pre=dg_overwrites_pre(config))  # fmt: skip
     _bwd_loop(config, buf)
     return buf
 
@@ -976,7 +982,8 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
         dc = workspace(
             config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
         )
-    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace)
+    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
+                        dg_over_pre=dg_overwrites_pre(config))  # fmt: skip
 
 
 def dg_overwrites_pre(config: LoopConfig) -> bool:
