@@ -129,6 +129,19 @@ def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
     assert pre.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
 
 
+def test_a_grus_recomputing_backward_writes_its_gate_gradients_over_the_pre_activations(
+    cpu_graphs,
+):
+    """GRU, recompute: dG (3H wide) is written into the first 3H of each recomputed 4H-wide
+    row, so the backward asks for no gate-gradient buffer of its own (only the hidden
+    side's), and the recomputed rows live in the forward's "gates" arena."""
+    for _ in range(2):  # each call checks the gradients against the oracle
+        _check_layer("gru", memory="recompute", use_graph=True)
+    names = {name for _, name in graphs._WORKSPACE}
+    assert {"pre", "bwd.pre_dg", "bwd.dgh"} <= names and not {"bwd.dg", "bwd.pre"} & names
+    assert {name for _, name in graphs._ARENAS} >= {"gates"}
+
+
 def test_configs_of_several_lengths_share_the_workspace_of_the_longest(cpu_graphs):
     """A shorter sequence (another loop config) adds its own entries' outputs but no
     workspace: its buffers are views of the arenas the longer one made."""

@@ -199,7 +199,7 @@ def _rnn_bwd_kernel(
     dy_ptr,  # [B, H] grad of y_t
     dh_ptr,  # [B, H] in: grad of h_t (fused: its direct part); out: direct part of grad of h_{t-1}
     dc_ptr,  # lstm: [B, H] fp32 in: grad of c_t; out: grad of c_{t-1}
-    dg_ptr,  # [B, G*H] out: grad of the input-side pre-activations
+    dg_ptr,  # [B, G*H] out (rows DGS apart): grad of the input-side pre-activations
     dgh_ptr,  # gru: [B, 3H] out: grad of the hidden-side pre-activations
     dgnext_ptr,  # fused: [B, G*H] hidden-side gate grads of step t+1
     w_ptr,  # fused: W_hh [G*H, H] row-major
@@ -209,6 +209,7 @@ def _rnn_bwd_kernel(
     H: tl.constexpr,  # constant per model: lets the GEMM loop bounds be static
     clip_lo,
     clip_hi,
+    DGS,  # row stride of dg_ptr: G*H, or a GRU's 4H where it overwrites the pre-activations
     MODE: tl.constexpr,
     G: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
@@ -265,7 +266,7 @@ def _rnn_bwd_kernel(
         if CLIP:
             c_pre = f * c_old + i * g
             dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
         tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
         tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
         tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
@@ -282,7 +283,7 @@ def _rnn_bwd_kernel(
         dn = dh * (1.0 - z) * (1.0 - n * n)
         dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
         dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
         hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
         tl.store(drow, dr, mask=mask)
         tl.store(drow + H, dz, mask=mask)
@@ -295,7 +296,8 @@ def _rnn_bwd_kernel(
         # The activation's derivative comes from its output: nothing stashed.
         h = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
-        tl.store(dg_ptr + idx, tl.where(valid, dp, 0.0).to(gty), mask=mask)
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
+        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
         dh_direct = tl.zeros_like(dh)
     # Rows past their length pass the state gradient through unchanged.
     tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
@@ -606,6 +608,7 @@ def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
             config.H,
             lo,
             hi,
+            buf.dg.stride(1),
             MODE=_MODE_ID[config.mode],
             G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
@@ -854,7 +857,7 @@ def _bwd_buffers(
         dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
         if lstm
         else None,
-        dg=pre if dg_over_pre else gate_grads("dg"),
+        dg=pre[..., : config.gh] if dg_over_pre else gate_grads("dg"),
         dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
@@ -920,7 +923,7 @@ def _bwd_chunk(
     if lstm:
         dc = dc if carried else _owned_state(config, dc, torch.float32)
     buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None,
-                       dg_over_pre=dg_overwrites_pre(config))  # fmt: skip
+                       dg_over_pre=dg_overwrites_pre(config, captured=False))  # fmt: skip
     _bwd_loop(config, buf)
     return buf
 
@@ -983,20 +986,26 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
             config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
         )
     return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
-                        dg_over_pre=dg_overwrites_pre(config))  # fmt: skip
+                        dg_over_pre=dg_overwrites_pre(config, captured=True))  # fmt: skip
 
 
-def dg_overwrites_pre(config: LoopConfig) -> bool:
+def dg_overwrites_pre(config: LoopConfig, *, captured: bool) -> bool:
     """Whether the backward loop writes the gate gradients over the pre-activations it
-    reads: an LSTM's recomputed ones (our own buffer, of the same layout: the step kernel
-    loads a tile's four gates before it stores their gradients, and no step reads another
-    step's). Never the stash: a saved tensor, read again by a retained graph."""
-    return config.mode == "lstm" and config.memory == "recompute"
+    reads: an LSTM's or GRU's recomputed ones (our own buffer; the step kernel loads a
+    tile's gates before it stores their gradients at the same places, the GRU's in the
+    first 3H of its 4H-wide rows, and no step reads another step's). A GRU's only where
+    the loop is captured (its buffers held as arenas): uncaptured, the recompute's own
+    temporaries are its peak. Never the stash: a saved tensor, which a retained graph
+    reads again."""
+    if config.memory != "recompute":
+        return False
+    return config.mode == "lstm" or (config.mode == "gru" and captured)
 
 
 def _recomputed_pre(config: LoopConfig, workspace) -> Tensor:
-    """The captured backward loop's buffer for recomputed pre-activations (an LSTM's gate
-    gradients too: its own arena name, which shares "gates" with the forward's)."""
+    """The captured backward loop's buffer for recomputed pre-activations (its gate
+    gradients too, ``dg_overwrites_pre``: then its own arena name, which shares "gates"
+    with the forward's)."""
     width = config.stash_width
     return workspace(config, _recomputed_pre_name(config),
                      lambda: config.empty(config.T, config.B, width))  # fmt: skip
@@ -1005,7 +1014,7 @@ def _recomputed_pre(config: LoopConfig, workspace) -> Tensor:
 def _recomputed_pre_name(config: LoopConfig) -> str:
     """The workspace name of a backward loop's pre-activations where they are copied in
     (recomputed, or a stash not read in place)."""
-    return "bwd.pre_dg" if dg_overwrites_pre(config) else "bwd.pre"
+    return "bwd.pre_dg" if dg_overwrites_pre(config, captured=True) else "bwd.pre"
 
 
 @torch.no_grad()
