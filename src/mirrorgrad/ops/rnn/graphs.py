@@ -171,12 +171,15 @@ def acquire(
     loop: Callable[[Any], None],
     handed_out: Callable[[Any], tuple[Tensor, ...]],
     reads_in_place: tuple[Tensor, ...] = (),
+    before_capture: Callable[[], None] | None = None,
 ) -> Entry | None:
     """An idle captured entry for ``key``, capturing a new one if all are busy; None
     when ENTRIES_PER_KEY are busy (the caller then runs the loop uncaptured).
 
     ``reads_in_place``: the ``reader``s of other entries' handed-out buffers that the new
-    entry's buffers keep (they do not make those entries busy). The caller fills the
+    entry's buffers keep (they do not make those entries busy). ``before_capture``: called
+    just before a new entry is captured, whose warm-up runs the loop once on the shared
+    workspace (the caller saves what it still needs from there). The caller fills the
     entry's input buffers, then calls ``entry.graph.replay()``."""
     entries = _ENTRIES.setdefault(key, [])
     _ENTRIES.move_to_end(key)
@@ -187,6 +190,8 @@ def acquire(
             return entry
     if len(entries) >= ENTRIES_PER_KEY:
         return None
+    if before_capture is not None:
+        before_capture()
     entry = _capture(device, make_buffers(), loop, handed_out)
     entry.reads_in_place = tuple(t for t in reads_in_place if is_static(t))
     for t in entry.reads_in_place:

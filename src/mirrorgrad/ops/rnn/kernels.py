@@ -903,7 +903,16 @@ def _bwd_chunk(
     if graphed:
         if recompute is not None:
             fields = {**fields, "pre": _recomputed_pre(config, graphs.workspace)}
-        entry, copied = _backward_entry(config, fields)
+        state = {"dh": dh, "dc": dc}
+
+        def keep_state() -> None:
+            # Carried, the state gradients are the previous chunk's workspace buffers,
+            # which a capture's warm-up (one run of the loop) would overwrite first.
+            if carried:
+                state.update({k: v.clone() for k, v in state.items() if v is not None})
+
+        entry, copied = _backward_entry(config, fields, keep_state)
+        dh, dc = state["dh"], state["dc"]
         buf = entry.buffers
         if recompute is not None:
             recompute(out=buf.pre)
@@ -937,7 +946,9 @@ def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
     return a.sum(0) if total is None else total.add_(a.sum(0))
 
 
-def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, list[str]]:
+def _backward_entry(
+    config: LoopConfig, fields: dict, before_capture=None
+) -> tuple[graphs.Entry, list[str]]:
     """The captured backward loop for these inputs, and the names of the inputs to copy
     into its buffers before each replay.
 
@@ -965,6 +976,7 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
         lambda b: _bwd_loop(config, b),
         lambda b: (),
         reads_in_place=tuple(readers.values()),
+        before_capture=before_capture,
     )
     assert entry is not None  # a backward entry hands nothing out: it is always idle
     return entry, copied
