@@ -142,6 +142,18 @@ def test_a_grus_recomputing_backward_writes_its_gate_gradients_over_the_pre_acti
     assert {name for _, name in graphs._ARENAS} >= {"gates"}
 
 
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_every_workspace_view_lies_in_a_live_arena(cpu_graphs, mode, memory):
+    """The forward reserves "gates" for what its backward will ask too (a GRU's recomputed
+    rows are 4H wide, its forward's 3H): an arena that grew later stayed allocated beside
+    its successor in the views taken of it, for the whole run."""
+    for _ in range(2):
+        _check_layer(mode, memory=memory, use_graph=True)
+    arenas = {a.untyped_storage().data_ptr() for a in graphs._ARENAS.values()}
+    views = {v.untyped_storage().data_ptr() for v in graphs._WORKSPACE.values()}
+    assert views <= arenas
+
+
 def test_configs_of_several_lengths_share_the_workspace_of_the_longest(cpu_graphs):
     """A shorter sequence (another loop config) adds its own entries' outputs but no
     workspace: its buffers are views of the arenas the longer one made."""

@@ -135,6 +135,18 @@ def arena_bytes(like: Tensor) -> int:
     return max(like.numel() * like.dtype.itemsize, 1)
 
 
+def reserve(device: torch.device, name: str, nbytes: int) -> None:
+    """Make the arena of workspace ``name`` at least ``nbytes`` now, before views of it are
+    taken: an arena that grows later keeps its old self alive in the views already taken
+    (deepspeech2 on the H100: a 44 MiB arena of forward pre-activations, then a 59 MiB
+    one for the recomputing backward, both held for the whole run)."""
+    key = (torch.device(device), arena_name(name))
+    arena = _ARENAS.get(key)
+    if arena is None or arena.numel() < nbytes:
+        arena = _ARENAS[key] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+        _ARENA_ALONE[key] = _compat.storage_use_count(arena)
+
+
 def _arena_view(name: str, like: Tensor) -> Tensor:
     """A tensor shaped like ``like`` at the start of arena ``name`` on its device; the
     arena is replaced by a larger one when too small (the old one lives on in the

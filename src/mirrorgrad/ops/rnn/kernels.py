@@ -783,6 +783,7 @@ def _forward_entry(
     hidden state and the lengths are per-config workspace."""
 
     def make() -> _FwdBuffers:
+        graphs.reserve(config.device, "pre", _gates_bytes(config))
         return _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
 
     def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
@@ -791,6 +792,17 @@ def _forward_entry(
     in_place = None if config.fused else w.data_ptr()
     key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
     return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
+
+
+def _gates_bytes(config: LoopConfig) -> int:
+    """What this config's loops ask of the "gates" arena, forward and backward: the
+    forward's pre-activations where they are not the stash, the backward chunk's gate
+    gradients, or its recomputed pre-activations where the gradients overwrite them."""
+    d, rows = config.dtype.itemsize, _chunk_steps(config.T, config.B) * config.B
+    forward = 0 if config.mode == "lstm" and config.memory == "stash" else config.T * config.B
+    chunk = _with_steps(config, rows // max(config.B, 1))
+    width = config.stash_width if dg_overwrites_pre(chunk, captured=True) else config.gh
+    return max(forward * config.gh, rows * width) * d
 
 
 def _fwd_entry_buffers(config: LoopConfig, w, b_hh, lengths, workspace) -> _FwdBuffers:
