@@ -12,7 +12,11 @@ The planner also needs what fake tensors cannot show:
 - ``register_held_formula(op, fn)``: memory the op keeps allocated *between* calls
   (a cache of CUDA Graph arenas, per loop configuration), as ``{key: bytes}``: ops whose
   calls share a buffer return the same key, and it counts once per step (graph/held.py).
-  Memory counted here is held for the whole step, so it is not a temporary as well.
+  Memory counted here is held for the whole step, so it is not a temporary as well;
+- ``register_time_formula(op, fn)``: seconds one call takes, where the op knows better
+  than FLOPs and bytes over the device's rates (a recurrence bound by its per-step
+  latency); ``fn`` returns None where it has no estimate and the cost model's roofline
+  prices the call instead.
 
 Formulas receive the op's arguments with fake tensors (or real ones) in place of
 tensors, as ``fn(*args, **kwargs) -> int``; register them on the overload packet
@@ -29,6 +33,7 @@ Formula = Callable[..., int]
 _BYTES: dict[Any, Formula] = {}
 _TEMPORARY: dict[Any, Formula] = {}
 _HELD: dict[Any, Callable[..., dict]] = {}
+_TIME: dict[Any, Callable[..., float | None]] = {}
 
 
 def _packet(op: Any) -> Any:
@@ -65,6 +70,24 @@ def register_held_formula(op: Any) -> Callable[[Callable[..., dict]], Callable[.
         return fn
 
     return register
+
+
+def register_time_formula(
+    op: Any,
+) -> Callable[[Callable[..., float | None]], Callable[..., float | None]]:
+    """Decorator: ``fn(*args, **kwargs)`` returns the seconds one call of ``op`` takes, or
+    None where it cannot say (the cost model then uses FLOPs and bytes)."""
+
+    def register(fn: Callable[..., float | None]) -> Callable[..., float | None]:
+        _TIME[_packet(op)] = fn
+        return fn
+
+    return register
+
+
+def time_formula(op: Any) -> Callable[..., float | None] | None:
+    """The registered time formula of ``op``, or None."""
+    return _TIME.get(_packet(op))
 
 
 def held_formula(op: Any) -> Callable[..., dict] | None:

@@ -98,3 +98,4 @@ def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypat
     (row,) = json.loads((tmp_path / "op_memory_timing.json").read_text())
     assert row["stash"]["forward_ms"] > 0 and row["recompute"]["forward_ms"] > 0
     assert row["gemm_ms_est"] > 0
+    assert row["priced"]["recompute"]["backward_ms"] > row["priced"]["stash"]["backward_ms"] > 0

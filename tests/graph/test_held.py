@@ -81,8 +81,9 @@ def test_declared_op_caches_count_once_per_key():
 
 
 def test_rnn_ops_capture_on_a_stream_of_their_own():
-    """An LSTM LM's forward and backward each run matmuls on their thread's stream and
-    on the RNN op's capture stream: four (handle, stream) workspaces; a Linear two."""
+    """An LSTM LM's forward and backward each run matmuls on their thread's stream, and the
+    RNN op's loops are captured on the capture stream from one thread: three (handle,
+    stream) workspaces; a Linear two."""
     import sys
     from pathlib import Path
 
@@ -101,6 +102,8 @@ def test_rnn_ops_capture_on_a_stream_of_their_own():
             return self.out(self.rnn(x)[0]).sum()
 
     lm = joint_of(Lm(), torch.randn(5, 2, 4))
-    assert held._streams(lm.forward) == held._streams(lm.backward) == 2
+    assert held._streams(lm.forward) == held._streams(lm.backward) == 1
+    assert held._captures(lm.forward) and held._captures(lm.backward)
     linear = joint_of(torch.nn.Linear(4, 4), torch.randn(2, 4))
     assert held._streams(linear.forward) == held._streams(linear.backward) == 1
+    assert not held._captures([*linear.forward, *linear.backward])

@@ -1,7 +1,10 @@
 """The RNN op's memory mode chosen by the planner (mirror/op_memory.py), through
 ``mirrorgrad.compile`` (eager codegen, the reference impl on the CPU)."""
 
+import json
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,13 @@ import mirrorgrad
 import mirrorgrad.nn as mnn
 from mirrorgrad.ops.rnn.cells import GATES
 
+sys.path.insert(0, str(Path(__file__).parent))
+from joint_graphs import joint_of
+
 T, B, N_IN, H, VOCAB = 6, 3, 4, 8, 600
+RESULTS = Path(__file__).parents[2] / "docs" / "results"
+FORWARD = torch.ops.mirrorgrad.rnn_forward.default
+BACKWARD = torch.ops.mirrorgrad.rnn_backward.default
 
 
 class _Lm(nn.Module):
@@ -179,3 +188,61 @@ def test_inductor_runs_the_rewritten_op(options, choice):
         warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
         plan = _check_against_eager(model, x, tolerance=1e-9, backend="inductor", **options)
     assert plan.op_memory[0].choice == choice
+
+
+def _medium_lstm_joint(impl: str):
+    """The joint graph of the medium LM's LSTM (2x650, B20, BPTT 35, fp32) under a small
+    decoder, traced with the reference and then set to ``impl`` with memory="auto" (the
+    fake kernels give each impl's saved layout; nothing of ``impl`` runs)."""
+    class Lm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = mnn.LSTM(650, 650, 2, impl="reference", memory="stash")
+            self.out = nn.Linear(650, 2000)
+
+        def forward(self, x):
+            return self.out(self.rnn(x)[0]).square().mean()
+
+    torch.manual_seed(0)
+    joint = joint_of(Lm(), torch.randn(35, 20, 650))
+    for node in joint.gm.graph.nodes:
+        for op, memory_at, impl_at in ((FORWARD, 12, 14), (BACKWARD, 17, 19)):
+            if node.target is op:
+                args = list(node.args)
+                args[memory_at], args[impl_at] = "auto", impl
+                node.args = tuple(args)
+    return joint
+
+
+def test_the_ops_time_formula_lets_balance_recompute_what_the_measured_cost_allows(monkeypatch):
+    """Priced by FLOPs the recurrence costs a third more to recompute (one more forward's
+    GEMMs on two forward's worth); measured on the H100 (op_memory_timing.json) recompute
+    adds ~10% of the op's forward+backward, and the fitted rule (the op's time formula)
+    says as much. Under a 15% cap balance now recomputes, as the measurement allows; by
+    the roofline it kept stash."""
+    from mirrorgrad import formulas
+    from mirrorgrad.mirror import op_memory
+    from mirrorgrad.mirror.budget_search import PlanOptions
+
+    timing = RESULTS / "h100-2026-11-23" / "opmem-w1" / "op_memory_timing.json"
+    (row,) = [r for r in json.loads(timing.read_text()) if (r["hidden"], r["batch"]) == (650, 20)]
+    op_ms = row["stash"]["forward_ms"] + row["stash"]["backward_ms"]
+    measured_share = (row["recompute"]["backward_ms"] - row["stash"]["backward_ms"]) / op_ms
+    cap = 0.15
+    assert measured_share < cap  # the op alone; the decoder's time only lowers the share
+
+    options = PlanOptions(mode="balance", max_overhead=cap)
+    joint = _medium_lstm_joint("triton")
+    _, timed = op_memory.plan_joint(joint.gm, joint.num_fwd_outputs, options)
+    (decided,) = timed.op_memory
+    assert decided.choice == "recompute" and timed.peak_after < timed.peak_before
+    assert decided.recompute_seconds / timed.step_time_s < cap
+    assert decided.seconds > 1e-3  # the op's priced fwd+bwd: milliseconds, as measured
+    assert "op priced" in str(timed)
+
+    monkeypatch.setattr(formulas, "_TIME", {})  # the roofline alone, as before
+    joint = _medium_lstm_joint("triton")
+    _, roofline = op_memory.plan_joint(joint.gm, joint.num_fwd_outputs, options)
+    (decided,) = roofline.op_memory
+    assert decided.choice == "stash"
+    assert decided.recompute_seconds / roofline.step_time_s > cap

@@ -60,9 +60,22 @@ def memory_row(kind: str, batch: int) -> dict:
         "retained_MiB": (torch.cuda.memory_allocated() - start) / MiB,
         "graph_cache_MiB": graphs.held_bytes() / MiB,
         "arenas_MiB": {name: a.numel() / MiB for (_, name), a in graphs._ARENAS.items()},
+        "step_ms": _median_ms(step),
     }
     graphs.clear_graphs()
     return row
+
+
+def _median_ms(step, repeats: int = 10) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def main(out_dir: str) -> None:
@@ -72,10 +85,16 @@ def main(out_dir: str) -> None:
     result = {"device": device, "torch": torch.__version__, "memory": memory}
     (Path(out_dir) / "rnn_memory.json").write_text(json.dumps(result, indent=2))
     print(f"\n{device}, torch {torch.__version__}")
-    print(f"{'kind':>10} {'batch':>5} {'peak MiB':>9} {'retained MiB':>13} {'graph cache MiB':>16}")
+    print(f"{'kind':>10} {'batch':>5} {'peak MiB':>9} {'graph cache MiB':>16} "
+          f"{'peak+cache':>11} {'/ cuDNN':>8} {'step ms':>8}  arenas MiB")  # fmt: skip
+    cudnn = {r["batch"]: r["peak_MiB"] for r in memory if r["kind"] == "cudnn"}
     for r in memory:
-        print(f"{r['kind']:>10} {r['batch']:>5} {r['peak_MiB']:>9.1f} {r['retained_MiB']:>13.1f} "
-              f"{r['graph_cache_MiB']:>16.1f}")  # fmt: skip
+        total = r["peak_MiB"] + r["graph_cache_MiB"]
+        arenas = ", ".join(f"{k} {v:.1f}" for k, v in r["arenas_MiB"].items())
+        ratio = total / cudnn[r["batch"]]
+        print(f"{r['kind']:>10} {r['batch']:>5} {r['peak_MiB']:>9.1f} "
+              f"{r['graph_cache_MiB']:>16.1f} {total:>11.1f} {ratio:>7.2f}x "
+              f"{r['step_ms']:>8.2f}  {arenas}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ class ReplayedLoop:
         # A shallow copy: later rebinding of a buffer attribute does not reach a real
         # graph either; the tensors (the addresses) are the same.
         self.buffers, self.loop, self.replays = copy.copy(buffers), loop, 0
+        # graphs._record runs the loop once before capturing it (kernels compile, cuBLAS
+        # makes its workspace): on whatever its buffers hold, shared ones included.
+        loop(buffers)
+        gc.collect()
 
     def replay(self) -> None:
         self.replays += 1

@@ -109,22 +109,49 @@ def _step(inp, memory):
 
 
 def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
-    """Recompute: the forward's pre-activations (workspace: not saved) and the backward's
-    gate gradients are never live at once: one buffer holds both."""
+    """Recompute: the forward's pre-activations (workspace: not saved), the backward's
+    recomputed ones and its gate gradients, written over them, are never live at once
+    with the forward's: one buffer holds all three (before, the recomputed ones had an
+    arena of their own, [T, B, 4H] held for the whole run)."""
     inp = _inputs("lstm")
     for _ in range(2):
         _step(inp, "recompute")
     f32 = 4
     handed_out = T * B * H * f32 + (T + 1) * B * H * f32  # y, cells
-    gates = T * B * 4 * H * f32  # forward pre = backward dG
+    gates = T * B * 4 * H * f32  # forward pre = backward pre = backward dG
     forward_workspace = 2 * B * H * f32  # h ping-pong
-    backward_workspace = T * B * H * f32 + 2 * B * H * f32 + T * B * 4 * H * f32  # dy dh dc pre
+    backward_workspace = T * B * H * f32 + 2 * B * H * f32  # dy dh dc
     assert graphs.held_bytes() == handed_out + gates + forward_workspace + backward_workspace
     names = {name for _, name in graphs._WORKSPACE}
-    assert {"pre", "bwd.dg"} <= names
+    assert {"pre", "bwd.pre_dg"} <= names and "bwd.dg" not in names
     pre, dg = (next(v for (_, n), v in graphs._WORKSPACE.items() if n == name)
-               for name in ("pre", "bwd.dg"))  # fmt: skip
+               for name in ("pre", "bwd.pre_dg"))  # fmt: skip
     assert pre.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
+
+
+def test_a_grus_recomputing_backward_writes_its_gate_gradients_over_the_pre_activations(
+    cpu_graphs,
+):
+    """GRU, recompute: dG (3H wide) is written into the first 3H of each recomputed 4H-wide
+    row, so the backward asks for no gate-gradient buffer of its own (only the hidden
+    side's), and the recomputed rows live in the forward's "gates" arena."""
+    for _ in range(2):  # each call checks the gradients against the oracle
+        _check_layer("gru", memory="recompute", use_graph=True)
+    names = {name for _, name in graphs._WORKSPACE}
+    assert {"pre", "bwd.pre_dg", "bwd.dgh"} <= names and not {"bwd.dg", "bwd.pre"} & names
+    assert {name for _, name in graphs._ARENAS} >= {"gates"}
+
+
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_every_workspace_view_lies_in_a_live_arena(cpu_graphs, mode, memory):
+    """The forward reserves "gates" for what its backward will ask too (a GRU's recomputed
+    rows are 4H wide, its forward's 3H): an arena that grew later stayed allocated beside
+    its successor in the views taken of it, for the whole run."""
+    for _ in range(2):
+        _check_layer(mode, memory=memory, use_graph=True)
+    arenas = {a.untyped_storage().data_ptr() for a in graphs._ARENAS.values()}
+    views = {v.untyped_storage().data_ptr() for v in graphs._WORKSPACE.values()}
+    assert views <= arenas
 
 
 def test_configs_of_several_lengths_share_the_workspace_of_the_longest(cpu_graphs):
@@ -167,3 +194,29 @@ def test_released_keys_leave_nothing_held(cpu_graphs):
     gc.collect()
     graphs.release(keys)
     assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS
+
+
+def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monkeypatch):
+    """The forward is captured from the caller's thread, the backward from autograd's
+    device thread: recorded there, each would get a cuBLAS workspace of its own on the
+    side stream (32 MiB on an H100, held for the process). One capturing thread: one."""
+    import threading
+
+    threads = []
+    stand_in = graphs._record
+
+    def record(device, buffers, loop):
+        threads.append(threading.get_ident())
+        assert not torch.is_grad_enabled()  # the loops write into buffers in place
+        return stand_in(device, buffers, loop)
+
+    monkeypatch.setattr(graphs, "_record", record)
+    inp = _inputs("lstm")
+    y, _, _, saved = _forward(inp)
+    backward = threading.Thread(target=kernels.layer_backward, args=(
+        "lstm", saved, *inp.values(), None, y, torch.randn_like(y), None, None),
+        kwargs={"use_graph": True})  # fmt: skip
+    backward.start()
+    backward.join()
+    assert len(threads) == 2 and len(set(threads)) == 1
+    assert threads[0] not in (threading.get_ident(), backward.ident)

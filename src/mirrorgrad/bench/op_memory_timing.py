@@ -3,8 +3,10 @@
 ``python -m mirrorgrad.bench.op_memory_timing --out DIR``: per size (layers x hidden,
 batch, BPTT 35) a ``mirrorgrad.nn.LSTM`` with ``memory="stash"`` and ``"recompute"``,
 median of 20 calls after 3 warm-ups (CUDA events), and the planner's own estimates of
-the same (the op's forward time and the time recompute adds, ``graph.cost`` at this
-GPU's rates), so the cost model that balance mode's cap reads can be checked.
+the same: the op's forward and backward calls as the cost model prices them (the op's
+time formula, ops/rnn/cost.py's rule for the split Triton kernels: ``priced``) and the
+GEMMs alone at this GPU's rates (``gemm_ms_est``, the roofline that priced it before),
+so the cost model that balance mode's cap reads can be checked.
 Writes ``op_memory_timing.json``; prints a table.
 """
 
@@ -41,17 +43,26 @@ def _time(layers: int, hidden: int, batch: int, memory: str, device: str) -> dic
     return {"forward_ms": fwd, "backward_ms": both - fwd}
 
 
-def _estimate(layers: int, hidden: int, batch: int, device: str) -> dict[str, float]:
-    """The planner's price of the op's forward GEMMs (ms), which is both its forward time
-    in the cost model and what recompute adds (op_memory)."""
+def _estimate(layers: int, hidden: int, batch: int, device: str) -> dict:
+    """The cost model's price of the op's calls (ms per memory mode and phase), and of its
+    forward GEMMs at this GPU's rates."""
     from mirrorgrad.graph.cost import rates_for
+    from mirrorgrad.ops.rnn import cost
     from mirrorgrad.ops.rnn.op import _stack_flops
+
+    shape = cost.Shape(mode="lstm", T=BPTT, B=batch, H=hidden, layers=layers, directions=1)
+    priced = {
+        memory: {f"{phase}_ms": cost.phase_ms("triton", memory, torch.float32, shape,
+                                              backward=phase == "backward")
+                 for phase in ("forward", "backward")}
+        for memory in ("stash", "recompute")
+    }  # fmt: skip
 
     rates = rates_for(torch.device(device))
     weights = [(4 * hidden, hidden), (4 * hidden, hidden)] * layers  # no biases needed
     flops = _stack_flops((BPTT, batch, hidden), weights, (layers, batch, hidden), "lstm",
                          layers, False, False, 0)  # fmt: skip
-    return {"gemm_ms_est": flops / rates.matmul_flops_per_s * 1e3}
+    return {"gemm_ms_est": flops / rates.matmul_flops_per_s * 1e3, "priced": priced}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         row |= _estimate(layers, hidden, batch, args.device)
         rows.append(row)
         added = row["recompute"]["backward_ms"] - row["stash"]["backward_ms"]
+        priced = row["priced"]
+        priced_added = priced["recompute"]["backward_ms"] - priced["stash"]["backward_ms"]
         print(f"{layers}x{hidden} B{batch}: forward {row['stash']['forward_ms']:.3f} ms "
-              f"(est. {row['gemm_ms_est']:.3f}), backward stash "
+              f"(priced {priced['stash']['forward_ms']:.3f}), backward stash "
               f"{row['stash']['backward_ms']:.3f} / recompute {row['recompute']['backward_ms']:.3f}"
-              f" ms: recompute adds {added:.3f} ms (est. {row['gemm_ms_est']:.3f})",
+              f" ms (priced {priced['stash']['backward_ms']:.3f} / "
+              f"{priced['recompute']['backward_ms']:.3f}): recompute adds {added:.3f} ms "
+              f"(priced {priced_added:.3f}; GEMMs alone {row['gemm_ms_est']:.3f})",
               flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "op_memory_timing.json").write_text(json.dumps(rows, indent=1))

@@ -1,11 +1,13 @@
-"""Per-op time estimate: max(FLOPs / rate, bytes moved / bandwidth).
+"""Per-op time estimate: max(FLOPs / rate, bytes moved / bandwidth), or the op's own.
 
 FLOPs come from ``torch.utils.flop_counter``'s formula registry where it has one
 (mm, addmm, bmm, convolution, attention, and any op registered with
 ``register_flop_formula`` such as our RNN ops), else one FLOP per output element.
 Bytes moved are the op's tensor inputs plus outputs, or what the op declares with
 ``mirrorgrad.formulas.register_bytes_formula`` (a chunked op that writes and
-reads its intermediates); views move nothing.
+reads its intermediates); views move nothing. An op that registered a time formula
+(``mirrorgrad.formulas.register_time_formula``: our RNN ops, whose recurrence is bound
+by its per-step latency, not its FLOPs) is priced by it where it gives a number.
 
 Under a fusing compiler (Inductor) the bytes are those of its kernels
 (``StepCost``): a pointwise op computed inside its readers' kernels
@@ -25,7 +27,7 @@ from torch.fx import Node
 from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
-from mirrorgrad.formulas import bytes_formula
+from mirrorgrad.formulas import bytes_formula, time_formula
 from mirrorgrad.graph.fusion import inlined
 from mirrorgrad.graph.joint import (
     JointGraph,
@@ -146,6 +148,16 @@ def registered_bytes(node: Node) -> int | None:
     return _hint(formula(*args, **kwargs))
 
 
+def registered_seconds(node: Node) -> float | None:
+    """Seconds of one call as the op declares them (``register_time_formula``), or None."""
+    formula = time_formula(node.target)
+    if formula is None:
+        return None
+    args, kwargs = fake_args(node)
+    seconds = formula(*args, **kwargs)
+    return None if seconds is None else float(seconds)
+
+
 # Convolutions (forward and backward) run at DeviceRates.conv_flops_per_s.
 CONVOLUTIONS = frozenset(
     ("convolution", "_convolution", "convolution_backward", "cudnn_convolution",
@@ -187,7 +199,9 @@ def op_cost(node: Node, rates: DeviceRates = H100) -> OpCost:
         moved = _tensor_bytes(node.args) + _tensor_bytes(list(node.kwargs.values()))
         moved += value_nbytes(node.meta.get("val"))
     flops, rate = _flops_and_rate(node, rates)
-    seconds = max(flops / rate, moved / rates.bytes_per_s)
+    seconds = registered_seconds(node)
+    if seconds is None:
+        seconds = max(flops / rate, moved / rates.bytes_per_s)
     return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
 
@@ -229,9 +243,10 @@ class StepCost:
         if moved is None:
             reads = set().union(*(self._read(a) for a in node.all_input_nodes))
             moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
-        return OpCost(
-            flops=flops, bytes=moved, seconds=max(flops / rate, moved / self.rates.bytes_per_s)
-        )
+        seconds = registered_seconds(node)
+        if seconds is None:
+            seconds = max(flops / rate, moved / self.rates.bytes_per_s)
+        return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
     def _read(self, value: Node) -> frozenset[Node]:
         """Storages a kernel reading ``value`` reads: its own, or, if it is

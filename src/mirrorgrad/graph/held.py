@@ -5,10 +5,10 @@ workspaces, and what custom ops declare they keep between calls
 PyTorch gives every (cuBLAS handle, stream) pair a workspace from the caching allocator
 the first time a matmul runs there, and keeps it for the life of the process: one for
 the thread that runs the forward, one for autograd's device thread that runs the
-backward, and one more for each of them where our RNN op captures its step loops as
-CUDA Graphs (captured on a stream of their own: the H100 showed four 32 MiB workspaces
-on the +mgnn workloads, allocated by the forward loop, the backward loop and the
-graph's own matmuls). They count in ``torch.cuda.max_memory_allocated`` like any
+backward, and one more where our RNN op captures its step loops as CUDA Graphs (on a
+stream of their own, from one capturing thread: ops/rnn/graphs.py; the H100 showed four
+32 MiB workspaces on the +mgnn workloads while the forward's and the backward's threads
+each captured their own loops). They count in ``torch.cuda.max_memory_allocated`` like any
 tensor, so a step whose graph runs matmuls on a GPU peaks that much above its values.
 Sizes as torch sets them (ATen's CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG``
 (``:KiB:count`` pairs; default 32 MiB on sm90, 8 MiB + 128 KiB elsewhere). cuBLASLt
@@ -68,10 +68,14 @@ def _runs_blas(node: Node) -> bool:
 
 
 def _streams(nodes: list[Node]) -> int:
-    """(handle, stream) pairs one phase's thread runs matmuls on: its stream, and the
-    capture stream where an op captures its loops."""
-    blas = any(map(_runs_blas, nodes))
-    return blas + any(n.op == "call_function" and op_name(n) in _CAPTURING for n in nodes)
+    """(handle, stream) pairs one phase's thread runs matmuls on: its stream."""
+    return int(any(map(_runs_blas, nodes)))
+
+
+def _captures(nodes: list[Node]) -> bool:
+    """Whether an op among ``nodes`` captures loops (on the one capturing thread's handle
+    and the side stream: one more workspace for the whole step)."""
+    return any(n.op == "call_function" and op_name(n) in _CAPTURING for n in nodes)
 
 
 def held_bytes(joint: JointGraph) -> dict[str, int]:
@@ -81,6 +85,7 @@ def held_bytes(joint: JointGraph) -> dict[str, int]:
     held = {}
     per_thread = blas_workspace_bytes(joint.device)
     streams = sum(_streams(nodes) for nodes in (joint.forward, joint.backward))
+    streams += _captures([*joint.forward, *joint.backward])
     if per_thread and streams:
         held["cuBLAS workspaces"] = streams * per_thread
     caches = _op_caches(joint)

@@ -20,7 +20,9 @@ best saved bytes per added second first; each gets its own value plan.
   peak (one ``MirrorgradBudgetWarning`` for the final plan, not one per candidate);
 - off: stash (no recomputation of any kind).
 
-Recompute costs one forward's GEMMs again in backward (the op's FLOP formula).
+What recompute adds is the difference of the op's priced time in the two modes: its time
+formula (``formulas.register_time_formula``; for the RNN op ops/rnn/cost.py's fitted
+per-step rule), else one forward's GEMMs again in backward (the op's FLOP formula).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
 from mirrorgrad._units import format_bytes
-from mirrorgrad.graph.cost import DeviceRates, rates_for
+from mirrorgrad.formulas import time_formula
+from mirrorgrad.graph.cost import DeviceRates, op_cost, rates_for
 from mirrorgrad.graph.held import held_bytes
 from mirrorgrad.graph.joint import JointGraph, fake_value
 from mirrorgrad.mirror import budget_search
@@ -63,6 +66,7 @@ class OpMemoryChoice:
     stash_bytes: int  # what the op saves for backward with memory="stash"
     recompute_bytes: int  # ... with memory="recompute"
     recompute_seconds: float  # backward time recompute adds (estimated)
+    seconds: float = 0.0  # the op's forward and backward calls as priced, in this choice
 
     @property
     def added_seconds(self) -> float:
@@ -82,9 +86,10 @@ class OpMemoryChoice:
             f"saved {format_bytes(self.stash_bytes)} -> {format_bytes(self.recompute_bytes)}, "
             f"+{self.recompute_seconds * 1e6:.1f} us"
         )
+        priced = f"; op priced {self.seconds * 1e3:.3f} ms fwd+bwd" if self.seconds else ""
         if self.choice == "recompute":
-            return f"{self.node}{where}: recompute [{self.reason}] ({sizes})"
-        return f"{self.node}{where}: {self.choice} [{self.reason}] (recompute: {sizes})"
+            return f"{self.node}{where}: recompute [{self.reason}] ({sizes}{priced})"
+        return f"{self.node}{where}: {self.choice} [{self.reason}] (recompute: {sizes}{priced})"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,7 +145,7 @@ def plan_joint(
     chosen = trials[best][0]
     if best != max(trials):  # the graph holds the last trial's rewrite: plan it again
         joint, chosen = planned(best, trials[best][1])
-    choices = _choices(sized, candidates, free[:best], policy, options.mode)
+    choices = _choices(sized, candidates, free[:best], policy, options.mode, rates)
     result = _combined(chosen, base, free[:best], choices)
     result.held = held_bytes(joint)
     if result.budget_met is False:
@@ -202,8 +207,9 @@ def _combined(chosen: Plan, base: Plan, recomputed: list[_Candidate], choices) -
 
 def _choices(sized: dict[Node, _Candidate], decided: list[_Candidate],
              recomputed: list[_Candidate], policy: MirrorPolicy,
-             mode: str) -> list[OpMemoryChoice]:  # fmt: skip
-    """One ``OpMemoryChoice`` per RNN op of the graph (``sized``), in graph order."""
+             mode: str, rates: DeviceRates) -> list[OpMemoryChoice]:  # fmt: skip
+    """One ``OpMemoryChoice`` per RNN op of the graph (``sized``), in graph order; the
+    graph holds the chosen rewrite, so the op's priced time is the chosen mode's."""
     auto = {c.forward for c in decided}
     chosen = {c.forward for c in recomputed}
     rows = []
@@ -222,6 +228,7 @@ def _choices(sized: dict[Node, _Candidate], decided: list[_Candidate],
                 stash_bytes=c.stash_bytes,
                 recompute_bytes=c.recompute_bytes,
                 recompute_seconds=c.added_seconds,
+                seconds=sum(op_cost(n, rates).seconds for n in (node, *c.backward)),
             )
         )
     return rows
@@ -242,14 +249,33 @@ def _candidate(forward: Node, rates: DeviceRates) -> _Candidate:
     forward_flops = _hint(flops(*args, out_val=forward.meta.get("val")))
     recomputes = args[_FWD_MODE] in ("lstm", "gru")
     added = len(backward) * forward_flops if recomputes else 0
+    timed = [_timed_difference(forward, _FWD_MEMORY)]
+    timed += [_timed_difference(b, _BWD_MEMORY) for b in backward]
+    seconds = sum(timed) if None not in timed else added / rates.matmul_flops_per_s
     return _Candidate(
         forward=forward,
         backward=backward,
         stash_bytes=_saved_bytes(forward, "stash"),
         recompute_bytes=_saved_bytes(forward, "recompute"),
-        added_seconds=added / rates.matmul_flops_per_s,
+        added_seconds=seconds,
         added_flops=int(added),
     )
+
+
+def _timed_difference(node: Node, position: int) -> float | None:
+    """Seconds the call at ``node`` takes with memory="recompute" more than with "stash",
+    by its op's time formula; None without one (or where it has no estimate)."""
+    formula = time_formula(node.target)
+    if formula is None:
+        return None
+    args = [fake_value(a) for a in node.args]
+    times = []
+    for memory in ("stash", "recompute"):
+        args[position] = memory
+        times.append(formula(*args))
+    if None in times:
+        return None
+    return times[1] - times[0]
 
 
 def _saved_bytes(forward: Node, memory: str) -> int:

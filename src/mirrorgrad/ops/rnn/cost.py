@@ -13,6 +13,13 @@ measured tables in docs/results/ (relative least squares, constants >= 0);
 tests/ops/test_rnn_cost.py checks the rule against those tables. An implementation
 without constants is never preferred by the rule.
 
+The planner prices the op's forward and backward calls with ``phase_ms`` (the op's
+time formula, ``formulas.register_time_formula``): the rule's stash time split by
+``FORWARD_SHARE``, and for ``memory="recompute"`` of an LSTM or GRU the backward plus
+``RECOMPUTE_EXTRA``, fitted by ``fit_extra`` to what recompute added in the same tables
+(the difference of the two independent fits is noise at small batches: 0.01 ms
+predicted where 0.23 ms was measured).
+
     python -m mirrorgrad.ops.rnn.cost RESULTS.json ...
 
 prints the constants fitted to `mirrorgrad bench --suite rnn-kernels` results (the
@@ -73,6 +80,18 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 }
 
 
+# dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
+# or GRU's backward (fit_extra of the same tables: absolute least squares, >= 0).
+RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {
+    "fp32": (0.0, 0.0, 11.127, 0.081),
+    "half": (0.0, 0.0, 0.0, 0.158),
+}
+# The forward's share of forward+backward with memory="stash": the mean over the rows of
+# docs/results/h100-2026-11-23/opmem-w1/op_memory_timing.json (H100, 2-layer LSTMs, the
+# only committed table timing the two phases apart).
+FORWARD_SHARE = 0.45
+
+
 def predicted_ms(impl: str, memory: str, dtype: torch.dtype, shape: Shape) -> float | None:
     """The rule's forward+backward ms, or None where COSTS has no constants for it."""
     constants = COSTS.get((impl, memory_class(impl, memory), dtype_class(dtype)))
@@ -80,6 +99,24 @@ def predicted_ms(impl: str, memory: str, dtype: torch.dtype, shape: Shape) -> fl
         return None
     # Plain Python: torch.compile traces this (numpy would break the graph).
     return sum(c * f for c, f in zip(constants, shape.features()))
+
+
+def phase_ms(
+    impl: str, memory: str, dtype: torch.dtype, shape: Shape, *, backward: bool
+) -> float | None:
+    """The rule's ms for the forward call or the backward call alone, or None where
+    COSTS has no constants for ``impl``. ``memory`` is "stash" or "recompute"."""
+    both = predicted_ms(impl, "stash", dtype, shape)
+    if both is None:
+        return None
+    forward = FORWARD_SHARE * both
+    if not backward:
+        return forward
+    extra = 0.0
+    if memory == "recompute" and shape.mode in ("lstm", "gru"):
+        constants = RECOMPUTE_EXTRA[dtype_class(dtype)]
+        extra = sum(c * f for c, f in zip(constants, shape.features()))
+    return both - forward + extra
 
 
 def pick(candidates: Sequence[str], memory: str, dtype: torch.dtype, shape: Shape) -> str:
@@ -96,21 +133,36 @@ def pick(candidates: Sequence[str], memory: str, dtype: torch.dtype, shape: Shap
 
 def fit(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
     """Constants (>= 0) minimising the squared relative error of the rule over measured
-    (shape, ms) samples: least squares with negative constants dropped one at a time."""
+    (shape, ms) samples."""
     import numpy as np
 
     samples = list(samples)
     features = np.array([s.features() for s, _ in samples])
     measured = np.array([ms for _, ms in samples])
-    scaled = features / measured[:, None]
-    active = list(range(features.shape[1]))
+    return _nonnegative_lstsq(features / measured[:, None], np.ones(len(samples)))
+
+
+def _nonnegative_lstsq(a, b) -> tuple[float, ...]:
+    """Least squares of ``a @ c = b`` with negative constants dropped one at a time."""
+    import numpy as np
+
+    active = list(range(a.shape[1]))
     while True:
-        constants = np.zeros(features.shape[1])
-        solution = np.linalg.lstsq(scaled[:, active], np.ones(len(samples)), rcond=None)[0]
-        constants[active] = solution
+        constants = np.zeros(a.shape[1])
+        constants[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
         if (constants >= 0).all():
             return tuple(round(float(c), 3) for c in constants)
         active.remove(int(np.argmin(constants)))
+
+
+def fit_extra(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
+    """Constants (>= 0) minimising the squared error (in ms, not relative: the measured
+    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms)."""
+    import numpy as np
+
+    samples = list(samples)
+    features = np.array([s.features() for s, _ in samples])
+    return _nonnegative_lstsq(features, np.array([ms for _, ms in samples]))
 
 
 def shape_of(workload: str) -> Shape:

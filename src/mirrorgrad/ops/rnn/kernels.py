@@ -199,7 +199,7 @@ def _rnn_bwd_kernel(
     dy_ptr,  # [B, H] grad of y_t
     dh_ptr,  # [B, H] in: grad of h_t (fused: its direct part); out: direct part of grad of h_{t-1}
     dc_ptr,  # lstm: [B, H] fp32 in: grad of c_t; out: grad of c_{t-1}
-    dg_ptr,  # [B, G*H] out: grad of the input-side pre-activations
+    dg_ptr,  # [B, G*H] out (rows DGS apart): grad of the input-side pre-activations
     dgh_ptr,  # gru: [B, 3H] out: grad of the hidden-side pre-activations
     dgnext_ptr,  # fused: [B, G*H] hidden-side gate grads of step t+1
     w_ptr,  # fused: W_hh [G*H, H] row-major
@@ -209,6 +209,7 @@ def _rnn_bwd_kernel(
     H: tl.constexpr,  # constant per model: lets the GEMM loop bounds be static
     clip_lo,
     clip_hi,
+    DGS,  # row stride of dg_ptr: G*H, or a GRU's 4H where it overwrites the pre-activations
     MODE: tl.constexpr,
     G: tl.constexpr,
     HAS_LENGTHS: tl.constexpr,
@@ -265,7 +266,7 @@ def _rnn_bwd_kernel(
         if CLIP:
             c_pre = f * c_old + i * g
             dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
         tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
         tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
         tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
@@ -282,7 +283,7 @@ def _rnn_bwd_kernel(
         dn = dh * (1.0 - z) * (1.0 - n * n)
         dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
         dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        drow = dg_ptr + rb[:, None] * GH + rn[None, :]
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
         hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
         tl.store(drow, dr, mask=mask)
         tl.store(drow + H, dz, mask=mask)
@@ -295,7 +296,8 @@ def _rnn_bwd_kernel(
         # The activation's derivative comes from its output: nothing stashed.
         h = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
-        tl.store(dg_ptr + idx, tl.where(valid, dp, 0.0).to(gty), mask=mask)
+        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
+        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
         dh_direct = tl.zeros_like(dh)
     # Rows past their length pass the state gradient through unchanged.
     tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
@@ -339,12 +341,14 @@ def workspace_bytes(
     *,
     backward: bool,
     captured: bool = False,
+    dg_over_pre: bool = True,
 ) -> int:
     """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
     and outputs: the pre-activations where they are not the stash, and per backward
     chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
     are left out. ``captured``: the loop runs as a CUDA Graph, whose buffers are arenas
-    held between calls (``held_arenas``), not allocated per call."""
+    held between calls (``held_arenas``), not allocated per call. ``dg_over_pre=False``:
+    an LSTM's gate gradients have a buffer of their own (persistent.py's backward)."""
     d = dtype.itemsize
     gh = GATES[mode] * H
     if not backward:
@@ -355,8 +359,8 @@ def workspace_bytes(
     dg = rows * gh * d * (2 if mode == "gru" else 1)
     if memory == "stash" or mode.startswith("rnn"):
         return 0 if captured else dg
-    if mode == "lstm":
-        return 0 if captured else rows * gh * d + dg
+    if mode == "lstm":  # the gate gradients overwrite the recomputed pre-activations
+        return 0 if captured else rows * gh * d + (0 if dg_over_pre else dg)
     # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
     recompute = rows * H * d + 2 * rows * gh * d
     if captured:
@@ -604,6 +608,7 @@ def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
             config.H,
             lo,
             hi,
+            buf.dg.stride(1),
             MODE=_MODE_ID[config.mode],
             G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
@@ -778,6 +783,7 @@ def _forward_entry(
     hidden state and the lengths are per-config workspace."""
 
     def make() -> _FwdBuffers:
+        graphs.reserve(config.device, "pre", _gates_bytes(config))
         return _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
 
     def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
@@ -786,6 +792,17 @@ def _forward_entry(
     in_place = None if config.fused else w.data_ptr()
     key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
     return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
+
+
+def _gates_bytes(config: LoopConfig) -> int:
+    """What this config's loops ask of the "gates" arena, forward and backward: the
+    forward's pre-activations where they are not the stash, the backward chunk's gate
+    gradients, or its recomputed pre-activations where the gradients overwrite them."""
+    d, rows = config.dtype.itemsize, _chunk_steps(config.T, config.B) * config.B
+    forward = 0 if config.mode == "lstm" and config.memory == "stash" else config.T * config.B
+    chunk = _with_steps(config, rows // max(config.B, 1))
+    width = config.stash_width if dg_overwrites_pre(chunk, captured=True) else config.gh
+    return max(forward * config.gh, rows * width) * d
 
 
 def _fwd_entry_buffers(config: LoopConfig, w, b_hh, lengths, workspace) -> _FwdBuffers:
@@ -827,10 +844,13 @@ def _recompute_pre(
 
 
 def _bwd_buffers(
-    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None
+    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None,
+    dg_over_pre: bool = False,
 ) -> _BwdBuffers:
     """Buffers of one backward loop; ``workspace(config, name, make)``, when given,
-    supplies the gate gradients (shared between captured loops of one config)."""
+    supplies the gate gradients (shared between captured loops of one config).
+    ``dg_over_pre``: the gate gradients are written over ``pre`` (``dg_overwrites_pre``;
+    this file's step kernel only: persistent.py keeps its own, padded, buffer)."""
     lstm = config.mode == "lstm"
 
     def gate_grads(name: str) -> Tensor:
@@ -849,7 +869,7 @@ def _bwd_buffers(
         dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
         if lstm
         else None,
-        dg=gate_grads("dg"),
+        dg=pre[..., : config.gh] if dg_over_pre else gate_grads("dg"),
         dgh=gate_grads("dgh") if config.mode == "gru" else None,
         lengths=lengths,
         w_hh=w_hh,
@@ -895,7 +915,16 @@ def _bwd_chunk(
     if graphed:
         if recompute is not None:
             fields = {**fields, "pre": _recomputed_pre(config, graphs.workspace)}
-        entry, copied = _backward_entry(config, fields)
+        state = {"dh": dh, "dc": dc}
+
+        def keep_state() -> None:
+            # Carried, the state gradients are the previous chunk's workspace buffers,
+            # which a capture's warm-up (one run of the loop) would overwrite first.
+            if carried:
+                state.update({k: v.clone() for k, v in state.items() if v is not None})
+
+        entry, copied = _backward_entry(config, fields, keep_state)
+        dh, dc = state["dh"], state["dc"]
         buf = entry.buffers
         if recompute is not None:
             recompute(out=buf.pre)
@@ -914,7 +943,8 @@ def _bwd_chunk(
     dh = dh if carried else _owned_state(config, dh, config.dtype)
     if lstm:
         dc = dc if carried else _owned_state(config, dc, torch.float32)
-    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None)
+    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None,
+                       dg_over_pre=dg_overwrites_pre(config, captured=False))  # fmt: skip
     _bwd_loop(config, buf)
     return buf
 
@@ -928,7 +958,9 @@ def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
     return a.sum(0) if total is None else total.add_(a.sum(0))
 
 
-def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, list[str]]:
+def _backward_entry(
+    config: LoopConfig, fields: dict, before_capture=None
+) -> tuple[graphs.Entry, list[str]]:
     """The captured backward loop for these inputs, and the names of the inputs to copy
     into its buffers before each replay.
 
@@ -956,6 +988,7 @@ def _backward_entry(config: LoopConfig, fields: dict) -> tuple[graphs.Entry, lis
         lambda b: _bwd_loop(config, b),
         lambda b: (),
         reads_in_place=tuple(readers.values()),
+        before_capture=before_capture,
     )
     assert entry is not None  # a backward entry hands nothing out: it is always idle
     return entry, copied
@@ -966,7 +999,8 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
     into workspace; ``workspace(config, name, make)`` supplies the workspace."""
 
     def shared(name: str, value: Tensor) -> Tensor:
-        return workspace(config, f"bwd.{name}", lambda: torch.empty_like(value))
+        key = _recomputed_pre_name(config) if name == "pre" else f"bwd.{name}"
+        return workspace(config, key, lambda: torch.empty_like(value))
 
     inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
     dh = workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
@@ -975,13 +1009,36 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
         dc = workspace(
             config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
         )
-    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace)
+    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
+                        dg_over_pre=dg_overwrites_pre(config, captured=True))  # fmt: skip
+
+
+def dg_overwrites_pre(config: LoopConfig, *, captured: bool) -> bool:
+    """Whether the backward loop writes the gate gradients over the pre-activations it
+    reads: an LSTM's or GRU's recomputed ones (our own buffer; the step kernel loads a
+    tile's gates before it stores their gradients at the same places, the GRU's in the
+    first 3H of its 4H-wide rows, and no step reads another step's). A GRU's only where
+    the loop is captured (its buffers held as arenas): uncaptured, the recompute's own
+    temporaries are its peak. Never the stash: a saved tensor, which a retained graph
+    reads again."""
+    if config.memory != "recompute":
+        return False
+    return config.mode == "lstm" or (config.mode == "gru" and captured)
 
 
 def _recomputed_pre(config: LoopConfig, workspace) -> Tensor:
-    """The captured backward loop's buffer for recomputed pre-activations."""
+    """The captured backward loop's buffer for recomputed pre-activations (its gate
+    gradients too, ``dg_overwrites_pre``: then its own arena name, which shares "gates"
+    with the forward's)."""
     width = config.stash_width
-    return workspace(config, "bwd.pre", lambda: config.empty(config.T, config.B, width))
+    return workspace(config, _recomputed_pre_name(config),
+                     lambda: config.empty(config.T, config.B, width))  # fmt: skip
+
+
+def _recomputed_pre_name(config: LoopConfig) -> str:
+    """The workspace name of a backward loop's pre-activations where they are copied in
+    (recomputed, or a stash not read in place)."""
+    return "bwd.pre_dg" if dg_overwrites_pre(config, captured=True) else "bwd.pre"
 
 
 @torch.no_grad()

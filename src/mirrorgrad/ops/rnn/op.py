@@ -19,8 +19,12 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from mirrorgrad import _compat
-from mirrorgrad.formulas import register_held_formula, register_memory_formula
-from mirrorgrad.ops.rnn import reference
+from mirrorgrad.formulas import (
+    register_held_formula,
+    register_memory_formula,
+    register_time_formula,
+)
+from mirrorgrad.ops.rnn import cost, reference
 from mirrorgrad.ops.rnn.cells import GATES
 
 
@@ -534,6 +538,35 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
     forward = _stack_flops(x, weights, hx, mode, num_layers, bidirectional, has_biases, proj_size)
     recomputes = resolve_memory(memory, mode) == "recompute" and mode in ("lstm", "gru")
     return 2 * forward + (forward if recomputes else 0)
+
+
+def _call_seconds(impl, mode, memory, x, weights, hx, num_layers, bidirectional, proj_size,
+                  *, backward: bool) -> float | None:  # fmt: skip
+    """One call's seconds by ops/rnn/cost.py's fitted rule (per-step latency x steps plus
+    the GEMMs), or None where it has no constants for ``impl`` (the roofline prices it)."""
+    if proj_size:
+        return None  # no implementation with constants runs a projection
+    T, B, _, H, _, _ = map(_hint, _stack_shape(x, weights, hx, mode))
+    shape = cost.Shape(mode=mode, T=T, B=B, H=H, layers=num_layers,
+                       directions=2 if bidirectional else 1)  # fmt: skip
+    ms = cost.phase_ms(impl, resolve_memory(memory, mode), x.dtype, shape, backward=backward)
+    return None if ms is None else ms / 1e3
+
+
+@register_time_formula(torch.ops.mirrorgrad.rnn_forward)
+def _rnn_forward_seconds(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                         has_biases, proj_size, dropout, memory, state_clip, impl,
+                         need_saved) -> float | None:  # fmt: skip
+    return _call_seconds(impl, mode, memory, x, weights, hx, num_layers, bidirectional,
+                         proj_size, backward=False)  # fmt: skip
+
+
+@register_time_formula(torch.ops.mirrorgrad.rnn_backward)
+def _rnn_backward_seconds(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
+                          mode, num_layers, bidirectional, has_biases, proj_size, dropout,
+                          memory, state_clip, impl, needs_input_grad) -> float | None:  # fmt: skip
+    return _call_seconds(impl, mode, memory, x, weights, hx, num_layers, bidirectional,
+                         proj_size, backward=True)  # fmt: skip
 
 
 def _stack_shape(x, weights, hx, mode):

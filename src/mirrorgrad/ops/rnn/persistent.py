@@ -72,7 +72,8 @@ def workspace_bytes(
     """kernels.py's workspace, plus forward every step's h ([T+1, B, H] with padded rows)
     and backward the gate gradients' row padding."""
     d, gh = dtype.itemsize, GATES[mode] * H
-    base = kernels.workspace_bytes(mode, memory, T, B, H, dtype, backward=backward)
+    base = kernels.workspace_bytes(mode, memory, T, B, H, dtype, backward=backward,
+                                   dg_over_pre=False)  # fmt: skip
     if not backward:
         return base + (T + 1) * B * _padded(H, dtype) * d
     rows = kernels._chunk_steps(T, B) * B
