@@ -17,8 +17,10 @@ both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
 TFLOP/s counts the gate GEMMs (3x the forward's) and is given as a share of the GPU's
 dense peak; each row also records the persistent layout, its compiled kernels
 (registers, spills, shared memory) and the grid barrier's cost alone (``barrier_us``).
-``--profile`` adds a torch.profiler table and each step's split into work and barrier
-wait (program 0's timestamps, ``persistent.PROBES``). ``--sweep`` times the SWEEP knob
+``--profile`` adds a torch.profiler table. ``--phases`` times the module and the layer
+with the VARIANTS knob sets (old, new) and splits each step of every program into phases
+(hidden GEMM, gates, arrival, barrier wait: the kernels' PROBE stamps) and prints
+their medians in microseconds. ``--sweep`` times the SWEEP knob
 sets at the layer level and writes the best to ``best_knobs.json``; ``--knobs`` applies
 such a file first. Writes ``persistent_rnn.json``; prints a table last. About 8 s per
 row and method set on an H100 (most of it compiling).
@@ -30,6 +32,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -227,41 +230,120 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
             step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-    name = f"{mode}_{cfg.name}_{dtype_name}"
-    (out / f"profile_{name}.txt").write_text(table)
+    (out / f"profile_{mode}_{cfg.name}_{dtype_name}.txt").write_text(table)
     print(table)
-    steps = step_split(mode, cfg, DTYPES[dtype_name])
-    (out / f"steps_{name}.json").write_text(json.dumps(steps, indent=1))
-    print("per step (program 0, last launch of each kind):", json.dumps(steps))
 
 
-def step_split(mode: str, cfg: Config, dtype: torch.dtype) -> dict:
-    """Median per-step times of program (0, 0) in the last forward and backward launch of
-    one layer-level step: its work (start to barrier arrival) and its wait at the barrier
-    (arrival to the next step's start), in ns and SM cycles (the kernels' PROBE)."""
+# ---- --phases: where a step's time goes (persistent.PROBES), old against new knobs ----
+
+# The knobs of the variants ``--phases`` compares (persistent.py module globals): "old" is
+# the layout measured in windows 1-2, "new" breaks every hidden GEMM into independent
+# MMA chains (resident: K slices over the warps; streamed: K chunks in slices).
+VARIANTS: dict[str, dict] = {
+    "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BWD_BLOCK_K": 64,
+            "BWD_SPLIT_K": 1},
+    "new": {"RESIDENT_SPLIT": 8, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 4, "BWD_BLOCK_K": 128,
+            "BWD_SPLIT_K": 8},
+}  # fmt: skip
+# Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
+# next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.
+PHASES = {2: (("dot", 1, 3), ("gates", 3, 4), ("arrive", 4, 5), ("wait", 5, -1)),
+          3: (("load", 1, 2), ("dot", 2, 3), ("gates", 3, 4), ("arrive", 4, 5),
+              ("wait", 5, -1))}  # fmt: skip
+
+
+def phase_split(stamps: Tensor, level: int) -> dict:
+    """Median microseconds per phase over programs and steps (the first and last step
+    left out: the backward's first has no hidden GEMM, the last no next start) from one
+    launch's int64 [groups, programs, T, STAMPS]; "step" is start to next start, "work"
+    start to arrival, "slowest" the median over steps of the slowest program's work."""
+    s = stamps.double().flatten(0, 1)  # [programs, T, STAMPS]
+    if s.shape[1] < 4 or not bool((s[..., 1] > 0).all()):
+        return {"error": "too few steps or missing stamps"}
+    ns, clk = s[..., 0], s[..., 1]
+    ghz = ((clk[:, -1] - clk[:, 0]) / (ns[:, -1] - ns[:, 0])).median().item()
+    nxt = torch.cat([clk[:, 1:], clk[:, -1:]], dim=1)
+
+    def us(d: Tensor) -> float:
+        return (d[:, 1:-1] / ghz / 1e3).median().item()
+
+    out = {"ghz": ghz, "step": us(nxt - clk), "work": us(s[..., 5] - clk)}
+    for name, a, b in PHASES[level]:
+        out[name] = us((nxt if b == -1 else s[..., b]) - s[..., a])
+    out["slowest"] = ((s[..., 5] - clk).max(0).values[1:-1] / ghz / 1e3).median().item()
+    return out
+
+
+def phases(mode: str, cfg: Config, dtype_name: str, level: int, reps: int) -> dict:
+    """Layer-level step ms without and with the probe, and the per-phase split of the last
+    forward and backward launch (``phase_split``)."""
     from mirrorgrad.ops.rnn import persistent
 
-    step = _steps(mode, cfg, dtype, ["layer-persistent"])["layer-persistent"]()
-    step()  # warm-up: compiles, checks resident layouts
-    persistent.PROBES = {}
+    step = _steps(mode, cfg, DTYPES[dtype_name], ["layer-persistent"])["layer-persistent"]()
+    plain = time_calls(step, repeats=reps, warmup=2, device="cuda").median_ms
+    persistent.PROBES, persistent.PROBE_LEVEL = {}, level
     try:
-        step()
-        torch.cuda.synchronize()
+        probed = time_calls(step, repeats=3, warmup=1, device="cuda").median_ms
         stamps = {kind: t.cpu() for kind, t in persistent.PROBES.items()}
     finally:
         persistent.PROBES = None
-    split = {}
-    for kind, t in stamps.items():
-        order = t if kind == "fwd" else t.flip(0)  # backward runs t = T-1 .. 0
-        start_ns, start_cyc, arrive_ns, arrive_cyc = order.double().unbind(1)
-        split[kind] = {
-            "work_ns": (arrive_ns - start_ns).median().item(),
-            "wait_ns": (start_ns[1:] - arrive_ns[:-1]).median().item(),
-            "work_cycles": (arrive_cyc - start_cyc).median().item(),
-            "wait_cycles": (start_cyc[1:] - arrive_cyc[:-1]).median().item(),
-            "steps": len(order),
-        }
-    return split
+    split = {kind: phase_split(t, level) for kind, t in stamps.items()}
+    return {"layer_ms": plain, "probed_ms": probed, "phases": split}
+
+
+def _compare(cases: list[tuple[str, str, int]], level: int, reps: int, out: Path,
+             time_limit: float) -> list[dict]:  # fmt: skip
+    """Per case and VARIANTS entry: the module's ms (graphed cuDNN beside it, once per
+    case) and ``phases``; rows written to phases.json as they come (a crash keeps them);
+    no case starts after ``time_limit`` seconds."""
+    from mirrorgrad.ops.rnn import persistent
+
+    rows, start = [], time.monotonic()
+    for mode, dtype_name, i in cases:
+        if time.monotonic() - start > time_limit:
+            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
+            continue
+        cfg = CONFIGS[i]
+        graphed = _measure(mode, cfg, dtype_name, ["cudnn-graph"], reps)["ms"]["cudnn-graph"]
+        for name, knobs in VARIANTS.items():
+            saved = {k: getattr(persistent, k) for k in knobs}
+            apply_knobs(knobs)
+            row = {"mode": mode, "config": cfg.name, "dtype": dtype_name, "variant": name,
+                   "cudnn_graph_ms": graphed}  # fmt: skip
+            try:
+                module = _measure(mode, cfg, dtype_name, ["persistent"], reps)
+                row.update(module_ms=module["ms"], errors=module["errors"], plan=module["plan"])
+                row.update(phases(mode, cfg, dtype_name, level, reps))
+            except Exception as exc:  # one failing variant must not end the run
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                torch.cuda.synchronize()
+            finally:
+                apply_knobs(saved)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "phases.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _phase_table(rows: list[dict]) -> str:
+    names = ("load", "dot", "gates", "arrive", "wait")
+    head = ["config", "dtype", "variant", "module ms", "vs graphed", "layer ms", "probed ms",
+            "kind", "step us", *names, "slowest work"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = (r.get("module_ms") or {}).get("persistent")
+        g = r.get("cudnn_graph_ms")
+        for kind, p in (r.get("phases") or {"-": {}}).items():
+            cells = [r["config"], r["dtype"], r["variant"], _num(ms), f"{g / ms:.2f}x" if ms and g
+                     else "-", _num(r.get("layer_ms")), _num(r.get("probed_ms")), kind,
+                     _num(p.get("step"), 1), *(_num(p.get(n), 1) for n in names),
+                     _num(p.get("slowest"), 1)]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, float) else "-"
 
 
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
@@ -377,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
     parser.add_argument("--knobs", type=Path, help="JSON of persistent.py knobs to set first")
     parser.add_argument("--cases", help="mode:dtype:config,... (instead of the cross product)")
+    parser.add_argument("--phases", action="store_true",
+                        help="per-phase us of each step, VARIANTS old against new")
+    parser.add_argument("--probe-level", type=int, default=2, choices=(2, 3))
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="--phases: start no case after this many seconds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -387,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.knobs is not None:
         apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
     methods = [m for m in args.methods.split(",") if m]
+    if args.phases:
+        rows = _compare(_cases(args), args.probe_level, args.reps, args.out, args.time_limit)
+        print(_phase_table(rows))
+        return 0
     rows = _sweep(_cases(args), args.reps, args.out) if args.sweep else []
     for mode, dtype_name, i in [] if args.sweep else _cases(args):
         rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
