@@ -155,6 +155,16 @@ def test_resident_k_in_slices(mode, rsplit):
     _check(mode, H=40, lengths=[3, 1, 4], layout=layout)
 
 
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_inputs_gathered_in_one_load(mode, memory):
+    # The backward's other inputs in one load per dtype, with K slices (bench's "new").
+    layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, gather=True, rsplit=2, bwd_rsplit=2)
+    _check(mode, memory=memory, H=20, lengths=[2, 4, 1], layout=layout)
+    _check(mode, memory=memory, H=20, layout=layout, dtype=torch.bfloat16, tol=3e-2)
+
+
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_batch_one_and_one_step(mode):
     _check(mode, T=1, B=1)
@@ -308,12 +318,12 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
 )
 def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch):
     # The "new" variant of bench.persistent_rnn: resident K in 8 slices, streamed chunks
-    # of 64 (forward) and 128 (backward) in 4 and 8 slices.
+    # of 64 (forward) and 128 (backward) in 4 and 8 slices, the backward's loads gathered.
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     T, B, n_in, H = shape
     layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
     layout = persistent.replace(layout, resident=resident, rsplit=8, bwd_rsplit=8, split=4,
-                                bwd_bk=128, bwd_split=8)  # fmt: skip
+                                bwd_bk=128, bwd_split=8, gather=True)  # fmt: skip
     lengths = [T - (b % T) for b in range(B)]
     _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
            memory="recompute" if mode == "lstm" else "stash")  # fmt: skip
@@ -413,7 +423,7 @@ layout = layout if resident else layout.streamed()
 assert layout.resident == resident
 # split: the resident K slices, or the streamed chunks' slices (SPLIT_K, BWD_SPLIT_K).
 layout = persistent.replace(layout, rsplit=split, bwd_rsplit=split, split=split, bwd_bk=128,
-                            bwd_split=split)
+                            bwd_split=split, gather=split > 1)
 persistent.PROBES, persistent.PROBE_LEVEL = ({}, probe) if probe else (None, 1)
 kernels._interpreting = lambda: False
 config = kernels._config(mode, 35, 20, 650, torch.bfloat16, torch.device("cuda"), True, None,

@@ -238,12 +238,13 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 
 # The knobs of the variants ``--phases`` compares (persistent.py module globals): "old" is
 # the layout measured in windows 1-2, "new" breaks every hidden GEMM into independent
-# MMA chains (resident: K slices over the warps; streamed: K chunks in slices).
+# MMA chains (resident: K slices over the warps; streamed: K chunks in slices) and loads
+# the backward's other inputs in one round trip per dtype.
 VARIANTS: dict[str, dict] = {
     "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BWD_BLOCK_K": 64,
-            "BWD_SPLIT_K": 1},
+            "BWD_SPLIT_K": 1, "GATHER_LOADS": False},
     "new": {"RESIDENT_SPLIT": 8, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 4, "BWD_BLOCK_K": 128,
-            "BWD_SPLIT_K": 8},
+            "BWD_SPLIT_K": 8, "GATHER_LOADS": True},
 }  # fmt: skip
 # Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
 # next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.

@@ -114,6 +114,15 @@ BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 1))
 # NOTE: unmeasured: the chain is the suspect of docs/notes/rnn-persistent.md.
 RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_SPLIT", 1))
 BWD_RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_RESIDENT_SPLIT", 1))
+# Backward: each step's other inputs (stashed gates, cells, dh, dy) in one load per dtype
+# instead of one per tile: Triton converts each loaded tile to the MMA layout through
+# shared memory right after its load, which waits for it, so separate loads are round
+# trips one after another (ptxas for sm_90: 8 in the LSTM backward, bf16 resident; the
+# forward's loads are issued together). NOTE: unmeasured (False: windows 1-2's code).
+GATHER_LOADS = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_GATHER", "0") == "1"
+# Resident backward with K slices: shared memory for W and one part's dG rows (the H100
+# has 227 KiB per program; the rest is the reductions' scratch).
+BWD_PART_BYTES = 200 * 1024
 MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
 SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
 # Forward: one [BB, 4*BN] dot for all gates, split after (more warps share the work).
@@ -481,8 +490,10 @@ def _fwd_inputs(pre_ptr, cell_ptr, h_in, len_ptr, rb, mb, rn, mn, t, H: tl.const
                 HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
                 HAS_LENGTHS: tl.constexpr):  # fmt: skip
     """What step t's update of one [BB, BN] tile reads besides the hidden GEMM: loaded
-    before it, so that their latency hides behind the K loop. Returns the input-side
-    pre-activations of the G gates (zeros beyond), c_{t-1} (lstm), h_{t-1}, valid."""
+    before it, so that their latency hides behind the K loop (ptxas for sm_90 issues
+    these loads together, unlike the backward's: ``_bwd_gathered``). Returns the
+    input-side pre-activations of the G gates (zeros beyond), c_{t-1} (lstm), h_{t-1},
+    valid."""
     mask = mb[:, None] & mn[None, :]
     valid = mask
     if HAS_LENGTHS:
@@ -589,7 +600,9 @@ def _bwd_kernel(
     SPIN_LOAD: tl.constexpr,
     PROBE: tl.constexpr,  # 0; 1: stamp start, arrival; 2: and the phases; 3: and loads
     SPLIT: tl.constexpr,  # streamed: K of each chunk in SPLIT slices, one MMA chain each
-    RS: tl.constexpr,  # resident: each gate's K (H) in RS slices (KA + KB rows), a chain each
+    RS: tl.constexpr,  # resident: K (G*H) in parts of GP gates, each in RS slices (KA + KB
+    GP: tl.constexpr,  # rows), one MMA chain per slice; the parts one after another
+    GATHER: tl.constexpr,  # the step's other inputs in one load per dtype (``_bwd_inputs``)
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
     # other (no state crosses batch rows): each group meets at its own barrier.
@@ -598,16 +611,18 @@ def _bwd_kernel(
     count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
-    # Resident W_hh blocks of this program's columns, one per gate: W_hh[g*H + k, rn]
-    # (RS > 1: each gate's H rows in RS slices).
+    # Resident W_hh blocks of this program's columns, one per gate: W_hh[g*H + k, rn]; or
+    # (RS > 1) its G*H rows in parts of GP gates, each part in RS slices.
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
     if RESIDENT and RS > 1:
-        wa0, wb0 = _slice_tiles(w_ptr, H, 1, rn, mn, H, RS, KA, KB)
-        if G >= 3:
-            wa1, wb1 = _slice_tiles(w_ptr + H * H, H, 1, rn, mn, H, RS, KA, KB)
-            wa2, wb2 = _slice_tiles(w_ptr + 2 * H * H, H, 1, rn, mn, H, RS, KA, KB)
-        if G == 4:
-            wa3, wb3 = _slice_tiles(w_ptr + 3 * H * H, H, 1, rn, mn, H, RS, KA, KB)
+        wa0, wb0 = _slice_tiles(w_ptr, H, 1, rn, mn, min(GP, G) * H, RS, KA, KB)
+        if GP < G:
+            wa1, wb1 = _slice_tiles(w_ptr + GP * H * H, H, 1, rn, mn, min(GP, G - GP) * H, RS,
+                                    KA, KB)  # fmt: skip
+        if 2 * GP < G:
+            wa2, wb2 = _slice_tiles(w_ptr + 2 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
+        if 3 * GP < G:
+            wa3, wb3 = _slice_tiles(w_ptr + 3 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
     elif RESIDENT:
         wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
     dgw_ptr = dgh_ptr if MODE == 1 else dg_ptr  # what flows back through W_hh
@@ -626,20 +641,23 @@ def _bwd_kernel(
             x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid = _bwd_inputs(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
                 dy_ptr + t64 * B * H, dh_ptr, dc_ptr, len_ptr, rb, mb, rn, mn, t, B, H, MODE,
-                P, HAS_LENGTHS, HAS_DY,
+                P, HAS_LENGTHS, HAS_DY, GATHER, BB, BN,
             )  # fmt: skip
             if PROBE >= 3:
                 tl.store(probe + 2, _clock_after(x0 + s0 + dh_own + dy))
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
-                if RESIDENT and RS > 1:  # a gate at a time: A's shared memory is reused
-                    acc += _sliced_dot(nxt, rb, mb, DS, wa0, wb0, H, RS, KA, KB, PREC)
-                    if G >= 3:
-                        acc += _sliced_dot(nxt + H, rb, mb, DS, wa1, wb1, H, RS, KA, KB, PREC)
-                        acc += _sliced_dot(nxt + 2 * H, rb, mb, DS, wa2, wb2, H, RS, KA, KB,
+                if RESIDENT and RS > 1:  # a part at a time (A's shared memory is reused)
+                    acc += _sliced_dot(nxt, rb, mb, DS, wa0, wb0, min(GP, G) * H, RS, KA, KB,
+                                       PREC)  # fmt: skip
+                    if GP < G:
+                        acc += _sliced_dot(nxt + GP * H, rb, mb, DS, wa1, wb1,
+                                           min(GP, G - GP) * H, RS, KA, KB, PREC)  # fmt: skip
+                    if 2 * GP < G:
+                        acc += _sliced_dot(nxt + 2 * GP * H, rb, mb, DS, wa2, wb2, H, RS, KA, KB,
                                            PREC)  # fmt: skip
-                    if G == 4:
-                        acc += _sliced_dot(nxt + 3 * H, rb, mb, DS, wa3, wb3, H, RS, KA, KB,
+                    if 3 * GP < G:
+                        acc += _sliced_dot(nxt + 3 * GP * H, rb, mb, DS, wa3, wb3, H, RS, KA, KB,
                                            PREC)  # fmt: skip
                 elif RESIDENT:
                     acc += _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
@@ -692,15 +710,20 @@ def _streamed_back(nxt, w_ptr, rb, mb, rn, mn, GH: tl.constexpr, H: tl.constexpr
 @triton.jit
 def _bwd_inputs(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, len_ptr, rb, mb, rn,
                 mn, t, B, H: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
-                HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr):  # fmt: skip
+                HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr, GATHER: tl.constexpr,
+                BB: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     """What step t's gate gradients of one [BB, BN] tile read besides dG_{t+1} @ W_hh,
     loaded before that K loop (their latency hides behind it): the stashed
     pre-activations x0..x3, per mode s0..s2 (lstm: c_{t-1}, c_t, dc; gru: h_{t-1};
-    rnn: y_t), the direct part of dh (this program's own), dy_t and the valid mask."""
+    rnn: y_t), the direct part of dh (this program's own), dy_t and the valid mask.
+    GATHER: the tiles of the layer's dtype in one load, lstm's fp32 ones in another."""
     mask = mb[:, None] & mn[None, :]
     valid = mask
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    if GATHER:
+        return _bwd_gathered(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, rb, mb,
+                             rn, mn, t, B, H, MODE, P, HAS_DY, BB, BN, valid)  # fmt: skip
     idx = rb[:, None] * H + rn[None, :]
     dh_own = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     dy = tl.zeros_like(dh_own)
@@ -725,6 +748,63 @@ def _bwd_inputs(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, len_pt
     else:
         s0 = tl.load(y_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     return x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid
+
+
+@triton.jit
+def _bwd_gathered(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, rb, mb, rn, mn, t,
+                  B, H: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
+                  HAS_DY: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, valid):  # fmt: skip
+    """``_bwd_inputs`` in two loads: slots 0-3 the stashed gates (lstm, gru), 4 dh, 5 dy,
+    6 y_t (rnn) or y_{t-1} (gru, t > 0), 7 h0 (gru, t == 0); lstm: c_{t-1}, c_t, dc."""
+    slot, rows, cols = _slot_grid(rb, rn)
+    idx = rows * H + cols
+    y_at = y_ptr - B * H if MODE == 1 else y_ptr  # gru: y_{t-1}
+    ptrs = tl.where(slot < 4, pre_ptr + rows * P + slot * H + cols,
+                    tl.where(slot == 4, dh_ptr + idx, tl.where(slot == 5, dy_ptr + idx,
+                             tl.where(slot == 6, y_at + idx, h0_ptr + idx))))  # fmt: skip
+    use = ((slot < 4) & (MODE <= 1)) | (slot == 4) | ((slot == 5) & HAS_DY)
+    use = use | ((slot == 6) & ((MODE >= 2) | ((MODE == 1) & (t > 0))))
+    use = use | ((slot == 7) & (MODE == 1) & (t == 0))
+    vals = tl.load(ptrs, mask=mb[:, None, None] & mn[None, None, :] & use, other=0.0)
+    x0, x1, x2, x3, dh_own, dy, y_t, h_first = _unpack8(vals.to(tl.float32), BB, BN)
+    s0, s1, s2 = y_t + h_first, dy, dy  # gru: h_{t-1}; rnn: y_t
+    if MODE == 0:
+        cslot = tl.arange(0, 4)[None, :, None]
+        cptrs = tl.where(cslot < 2, cell_ptr + cslot * B * H + idx, dc_ptr + idx)
+        cells = tl.load(cptrs, mask=mb[:, None, None] & mn[None, None, :] & (cslot < 3),
+                        other=0.0)  # fmt: skip
+        s0, s1, s2, _ = _unpack4(cells, BB, BN)
+    return x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid
+
+
+@triton.jit
+def _slot_grid(rb, rn):
+    """[1, 8, 1] slot index, [BB, 1, 1] rows, [1, 1, BN] columns: one load of 8 tiles."""
+    return tl.arange(0, 8)[None, :, None], rb[:, None, None], rn[None, None, :]
+
+
+@triton.jit
+def _unpack8(v, BB: tl.constexpr, BN: tl.constexpr):
+    """[BB, 8, BN] -> its eight [BB, BN] slots."""
+    a = tl.reshape(tl.permute(v, (0, 2, 1)), (BB, BN, 2, 2, 2))  # slot 4i + 2j + k
+    k0, k1 = tl.split(a)
+    j00, j01 = tl.split(k0)  # slots 4i, 4i + 2
+    j10, j11 = tl.split(k1)  # slots 4i + 1, 4i + 3
+    s0, s4 = tl.split(j00)
+    s2, s6 = tl.split(j01)
+    s1, s5 = tl.split(j10)
+    s3, s7 = tl.split(j11)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _unpack4(v, BB: tl.constexpr, BN: tl.constexpr):
+    """[BB, 4, BN] -> its four [BB, BN] slots."""
+    a = tl.reshape(tl.permute(v, (0, 2, 1)), (BB, BN, 2, 2))  # slot 2i + j
+    j0, j1 = tl.split(a)
+    s0, s2 = tl.split(j0)
+    s1, s3 = tl.split(j1)
+    return s0, s1, s2, s3
 
 
 @triton.jit
@@ -805,6 +885,7 @@ class Plan:
     bwd_split: int = 1
     rsplit: int = 1  # resident: K slices of the forward (fused gates) and the backward
     bwd_rsplit: int = 1
+    gather: bool = False  # backward: each step's other inputs in one load per dtype
     streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
     streamed_groups: int = 1
 
@@ -857,7 +938,8 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
                     resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
                     num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES,
                     split=SPLIT_K, bwd_bk=BWD_BLOCK_K, bwd_split=BWD_SPLIT_K,
-                    rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT)  # fmt: skip
+                    rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
+                    gather=GATHER_LOADS)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
     fwd_warps, bwd_warps = RESIDENT_WARPS
@@ -968,7 +1050,7 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         SPIN_LOAD=layout.spin_load,
         PROBE=PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0,
         SPLIT=layout.split if kind == "fwd" else layout.bwd_split,
-        **({"FUSE_GATES": fused} if kind == "fwd" else {}),
+        **({"FUSE_GATES": fused} if kind == "fwd" else {"GATHER": layout.gather}),
         **_resident_slices(kind, config, layout, fused),
         num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
         num_stages=layout.num_stages,
@@ -976,14 +1058,22 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
 
 
 def _resident_slices(kind: str, config: kernels.LoopConfig, layout: Plan, fused: bool) -> dict:
-    """RS, and with it KA and KB a slice's two pieces: the resident hidden GEMM's K (forward:
-    H, all gates in one dot; backward: each gate's H) in RS slices (RS 1: K in the plan's
-    two pieces, as before)."""
+    """RS, and with it KA and KB a slice's two pieces: the resident hidden GEMM's K in RS
+    slices (RS 1: K in the plan's two pieces, as before). Forward: K = H, all gates in one
+    dot. Backward: K = G*H in parts of GP gates, one after another; each part's dG rows
+    pass through shared memory beside W, so GP is the most gates whose part fits
+    BWD_PART_BYTES with W (fewer parts: fewer dependent L2 round trips per step)."""
     rs = layout.rsplit if kind == "fwd" else layout.bwd_rsplit
     if not layout.resident or rs == 1 or (kind == "fwd" and not fused):
-        return {"RS": 1, "KA": layout.ka, "KB": layout.kb}
-    ka, kb = _k_pieces(triton.cdiv(config.H, rs))
-    return {"RS": rs, "KA": ka, "KB": kb}
+        return {"RS": 1, "KA": layout.ka, "KB": layout.kb, **({} if kind == "fwd" else {"GP": 1})}
+    if kind == "fwd":
+        return {"RS": rs, **dict(zip(("KA", "KB"), _k_pieces(triton.cdiv(config.H, rs))))}
+    G, size = GATES[config.mode], config.dtype.itemsize
+    for gp in (4, 2, 1):
+        ka, kb = _k_pieces(triton.cdiv(min(gp, G) * config.H, rs))
+        part = rs * (ka + kb) * size  # bytes per row of a part (W: BN rows, dG: BB)
+        if gp == 1 or part * (layout.bn * triton.cdiv(G, gp) + layout.bb) <= BWD_PART_BYTES:
+            return {"RS": rs, "KA": ka, "KB": kb, "GP": gp}
 
 
 def _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> kernels.LoopConfig:
