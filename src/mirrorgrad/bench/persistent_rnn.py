@@ -242,9 +242,10 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 # the backward's other inputs in one round trip per dtype.
 VARIANTS: dict[str, dict] = {
     "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BWD_BLOCK_K": 64,
-            "BWD_SPLIT_K": 1, "GATHER_LOADS": False},
+            "BWD_SPLIT_K": 1, "GATHER_LOADS": False, "RESIDENT_WARPS": (16, 8)},
+    # 8 warps: one slice each (16 would hold each slice twice, at 128 registers a thread).
     "new": {"RESIDENT_SPLIT": 8, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 4, "BWD_BLOCK_K": 128,
-            "BWD_SPLIT_K": 8, "GATHER_LOADS": True},
+            "BWD_SPLIT_K": 8, "GATHER_LOADS": True, "RESIDENT_WARPS": (8, 8)},
 }  # fmt: skip
 # Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
 # next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.
