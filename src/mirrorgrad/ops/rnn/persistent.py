@@ -259,9 +259,27 @@ def _sliced_dot(a_ptr, rb, mb, stride, wa, wb, K: tl.constexpr, S: tl.constexpr,
                 KA: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """A[rb, :K] @ W with W as ``_slice_tiles``' S slices: a batched dot, one MMA chain
     per slice (K/S deep instead of K; the slices spread over the warps), summed after."""
-    accs = _mma(_split_rows(a_ptr, rb, mb, stride, 0, S, KA + KB, KA, K), wa, PREC)
+    aa, ab = _slice_rows(a_ptr, rb, mb, stride, K, S, KA, KB)
+    return _sliced_mma(aa, ab, wa, wb, KB, PREC)
+
+
+@triton.jit
+def _slice_rows(a_ptr, rb, mb, stride, K: tl.constexpr, S: tl.constexpr, KA: tl.constexpr,
+                KB: tl.constexpr):  # fmt: skip
+    """A[rb, :K] as ``_slice_tiles``' slices: ([S, BB, KA], [S, BB, KB] or 0)."""
+    aa = _split_rows(a_ptr, rb, mb, stride, 0, S, KA + KB, KA, K)
+    ab = 0
     if KB > 0:
-        accs += _mma(_split_rows(a_ptr, rb, mb, stride, KA, S, KA + KB, KB, K), wb, PREC)
+        ab = _split_rows(a_ptr, rb, mb, stride, KA, S, KA + KB, KB, K)
+    return aa, ab
+
+
+@triton.jit
+def _sliced_mma(aa, ab, wa, wb, KB: tl.constexpr, PREC: tl.constexpr):
+    """``_sliced_dot`` of rows already loaded (``_slice_rows``)."""
+    accs = _mma(aa, wa, PREC)
+    if KB > 0:
+        accs += _mma(ab, wb, PREC)
     return tl.sum(accs, axis=0)
 
 
@@ -638,6 +656,11 @@ def _bwd_kernel(
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
+            # Sliced: the first part's dG rows are loaded before the inputs, so that their
+            # round trips overlap (each load's first use waits for it, module doc).
+            a0, a1 = 0, 0
+            if RESIDENT and RS > 1:
+                a0, a1 = _slice_rows(nxt, rb, mb & (s > 0), DS, min(GP, G) * H, RS, KA, KB)
             x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid = _bwd_inputs(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
                 dy_ptr + t64 * B * H, dh_ptr, dc_ptr, len_ptr, rb, mb, rn, mn, t, B, H, MODE,
@@ -648,8 +671,7 @@ def _bwd_kernel(
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
                 if RESIDENT and RS > 1:  # a part at a time (A's shared memory is reused)
-                    acc += _sliced_dot(nxt, rb, mb, DS, wa0, wb0, min(GP, G) * H, RS, KA, KB,
-                                       PREC)  # fmt: skip
+                    acc += _sliced_mma(a0, a1, wa0, wb0, KB, PREC)
                     if GP < G:
                         acc += _sliced_dot(nxt + GP * H, rb, mb, DS, wa1, wb1,
                                            min(GP, G - GP) * H, RS, KA, KB, PREC)  # fmt: skip
