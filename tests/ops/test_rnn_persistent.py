@@ -317,13 +317,16 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
     "dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 3e-2)], ids=["tf32", "bf16"]
 )
 def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch):
-    # The "new" variant of bench.persistent_rnn: resident K in 8 slices, streamed chunks
-    # of 64 (forward) and 128 (backward) in 4 and 8 slices, the backward's loads gathered.
+    # The "new" variant of bench.persistent_rnn: K in slices, the backward's loads gathered.
+    from mirrorgrad.bench.persistent_rnn import VARIANTS
+
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    for name, value in VARIANTS["new"].items():
+        monkeypatch.setattr(persistent, name, value)
     T, B, n_in, H = shape
     layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
-    layout = persistent.replace(layout, resident=resident, rsplit=8, bwd_rsplit=8, split=4,
-                                bwd_bk=128, bwd_split=8, gather=True)  # fmt: skip
+    layout = persistent.replace(layout, resident=resident)
+    assert layout.gather and layout.bwd_rsplit > 1 and layout.bwd_split > 1
     lengths = [T - (b % T) for b in range(B)]
     _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
            memory="recompute" if mode == "lstm" else "stash")  # fmt: skip
