@@ -10,7 +10,8 @@ both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
 
 * ``cudnn``: ``torch.nn.LSTM/GRU``; ``cudnn-graph``: its forward+backward captured in
   one CUDA Graph and replayed;
-* ``triton`` / ``persistent``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users call;
+* ``triton`` / ``persistent`` / ``auto``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users
+  call (``auto``: the row records what it timed and picked, ``dispatch.AUTO_TIMES``);
 * ``layer-triton`` / ``layer-persistent``: the per-layer functions called directly
   (no module, no autograd) in the module's memory mode.
 
@@ -46,7 +47,8 @@ from mirrorgrad.bench.rnn_kernels import CONFIGS, Config, step_flops
 from mirrorgrad.bench.runner import dense_peak_tflops
 from mirrorgrad.ops.rnn.persistent import grid_barrier
 
-METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "layer-triton", "layer-persistent")
+METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "auto", "layer-triton",
+           "layer-persistent")  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -59,11 +61,21 @@ def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.M
     args = (cfg.input, cfg.hidden, cfg.layers)
     base = plain(*args, bidirectional=cfg.bidirectional).cuda().to(dtype)
     out = {"cudnn": base}
-    for impl in ("triton", "persistent"):
+    for impl in ("triton", "persistent", "auto"):
         m = ours(*args, bidirectional=cfg.bidirectional, impl=impl).cuda().to(dtype)
         m.load_state_dict(base.state_dict())
         out[impl] = m
     return out
+
+
+def _auto_step(module: torch.nn.Module, x: Tensor, gy: Tensor) -> Callable[[], None]:
+    """``_module_step`` of an ``impl="auto"`` module, its pick made afresh (the cached
+    picks and times cleared: ``_measure`` records this row's)."""
+    from mirrorgrad.ops.rnn import dispatch
+
+    dispatch._AUTO_CHOICE.clear()
+    dispatch.AUTO_TIMES.clear()
+    return _module_step(module, x, gy)
 
 
 def _module_step(module: torch.nn.Module, x: Tensor, gy: Tensor) -> Callable[[], None]:
@@ -141,6 +153,7 @@ def _steps(mode: str, cfg: Config, dtype: torch.dtype, methods) -> dict[str, Cal
         "cudnn-graph": lambda: _graphed(_module_step(mods["cudnn"], x, gy)),
         "triton": lambda: _module_step(mods["triton"], x, gy),
         "persistent": lambda: _module_step(mods["persistent"], x, gy),
+        "auto": lambda: _auto_step(mods["auto"], x, gy),
         "layer-triton": lambda: _layer_step("triton", mode, mods["triton"], x.detach(), gy),
         "layer-persistent": lambda: _layer_step(
             "persistent", mode, mods["persistent"], x.detach(), gy
@@ -180,6 +193,11 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
             row["ms"][name] = None
             row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()  # a broken context raises here and ends the run
+    if "auto" in methods:
+        from mirrorgrad.ops.rnn import dispatch
+
+        row["auto"] = [{"picked": dispatch._AUTO_CHOICE.get(k), "ms": v}
+                       for k, v in dispatch.AUTO_TIMES.items()]  # fmt: skip
     flops = step_flops(mode, cfg)
     peak = (dense_peak_tflops(torch.cuda.get_device_name()) or {}).get(dtype_name)
     best = row["ms"].get("persistent")
@@ -390,7 +408,8 @@ def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict
 
 
 def _table(rows: list[dict], methods) -> str:
-    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak"]
+    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak",
+            "auto picked"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = r["ms"]
@@ -400,6 +419,7 @@ def _table(rows: list[dict], methods) -> str:
         cells += [f"{c / p:.2f}x" if p and c else "-", f"{g / p:.2f}x" if p and g else "-"]
         cells += [f"{r['tflops']:.1f}" if r.get("tflops") else "-"]
         cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
+        cells += [",".join(str(a["picked"]) for a in r.get("auto", [])) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
