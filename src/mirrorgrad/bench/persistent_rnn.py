@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-phase us of each step, VARIANTS old against new")
     parser.add_argument("--probe-level", type=int, default=2, choices=(2, 3))
     parser.add_argument("--time-limit", type=float, default=float("inf"),
-                        help="--phases: start no case after this many seconds")
+                        help="start no case after this many seconds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -504,7 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_phase_table(rows))
         return 0
     rows = _sweep(_cases(args), args.reps, args.out) if args.sweep else []
+    start = time.monotonic()
     for mode, dtype_name, i in [] if args.sweep else _cases(args):
+        if time.monotonic() - start > args.time_limit:
+            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
+            continue
         rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
         print(json.dumps(rows[-1]), flush=True)
         if args.profile:
