@@ -255,20 +255,18 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 # ---- --phases: where a step's time goes (persistent.PROBES), old against new knobs ----
 
 # The knobs of the variants ``--phases`` compares (persistent.py module globals): "old" is
-# the layout measured in windows 1-2; "new" breaks every hidden GEMM into independent MMA
-# chains (resident: K slices over the warps; streamed: K chunks in slices), keeps more
-# of the streamed W in flight (8 warps, deeper chunks: 32 KiB a stage forward, 16 KiB
-# backward, at fp32 H 1024), loads the backward's other inputs in one round trip, and
-# polls the barrier with acquiring atomics (no separate acquire after the last poll:
-# ~0.2 us less per barrier in window 2's empty loop).
+# the layout measured in windows 1-2; "new" the defaults since the 15:41 UTC window: the
+# backward's hidden GEMM in independent MMA chains (resident: K slices over the warps; streamed: K
+# chunks in slices, 256 deep, 8 warps), its other inputs in one round trip, and the
+# barrier polled with acquiring atomics. (That window's first "new" did the same to the
+# forward, which made it slower: docs/notes/rnn-persistent.md.)
 VARIANTS: dict[str, dict] = {
     "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BLOCK_K": 64,
             "BWD_BLOCK_K": 64, "BWD_SPLIT_K": 1, "GATHER_LOADS": False, "NUM_WARPS": 4,
-            "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": True},
-    # 8 warps: one slice each (16 would hold each slice twice, at 128 registers a thread).
-    "new": {"RESIDENT_SPLIT": 8, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 8, "BLOCK_K": 128,
-            "BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8, "GATHER_LOADS": True, "NUM_WARPS": 8,
-            "RESIDENT_WARPS": (8, 8), "SPIN_LOAD": False},
+            "BWD_NUM_WARPS": 4, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": True},
+    "new": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 1, "BLOCK_K": 64,
+            "BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8, "GATHER_LOADS": True, "NUM_WARPS": 4,
+            "BWD_NUM_WARPS": 8, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": False},
 }  # fmt: skip
 # Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
 # next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.

@@ -85,12 +85,17 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
-# NOTE: 4 warps beat 8 for streamed W (H100, LSTM 2x650 B20 fp32, layer level: 2.47 ms
-# against 2.75; window 2 sweep, docs/notes/rnn-persistent.md).
+# Defaults from the H100 windows (docs/notes/rnn-persistent.md, "Where a step's time
+# goes"): the probe (15:41 UTC window) put the hidden GEMM's phase at 60-75% of every
+# step, the backward's worst (10-18 us of 14-22); the backward's knobs below (K slices,
+# deeper chunks, gathered loads, 8 warps) took its step from 14.4-21.8 us to 7.8-13.6
+# us, while the same for the forward made it slower (6.3-8.8 us to 10.3-15.0 us), so the
+# forward keeps window 2's layout.
+# Streamed forward: 4 warps (window 2 sweep: 2.47 ms against 2.75 at 8, LSTM 2x650 B20
+# fp32 layer level), 64-deep K chunks in one MMA chain.
 NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
 NUM_STAGES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_STAGES", 3))
-# Resident W: forward 16 warps, backward 8 (ptxas for sm_90: no spills at H 512 fp32 and
-# H 1024 bf16 that way; the forward spills ~8 KB per thread at 4 or 8 warps).
+# Resident W: forward 16 warps, backward 8.
 RESIDENT_WARPS = (16, 8)
 # A resident layout that ptxas spills (more than SPILL_WORDS 32-bit words per thread)
 # runs streamed, unless ALLOW_SPILLS (benchmarks).
@@ -100,31 +105,32 @@ ALLOW_SPILLS = False
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
 # since the whole-K h tile lives in registers beside W).
 BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
-# NOTE: SPLIT_K and the BWD_* knobs were added after the last GPU window: unmeasured, so
-# their defaults keep the measured code path (one chain, 64-deep chunks).
 # Streamed: each K chunk in SPLIT_K slices of BLOCK_K / SPLIT_K (>= 16), one MMA chain
 # each (a batched dot), summed after the loop: chains SPLIT_K times shorter.
 SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPLIT_K", 1))
-# The backward's K is G*H (4x the forward's for an LSTM): its own chunk depth and slices.
-BWD_BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_BK", 64))
-BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 1))
+# The backward's K is G*H (4x the forward's for an LSTM): its own chunk depth, slices and
+# warps (8: one slice pair each; 16 KiB of W a pipeline stage at fp32).
+BWD_BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_BK", 256))
+BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 8))
+BWD_NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_WARPS", 8))
 # Resident W: the hidden GEMM's K in this many slices (forward: H, fused gates only;
-# backward: each gate's H), a batched dot with one MMA chain per slice spread over the warps,
-# summed after (1: one chain over the whole K, as measured in windows 1-2).
-# NOTE: unmeasured: the chain is the suspect of docs/notes/rnn-persistent.md.
+# backward: each part's rows), a batched dot with one MMA chain per slice spread over
+# the warps, summed after (1: one chain over the whole K).
 RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_SPLIT", 1))
-BWD_RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_RESIDENT_SPLIT", 1))
+BWD_RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_RESIDENT_SPLIT", 8))
 # Backward: each step's other inputs (stashed gates, cells, dh, dy) in one load per dtype
 # instead of one per tile: Triton converts each loaded tile to the MMA layout through
 # shared memory right after its load, which waits for it, so separate loads are round
 # trips one after another (ptxas for sm_90: 8 in the LSTM backward, bf16 resident; the
-# forward's loads are issued together). NOTE: unmeasured (False: windows 1-2's code).
-GATHER_LOADS = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_GATHER", "0") == "1"
+# forward's loads are issued together).
+GATHER_LOADS = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_GATHER", "1") == "1"
 # Resident backward with K slices: shared memory for W and one part's dG rows (the H100
 # has 227 KiB per program; the rest is the reductions' scratch).
 BWD_PART_BYTES = 200 * 1024
 MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
-SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
+# The barrier polls with acquiring atomics (no separate acquire after the last poll):
+# the 15:41 UTC window: arrival + wait 1.3 us against 1.6 polling with loads ("load").
+SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "atomic") == "load"
 # Forward: one [BB, 4*BN] dot for all gates, split after (more warps share the work).
 # NOTE: ptxas for sm_90: fused, the resident forward stops spilling (LSTM bf16 H 650:
 # 0 bytes against 1.5-4 KB per thread; fp32 H 512: 32 B against 11 KB).
@@ -903,11 +909,11 @@ class Plan:
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
     fuse_gates: bool = FUSE_GATES  # forward: one dot for all gates (lstm, gru)
     split: int = 1  # streamed K chunks in this many slices (independent MMA chains)
-    bwd_bk: int = 64
-    bwd_split: int = 1
-    rsplit: int = 1  # resident: K slices of the forward (fused gates) and the backward
-    bwd_rsplit: int = 1
-    gather: bool = False  # backward: each step's other inputs in one load per dtype
+    bwd_bk: int = BWD_BLOCK_K
+    bwd_split: int = BWD_SPLIT_K
+    rsplit: int = RESIDENT_SPLIT  # resident: K slices of the forward (fused gates) and
+    bwd_rsplit: int = BWD_RESIDENT_SPLIT  # the backward
+    gather: bool = GATHER_LOADS  # backward: each step's other inputs in one load per dtype
     streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
     streamed_groups: int = 1
 
@@ -916,7 +922,7 @@ class Plan:
         if not self.resident:
             return self
         return replace(self, resident=False, bb=self.streamed_bb, groups=self.streamed_groups,
-                       num_warps=NUM_WARPS, bwd_warps=NUM_WARPS)  # fmt: skip
+                       num_warps=NUM_WARPS, bwd_warps=BWD_NUM_WARPS)  # fmt: skip
 
     def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
         """W_hh bytes one program holds when resident."""
@@ -945,7 +951,9 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     if kernels._interpreting():  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
         return Plan(programs=1, groups=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True,
-                    num_warps=4, bwd_warps=4, num_stages=1)  # fmt: skip
+                    num_warps=4, bwd_warps=4, num_stages=1, spin_load=SPIN_LOAD,
+                    rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
+                    gather=GATHER_LOADS)  # fmt: skip
     if device.type != "cuda":
         return None
     sms = _programs_at_once(device)
@@ -957,7 +965,7 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     programs = triton.cdiv(H, bn)
     bb, groups = _batch_tiles(B, sms // programs, MAX_BB)
     streamed = Plan(programs=programs, groups=groups, bn=bn, ka=ka, kb=kb, bk=BLOCK_K, bb=bb,
-                    resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
+                    resident=False, num_warps=NUM_WARPS, bwd_warps=BWD_NUM_WARPS,
                     num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES,
                     split=SPLIT_K, bwd_bk=BWD_BLOCK_K, bwd_split=BWD_SPLIT_K,
                     rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
