@@ -409,7 +409,7 @@ def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict
 
 def _table(rows: list[dict], methods) -> str:
     head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak",
-            "auto picked"]  # fmt: skip
+            "auto picked (its ms)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = r["ms"]
@@ -419,9 +419,14 @@ def _table(rows: list[dict], methods) -> str:
         cells += [f"{c / p:.2f}x" if p and c else "-", f"{g / p:.2f}x" if p and g else "-"]
         cells += [f"{r['tflops']:.1f}" if r.get("tflops") else "-"]
         cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
-        cells += [",".join(str(a["picked"]) for a in r.get("auto", [])) or "-"]
+        cells += ["; ".join(f"{a['picked']} ({_ms_list(a['ms'])})" for a in r.get("auto", []))
+                  or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ms_list(times: dict[str, float]) -> str:
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in times.items())
 
 
 def best_variant(rows: list[dict]) -> dict:
