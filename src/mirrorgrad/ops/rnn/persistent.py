@@ -635,20 +635,10 @@ def _bwd_kernel(
     count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
-    # Resident W_hh blocks of this program's columns, one per gate: W_hh[g*H + k, rn]; or
-    # (RS > 1) its G*H rows in parts of GP gates, each part in RS slices.
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
-    if RESIDENT and RS > 1:
-        wa0, wb0 = _slice_tiles(w_ptr, H, 1, rn, mn, min(GP, G) * H, RS, KA, KB)
-        if GP < G:
-            wa1, wb1 = _slice_tiles(w_ptr + GP * H * H, H, 1, rn, mn, min(GP, G - GP) * H, RS,
-                                    KA, KB)  # fmt: skip
-        if 2 * GP < G:
-            wa2, wb2 = _slice_tiles(w_ptr + 2 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
-        if 3 * GP < G:
-            wa3, wb3 = _slice_tiles(w_ptr + 3 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
-    elif RESIDENT:
-        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
+    if RESIDENT:
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _bwd_weights(w_ptr, rn, mn, H, G, RS, GP, KA,
+                                                              KB)  # fmt: skip
     dgw_ptr = dgh_ptr if MODE == 1 else dg_ptr  # what flows back through W_hh
     s = tl.program_id(0) * 0
     while s < T:
@@ -676,24 +666,9 @@ def _bwd_kernel(
                 tl.store(probe + 2, _clock_after(x0 + s0 + dh_own + dy))
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
-                if RESIDENT and RS > 1:  # a part at a time (A's shared memory is reused)
-                    acc += _sliced_mma(a0, a1, wa0, wb0, KB, PREC)
-                    if GP < G:
-                        acc += _sliced_dot(nxt + GP * H, rb, mb, DS, wa1, wb1,
-                                           min(GP, G - GP) * H, RS, KA, KB, PREC)  # fmt: skip
-                    if 2 * GP < G:
-                        acc += _sliced_dot(nxt + 2 * GP * H, rb, mb, DS, wa2, wb2, H, RS, KA, KB,
-                                           PREC)  # fmt: skip
-                    if 3 * GP < G:
-                        acc += _sliced_dot(nxt + 3 * GP * H, rb, mb, DS, wa3, wb3, H, RS, KA, KB,
-                                           PREC)  # fmt: skip
-                elif RESIDENT:
-                    acc += _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
-                    if G >= 3:
-                        acc += _resident_dot(nxt, rb, mb, DS, H, wa1, wb1, H, KA, KB, PREC)
-                        acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
-                    if G == 4:
-                        acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
+                if RESIDENT:
+                    acc += _resident_back(nxt, rb, mb, a0, a1, wa0, wb0, wa1, wb1, wa2, wb2, wa3,
+                                          wb3, H, G, DS, RS, GP, KA, KB, PREC)  # fmt: skip
                 else:
                     acc += _streamed_back(nxt, w_ptr, rb, mb, rn, mn, G * H, H, DS, BK, BB, BN,
                                           SPLIT, PREC)  # fmt: skip
@@ -712,6 +687,52 @@ def _bwd_kernel(
         if PROBE:
             _probe_arrived(probe, arrived)
         _await(count_ptr, s * programs, SPIN_LOAD)
+
+
+@triton.jit
+def _bwd_weights(w_ptr, rn, mn, H: tl.constexpr, G: tl.constexpr, RS: tl.constexpr,
+                 GP: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """Resident W_hh[:, rn] of the backward: one block per gate, W_hh[g*H + k, rn], in two
+    K pieces; or (RS > 1) its G*H rows in parts of GP gates, each part in RS slices."""
+    if RS == 1:  # (one return: Triton builds every return of a function)
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
+    else:
+        wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0
+        wa0, wb0 = _slice_tiles(w_ptr, H, 1, rn, mn, min(GP, G) * H, RS, KA, KB)
+        if GP < G:
+            wa1, wb1 = _slice_tiles(w_ptr + GP * H * H, H, 1, rn, mn, min(GP, G - GP) * H, RS,
+                                    KA, KB)  # fmt: skip
+        if 2 * GP < G:
+            wa2, wb2 = _slice_tiles(w_ptr + 2 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
+        if 3 * GP < G:
+            wa3, wb3 = _slice_tiles(w_ptr + 3 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
+    return wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3
+
+
+@triton.jit
+def _resident_back(nxt, rb, mb, a0, a1, wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3,
+                   H: tl.constexpr, G: tl.constexpr, DS: tl.constexpr, RS: tl.constexpr,
+                   GP: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr,
+                   PREC: tl.constexpr):  # fmt: skip
+    """dG_{t+1}[rb] @ W_hh[:, rn] with W resident (``_bwd_weights``): a gate at a time, or
+    (RS > 1) a part at a time, the first part's rows (a0, a1) loaded by the caller."""
+    if RS == 1:
+        acc = _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
+        if G >= 3:
+            acc += _resident_dot(nxt, rb, mb, DS, H, wa1, wb1, H, KA, KB, PREC)
+            acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
+        if G == 4:
+            acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
+    else:
+        acc = _sliced_mma(a0, a1, wa0, wb0, KB, PREC)  # parts reuse A's shared memory
+        if GP < G:
+            acc += _sliced_dot(nxt + GP * H, rb, mb, DS, wa1, wb1, min(GP, G - GP) * H, RS, KA,
+                               KB, PREC)  # fmt: skip
+        if 2 * GP < G:
+            acc += _sliced_dot(nxt + 2 * GP * H, rb, mb, DS, wa2, wb2, H, RS, KA, KB, PREC)
+        if 3 * GP < G:
+            acc += _sliced_dot(nxt + 3 * GP * H, rb, mb, DS, wa3, wb3, H, RS, KA, KB, PREC)
+    return acc
 
 
 @triton.jit
