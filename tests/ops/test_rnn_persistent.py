@@ -119,10 +119,13 @@ def test_streamed_weights_and_hidden_not_a_multiple_of_16(mode):
     _check(mode, H=20, layout=_streamed(mode, 3, 20), lengths=[3, 1, 4])
 
 
-@pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_barrier_polling_with_atomics(mode):
-    layout = persistent.plan(mode, 3, 6, torch.float32, torch.device(DEVICE))
-    _check(mode, lengths=[2, 4, 1], layout=persistent.replace(layout, spin_load=False))
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_window2_layout(mode):
+    # The defaults before the 15:41 UTC window (bench's "old"): the barrier polled with
+    # loads, the resident backward one MMA chain per gate, its inputs loaded tile by tile.
+    layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, spin_load=True, rsplit=1, bwd_rsplit=1, gather=False)
+    _check(mode, H=20, lengths=[2, 4, 1], layout=layout)
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
@@ -143,6 +146,26 @@ def test_bf16_matches_float64(mode, memory):
 def test_streamed_k_in_slices(mode):
     # Chunks of 64 in 4 slices of 16 (H 40: one chunk with a masked tail; backward G*H).
     _check(mode, H=40, lengths=[3, 1, 4], layout=_streamed(mode, 3, 40, bk=64, split=4))
+
+
+@pytest.mark.parametrize("rsplit", [2, 4])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
+def test_resident_k_in_slices(mode, rsplit):
+    # H 40 as 2 slices of 16 + 16 rows (both pieces) or 4 of 16 (one piece, zero tails);
+    # the forward's gates in one dot (lstm, gru), the backward a gate at a time.
+    layout = persistent.plan(mode, 3, 40, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, resident=True, rsplit=rsplit, bwd_rsplit=rsplit)
+    _check(mode, H=40, lengths=[3, 1, 4], layout=layout)
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+@pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
+def test_inputs_gathered_in_one_load(mode, memory):
+    # The backward's other inputs in one load per dtype, with K slices (bench's "new").
+    layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
+    layout = persistent.replace(layout, gather=True, rsplit=2, bwd_rsplit=2)
+    _check(mode, memory=memory, H=20, lengths=[2, 4, 1], layout=layout)
+    _check(mode, memory=memory, H=20, layout=layout, dtype=torch.bfloat16, tol=3e-2)
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
@@ -290,6 +313,30 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed"])
+@pytest.mark.parametrize("shape", GPU_SHAPES[2:], ids=lambda s: "T{}-B{}-I{}-H{}".format(*s))
+@pytest.mark.parametrize("mode", ["lstm", "gru"])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 3e-2)], ids=["tf32", "bf16"]
+)
+def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch):
+    # The "new" variant of bench.persistent_rnn: K in slices, the backward's loads gathered.
+    from mirrorgrad.bench.persistent_rnn import VARIANTS
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    for name, value in VARIANTS["new"].items():
+        monkeypatch.setattr(persistent, name, value)
+    T, B, n_in, H = shape
+    layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
+    layout = persistent.replace(layout, resident=resident)
+    assert layout.gather and layout.bwd_rsplit > 1 and layout.bwd_split > 1
+    lengths = [T - (b % T) for b in range(B)]
+    _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
+           memory="recompute" if mode == "lstm" else "stash")  # fmt: skip
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_op_captured_in_a_cuda_graph_replays():
     torch.manual_seed(0)
     model = mirrorgrad.nn.LSTM(64, 128, 2, impl="persistent").cuda()
@@ -375,14 +422,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from mirrorgrad.ops.rnn import kernels, persistent
 
-mode, resident = sys.argv[1], sys.argv[2] == "resident"
+mode, resident, probe, split = sys.argv[1], sys.argv[2] == "resident", *map(int, sys.argv[3:])
 persistent._programs_at_once = lambda device: 132
 layout = persistent.plan(mode, 20, 650, torch.bfloat16, torch.device("cuda"))
 layout = layout if resident else layout.streamed()
 assert layout.resident == resident
+# split: the resident K slices, or the streamed chunks' slices (SPLIT_K, BWD_SPLIT_K).
+layout = persistent.replace(layout, rsplit=split, bwd_rsplit=split, split=split, bwd_bk=128,
+                            bwd_split=split, gather=split > 1)
+persistent.PROBES, persistent.PROBE_LEVEL = ({}, probe) if probe else (None, 1)
+kernels._interpreting = lambda: False
 config = kernels._config(mode, 35, 20, 650, torch.bfloat16, torch.device("cuda"), True, None,
                          "stash", True, False, "ieee")
-special = {"cells_ptr": "*fp32", "dc_ptr": "*fp32", "len_ptr": "*i64", "count_ptr": "*i32"}
+special = {"cells_ptr": "*fp32", "dc_ptr": "*fp32", "len_ptr": "*i64", "count_ptr": "*i32",
+           "probe_ptr": "*i64"}
 for kind, kernel, extra in (
     ("fwd", persistent._fwd_kernel, {"WRITE_STASH": True, "HAS_HB": mode == "gru",
                                      "HS": persistent._padded(650, torch.bfloat16)}),
@@ -398,15 +451,23 @@ for kind, kernel, extra in (
         for name in kernel.arg_names
     }
     assert set(constants) >= {p.name for p in kernel.params if p.is_constexpr}, kind
+    assert constants["PROBE"] == probe and constants["RS"] == (split if resident else 1), kind
     constexprs = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    # Pointers 16-byte aligned, as the JIT specializes them (else no vector loads).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if signature[name].startswith("*")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], kind
 """
 
 
-@pytest.mark.parametrize("mode, resident", [("lstm", "resident"), ("gru", "streamed")])
-def test_kernels_compile_for_sm90(mode, resident):
+@pytest.mark.parametrize(
+    "mode, resident, probe, split",
+    [("lstm", "resident", 0, 1), ("gru", "streamed", 0, 1), ("lstm", "resident", 3, 8),
+     ("gru", "streamed", 3, 4)],
+)  # fmt: skip
+def test_kernels_compile_for_sm90(mode, resident, probe, split):
     # Compiled, not interpreted: a fresh process without TRITON_INTERPRET (ptxas ships
     # with triton; no GPU needed). Catches what only the compiler rejects.
     import os
@@ -416,9 +477,40 @@ def test_kernels_compile_for_sm90(mode, resident):
 
     src = str(Path(persistent.__file__).parents[3])
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": src}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, mode, resident], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = [sys.executable, "-c", _COMPILE_FOR_SM90, mode, resident, str(probe), str(split)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_bench_new_variant_is_the_default():
+    # bench.persistent_rnn's "new" knob set is what persistent.py runs by default (the
+    # env overrides unset), so the measured "new" is what users get.
+    from mirrorgrad.bench.persistent_rnn import VARIANTS
+
+    assert VARIANTS["old"].keys() == VARIANTS["new"].keys()
+    for name, value in VARIANTS["new"].items():
+        assert getattr(persistent, name) == value, name
+
+
+def test_phase_split_reads_the_probe_stamps():
+    # Two programs, 6 steps of 2 us at 1.5 GHz: dot 1, gates 0.2, arrive 0.3, wait 0.5 us;
+    # program 1 starts 0.1 us later and waits 0.1 us less.
+    from mirrorgrad.bench.persistent_rnn import phase_split
+
+    ns = torch.zeros(1, 2, 6, persistent.STAMPS.value, dtype=torch.float64)
+    start = 1000.0 + torch.arange(6) * 2000.0
+    for p, lag in enumerate([0.0, 100.0]):
+        for i, end in enumerate([1000.0, 1200.0, 1500.0]):
+            ns[0, p, :, 3 + i] = start + lag + end
+        ns[0, p, :, 1] = start + lag
+    stamps = (ns * 1.5).long()
+    stamps[..., 0] = (start + torch.tensor([[0.0], [100.0]])).long()
+    got = phase_split(stamps, level=2)
+    assert got["ghz"] == pytest.approx(1.5)
+    for name, us in [("step", 2.0), ("dot", 1.0), ("gates", 0.2), ("arrive", 0.3),
+                     ("wait", 0.5), ("work", 1.5), ("slowest", 1.5)]:  # fmt: skip
+        assert got[name] == pytest.approx(us, abs=1e-3), name
+    assert "error" in phase_split(torch.zeros(1, 2, 6, 6, dtype=torch.int64), level=2)
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])

@@ -10,15 +10,18 @@ both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
 
 * ``cudnn``: ``torch.nn.LSTM/GRU``; ``cudnn-graph``: its forward+backward captured in
   one CUDA Graph and replayed;
-* ``triton`` / ``persistent``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users call;
+* ``triton`` / ``persistent`` / ``auto``: ``mirrorgrad.nn.LSTM/GRU(impl=...)``, what users
+  call (``auto``: the row records what it timed and picked, ``dispatch.AUTO_TIMES``);
 * ``layer-triton`` / ``layer-persistent``: the per-layer functions called directly
   (no module, no autograd) in the module's memory mode.
 
 TFLOP/s counts the gate GEMMs (3x the forward's) and is given as a share of the GPU's
 dense peak; each row also records the persistent layout, its compiled kernels
 (registers, spills, shared memory) and the grid barrier's cost alone (``barrier_us``).
-``--profile`` adds a torch.profiler table and each step's split into work and barrier
-wait (program 0's timestamps, ``persistent.PROBES``). ``--sweep`` times the SWEEP knob
+``--profile`` adds a torch.profiler table. ``--phases`` times the module and the layer
+with the VARIANTS knob sets (old, new) and splits each step of every program into phases
+(hidden GEMM, gates, arrival, barrier wait: the kernels' PROBE stamps) and prints
+their medians in microseconds. ``--sweep`` times the SWEEP knob
 sets at the layer level and writes the best to ``best_knobs.json``; ``--knobs`` applies
 such a file first. Writes ``persistent_rnn.json``; prints a table last. About 8 s per
 row and method set on an H100 (most of it compiling).
@@ -30,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +47,8 @@ from mirrorgrad.bench.rnn_kernels import CONFIGS, Config, step_flops
 from mirrorgrad.bench.runner import dense_peak_tflops
 from mirrorgrad.ops.rnn.persistent import grid_barrier
 
-METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "layer-triton", "layer-persistent")
+METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "auto", "layer-triton",
+           "layer-persistent")  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -56,11 +61,21 @@ def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.M
     args = (cfg.input, cfg.hidden, cfg.layers)
     base = plain(*args, bidirectional=cfg.bidirectional).cuda().to(dtype)
     out = {"cudnn": base}
-    for impl in ("triton", "persistent"):
+    for impl in ("triton", "persistent", "auto"):
         m = ours(*args, bidirectional=cfg.bidirectional, impl=impl).cuda().to(dtype)
         m.load_state_dict(base.state_dict())
         out[impl] = m
     return out
+
+
+def _auto_step(module: torch.nn.Module, x: Tensor, gy: Tensor) -> Callable[[], None]:
+    """``_module_step`` of an ``impl="auto"`` module, its pick made afresh (the cached
+    picks and times cleared: ``_measure`` records this row's)."""
+    from mirrorgrad.ops.rnn import dispatch
+
+    dispatch._AUTO_CHOICE.clear()
+    dispatch.AUTO_TIMES.clear()
+    return _module_step(module, x, gy)
 
 
 def _module_step(module: torch.nn.Module, x: Tensor, gy: Tensor) -> Callable[[], None]:
@@ -138,6 +153,7 @@ def _steps(mode: str, cfg: Config, dtype: torch.dtype, methods) -> dict[str, Cal
         "cudnn-graph": lambda: _graphed(_module_step(mods["cudnn"], x, gy)),
         "triton": lambda: _module_step(mods["triton"], x, gy),
         "persistent": lambda: _module_step(mods["persistent"], x, gy),
+        "auto": lambda: _auto_step(mods["auto"], x, gy),
         "layer-triton": lambda: _layer_step("triton", mode, mods["triton"], x.detach(), gy),
         "layer-persistent": lambda: _layer_step(
             "persistent", mode, mods["persistent"], x.detach(), gy
@@ -177,6 +193,11 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
             row["ms"][name] = None
             row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             torch.cuda.synchronize()  # a broken context raises here and ends the run
+    if "auto" in methods:
+        from mirrorgrad.ops.rnn import dispatch
+
+        row["auto"] = [{"picked": dispatch._AUTO_CHOICE.get(k), "ms": v}
+                       for k, v in dispatch.AUTO_TIMES.items()]  # fmt: skip
     flops = step_flops(mode, cfg)
     peak = (dense_peak_tflops(torch.cuda.get_device_name()) or {}).get(dtype_name)
     best = row["ms"].get("persistent")
@@ -227,41 +248,125 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
             step()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-    name = f"{mode}_{cfg.name}_{dtype_name}"
-    (out / f"profile_{name}.txt").write_text(table)
+    (out / f"profile_{mode}_{cfg.name}_{dtype_name}.txt").write_text(table)
     print(table)
-    steps = step_split(mode, cfg, DTYPES[dtype_name])
-    (out / f"steps_{name}.json").write_text(json.dumps(steps, indent=1))
-    print("per step (program 0, last launch of each kind):", json.dumps(steps))
 
 
-def step_split(mode: str, cfg: Config, dtype: torch.dtype) -> dict:
-    """Median per-step times of program (0, 0) in the last forward and backward launch of
-    one layer-level step: its work (start to barrier arrival) and its wait at the barrier
-    (arrival to the next step's start), in ns and SM cycles (the kernels' PROBE)."""
+# ---- --phases: where a step's time goes (persistent.PROBES), old against new knobs ----
+
+# The knobs of the variants ``--phases`` compares (persistent.py module globals): "old" is
+# the layout measured in windows 1-2; "new" the defaults since the 15:41 UTC window: the
+# backward's hidden GEMM in independent MMA chains (resident: K slices over the warps; streamed: K
+# chunks in slices, 256 deep, 8 warps), its other inputs in one round trip, and the
+# barrier polled with acquiring atomics. (That window's first "new" did the same to the
+# forward, which made it slower: docs/notes/rnn-persistent.md.)
+VARIANTS: dict[str, dict] = {
+    "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BLOCK_K": 64,
+            "BWD_BLOCK_K": 64, "BWD_SPLIT_K": 1, "GATHER_LOADS": False, "NUM_WARPS": 4,
+            "BWD_NUM_WARPS": 4, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": True},
+    "new": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 1, "BLOCK_K": 64,
+            "BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8, "GATHER_LOADS": True, "NUM_WARPS": 4,
+            "BWD_NUM_WARPS": 8, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": False},
+}  # fmt: skip
+# Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
+# next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.
+PHASES = {2: (("dot", 1, 3), ("gates", 3, 4), ("arrive", 4, 5), ("wait", 5, -1)),
+          3: (("load", 1, 2), ("dot", 2, 3), ("gates", 3, 4), ("arrive", 4, 5),
+              ("wait", 5, -1))}  # fmt: skip
+
+
+def phase_split(stamps: Tensor, level: int) -> dict:
+    """Median microseconds per phase over programs and steps (the first and last step
+    left out: the backward's first has no hidden GEMM, the last no next start) from one
+    launch's int64 [groups, programs, T, STAMPS]; "step" is start to next start, "work"
+    start to arrival, "slowest" the median over steps of the slowest program's work."""
+    s = stamps.double().flatten(0, 1)  # [programs, T, STAMPS]
+    if s.shape[1] < 4 or not bool((s[..., 1] > 0).all()):
+        return {"error": "too few steps or missing stamps"}
+    ns, clk = s[..., 0], s[..., 1]
+    ghz = ((clk[:, -1] - clk[:, 0]) / (ns[:, -1] - ns[:, 0])).median().item()
+    nxt = torch.cat([clk[:, 1:], clk[:, -1:]], dim=1)
+
+    def us(d: Tensor) -> float:
+        return (d[:, 1:-1] / ghz / 1e3).median().item()
+
+    out = {"ghz": ghz, "step": us(nxt - clk), "work": us(s[..., 5] - clk)}
+    for name, a, b in PHASES[level]:
+        out[name] = us((nxt if b == -1 else s[..., b]) - s[..., a])
+    out["slowest"] = ((s[..., 5] - clk).max(0).values[1:-1] / ghz / 1e3).median().item()
+    return out
+
+
+def phases(mode: str, cfg: Config, dtype_name: str, level: int, reps: int) -> dict:
+    """Layer-level step ms without and with the probe, and the per-phase split of the last
+    forward and backward launch (``phase_split``)."""
     from mirrorgrad.ops.rnn import persistent
 
-    step = _steps(mode, cfg, dtype, ["layer-persistent"])["layer-persistent"]()
-    step()  # warm-up: compiles, checks resident layouts
-    persistent.PROBES = {}
+    step = _steps(mode, cfg, DTYPES[dtype_name], ["layer-persistent"])["layer-persistent"]()
+    plain = time_calls(step, repeats=reps, warmup=2, device="cuda").median_ms
+    persistent.PROBES, persistent.PROBE_LEVEL = {}, level
     try:
-        step()
-        torch.cuda.synchronize()
+        probed = time_calls(step, repeats=3, warmup=1, device="cuda").median_ms
         stamps = {kind: t.cpu() for kind, t in persistent.PROBES.items()}
     finally:
         persistent.PROBES = None
-    split = {}
-    for kind, t in stamps.items():
-        order = t if kind == "fwd" else t.flip(0)  # backward runs t = T-1 .. 0
-        start_ns, start_cyc, arrive_ns, arrive_cyc = order.double().unbind(1)
-        split[kind] = {
-            "work_ns": (arrive_ns - start_ns).median().item(),
-            "wait_ns": (start_ns[1:] - arrive_ns[:-1]).median().item(),
-            "work_cycles": (arrive_cyc - start_cyc).median().item(),
-            "wait_cycles": (start_cyc[1:] - arrive_cyc[:-1]).median().item(),
-            "steps": len(order),
-        }
-    return split
+    split = {kind: phase_split(t, level) for kind, t in stamps.items()}
+    return {"layer_ms": plain, "probed_ms": probed, "phases": split}
+
+
+def _compare(cases: list[tuple[str, str, int]], level: int, reps: int, out: Path,
+             time_limit: float) -> list[dict]:  # fmt: skip
+    """Per case and VARIANTS entry: the module's ms (graphed cuDNN beside it, once per
+    case) and ``phases``; rows written to phases.json as they come (a crash keeps them);
+    no case starts after ``time_limit`` seconds."""
+    from mirrorgrad.ops.rnn import persistent
+
+    rows, start = [], time.monotonic()
+    for mode, dtype_name, i in cases:
+        if time.monotonic() - start > time_limit:
+            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
+            continue
+        cfg = CONFIGS[i]
+        graphed = _measure(mode, cfg, dtype_name, ["cudnn-graph"], reps)["ms"]["cudnn-graph"]
+        for name, knobs in VARIANTS.items():
+            saved = {k: getattr(persistent, k) for k in knobs}
+            apply_knobs(knobs)
+            row = {"mode": mode, "config": cfg.name, "dtype": dtype_name, "variant": name,
+                   "cudnn_graph_ms": graphed}  # fmt: skip
+            try:
+                module = _measure(mode, cfg, dtype_name, ["persistent"], reps)
+                row.update(module_ms=module["ms"], errors=module["errors"], plan=module["plan"])
+                row.update(phases(mode, cfg, dtype_name, level, reps))
+            except Exception as exc:  # one failing variant must not end the run
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                torch.cuda.synchronize()
+            finally:
+                apply_knobs(saved)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "phases.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _phase_table(rows: list[dict]) -> str:
+    names = ("load", "dot", "gates", "arrive", "wait")
+    head = ["config", "dtype", "variant", "module ms", "vs graphed", "layer ms", "probed ms",
+            "kind", "step us", *names, "slowest work"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ms = (r.get("module_ms") or {}).get("persistent")
+        g = r.get("cudnn_graph_ms")
+        for kind, p in (r.get("phases") or {"-": {}}).items():
+            cells = [r["config"], r["dtype"], r["variant"], _num(ms), f"{g / ms:.2f}x" if ms and g
+                     else "-", _num(r.get("layer_ms")), _num(r.get("probed_ms")), kind,
+                     _num(p.get("step"), 1), *(_num(p.get(n), 1) for n in names),
+                     _num(p.get("slowest"), 1)]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, float) else "-"
 
 
 # persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
@@ -303,7 +408,8 @@ def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict
 
 
 def _table(rows: list[dict], methods) -> str:
-    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak"]
+    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak",
+            "auto picked (its ms)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = r["ms"]
@@ -313,8 +419,14 @@ def _table(rows: list[dict], methods) -> str:
         cells += [f"{c / p:.2f}x" if p and c else "-", f"{g / p:.2f}x" if p and g else "-"]
         cells += [f"{r['tflops']:.1f}" if r.get("tflops") else "-"]
         cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
+        cells += ["; ".join(f"{a['picked']} ({_ms_list(a['ms'])})" for a in r.get("auto", []))
+                  or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ms_list(times: dict[str, float]) -> str:
+    return ", ".join(f"{name} {ms:.2f}" for name, ms in times.items())
 
 
 def best_variant(rows: list[dict]) -> dict:
@@ -377,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
     parser.add_argument("--knobs", type=Path, help="JSON of persistent.py knobs to set first")
     parser.add_argument("--cases", help="mode:dtype:config,... (instead of the cross product)")
+    parser.add_argument("--phases", action="store_true",
+                        help="per-phase us of each step, VARIANTS old against new")
+    parser.add_argument("--probe-level", type=int, default=2, choices=(2, 3))
+    parser.add_argument("--time-limit", type=float, default=float("inf"),
+                        help="start no case after this many seconds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
@@ -387,8 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.knobs is not None:
         apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
     methods = [m for m in args.methods.split(",") if m]
+    if args.phases:
+        rows = _compare(_cases(args), args.probe_level, args.reps, args.out, args.time_limit)
+        print(_phase_table(rows))
+        return 0
     rows = _sweep(_cases(args), args.reps, args.out) if args.sweep else []
+    start = time.monotonic()
     for mode, dtype_name, i in [] if args.sweep else _cases(args):
+        if time.monotonic() - start > args.time_limit:
+            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
+            continue
         rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
         print(json.dumps(rows[-1]), flush=True)
         if args.profile:

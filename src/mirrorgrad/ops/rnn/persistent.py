@@ -86,12 +86,17 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
-# NOTE: 4 warps beat 8 for streamed W (H100, LSTM 2x650 B20 fp32, layer level: 2.47 ms
-# against 2.75; window 2 sweep, docs/notes/rnn-persistent.md).
+# Defaults from the H100 windows (docs/notes/rnn-persistent.md, "Where a step's time
+# goes"): the probe (15:41 UTC window) put the hidden GEMM's phase at 60-75% of every
+# step, the backward's worst (10-18 us of 14-22); the backward's knobs below (K slices,
+# deeper chunks, gathered loads, 8 warps) took its step from 14.4-21.8 us to 7.8-13.6
+# us, while the same for the forward made it slower (6.3-8.8 us to 10.3-15.0 us), so the
+# forward keeps window 2's layout.
+# Streamed forward: 4 warps (window 2 sweep: 2.47 ms against 2.75 at 8, LSTM 2x650 B20
+# fp32 layer level), 64-deep K chunks in one MMA chain.
 NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_WARPS", 4))
 NUM_STAGES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_STAGES", 3))
-# Resident W: forward 16 warps, backward 8 (ptxas for sm_90: no spills at H 512 fp32 and
-# H 1024 bf16 that way; the forward spills ~8 KB per thread at 4 or 8 warps).
+# Resident W: forward 16 warps, backward 8.
 RESIDENT_WARPS = (16, 8)
 # A resident layout that ptxas spills (more than SPILL_WORDS 32-bit words per thread)
 # runs streamed, unless ALLOW_SPILLS (benchmarks).
@@ -101,16 +106,32 @@ ALLOW_SPILLS = False
 # W slice, so one tile for the whole batch where it fits; resident tiles stay at 16 rows
 # since the whole-K h tile lives in registers beside W).
 BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BK", 64))
-# NOTE: SPLIT_K and the BWD_* knobs were added after the last GPU window: unmeasured, so
-# their defaults keep the measured code path (one chain, 64-deep chunks).
 # Streamed: each K chunk in SPLIT_K slices of BLOCK_K / SPLIT_K (>= 16), one MMA chain
 # each (a batched dot), summed after the loop: chains SPLIT_K times shorter.
 SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPLIT_K", 1))
-# The backward's K is G*H (4x the forward's for an LSTM): its own chunk depth and slices.
-BWD_BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_BK", 64))
-BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 1))
+# The backward's K is G*H (4x the forward's for an LSTM): its own chunk depth, slices and
+# warps (8: one slice pair each; 16 KiB of W a pipeline stage at fp32).
+BWD_BLOCK_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_BK", 256))
+BWD_SPLIT_K = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_SPLIT_K", 8))
+BWD_NUM_WARPS = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_WARPS", 8))
+# Resident W: the hidden GEMM's K in this many slices (forward: H, fused gates only;
+# backward: each part's rows), a batched dot with one MMA chain per slice spread over
+# the warps, summed after (1: one chain over the whole K).
+RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_SPLIT", 1))
+BWD_RESIDENT_SPLIT = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BWD_RESIDENT_SPLIT", 8))
+# Backward: each step's other inputs (stashed gates, cells, dh, dy) in one load per dtype
+# instead of one per tile: Triton converts each loaded tile to the MMA layout through
+# shared memory right after its load, which waits for it, so separate loads are round
+# trips one after another (ptxas for sm_90: 8 in the LSTM backward, bf16 resident; the
+# forward's loads are issued together).
+GATHER_LOADS = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_GATHER", "1") == "1"
+# Resident backward with K slices: shared memory for W and one part's dG rows (the H100
+# has 227 KiB per program; the rest is the reductions' scratch).
+BWD_PART_BYTES = 200 * 1024
 MAX_BB = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_MAX_BB", 64))
-SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "load") == "load"
+# The barrier polls with acquiring atomics (no separate acquire after the last poll):
+# the 15:41 UTC window: arrival + wait 1.3 us against 1.6 polling with loads ("load").
+SPIN_LOAD = os.environ.get("MIRRORGRAD_RNN_PERSISTENT_SPIN", "atomic") == "load"
 # Forward: one [BB, 4*BN] dot for all gates, split after (more warps share the work).
 # NOTE: ptxas for sm_90: fused, the resident forward stops spilling (LSTM bf16 H 650:
 # 0 bytes against 1.5-4 KB per thread; fp32 H 512: 32 B against 11 KB).
@@ -120,12 +141,23 @@ _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 
 @triton.jit
 def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
-    """Wait until ``target`` arrivals: every program's stores before are visible after.
+    """Wait until ``target`` arrivals: every program's stores before are visible after."""
+    _arrive(count_ptr)
+    _await(count_ptr, target, SPIN_LOAD)
 
-    SPIN_LOAD: poll with volatile loads and acquire once at the end (fewer atomics on
-    the counter's L2 line), else poll with acquiring atomics."""
+
+@triton.jit
+def _arrive(count_ptr):
+    """This program's arrival at the barrier (after its stores); returns the count before."""
     tl.debug_barrier()  # the whole program's stores are done before it arrives
-    tl.atomic_add(count_ptr, 1, sem="release")
+    return tl.atomic_add(count_ptr, 1, sem="release")
+
+
+@triton.jit
+def _await(count_ptr, target, SPIN_LOAD: tl.constexpr):
+    """Spin until ``target`` arrivals. SPIN_LOAD: poll with volatile loads and acquire
+    once at the end (fewer atomics on the counter's L2 line), else poll with acquiring
+    atomics."""
     if SPIN_LOAD:
         seen = tl.load(count_ptr, volatile=True)
         while seen < target:
@@ -138,16 +170,44 @@ def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
     tl.debug_barrier()  # no thread reads the next step before the acquire
 
 
+# ---- PROBE: per program and step, when each phase ends (GPU only, benchmarks) --------
+# probe_ptr: int64 [groups, programs, T, STAMPS]: 0 %globaltimer (ns) at the step's start,
+# then %clock64 (SM cycles): 1 at its start, 2 once its inputs are loaded, 3 once the
+# hidden GEMM's result is there, 4 once the new state is computed (its stores issued),
+# 5 once it arrived at the barrier (stores visible, release done); the wait is the next
+# step's start minus the arrival. PROBE 1 records 0, 1, 5 (work against wait, nearly
+# free); 2 adds 3 and 4; 3 adds 2, which holds the dot's loads until the inputs are
+# there (one more L2 round trip). A stamp "once x is there" reads the clock in every
+# thread after its elements of x (a predicate on x orders the read after them; a NaN
+# element reads 0) and keeps the latest: a cross-warp reduction, a CTA barrier, each.
+STAMPS = tl.constexpr(6)
+
+
 @triton.jit
-def _stamp(ptr):
-    """ptr[0] = %globaltimer (ns), ptr[1] = %clock64 (SM cycles), by program (0, 0)."""
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+def _clock_after(x):
+    """%clock64 once every element of the 2-D tensor x is available, the latest thread's."""
+    c = tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.eq.f32 p, $1, $1; @p mov.u64 $0, %clock64; @!p mov.u64 $0, 0; }",
+        "=l,f", [x.to(tl.float32)], dtype=tl.int64, is_pure=False, pack=1,
+    )  # fmt: skip
+    return tl.max(tl.max(c, axis=1), axis=0)
+
+
+@triton.jit
+def _probe_start(probe):
+    """The step's first stamps: %globaltimer and %clock64."""
     ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                    is_pure=False, pack=1)  # fmt: skip
     cycles = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64,
                                        is_pure=False, pack=1)  # fmt: skip
-    tl.store(ptr, ns, mask=first)
-    tl.store(ptr + 1, cycles, mask=first)
+    tl.store(probe, ns)
+    tl.store(probe + 1, cycles)
+
+
+@triton.jit
+def _probe_arrived(probe, old):
+    """Stamp 5 after the arrival's atomic (``old``: its result) returned."""
+    tl.store(probe + 5, _clock_after(tl.full([1, 1], 0.0, tl.float32) + old.to(tl.float32)))
 
 
 @triton.jit
@@ -164,9 +224,11 @@ def _rows(ptr, rb, mb, stride, offset, k0, K: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _split_rows(ptr, rb, mb, stride, k0, S: tl.constexpr, KS: tl.constexpr, H: tl.constexpr):
-    """[S, BB, KS] tile ``ptr[rb, k0 + s*KS + j]`` (< H): ``_rows`` with K in S slices."""
-    rk = k0 + tl.arange(0, S)[:, None, None] * KS + tl.arange(0, KS)[None, None, :]
+def _split_rows(ptr, rb, mb, stride, k0, S: tl.constexpr, SS: tl.constexpr, KS: tl.constexpr,
+                H: tl.constexpr):  # fmt: skip
+    """[S, BB, KS] tile ``ptr[rb, k0 + s*SS + j]`` (< H): ``_rows`` with K in S slices
+    SS apart."""
+    rk = k0 + tl.arange(0, S)[:, None, None] * SS + tl.arange(0, KS)[None, None, :]
     return tl.load(
         ptr + rb[None, :, None] * stride + rk,
         mask=mb[None, :, None] & (rk < H),
@@ -176,14 +238,56 @@ def _split_rows(ptr, rb, mb, stride, k0, S: tl.constexpr, KS: tl.constexpr, H: t
 
 
 @triton.jit
-def _split_wtile(w_ptr, sk, sn, rn, mn, k0, S: tl.constexpr, KS: tl.constexpr, H: tl.constexpr):
-    """[S, KS, N] tile ``w_ptr[(k0 + s*KS + j) * sk + rn * sn]``: ``_wtile`` in S slices."""
-    rk = k0 + tl.arange(0, S)[:, None, None] * KS + tl.arange(0, KS)[None, :, None]
+def _split_wtile(w_ptr, sk, sn, rn, mn, k0, S: tl.constexpr, SS: tl.constexpr,
+                 KS: tl.constexpr, H: tl.constexpr):  # fmt: skip
+    """[S, KS, N] tile ``w_ptr[(k0 + s*SS + j) * sk + rn * sn]``: ``_wtile`` in S slices."""
+    rk = k0 + tl.arange(0, S)[:, None, None] * SS + tl.arange(0, KS)[None, :, None]
     return tl.load(
         w_ptr + rk * sk + rn[None, None, :] * sn,
         mask=(rk < H) & mn[None, None, :],
         other=0.0,
     )
+
+
+@triton.jit
+def _slice_tiles(w_ptr, sk, sn, rn, mn, K: tl.constexpr, S: tl.constexpr, KA: tl.constexpr,
+                 KB: tl.constexpr):  # fmt: skip
+    """Resident W^T ([K, N] through (sk, sn)) in S slices of KA + KB rows (K's rows in
+    order, zero past K), each slice as two pieces: ([S, KA, N], [S, KB, N] or 0)."""
+    wa = _split_wtile(w_ptr, sk, sn, rn, mn, 0, S, KA + KB, KA, K)
+    wb = 0
+    if KB > 0:
+        wb = _split_wtile(w_ptr, sk, sn, rn, mn, KA, S, KA + KB, KB, K)
+    return wa, wb
+
+
+@triton.jit
+def _sliced_dot(a_ptr, rb, mb, stride, wa, wb, K: tl.constexpr, S: tl.constexpr,
+                KA: tl.constexpr, KB: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """A[rb, :K] @ W with W as ``_slice_tiles``' S slices: a batched dot, one MMA chain
+    per slice (K/S deep instead of K; the slices spread over the warps), summed after."""
+    aa, ab = _slice_rows(a_ptr, rb, mb, stride, K, S, KA, KB)
+    return _sliced_mma(aa, ab, wa, wb, KB, PREC)
+
+
+@triton.jit
+def _slice_rows(a_ptr, rb, mb, stride, K: tl.constexpr, S: tl.constexpr, KA: tl.constexpr,
+                KB: tl.constexpr):  # fmt: skip
+    """A[rb, :K] as ``_slice_tiles``' slices: ([S, BB, KA], [S, BB, KB] or 0)."""
+    aa = _split_rows(a_ptr, rb, mb, stride, 0, S, KA + KB, KA, K)
+    ab = 0
+    if KB > 0:
+        ab = _split_rows(a_ptr, rb, mb, stride, KA, S, KA + KB, KB, K)
+    return aa, ab
+
+
+@triton.jit
+def _sliced_mma(aa, ab, wa, wb, KB: tl.constexpr, PREC: tl.constexpr):
+    """``_sliced_dot`` of rows already loaded (``_slice_rows``)."""
+    accs = _mma(aa, wa, PREC)
+    if KB > 0:
+        accs += _mma(ab, wb, PREC)
+    return tl.sum(accs, axis=0)
 
 
 @triton.jit
@@ -259,7 +363,7 @@ def _fwd_kernel(
     y_ptr,  # [T, B, H]
     len_ptr,  # [B] int64
     count_ptr,  # int32 [groups], zero: the barriers' counters
-    probe_ptr,  # PROBE: int64 [T, 4] timestamps of program (0, 0) (``_stamp``)
+    probe_ptr,  # PROBE: int64 [groups, programs, T, STAMPS] (``_probe_start``)
     T,
     B,
     clip_lo,
@@ -281,8 +385,9 @@ def _fwd_kernel(
     KB: tl.constexpr,
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
-    PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
+    PROBE: tl.constexpr,  # 0; 1: stamp start, arrival; 2: and the phases; 3: and loads
     SPLIT: tl.constexpr,  # streamed: K of each chunk in SPLIT slices, one MMA chain each
+    RS: tl.constexpr,  # resident, fused gates: K in RS slices (KA + KB rows each), one chain each
     FUSE_GATES: tl.constexpr,  # one [BB, 4*BN] dot for all gates (G >= 3), split after
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
@@ -300,7 +405,9 @@ def _fwd_kernel(
     # Resident W_hh^T: one [K, 4*BN] tile (fused gates), else one [K, BN] per gate
     # (W_hh[g*H + rn, k]); each as two K pieces.
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
-    if RESIDENT and FUSE_GATES:
+    if RESIDENT and FUSE_GATES and RS > 1:
+        wa0, wb0 = _slice_tiles(w_ptr, 1, H, r4, m4, H, RS, KA, KB)
+    elif RESIDENT and FUSE_GATES:
         wa0 = _wtile(w_ptr, 1, H, r4, m4, 0, KA, H)
         if KB > 0:
             wb0 = _wtile(w_ptr, 1, H, r4, m4, KA, KB, H)
@@ -317,8 +424,9 @@ def _fwd_kernel(
     t = tl.program_id(0) * 0  # a tensor from the start (the interpreter wants one)
     while t < T:
         t64 = t.to(tl.int64)
+        probe = probe_ptr + ((group * programs + tl.program_id(0)) * T + t64) * STAMPS
         if PROBE:
-            _stamp(probe_ptr + t64 * 4)
+            _probe_start(probe)
         h_in = h_ptr + t64 * B * HS
         h_out = h_in + B * HS
         b0 = group * BB
@@ -329,9 +437,11 @@ def _fwd_kernel(
                 pre_ptr + t64 * B * GH, cells_ptr + t64 * B * H, h_in, len_ptr, rb, mb, rn, mn,
                 t, H, HS, MODE, G, HAS_LENGTHS,
             )  # fmt: skip
+            if PROBE >= 3:
+                tl.store(probe + 2, _clock_after(x0 + c_old + h_old.to(tl.float32)))
             if FUSE_GATES:
                 accf = _fused_hidden(h_in, w_ptr, rb, mb, r4, m4, wa0, wb0, H, HS, KA, KB, BK,
-                                     BB, BN, SPLIT, RESIDENT, PREC)  # fmt: skip
+                                     BB, BN, SPLIT, RS, RESIDENT, PREC)  # fmt: skip
                 acc0, acc1, acc2, acc3 = _split_gates(accf, BB, BN)
             elif RESIDENT:
                 acc1 = tl.zeros([BB, BN], dtype=tl.float32)
@@ -356,32 +466,41 @@ def _fwd_kernel(
                     if G == 4:
                         w3 = _wtile(w_ptr + 3 * H * H, 1, H, rn, mn, k0, BK, H)
                         acc3 += _mma(hk, w3, PREC)
-            _fwd_update(
+            if PROBE >= 2:
+                tl.store(probe + 3, _clock_after(acc0 + acc1 + acc2 + acc3))
+            h_new = _fwd_update(
                 stash_ptr + t64 * B * P, h_out, cells_ptr + t64 * B * H, y_ptr + t64 * B * H,
                 x0, x1, x2, x3, acc0, acc1, acc2, acc3, c_old, h_old, valid, bhr, bhz, bhn,
                 rb, mb, rn, mn, B, clip_lo, clip_hi, H, HS, MODE, G, CLIP, WRITE_STASH,
             )  # fmt: skip
+            if PROBE >= 2:
+                tl.store(probe + 4, _clock_after(h_new))
             b0 += BB * groups
-        if PROBE:
-            _stamp(probe_ptr + t64 * 4 + 2)
         t += 1
-        grid_barrier(count_ptr, t * programs, SPIN_LOAD)
+        arrived = _arrive(count_ptr)
+        if PROBE:
+            _probe_arrived(probe, arrived)
+        _await(count_ptr, t * programs, SPIN_LOAD)
 
 
 @triton.jit
 def _fused_hidden(h_in, w_ptr, rb, mb, r4, m4, wa, wb, H: tl.constexpr, HS: tl.constexpr,
                   KA: tl.constexpr, KB: tl.constexpr, BK: tl.constexpr, BB: tl.constexpr,
-                  BN: tl.constexpr, SPLIT: tl.constexpr, RESIDENT: tl.constexpr,
-                  PREC: tl.constexpr):  # fmt: skip
+                  BN: tl.constexpr, SPLIT: tl.constexpr, RS: tl.constexpr,
+                  RESIDENT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """h_{t-1}[rb] @ W_hh[r4]^T: [BB, 4*BN], every gate in one dot (resident W in two K
-    pieces, or streamed in BK chunks, optionally in SPLIT independent chains)."""
-    if RESIDENT:
+    pieces or in RS slices of two pieces, or streamed in BK chunks, optionally in SPLIT
+    independent chains)."""
+    if RESIDENT and RS > 1:
+        acc = _sliced_dot(h_in, rb, mb, HS, wa, wb, H, RS, KA, KB, PREC)
+    elif RESIDENT:
         acc = _resident_dot(h_in, rb, mb, HS, 0, wa, wb, H, KA, KB, PREC)
     elif SPLIT > 1:  # a batched dot over the slices, summed after
+        ks: tl.constexpr = BK // SPLIT
         accs = tl.zeros([SPLIT, BB, 4 * BN], dtype=tl.float32)
         for k0 in range(0, H, BK):
-            hk = _split_rows(h_in, rb, mb, HS, k0, SPLIT, BK // SPLIT, H)
-            accs += _mma(hk, _split_wtile(w_ptr, 1, H, r4, m4, k0, SPLIT, BK // SPLIT, H), PREC)
+            hk = _split_rows(h_in, rb, mb, HS, k0, SPLIT, ks, ks, H)
+            accs += _mma(hk, _split_wtile(w_ptr, 1, H, r4, m4, k0, SPLIT, ks, ks, H), PREC)
         acc = tl.sum(accs, axis=0)
     else:
         acc = tl.zeros([BB, 4 * BN], dtype=tl.float32)
@@ -396,8 +515,10 @@ def _fwd_inputs(pre_ptr, cell_ptr, h_in, len_ptr, rb, mb, rn, mn, t, H: tl.const
                 HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
                 HAS_LENGTHS: tl.constexpr):  # fmt: skip
     """What step t's update of one [BB, BN] tile reads besides the hidden GEMM: loaded
-    before it, so that their latency hides behind the K loop. Returns the input-side
-    pre-activations of the G gates (zeros beyond), c_{t-1} (lstm), h_{t-1}, valid."""
+    before it, so that their latency hides behind the K loop (ptxas for sm_90 issues
+    these loads together, unlike the backward's: ``_bwd_gathered``). Returns the
+    input-side pre-activations of the G gates (zeros beyond), c_{t-1} (lstm), h_{t-1},
+    valid."""
     mask = mb[:, None] & mn[None, :]
     valid = mask
     if HAS_LENGTHS:
@@ -424,7 +545,8 @@ def _fwd_update(stash_ptr, h_out, cell_ptr, y_ptr, x0, x1, x2, x3, acc0, acc1, a
                 H: tl.constexpr, HS: tl.constexpr, MODE: tl.constexpr, G: tl.constexpr,
                 CLIP: tl.constexpr, WRITE_STASH: tl.constexpr):  # fmt: skip
     """Gates and state update of one [BB, BN] tile of step t (kernels.py's formulas):
-    x* the input side, acc* the hidden side of each gate, bh* gru's hidden biases."""
+    x* the input side, acc* the hidden side of each gate, bh* gru's hidden biases.
+    Returns the new h (stored)."""
     mask = mb[:, None] & mn[None, :]
     GH: tl.constexpr = G * H
     idx = rb[:, None] * H + rn[None, :]
@@ -463,6 +585,7 @@ def _fwd_update(stash_ptr, h_out, cell_ptr, y_ptr, x0, x1, x2, x3, acc0, acc1, a
     h = h.to(h_out.dtype.element_ty)
     tl.store(h_out + rb[:, None] * HS + rn[None, :], tl.where(valid, h, h_old), mask=mask)
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
+    return h
 
 
 @triton.jit
@@ -479,7 +602,7 @@ def _bwd_kernel(
     w_ptr,  # W_hh [G*H, H]
     len_ptr,  # [B] int64
     count_ptr,  # int32 [groups], zero
-    probe_ptr,  # PROBE: int64 [T, 4]
+    probe_ptr,  # PROBE: int64 [groups, programs, T, STAMPS]
     T,
     B,
     clip_lo,
@@ -500,8 +623,11 @@ def _bwd_kernel(
     KB: tl.constexpr,
     BK: tl.constexpr,
     SPIN_LOAD: tl.constexpr,
-    PROBE: tl.constexpr,  # record when program (0, 0) starts and ends each step's work
+    PROBE: tl.constexpr,  # 0; 1: stamp start, arrival; 2: and the phases; 3: and loads
     SPLIT: tl.constexpr,  # streamed: K of each chunk in SPLIT slices, one MMA chain each
+    RS: tl.constexpr,  # resident: K (G*H) in parts of GP gates, each in RS slices (KA + KB
+    GP: tl.constexpr,  # rows), one MMA chain per slice; the parts one after another
+    GATHER: tl.constexpr,  # the step's other inputs in one load per dtype (``_bwd_inputs``)
 ):
     # Axis 0: blocks of hidden units; axis 1: groups of batch tiles, independent of each
     # other (no state crosses batch rows): each group meets at its own barrier.
@@ -510,49 +636,104 @@ def _bwd_kernel(
     count_ptr += group
     rn = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN] this program's columns of dh
     mn = rn < H
-    # Resident W_hh blocks of this program's columns, one per gate: W_hh[g*H + k, rn].
     wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0, 0, 0
     if RESIDENT:
-        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _bwd_weights(w_ptr, rn, mn, H, G, RS, GP, KA,
+                                                              KB)  # fmt: skip
     dgw_ptr = dgh_ptr if MODE == 1 else dg_ptr  # what flows back through W_hh
     s = tl.program_id(0) * 0
     while s < T:
         t = T - 1 - s
         t64 = t.to(tl.int64)
+        probe = probe_ptr + ((group * programs + tl.program_id(0)) * T + s) * STAMPS
         if PROBE:
-            _stamp(probe_ptr + t64 * 4)
+            _probe_start(probe)
         nxt = dgw_ptr + (t64 + 1) * B * DS  # dG_{t+1}: written by every program last step
         b0 = group * BB
         while b0 < B:
             rb = (b0 + tl.arange(0, BB)).to(tl.int64)
             mb = rb < B
+            # Sliced: the first part's dG rows are loaded before the inputs, so that their
+            # round trips overlap (each load's first use waits for it, module doc).
+            a0, a1 = 0, 0
+            if RESIDENT and RS > 1:
+                a0, a1 = _slice_rows(nxt, rb, mb & (s > 0), DS, min(GP, G) * H, RS, KA, KB)
             x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid = _bwd_inputs(
                 pre_ptr + t64 * B * P, cells_ptr + t64 * B * H, h0_ptr, y_ptr + t64 * B * H,
                 dy_ptr + t64 * B * H, dh_ptr, dc_ptr, len_ptr, rb, mb, rn, mn, t, B, H, MODE,
-                P, HAS_LENGTHS, HAS_DY,
+                P, HAS_LENGTHS, HAS_DY, GATHER, BB, BN,
             )  # fmt: skip
+            if PROBE >= 3:
+                tl.store(probe + 2, _clock_after(x0 + s0 + dh_own + dy))
             acc = tl.zeros([BB, BN], dtype=tl.float32)
             if s > 0:
                 if RESIDENT:
-                    acc += _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
-                    if G >= 3:
-                        acc += _resident_dot(nxt, rb, mb, DS, H, wa1, wb1, H, KA, KB, PREC)
-                        acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
-                    if G == 4:
-                        acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
+                    acc += _resident_back(nxt, rb, mb, a0, a1, wa0, wb0, wa1, wb1, wa2, wb2, wa3,
+                                          wb3, H, G, DS, RS, GP, KA, KB, PREC)  # fmt: skip
                 else:
                     acc += _streamed_back(nxt, w_ptr, rb, mb, rn, mn, G * H, H, DS, BK, BB, BN,
                                           SPLIT, PREC)  # fmt: skip
-            _bwd_update(
+            if PROBE >= 2:
+                tl.store(probe + 3, _clock_after(acc))
+            dh_new = _bwd_update(
                 dh_ptr, dc_ptr, dg_ptr + t64 * B * DS, dgh_ptr + t64 * B * DS,
                 x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid, acc, rb, mb, rn, mn,
                 clip_lo, clip_hi, H, DS, MODE, CLIP,
             )  # fmt: skip
+            if PROBE >= 2:
+                tl.store(probe + 4, _clock_after(dh_new))
             b0 += BB * groups
-        if PROBE:
-            _stamp(probe_ptr + t64 * 4 + 2)
         s += 1
-        grid_barrier(count_ptr, s * programs, SPIN_LOAD)
+        arrived = _arrive(count_ptr)
+        if PROBE:
+            _probe_arrived(probe, arrived)
+        _await(count_ptr, s * programs, SPIN_LOAD)
+
+
+@triton.jit
+def _bwd_weights(w_ptr, rn, mn, H: tl.constexpr, G: tl.constexpr, RS: tl.constexpr,
+                 GP: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr):  # fmt: skip
+    """Resident W_hh[:, rn] of the backward: one block per gate, W_hh[g*H + k, rn], in two
+    K pieces; or (RS > 1) its G*H rows in parts of GP gates, each part in RS slices."""
+    if RS == 1:  # (one return: Triton builds every return of a function)
+        wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3 = _gate_tiles(w_ptr, H, 1, rn, mn, H, G, KA, KB)
+    else:
+        wa1, wb1, wa2, wb2, wa3, wb3 = 0, 0, 0, 0, 0, 0
+        wa0, wb0 = _slice_tiles(w_ptr, H, 1, rn, mn, min(GP, G) * H, RS, KA, KB)
+        if GP < G:
+            wa1, wb1 = _slice_tiles(w_ptr + GP * H * H, H, 1, rn, mn, min(GP, G - GP) * H, RS,
+                                    KA, KB)  # fmt: skip
+        if 2 * GP < G:
+            wa2, wb2 = _slice_tiles(w_ptr + 2 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
+        if 3 * GP < G:
+            wa3, wb3 = _slice_tiles(w_ptr + 3 * GP * H * H, H, 1, rn, mn, H, RS, KA, KB)
+    return wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3
+
+
+@triton.jit
+def _resident_back(nxt, rb, mb, a0, a1, wa0, wb0, wa1, wb1, wa2, wb2, wa3, wb3,
+                   H: tl.constexpr, G: tl.constexpr, DS: tl.constexpr, RS: tl.constexpr,
+                   GP: tl.constexpr, KA: tl.constexpr, KB: tl.constexpr,
+                   PREC: tl.constexpr):  # fmt: skip
+    """dG_{t+1}[rb] @ W_hh[:, rn] with W resident (``_bwd_weights``): a gate at a time, or
+    (RS > 1) a part at a time, the first part's rows (a0, a1) loaded by the caller."""
+    if RS == 1:
+        acc = _resident_dot(nxt, rb, mb, DS, 0, wa0, wb0, H, KA, KB, PREC)
+        if G >= 3:
+            acc += _resident_dot(nxt, rb, mb, DS, H, wa1, wb1, H, KA, KB, PREC)
+            acc += _resident_dot(nxt, rb, mb, DS, 2 * H, wa2, wb2, H, KA, KB, PREC)
+        if G == 4:
+            acc += _resident_dot(nxt, rb, mb, DS, 3 * H, wa3, wb3, H, KA, KB, PREC)
+    else:
+        acc = _sliced_mma(a0, a1, wa0, wb0, KB, PREC)  # parts reuse A's shared memory
+        if GP < G:
+            acc += _sliced_dot(nxt + GP * H, rb, mb, DS, wa1, wb1, min(GP, G - GP) * H, RS, KA,
+                               KB, PREC)  # fmt: skip
+        if 2 * GP < G:
+            acc += _sliced_dot(nxt + 2 * GP * H, rb, mb, DS, wa2, wb2, H, RS, KA, KB, PREC)
+        if 3 * GP < G:
+            acc += _sliced_dot(nxt + 3 * GP * H, rb, mb, DS, wa3, wb3, H, RS, KA, KB, PREC)
+    return acc
 
 
 @triton.jit
@@ -562,10 +743,11 @@ def _streamed_back(nxt, w_ptr, rb, mb, rn, mn, GH: tl.constexpr, H: tl.constexpr
     """dG_{t+1}[rb] @ W_hh[:, rn], W streamed: the gates one after another (W_hh's rows
     are contiguous across them), one K loop over G*H, optionally in SPLIT chains."""
     if SPLIT > 1:  # a batched dot over the slices, summed after
+        ks: tl.constexpr = BK // SPLIT
         accs = tl.zeros([SPLIT, BB, BN], dtype=tl.float32)
         for k0 in range(0, GH, BK):
-            a = _split_rows(nxt, rb, mb, DS, k0, SPLIT, BK // SPLIT, GH)
-            accs += _mma(a, _split_wtile(w_ptr, H, 1, rn, mn, k0, SPLIT, BK // SPLIT, GH), PREC)
+            a = _split_rows(nxt, rb, mb, DS, k0, SPLIT, ks, ks, GH)
+            accs += _mma(a, _split_wtile(w_ptr, H, 1, rn, mn, k0, SPLIT, ks, ks, GH), PREC)
         acc = tl.sum(accs, axis=0)
     else:
         acc = tl.zeros([BB, BN], dtype=tl.float32)
@@ -578,15 +760,20 @@ def _streamed_back(nxt, w_ptr, rb, mb, rn, mn, GH: tl.constexpr, H: tl.constexpr
 @triton.jit
 def _bwd_inputs(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, len_ptr, rb, mb, rn,
                 mn, t, B, H: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
-                HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr):  # fmt: skip
+                HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr, GATHER: tl.constexpr,
+                BB: tl.constexpr, BN: tl.constexpr):  # fmt: skip
     """What step t's gate gradients of one [BB, BN] tile read besides dG_{t+1} @ W_hh,
     loaded before that K loop (their latency hides behind it): the stashed
     pre-activations x0..x3, per mode s0..s2 (lstm: c_{t-1}, c_t, dc; gru: h_{t-1};
-    rnn: y_t), the direct part of dh (this program's own), dy_t and the valid mask."""
+    rnn: y_t), the direct part of dh (this program's own), dy_t and the valid mask.
+    GATHER: the tiles of the layer's dtype in one load, lstm's fp32 ones in another."""
     mask = mb[:, None] & mn[None, :]
     valid = mask
     if HAS_LENGTHS:
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
+    if GATHER:
+        return _bwd_gathered(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, rb, mb,
+                             rn, mn, t, B, H, MODE, P, HAS_DY, BB, BN, valid)  # fmt: skip
     idx = rb[:, None] * H + rn[None, :]
     dh_own = tl.load(dh_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     dy = tl.zeros_like(dh_own)
@@ -614,11 +801,69 @@ def _bwd_inputs(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, len_pt
 
 
 @triton.jit
+def _bwd_gathered(pre_ptr, cell_ptr, h0_ptr, y_ptr, dy_ptr, dh_ptr, dc_ptr, rb, mb, rn, mn, t,
+                  B, H: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
+                  HAS_DY: tl.constexpr, BB: tl.constexpr, BN: tl.constexpr, valid):  # fmt: skip
+    """``_bwd_inputs`` in two loads: slots 0-3 the stashed gates (lstm, gru), 4 dh, 5 dy,
+    6 y_t (rnn) or y_{t-1} (gru, t > 0), 7 h0 (gru, t == 0); lstm: c_{t-1}, c_t, dc."""
+    slot, rows, cols = _slot_grid(rb, rn)
+    idx = rows * H + cols
+    y_at = y_ptr - B * H if MODE == 1 else y_ptr  # gru: y_{t-1}
+    ptrs = tl.where(slot < 4, pre_ptr + rows * P + slot * H + cols,
+                    tl.where(slot == 4, dh_ptr + idx, tl.where(slot == 5, dy_ptr + idx,
+                             tl.where(slot == 6, y_at + idx, h0_ptr + idx))))  # fmt: skip
+    use = ((slot < 4) & (MODE <= 1)) | (slot == 4) | ((slot == 5) & HAS_DY)
+    use = use | ((slot == 6) & ((MODE >= 2) | ((MODE == 1) & (t > 0))))
+    use = use | ((slot == 7) & (MODE == 1) & (t == 0))
+    vals = tl.load(ptrs, mask=mb[:, None, None] & mn[None, None, :] & use, other=0.0)
+    x0, x1, x2, x3, dh_own, dy, y_t, h_first = _unpack8(vals.to(tl.float32), BB, BN)
+    s0, s1, s2 = y_t + h_first, dy, dy  # gru: h_{t-1}; rnn: y_t
+    if MODE == 0:
+        cslot = tl.arange(0, 4)[None, :, None]
+        cptrs = tl.where(cslot < 2, cell_ptr + cslot * B * H + idx, dc_ptr + idx)
+        cells = tl.load(cptrs, mask=mb[:, None, None] & mn[None, None, :] & (cslot < 3),
+                        other=0.0)  # fmt: skip
+        s0, s1, s2, _ = _unpack4(cells, BB, BN)
+    return x0, x1, x2, x3, s0, s1, s2, dh_own, dy, valid
+
+
+@triton.jit
+def _slot_grid(rb, rn):
+    """[1, 8, 1] slot index, [BB, 1, 1] rows, [1, 1, BN] columns: one load of 8 tiles."""
+    return tl.arange(0, 8)[None, :, None], rb[:, None, None], rn[None, None, :]
+
+
+@triton.jit
+def _unpack8(v, BB: tl.constexpr, BN: tl.constexpr):
+    """[BB, 8, BN] -> its eight [BB, BN] slots."""
+    a = tl.reshape(tl.permute(v, (0, 2, 1)), (BB, BN, 2, 2, 2))  # slot 4i + 2j + k
+    k0, k1 = tl.split(a)
+    j00, j01 = tl.split(k0)  # slots 4i, 4i + 2
+    j10, j11 = tl.split(k1)  # slots 4i + 1, 4i + 3
+    s0, s4 = tl.split(j00)
+    s2, s6 = tl.split(j01)
+    s1, s5 = tl.split(j10)
+    s3, s7 = tl.split(j11)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _unpack4(v, BB: tl.constexpr, BN: tl.constexpr):
+    """[BB, 4, BN] -> its four [BB, BN] slots."""
+    a = tl.reshape(tl.permute(v, (0, 2, 1)), (BB, BN, 2, 2))  # slot 2i + j
+    j0, j1 = tl.split(a)
+    s0, s2 = tl.split(j0)
+    s1, s3 = tl.split(j1)
+    return s0, s1, s2, s3
+
+
+@triton.jit
 def _bwd_update(dh_ptr, dc_ptr, dg_ptr, dgh_ptr, x0, x1, x2, x3, s0, s1, s2, dh_own, dy,
                 valid, acc, rb, mb, rn, mn, clip_lo, clip_hi, H: tl.constexpr,
                 DS: tl.constexpr, MODE: tl.constexpr, CLIP: tl.constexpr):  # fmt: skip
     """Gate gradients of one [BB, BN] tile of step t and the state gradients carried to
-    step t-1 (kernels.py's formulas; acc = dG_{t+1} @ W_hh, the part via the weights)."""
+    step t-1 (kernels.py's formulas; acc = dG_{t+1} @ W_hh, the part via the weights).
+    Returns the dh carried (stored)."""
     mask = mb[:, None] & mn[None, :]
     idx = rb[:, None] * H + rn[None, :]
     dh_in = dh_own + acc
@@ -660,7 +905,9 @@ def _bwd_update(dh_ptr, dc_ptr, dg_ptr, dgh_ptr, x0, x1, x2, x3, s0, s1, s2, dh_
         tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
         dh_direct = tl.zeros_like(dh)
     # Rows past their length pass the state gradient through unchanged.
-    tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
+    dh_new = tl.where(valid, dh_direct, dh_in)
+    tl.store(dh_ptr + idx, dh_new.to(dh_ptr.dtype.element_ty), mask=mask)
+    return dh_new
 
 
 # ---- host side ---------------------------------------------------------------------
@@ -684,8 +931,11 @@ class Plan:
     spin_load: bool = SPIN_LOAD  # barrier polls with loads (else with atomics)
     fuse_gates: bool = FUSE_GATES  # forward: one dot for all gates (lstm, gru)
     split: int = 1  # streamed K chunks in this many slices (independent MMA chains)
-    bwd_bk: int = 64
-    bwd_split: int = 1
+    bwd_bk: int = BWD_BLOCK_K
+    bwd_split: int = BWD_SPLIT_K
+    rsplit: int = RESIDENT_SPLIT  # resident: K slices of the forward (fused gates) and
+    bwd_rsplit: int = BWD_RESIDENT_SPLIT  # the backward
+    gather: bool = GATHER_LOADS  # backward: each step's other inputs in one load per dtype
     streamed_bb: int = 16  # bb and groups of the streamed fallback of a resident plan
     streamed_groups: int = 1
 
@@ -694,7 +944,7 @@ class Plan:
         if not self.resident:
             return self
         return replace(self, resident=False, bb=self.streamed_bb, groups=self.streamed_groups,
-                       num_warps=NUM_WARPS, bwd_warps=NUM_WARPS)  # fmt: skip
+                       num_warps=NUM_WARPS, bwd_warps=BWD_NUM_WARPS)  # fmt: skip
 
     def w_bytes(self, mode: str, dtype: torch.dtype) -> int:
         """W_hh bytes one program holds when resident."""
@@ -723,7 +973,9 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     if kernels._interpreting():  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
         return Plan(programs=1, groups=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True,
-                    num_warps=4, bwd_warps=4, num_stages=1)  # fmt: skip
+                    num_warps=4, bwd_warps=4, num_stages=1, spin_load=SPIN_LOAD,
+                    rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
+                    gather=GATHER_LOADS)  # fmt: skip
     if device.type != "cuda":
         return None
     sms = _programs_at_once(device)
@@ -735,9 +987,11 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     programs = triton.cdiv(H, bn)
     bb, groups = _batch_tiles(B, sms // programs, MAX_BB)
     streamed = Plan(programs=programs, groups=groups, bn=bn, ka=ka, kb=kb, bk=BLOCK_K, bb=bb,
-                    resident=False, num_warps=NUM_WARPS, bwd_warps=NUM_WARPS,
+                    resident=False, num_warps=NUM_WARPS, bwd_warps=BWD_NUM_WARPS,
                     num_stages=NUM_STAGES, spin_load=SPIN_LOAD, fuse_gates=FUSE_GATES,
-                    split=SPLIT_K, bwd_bk=BWD_BLOCK_K, bwd_split=BWD_SPLIT_K)  # fmt: skip
+                    split=SPLIT_K, bwd_bk=BWD_BLOCK_K, bwd_split=BWD_SPLIT_K,
+                    rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
+                    gather=GATHER_LOADS)  # fmt: skip
     if streamed.w_bytes(mode, dtype) > RESIDENT_BYTES:
         return streamed
     fwd_warps, bwd_warps = RESIDENT_WARPS
@@ -770,8 +1024,10 @@ def supports_persistent(
 
 
 # Set to a dict to record per-step timestamps of the next launches (GPU only, benchmarks):
-# kind ("fwd" / "bwd") -> int64 [T, 4] (start ns, start cycles, arrive ns, arrive cycles).
+# kind ("fwd" / "bwd") -> int64 [groups, programs, T, STAMPS] of the last such launch
+# (backward: steps in the order run, T-1 first); PROBE_LEVEL 1-3: which stamps (STAMPS).
 PROBES: dict[str, Tensor] | None = None
+PROBE_LEVEL = 1
 # Compiled kernels by (kind, mode, dtype, plan): registers, spills, shared memory (bench).
 COMPILED: dict[tuple, dict[str, int]] = {}
 # Resident layouts compiled on this GPU: "fits", "spills" (run streamed unless
@@ -788,7 +1044,8 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
     count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
     probe = count  # read only when PROBE
     if PROBES is not None and not kernels._interpreting():
-        probe = PROBES[kind] = torch.zeros(config.T, 4, dtype=torch.int64, device=config.device)
+        shape = (layout.groups, layout.programs, config.T, STAMPS.value)
+        probe = PROBES[kind] = torch.zeros(shape, dtype=torch.int64, device=config.device)
     call = (*args, count, probe, *_runtime(config))
     if layout.resident and not kernels._interpreting():
         if key not in _RESIDENT:
@@ -829,6 +1086,7 @@ def _precision(config: kernels.LoopConfig) -> str:
 
 
 def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict:
+    fused = layout.fuse_gates and GATES[config.mode] >= 3
     return dict(
         H=config.H,
         MODE=_MODE_ID[config.mode],
@@ -840,16 +1098,34 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         RESIDENT=layout.resident,
         BB=layout.bb,
         BN=layout.bn,
-        KA=layout.ka,
-        KB=layout.kb,
         BK=layout.bk if kind == "fwd" else layout.bwd_bk,
         SPIN_LOAD=layout.spin_load,
-        PROBE=PROBES is not None and not kernels._interpreting(),
+        PROBE=PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0,
         SPLIT=layout.split if kind == "fwd" else layout.bwd_split,
-        **({"FUSE_GATES": layout.fuse_gates and GATES[config.mode] >= 3} if kind == "fwd" else {}),
+        **({"FUSE_GATES": fused} if kind == "fwd" else {"GATHER": layout.gather}),
+        **_resident_slices(kind, config, layout, fused),
         num_warps=layout.num_warps if kind == "fwd" else layout.bwd_warps,
         num_stages=layout.num_stages,
     )
+
+
+def _resident_slices(kind: str, config: kernels.LoopConfig, layout: Plan, fused: bool) -> dict:
+    """RS, and with it KA and KB a slice's two pieces: the resident hidden GEMM's K in RS
+    slices (RS 1: K in the plan's two pieces, as before). Forward: K = H, all gates in one
+    dot. Backward: K = G*H in parts of GP gates, one after another; each part's dG rows
+    pass through shared memory beside W, so GP is the most gates whose part fits
+    BWD_PART_BYTES with W (fewer parts: fewer dependent L2 round trips per step)."""
+    rs = layout.rsplit if kind == "fwd" else layout.bwd_rsplit
+    if not layout.resident or rs == 1 or (kind == "fwd" and not fused):
+        return {"RS": 1, "KA": layout.ka, "KB": layout.kb, **({} if kind == "fwd" else {"GP": 1})}
+    if kind == "fwd":
+        return {"RS": rs, **dict(zip(("KA", "KB"), _k_pieces(triton.cdiv(config.H, rs))))}
+    G, size = GATES[config.mode], config.dtype.itemsize
+    for gp in (4, 2, 1):
+        ka, kb = _k_pieces(triton.cdiv(min(gp, G) * config.H, rs))
+        part = rs * (ka + kb) * size  # bytes per row of a part (W: BN rows, dG: BB)
+        if gp == 1 or part * (layout.bn * triton.cdiv(G, gp) + layout.bb) <= BWD_PART_BYTES:
+            return {"RS": rs, "KA": ka, "KB": kb, "GP": gp}
 
 
 def _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> kernels.LoopConfig:
