@@ -87,3 +87,8 @@ def test_options_are_frozen_and_exported():
     assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.05}
 
 
+
+
+def test_the_cli_spelling_of_a_budget_names_the_keyword_form():
+    with pytest.raises(ValueError, match=r"pass mode='budget', budget='0.5'"):
+        MirrorOptions(mode="budget:0.5")

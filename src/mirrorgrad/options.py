@@ -58,7 +58,10 @@ class MirrorOptions:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode={self.mode!r}: choose one of {', '.join(MODES)}")
+            hint = ""
+            if isinstance(self.mode, str) and self.mode.startswith("budget:"):
+                hint = f" (the CLI's spelling: pass mode='budget', budget={self.mode[7:]!r})"
+            raise ValueError(f"mode={self.mode!r}: choose one of {', '.join(MODES)}{hint}")
         if self.mode == "budget" and self.budget is None:
             raise ValueError(f"mode='budget' needs budget=: {_BUDGET_HELP}")
         if self.mode != "budget" and self.budget is not None:
