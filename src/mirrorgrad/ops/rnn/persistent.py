@@ -140,9 +140,12 @@ _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 
 
 @triton.jit
-def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr):
-    """Wait until ``target`` arrivals: every program's stores before are visible after."""
-    _arrive(count_ptr)
+def grid_barrier(count_ptr, target, SPIN_LOAD: tl.constexpr, probe=None, PROBE: tl.constexpr = 0):
+    """Wait until ``target`` arrivals: every program's stores before are visible after.
+    PROBE: stamp the arrival in ``probe`` (the step's phase stamps)."""
+    arrived = _arrive(count_ptr)
+    if PROBE:
+        _probe_arrived(probe, arrived)
     _await(count_ptr, target, SPIN_LOAD)
 
 
@@ -477,10 +480,7 @@ def _fwd_kernel(
                 tl.store(probe + 4, _clock_after(h_new))
             b0 += BB * groups
         t += 1
-        arrived = _arrive(count_ptr)
-        if PROBE:
-            _probe_arrived(probe, arrived)
-        _await(count_ptr, t * programs, SPIN_LOAD)
+        grid_barrier(count_ptr, t * programs, SPIN_LOAD, probe, PROBE)
 
 
 @triton.jit
@@ -684,10 +684,7 @@ def _bwd_kernel(
                 tl.store(probe + 4, _clock_after(dh_new))
             b0 += BB * groups
         s += 1
-        arrived = _arrive(count_ptr)
-        if PROBE:
-            _probe_arrived(probe, arrived)
-        _await(count_ptr, s * programs, SPIN_LOAD)
+        grid_barrier(count_ptr, s * programs, SPIN_LOAD, probe, PROBE)
 
 
 @triton.jit
