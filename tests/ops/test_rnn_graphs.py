@@ -196,6 +196,18 @@ def test_released_keys_leave_nothing_held(cpu_graphs):
     assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS
 
 
+def test_nested_recording_blocks_each_keep_their_own_keys(cpu_graphs):
+    """impl="auto" can time a candidate whose call picks again inside; an inner block
+    ending first (its set equal to the outer's then) must not end the outer one."""
+    inp = _inputs("lstm")
+    with graphs.recording() as outer:
+        with graphs.recording() as inner:
+            _step(inp, "recompute")
+        assert inner == outer
+        _step(_inputs("lstm", t=T + 1), "recompute")
+    assert inner < outer and graphs._RECORDING == []
+
+
 def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monkeypatch):
     """The forward is captured from the caller's thread, the backward from autograd's
     device thread: recorded there, each would get a cuBLAS workspace of its own on the

@@ -250,7 +250,9 @@ def recording():
     try:
         yield keys
     finally:
-        _RECORDING.remove(keys)
+        # By identity: nested blocks' sets can be equal, and list.remove would drop the
+        # outer one, which then misses the keys recorded after the inner block ended.
+        del _RECORDING[next(i for i, k in enumerate(_RECORDING) if k is keys)]
 
 
 def release(keys: set[tuple]) -> None:
