@@ -54,8 +54,10 @@ from mirrorgrad import _compat
 # NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
 # table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it.
 GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
-# Keys are per layer-direction and phase (backward: per chunk); weights in the key.
-_GRAPH_CACHE_SIZE = 32
+# Keys are per layer-direction and phase (backward: per chunk); weights in the key. An
+# entry holds a graph, no buffer, so the bound is generous: a step that cycles through
+# more keys than this evicts each before its next use, and captures on every call.
+_GRAPH_CACHE_SIZE = 256
 # Entries of one key: the address sets a loop's calls get (a forward's outputs held over
 # a step, a warm-up's addresses) before the steady loop's repeat.
 ENTRIES_PER_KEY = 4
