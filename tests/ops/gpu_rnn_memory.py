@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import mirrorgrad.nn as mnn
+from mirrorgrad import _compat
 from mirrorgrad.bench.peak_compare import _replay, _source
 from mirrorgrad.ops.rnn import graphs
 
@@ -52,13 +53,13 @@ def memory_row(kind: str, batch: int) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    _compat.record_memory_history(True, max_entries=200_000)  # Python frames only
     try:
         step()
         torch.cuda.synchronize()
-        at_peak = _alive_at_peak(torch.cuda.memory._snapshot())
+        at_peak = _alive_at_peak(_compat.memory_snapshot())
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        _compat.record_memory_history(False)
     before_timing = graphs.counts()
     row = {
         "kind": kind,
