@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 import mirrorgrad.nn as mnn
+from mirrorgrad import _compat
+from mirrorgrad.bench.peak_compare import _replay, _source
 from mirrorgrad.ops.rnn import graphs
 
 MiB = 2**20
@@ -51,8 +53,14 @@ def memory_row(kind: str, batch: int) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
+    _compat.record_memory_history(True, max_entries=200_000)  # Python frames only
+    try:
+        step()
+        torch.cuda.synchronize()
+        at_peak = _alive_at_peak(_compat.memory_snapshot())
+    finally:
+        _compat.record_memory_history(False)
+    before_timing = graphs.counts()
     row = {
         "kind": kind,
         "batch": batch,
@@ -61,9 +69,27 @@ def memory_row(kind: str, batch: int) -> dict:
         "graph_cache_MiB": graphs.held_bytes() / MiB,
         "arenas_MiB": {name: a.numel() / MiB for (_, name), a in graphs._ARENAS.items()},
         "step_ms": _median_ms(step),
+        "alive_at_peak_MiB": at_peak,
     }
+    # Calls of the timed steps that captured or ran uncaptured: 0 once the loop's
+    # allocations repeat (graphs.py finds its entries by the outputs' addresses).
+    after = graphs.counts()
+    row["timed_misses"] = {k: after[k] - before_timing[k] for k in ("captures", "uncaptured")}
     graphs.clear_graphs()
     return row
+
+
+def _alive_at_peak(snapshot: dict, top: int = 10) -> dict[str, float]:
+    """MiB alive at the step's peak by the line that allocated it (peak_compare's replay
+    of the allocator's history); "before the recording": held from earlier steps."""
+    peak, _, blocks = _replay(snapshot, torch.cuda.current_device())
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    by_source: dict[str, float] = {}
+    for size, at in blocks.values():
+        source = _source(trace[at]) if at >= 0 else "before the recording"
+        by_source[source] = by_source.get(source, 0.0) + size / MiB
+    ranked = sorted(by_source.items(), key=lambda kv: -kv[1])
+    return {"peak (all alive)": peak / MiB, **dict(ranked[:top])}
 
 
 def _median_ms(step, repeats: int = 10) -> float:
@@ -85,8 +111,8 @@ def main(out_dir: str) -> None:
     result = {"device": device, "torch": torch.__version__, "memory": memory}
     (Path(out_dir) / "rnn_memory.json").write_text(json.dumps(result, indent=2))
     print(f"\n{device}, torch {torch.__version__}")
-    print(f"{'kind':>10} {'batch':>5} {'peak MiB':>9} {'graph cache MiB':>16} "
-          f"{'peak+cache':>11} {'/ cuDNN':>8} {'step ms':>8}  arenas MiB")  # fmt: skip
+    print(f"{'kind':>10} {'batch':>5} {'peak MiB':>9} {'graph cache MiB':>16} {'peak+cache':>11}"
+          f" {'/ cuDNN':>8} {'step ms':>8} {'misses':>6}  arenas MiB")  # fmt: skip
     cudnn = {r["batch"]: r["peak_MiB"] for r in memory if r["kind"] == "cudnn"}
     for r in memory:
         total = r["peak_MiB"] + r["graph_cache_MiB"]
@@ -94,7 +120,12 @@ def main(out_dir: str) -> None:
         ratio = total / cudnn[r["batch"]]
         print(f"{r['kind']:>10} {r['batch']:>5} {r['peak_MiB']:>9.1f} "
               f"{r['graph_cache_MiB']:>16.1f} {total:>11.1f} {ratio:>7.2f}x "
-              f"{r['step_ms']:>8.2f}  {arenas}")  # fmt: skip
+              f"{r['step_ms']:>8.2f} {sum(r['timed_misses'].values()):>6}  {arenas}")  # fmt: skip
+    for r in memory:
+        if r["batch"] == 128:
+            print(f"\nalive at the peak, {r['kind']} B128 (MiB by allocating line):")
+            for source, mib in r["alive_at_peak_MiB"].items():
+                print(f"  {mib:8.1f}  {source[:110]}")
 
 
 if __name__ == "__main__":

@@ -1,25 +1,30 @@
 """CUDA Graph capture and replay of the RNN step loops, holding no second copy of anything.
 
 The step loops are bound by host launches, not by the GPU, so each is captured once
-and replayed. A replay reads and writes fixed addresses; what lives there is chosen so
-that nothing is held twice for the whole run:
+and replayed. A replay reads and writes the addresses it was captured with; an entry
+holds those addresses, never the tensors that lived there:
 
-- **outputs are handed out, not copied**: a captured loop writes its outputs (y, cells,
-  stash) into buffers that are given to the caller as they are. An ``Entry`` may
-  replay again only once every tensor it handed out is dropped (its storage is used by
-  the cache alone); until then another entry is captured (at most
-  ``ENTRIES_PER_KEY``), then the loop runs uncaptured;
-- **inputs are read where they are**: weights (parameters keep their address), and in
-  backward the outputs a captured forward handed out (``is_static``), are read in
-  place, their addresses part of the key; only small or transient inputs are copied;
+- **outputs are fresh tensors**: the caller allocates a loop's outputs (y, cells, stash)
+  on every call from the caching allocator, as an uncaptured loop would, and replays
+  the entry that was captured with exactly those addresses; a steady training loop
+  repeats its allocations, so after its first steps every call finds one. Otherwise a
+  new entry is captured (at most ``ENTRIES_PER_KEY`` per key, least recently used
+  dropped first). The outputs live as long as their users hold them, no longer: a
+  replay writes only into the tensors of the call that replays it (the addresses must
+  all match), never into an earlier call's output someone still holds;
+- **inputs are read where they are**: weights (their addresses are part of the key) and
+  the large per-call inputs (a backward's stash, cells, y, dy: their addresses are part
+  of the entry's); only small inputs are copied into workspace;
 - **workspace is shared**: buffers that are dead after each call (pre-activations in
   recompute mode, gate gradients, copied-in inputs) are views of one arena per device
   and name, as large as the largest config asked (one stream runs the loops in turn),
   so configs of several sizes (another T, another layer width) add no workspace of
   their own; a forward's pre-activations and a backward's gate gradients, never live
-  at once, share one arena;
-- **bounded**: past ``GRAPH_CACHE_BYTES`` held, the least recently used idle entries
-  are dropped (and workspace nobody reads any more);
+  at once, share one arena. The arenas are all the cache holds between calls;
+- **bounded**: past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys are
+  dropped (and workspace nobody reads any more); a key whose calls keep missing (the
+  allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
+  miss in a row and runs the loop uncaptured in between;
 - **one capturing thread**: torch keeps a cuBLAS workspace per (thread's handle, stream)
   for the whole process (32 MiB on an H100), and the captured GEMMs point into it. Loops
   are captured on a side stream; captured from the forward's thread and from autograd's
@@ -32,11 +37,13 @@ Inside an outer capture the loops run plainly and become part of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,13 +54,15 @@ from mirrorgrad import _compat
 # NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
 # table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it.
 GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
-# Keys are per layer (weights are read in place): room for 16 layer-directions x 2 phases.
-_GRAPH_CACHE_SIZE = 32
-# Entries of one key alive at once: forward passes of one layer before their backward.
+# Keys are per layer-direction and phase (backward: per chunk); weights in the key. An
+# entry holds a graph, no buffer, so the bound is generous: a step that cycles through
+# more keys than this evicts each before its next use, and captures on every call.
+_GRAPH_CACHE_SIZE = 256
+# Entries of one key: the address sets a loop's calls get (a forward's outputs held over
+# a step, a warm-up's addresses) before the steady loop's repeat.
 ENTRIES_PER_KEY = 4
-# Held bytes past which idle entries are dropped, least recently used first. A training
-# loop's working set (each layer's outputs and stash, the arenas) is held between steps
-# by design; the bound is for entries of shapes no longer run.
+# Bytes of arenas past which the least recently used keys are dropped, with the
+# workspace only they used.
 GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
 # Workspace names whose buffers are never live at once share an arena: a forward's
 # pre-activations are dead when its loop ends, a backward's gate gradients once the
@@ -62,34 +71,34 @@ GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) <
 _ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates"}
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(slots=True)
 class Entry:
-    """A captured step loop, the buffers it reads and writes, and those it hands out."""
+    """A captured step loop and the address of every tensor field of the buffers it was
+    captured with (0 for None); it holds none of them."""
 
     graph: Any  # torch.cuda.CUDAGraph: .replay()
-    buffers: Any
-    handed_out: tuple[Tensor, ...]
-    idle_uses: tuple[int, ...]  # storage use counts when only the cache holds them
+    addresses: tuple[int, ...]
 
-    reads_in_place: tuple[Tensor, ...] = ()  # views of other entries' handed-out buffers
-
-    def idle(self) -> bool:
-        """No tensor this entry handed out is referenced outside the cache."""
-        uses = tuple(
-            _compat.storage_use_count(t) - _READERS.get(_ptr(t), 0) for t in self.handed_out
-        )
-        return uses == self.idle_uses
+    def replay(self, buffers: Any) -> None:
+        """Run the loop on ``buffers``: those it was captured with, field by field
+        (the caller found this entry by their addresses)."""
+        _replay(self.graph, buffers)
 
 
-_ENTRIES: OrderedDict[tuple, list[Entry]] = OrderedDict()
+@dataclass(slots=True)
+class _Key:
+    entries: list[Entry] = field(default_factory=list)  # least recently used first
+    misses: int = 0  # calls in a row that found no entry
+
+
+_ENTRIES: OrderedDict[tuple, _Key] = OrderedDict()
 _WORKSPACE: dict[tuple, Tensor] = {}  # (config, name) -> a view of an arena
 _ARENAS: dict[tuple, Tensor] = {}  # (device, arena name) -> bytes
 _ARENA_ALONE: dict[tuple, int] = {}  # its storage use count while no view of it exists
-_STATIC: dict[int, int] = {}  # data_ptr of a handed-out storage -> its nbytes
-_READERS: dict[int, int] = {}  # data_ptr of a handed-out storage -> views entries hold
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirrorgrad-rnn-capture")
+_COUNTS = {"captures": 0, "replays": 0, "uncaptured": 0}
 
 
 def captures_by_size(elements: int) -> bool:
@@ -160,76 +169,85 @@ def _arena_view(name: str, like: Tensor) -> Tensor:
     return arena[:nbytes].view(like.dtype).view(like.shape)
 
 
-def _ptr(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def addresses(buffers: Any) -> tuple[int, ...]:
+    """The address of every tensor field of ``buffers`` (a dataclass), 0 for None: what an
+    entry must have been captured with to replay on them."""
+    return tuple(
+        0 if value is None else value.data_ptr()
+        for value in map(buffers.__getattribute__, _field_names(type(buffers)))
+    )
 
 
-def is_static(t: Tensor) -> bool:
-    """``t`` lies in a buffer a captured loop handed out (its address is stable)."""
-    return _ptr(t) in _STATIC
-
-
-def reader(t: Tensor) -> Tensor:
-    """``t`` as a tensor with no base: it holds its storage once and nothing else alive.
-    (A view also keeps its base alive: under AOTAutograd a saved stash is a detached
-    tensor whose view, kept by a backward entry, would keep the forward entry busy.)"""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def acquire(
     key: tuple,
     device: torch.device,
-    make_buffers: Callable[[], Any],
+    buffers: Any,
     loop: Callable[[Any], None],
-    handed_out: Callable[[Any], tuple[Tensor, ...]],
-    reads_in_place: tuple[Tensor, ...] = (),
     before_capture: Callable[[], None] | None = None,
 ) -> Entry | None:
-    """An idle captured entry for ``key``, capturing a new one if all are busy; None
-    when ENTRIES_PER_KEY are busy (the caller then runs the loop uncaptured).
+    """The entry of ``key`` captured with ``buffers``' addresses, capturing one on
+    ``buffers`` if none was; None where the key keeps missing and skips this capture
+    (the caller runs the loop uncaptured).
 
-    ``reads_in_place``: the ``reader``s of other entries' handed-out buffers that the new
-    entry's buffers keep (they do not make those entries busy). ``before_capture``: called
-    just before a new entry is captured, whose warm-up runs the loop once on the shared
-    workspace (the caller saves what it still needs from there). The caller fills the
-    entry's input buffers, then calls ``entry.graph.replay()``."""
-    entries = _ENTRIES.setdefault(key, [])
+    ``buffers``: a dataclass of tensors (or None), this call's own: fresh outputs,
+    inputs read in place, views of the workspace. ``before_capture``: called just before
+    a new entry is captured, whose warm-up runs the loop once on ``buffers`` (the caller
+    saves what it still needs from the shared workspace). The caller fills the inputs
+    that are copied in, then calls ``entry.replay(buffers)``."""
+    slot = _ENTRIES.get(key)
+    if slot is None:
+        slot = _ENTRIES[key] = _Key()
     _ENTRIES.move_to_end(key)
     for keys in _RECORDING:
         keys.add(key)
-    for entry in entries:
-        if entry.idle():
+    wanted = addresses(buffers)
+    for entry in reversed(slot.entries):
+        if entry.addresses == wanted:
+            slot.misses = 0
+            if entry is not slot.entries[-1]:
+                slot.entries.remove(entry)
+                slot.entries.append(entry)
+            _COUNTS["replays"] += 1
             return entry
-    if len(entries) >= ENTRIES_PER_KEY:
+    slot.misses += 1
+    if slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1):
+        _COUNTS["uncaptured"] += 1
         return None
     if before_capture is not None:
         before_capture()
-    entry = _capture(device, make_buffers(), loop, handed_out)
-    entry.reads_in_place = tuple(t for t in reads_in_place if is_static(t))
-    for t in entry.reads_in_place:
-        _READERS[_ptr(t)] = _READERS.get(_ptr(t), 0) + 1
-    entries.append(entry)
-    while len(_ENTRIES) > _GRAPH_CACHE_SIZE:
-        _forget(_ENTRIES.popitem(last=False)[1])
+    entry = Entry(graph=_on_capture_thread(device, buffers, loop), addresses=wanted)
+    _COUNTS["captures"] += 1
+    if len(slot.entries) >= ENTRIES_PER_KEY:
+        del slot.entries[0]
+    slot.entries.append(entry)
+    if len(_ENTRIES) > _GRAPH_CACHE_SIZE:
+        while len(_ENTRIES) > _GRAPH_CACHE_SIZE:
+            _ENTRIES.popitem(last=False)
+        _drop_unused_workspace()
     if held_bytes() > GRAPH_CACHE_BYTES:
-        _drop_idle(keep=key)
+        _drop_least_recent(keep=key)
     return entry
 
 
-def _drop_idle(keep: tuple) -> None:
-    """Drop idle entries, least recently used first, until the cache holds at most
-    GRAPH_CACHE_BYTES (or nothing idle is left but ``keep``'s), then the workspace of
-    configs no entry uses."""
+def counts() -> dict[str, int]:
+    """Calls since the cache was cleared that captured, replayed, or ran uncaptured."""
+    return dict(_COUNTS)
+
+
+def _drop_least_recent(keep: tuple) -> None:
+    """Drop keys, least recently used first, until the arenas left hold at most
+    GRAPH_CACHE_BYTES (or only ``keep`` is left), with the workspace only they used."""
     for key in list(_ENTRIES):
-        if key == keep or held_bytes() <= GRAPH_CACHE_BYTES:
-            continue
-        busy = [e for e in _ENTRIES[key] if not e.idle()]
-        _forget([e for e in _ENTRIES[key] if e.idle()])
-        if busy:
-            _ENTRIES[key] = busy
-        else:
+        if held_bytes() <= GRAPH_CACHE_BYTES:
+            break
+        if key != keep:
             del _ENTRIES[key]
-    _drop_unused_workspace()
+            _drop_unused_workspace()
 
 
 def _drop_unused_workspace() -> None:
@@ -259,21 +277,35 @@ def release(keys: set[tuple]) -> None:
     """Forget the entries of ``keys`` (loops ``impl="auto"`` timed but did not pick) and
     the workspace that only they used."""
     for key in keys:
-        _forget(_ENTRIES.pop(key, []))
+        _ENTRIES.pop(key, None)
     _drop_unused_workspace()
 
 
 def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
-    """A CUDA Graph of ``loop(buffers)`` (tests stand in a replaying loop on CPU)."""
+    """A CUDA Graph of ``loop(buffers)`` (tests stand in a replaying loop on CPU).
+
+    Captured with ``capture_begin``/``capture_end``, not ``torch.cuda.graph``, whose
+    entry synchronizes and empties the caching allocator's cache: every capture would
+    then move the addresses the next calls get, the very thing entries are found by
+    (and cost a device sync and the re-allocation of every freed segment)."""
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        try:
+            loop(buffers)
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        loop(buffers)
     return graph
+
+
+def _replay(graph: Any, buffers: Any) -> None:
+    """A CUDA Graph replays on its captured addresses (tests stand in a loop run on
+    ``buffers``)."""
+    graph.replay()
 
 
 def _on_capture_thread(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
@@ -294,48 +326,22 @@ def _on_capture_thread(device: torch.device, buffers: Any, loop: Callable[[Any],
     return _CAPTURE_THREAD.submit(record).result()
 
 
-def _capture(device, buffers, loop, handed_out) -> Entry:
-    graph = _on_capture_thread(device, buffers, loop)
-    out = tuple(handed_out(buffers))
-    for t in out:
-        _STATIC[_ptr(t)] = t.untyped_storage().nbytes()
-    idle_uses = tuple(_compat.storage_use_count(t) for t in out)
-    return Entry(graph=graph, buffers=buffers, handed_out=out, idle_uses=idle_uses)
-
-
-def _forget(entries: list[Entry]) -> None:
-    for entry in entries:
-        for t in entry.handed_out:
-            _STATIC.pop(_ptr(t), None)
-        for t in entry.reads_in_place:
-            _READERS[_ptr(t)] -= 1
-
-
 def held() -> list[Tensor]:
-    """One tensor per storage the cache holds: entries' handed-out buffers and those they
-    read in place (a forward entry's, kept alive by a backward entry), workspace."""
-    tensors = [
-        t
-        for entries in _ENTRIES.values()
-        for e in entries
-        for t in (*e.handed_out, *e.reads_in_place)
-    ]
-    workspace = (*_WORKSPACE.values(), *_ARENAS.values())
-    return list({_ptr(t): t for t in (*tensors, *workspace)}.values())
+    """One tensor per storage the cache holds between calls: the arenas (entries hold
+    no tensor; the workspace views are views of the arenas)."""
+    tensors = (*_WORKSPACE.values(), *_ARENAS.values())
+    return list({t.untyped_storage().data_ptr(): t for t in tensors}.values())
 
 
 def held_bytes() -> int:
-    """Bytes the cache holds: handed-out buffers of every entry (and those read in place),
-    and the workspace."""
+    """Bytes the cache holds between calls: its arenas."""
     return sum(t.untyped_storage().nbytes() for t in held())
 
 
 def clear_graphs() -> None:
-    """Drop every captured step loop, its buffers and the shared workspace."""
-    for entries in _ENTRIES.values():
-        _forget(entries)
+    """Drop every captured step loop and the shared workspace."""
     _ENTRIES.clear()
     _WORKSPACE.clear()
     _ARENAS.clear()
     _ARENA_ALONE.clear()
-    _READERS.clear()
+    _COUNTS.update(dict.fromkeys(_COUNTS, 0))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -736,34 +736,33 @@ def layer_forward(
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     bias = _input_bias(mode, b_ih, b_hh)
     x2d = x.reshape(T * B, x.shape[2])
-    entry = _forward_entry(config, w, b_hh, lengths) if _graphed(config, use_graph) else None
-    buf = entry.buffers if entry is not None else _fwd_buffers(config, w, b_hh, lengths)
+    graphed = _graphed(config, use_graph)
+    if graphed:
+        # Fresh outputs (y, cells, stash) and the shared workspace: the entry captured
+        # with these addresses replays, else one is captured on them (graphs.py). The
+        # "gates" arena is made large enough for the backward before views are taken.
+        graphs.reserve(config.device, "pre", _gates_bytes(config))
+        buf = _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
+        entry = _forward_entry(config, buf)
+    else:
+        buf, entry = _fwd_buffers(config, w, b_hh, lengths), None
     _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
     buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
-    if entry is not None:
+    if graphed:
         if buf.lengths is not None:
             buf.lengths.copy_(lengths)
         if config.fused:
             buf.w.copy_(w)
-        entry.graph.replay()
-        # y, cells and the stash are handed out, as new views: the entry stays busy while
-        # any of them is referenced (graphs.py). h is shared workspace: copied.
-        h_n = _final_h(config, buf).clone()
-        buf = replace(buf, **{name: _alias(getattr(buf, name)) for name in _HANDED_OUT})
+    if entry is not None:
+        entry.replay(buf)
     else:
         _fwd_loop(config, buf)
-        h_n = _final_h(config, buf)
+    h_n = _final_h(config, buf)
+    h_n = h_n.clone() if graphed else h_n  # h is shared workspace there
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
     return buf.y, h_n, c_n, _saved(config, buf)
-
-
-_HANDED_OUT = ("y", "pre", "stash", "cells")
-
-
-def _alias(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.view(t.shape)
 
 
 def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
@@ -773,25 +772,16 @@ def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
     return (buf.stash,) if buf.stash is not None else ()
 
 
-def _forward_entry(
-    config: LoopConfig, w: Tensor, b_hh: Tensor | None, lengths: Tensor | None
-) -> graphs.Entry | None:
-    """A captured forward loop whose outputs (y, cells, stash) are free to hand out.
+def _forward_entry(config: LoopConfig, buf: _FwdBuffers) -> graphs.Entry | None:
+    """The captured forward loop for these buffers (None: run it uncaptured).
 
     W_hh and b_hh are read in place (their addresses are in the key); the transposed
     copy of the fused path, the pre-activations where they are not the stash, the
-    hidden state and the lengths are per-config workspace."""
+    hidden state and the lengths are per-config workspace; the outputs are this call's."""
 
-    def make() -> _FwdBuffers:
-        graphs.reserve(config.device, "pre", _gates_bytes(config))
-        return _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
-
-    def handed_out(buf: _FwdBuffers) -> tuple[Tensor, ...]:
-        return (buf.y, *_saved(config, buf))
-
-    in_place = None if config.fused else w.data_ptr()
-    key = (config, "fwd", in_place, b_hh.data_ptr() if b_hh is not None else None)
-    return graphs.acquire(key, config.device, make, lambda buf: _fwd_loop(config, buf), handed_out)
+    in_place = None if config.fused else buf.w.data_ptr()
+    key = (config, "fwd", in_place, buf.b_hh.data_ptr() if buf.b_hh is not None else None)
+    return graphs.acquire(key, config.device, buf, lambda b: _fwd_loop(config, b))
 
 
 def _gates_bytes(config: LoopConfig) -> int:
@@ -806,8 +796,8 @@ def _gates_bytes(config: LoopConfig) -> int:
 
 
 def _fwd_entry_buffers(config: LoopConfig, w, b_hh, lengths, workspace) -> _FwdBuffers:
-    """A captured forward loop's buffers; ``workspace(config, name, make)`` supplies those
-    that are not handed out."""
+    """A captured forward loop's buffers: this call's fresh outputs (y, cells, stash);
+    ``workspace(config, name, make)`` supplies the rest."""
 
     def shared(name: str, make):
         return workspace(config, name, make)
@@ -900,15 +890,16 @@ def _owned_state(config: LoopConfig, value: Tensor | None, dtype: torch.dtype) -
 
 
 def _bwd_chunk(
-    config: LoopConfig, fields: dict, recompute, dh, dc, carried: bool, graphed: bool
+    config: LoopConfig, fields: dict, recompute, dh, dc, carried: bool, graphed: bool, t0: int = 0
 ) -> _BwdBuffers:
     """Runs one chunk's reverse loop; returns its buffers (``dg``, ``dgh``, and ``dh``,
     ``dc``: the state gradients at the chunk's first step). ``recompute(out=...)``, if
     given, writes the pre-activations (else ``fields["pre"]`` holds them) straight into
     the loop's buffer. dh, dc: the state gradients at the chunk's last step, None for
     zeros; ``carried``: they are the previous chunk's results, ours to overwrite.
-    Graphed, the buffers are the captured loop's (shared per config): the caller reads
-    them (in stream order) before a loop of that config runs again.
+    Graphed, the buffers are the config's shared workspace but for the inputs read in
+    place: the caller reads them (in stream order) before a loop of that config runs
+    again. ``t0``: the chunk's first step (its captured loops are a key of their own).
     """
     lstm = config.mode == "lstm"
     pre_width = config.stash_width
@@ -923,18 +914,20 @@ def _bwd_chunk(
             if carried:
                 state.update({k: v.clone() for k, v in state.items() if v is not None})
 
-        entry, copied = _backward_entry(config, fields, keep_state)
+        buf, copied = _bwd_entry_buffers(config, fields, graphs.workspace)
+        entry = _backward_entry(config, buf, copied, t0, keep_state)
         dh, dc = state["dh"], state["dc"]
-        buf = entry.buffers
         if recompute is not None:
             recompute(out=buf.pre)
         for name in copied:
-            if getattr(buf, name) is not fields[name]:
-                getattr(buf, name).copy_(fields[name])
+            getattr(buf, name).copy_(fields[name])
         _set_state(buf.dh, dh)
         if lstm:
             _set_state(buf.dc, dc)
-        entry.graph.replay()
+        if entry is not None:
+            entry.replay(buf)
+        else:
+            _bwd_loop(config, buf)
         return buf
     if recompute is not None:  # before the gate gradients exist: a lower peak
         pre = config.empty(config.T, config.B, pre_width)
@@ -955,52 +948,47 @@ def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
 
 def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
-    return a.sum(0) if total is None else total.add_(a.sum(0))
+    """total + a.sum(0), as a GEMV (a^T @ ones). NOTE: CUDA's reduction over dim 0 of a
+    tall [rows, G*H] matrix stages partial sums in a buffer from the caching allocator
+    (ATen's Reduce.cuh, global reduce): 44 MiB per bias at deepspeech2's [4800, 2400]
+    (window 1), at the backward's peak; a GEMV allocates nothing beyond its output."""
+    ones = a.new_ones(a.shape[0])
+    return torch.mv(a.t(), ones) if total is None else total.addmv_(a.t(), ones)
 
 
 def _backward_entry(
-    config: LoopConfig, fields: dict, before_capture=None
-) -> tuple[graphs.Entry, list[str]]:
-    """The captured backward loop for these inputs, and the names of the inputs to copy
-    into its buffers before each replay.
+    config: LoopConfig, buf: _BwdBuffers, copied: list[str], t0: int, before_capture=None
+) -> graphs.Entry | None:
+    """The captured backward loop for these buffers (None: run it uncaptured).
 
-    Outputs of a captured forward (stash, cells, y) and W_hh are read in place, their
-    addresses in the key; the rest (dy, h0, lengths, recomputed pre-activations) is
-    copied into per-config workspace, as are the gate gradients and state gradients."""
-    in_place = {
-        name: value.data_ptr()
-        for name, value in fields.items()
-        if isinstance(value, Tensor) and (name == "w_hh" or graphs.is_static(value))
-    }
-    copied = [n for n, v in fields.items() if isinstance(v, Tensor) and n not in in_place]
-    # Read in place through readers: the buffers must not keep a saved tensor's base alive.
-    readers = {n: graphs.reader(fields[n]) for n in in_place if n != "w_hh"}
-
-    def make() -> _BwdBuffers:
-        inputs = {n: readers.get(n, v) for n, v in fields.items()}
-        return _bwd_entry_buffers(config, inputs, copied, graphs.workspace)
-
-    key = (config, "bwd", tuple(sorted(in_place.items())), tuple(copied))
-    entry = graphs.acquire(
-        key,
-        config.device,
-        make,
-        lambda b: _bwd_loop(config, b),
-        lambda b: (),
-        reads_in_place=tuple(readers.values()),
-        before_capture=before_capture,
+    W_hh's address is in the key, with the chunk's first step and the names of the
+    inputs copied into workspace; the inputs read in place (stash, cells, y, dy) are
+    found by their addresses, as the workspace is."""
+    key = (config, "bwd", t0, buf.w_hh.data_ptr(), tuple(copied))
+    return graphs.acquire(
+        key, config.device, buf, lambda b: _bwd_loop(config, b), before_capture=before_capture
     )
-    assert entry is not None  # a backward entry hands nothing out: it is always idle
-    return entry, copied
 
 
-def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _BwdBuffers:
-    """A captured backward loop's buffers: ``fields`` read in place but those ``copied``
-    into workspace; ``workspace(config, name, make)`` supplies the workspace."""
+# A backward loop's inputs read where they are (the large ones; a replay finds them by
+# address); the others (h0, lengths) are copied into workspace.
+READ_IN_PLACE = ("pre", "cells", "y", "dy", "w_hh")
+
+
+def _read_in_place(name: str, value: Tensor) -> bool:
+    return name in READ_IN_PLACE and (name == "w_hh" or value.is_contiguous())
+
+
+def _bwd_entry_buffers(config: LoopConfig, fields: dict, workspace) -> tuple[_BwdBuffers, list]:
+    """A captured backward loop's buffers, and the names of the ``fields`` to copy into
+    them before each run: the fields read in place as they are, the rest views of
+    workspace; ``workspace(config, name, make)`` supplies the workspace."""
+    copied = [n for n, v in fields.items() if isinstance(v, Tensor) and not _read_in_place(n, v)]
 
     def shared(name: str, value: Tensor) -> Tensor:
         key = _recomputed_pre_name(config) if name == "pre" else f"bwd.{name}"
-        return workspace(config, key, lambda: torch.empty_like(value))
+        contiguous = torch.contiguous_format
+        return workspace(config, key, lambda: torch.empty_like(value, memory_format=contiguous))
 
     inputs = {n: (shared(n, v) if n in copied else v) for n, v in fields.items()}
     dh = workspace(config, "bwd.dh", lambda: config.empty(config.B, config.H))
@@ -1009,8 +997,9 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, copied, workspace) -> _
         dc = workspace(
             config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
         )
-    return _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
-                        dg_over_pre=dg_overwrites_pre(config, captured=True))  # fmt: skip
+    buf = _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
+                       dg_over_pre=dg_overwrites_pre(config, captured=True))  # fmt: skip
+    return buf, copied
 
 
 def dg_overwrites_pre(config: LoopConfig, *, captured: bool) -> bool:
@@ -1110,7 +1099,7 @@ def layer_backward(
             w_hh=w_hh,
             lengths=lengths - t0 if lengths is not None else None,
         )
-        buf = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed)
+        buf = _bwd_chunk(chunk, fields, recompute, dh, dc, t1 < T, graphed, t0)
         dh, dc = buf.dh, buf.dc
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
@@ -1156,15 +1145,14 @@ def held_arenas(
     has_bias: bool,
     backward: bool,
     has_grad_y: bool = True,
-    bidirectional: bool = False,
 ) -> dict[tuple, int]:
     """Bytes of each shared arena (graphs.py) that one layer-direction's captured forward
     (or backward) loop asks for and the cache keeps between calls, keyed
     ``("mirrorgrad.rnn arena", device, arena name)`` as the cache shares them (an arena
     is as large as the largest request): the same buffer builders as the capture, run
     on the meta device. Empty where the loop would not be captured (off CUDA, too large).
-    ``bidirectional``: the layer's output reaches the backward as a slice of both
-    directions' (not the buffer the forward handed out: copied in)."""
+    The loops' outputs and the backward's large inputs are not held: they are each
+    call's own tensors (READ_IN_PLACE)."""
     config = _config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None, memory,
                      has_bias, _default_fused(B), "ieee")  # fmt: skip
     forward_captured = graphs.captures_by_size(T * B * config.stash_width)
@@ -1187,10 +1175,7 @@ def held_arenas(
         fields = _bwd_fields_like(chunk, has_lengths, has_grad_y)
         if memory == "recompute" and not mode.startswith("rnn"):
             fields["pre"] = _recomputed_pre(chunk, record)
-        # What a captured forward handed out is read in place; the rest is copied.
-        static = ("pre", "cells", *(() if bidirectional else ("y",))) if forward_captured else ()
-        copied = [n for n, v in fields.items() if v is not None and n not in (*static, "w_hh")]
-        _bwd_entry_buffers(chunk, fields, copied, record)
+        _bwd_entry_buffers(chunk, fields, record)
     return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
 
 

@@ -660,7 +660,7 @@ def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, *, backward: boo
 
 
 def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                 bidirectional, *, backward: bool, has_grad_y: bool = True) -> dict:  # fmt: skip
+                 *, backward: bool, has_grad_y: bool = True) -> dict:  # fmt: skip
     """The arenas of the op's captured loops (one config per call: every layer-direction
     has the same T, B, H), keyed so that ops of one graph share them as the cache does."""
     kernels = _captures(impl, proj_size)
@@ -670,7 +670,7 @@ def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_s
     return kernels.held_arenas(
         mode, resolve_memory(memory, mode), T, B, H, x.dtype, x.device,
         has_lengths=lengths is not None, has_bias=has_biases, backward=backward,
-        has_grad_y=has_grad_y, bidirectional=bidirectional,
+        has_grad_y=has_grad_y,
     )  # fmt: skip
 
 
@@ -680,7 +680,7 @@ def _rnn_forward_held(x, weights, hx, cx, lengths, seed, mode, num_layers, bidir
                       need_saved) -> dict:  # fmt: skip
     """What the forward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                        bidirectional, backward=False)  # fmt: skip
+                        backward=False)  # fmt: skip
 
 
 @register_held_formula(torch.ops.mirrorgrad.rnn_backward)
@@ -689,4 +689,4 @@ def _rnn_backward_held(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, se
                        state_clip, impl, needs_input_grad) -> dict:  # fmt: skip
     """What the backward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                        bidirectional, backward=True, has_grad_y=grad_y is not None)  # fmt: skip
+                        backward=True, has_grad_y=grad_y is not None)  # fmt: skip
