@@ -142,6 +142,29 @@ class BudgetScale:
             f"the least-time plan within that peaks at {_fmt(self.peak)}"
         )
 
+    @classmethod
+    def of(
+        cls, fraction: float, points: list[tuple[int, int, float]], default_stash: int
+    ) -> BudgetScale:
+        """The scale for candidates given as (stash, peak, added seconds)."""
+        scale = cls(
+            fraction=fraction,
+            default_stash=default_stash,
+            floor_stash=min(p[0] for p in points),
+            peak=0,
+        )
+        # The rule's choice for every stash bound from this fraction's up: the
+        # least-time candidate among those stashing at most the bound.
+        by_stash = sorted(points, key=lambda p: (p[0], p[2]))
+        best, peaks = None, []
+        for i, point in enumerate(by_stash):
+            if best is None or point[2] < best[2]:
+                best = point
+            following = by_stash[i + 1][0] if i + 1 < len(by_stash) else None
+            if following is None or following > scale.stash_bound:
+                peaks.append(best[1])
+        return replace(scale, peak=min(peaks))
+
     def to_dict(self) -> dict:
         return {
             "fraction": self.fraction,
@@ -485,6 +508,20 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     return result
 
 
+def scale_points(candidates: list[_Candidate]) -> list[tuple[int, int, float]]:
+    return [(c.stash, c.peak, c.added_time_s) for c in candidates]
+
+
+def budget_points(joint: JointGraph, options: PlanOptions) -> tuple[list, int]:
+    """Every budget candidate of ``joint`` as (stash, peak, added seconds), and the
+    stash of the plan standing for torch.compile's default (``BudgetScale.of``)."""
+    policy = options.policy if options.policy is not None else MirrorPolicy()
+    rates = options.device if options.device is not None else rates_for(joint.device)
+    planner = _Planner(joint, UnitGraph(joint, policy), rates, fusion=options.fusion)
+    candidates, default = planner.budget_candidates(planner.evaluate(set()))
+    return scale_points(candidates), default.stash
+
+
 def budget_message(p: Plan) -> str:
     held = "".join(f" Held outside the graph: {what} {_fmt(b)}." for what, b in p.held.items())
     asked = f" ({p.budget_scale.describe()})" if p.budget_scale else ""
@@ -777,21 +814,7 @@ class _Planner:
         self, fraction: float, default: _Candidate, candidates: list[_Candidate]
     ) -> BudgetScale:
         """``fraction`` on PyTorch's scale, ``default`` standing for torch.compile's."""
-        floor = min(c.stash for c in candidates)
-        scale = BudgetScale(
-            fraction=fraction, default_stash=default.stash, floor_stash=floor, peak=0
-        )
-        # The rule's choice for every stash bound from this fraction's up: the
-        # least-time candidate among those stashing at most the bound.
-        by_stash = sorted(candidates, key=lambda c: (c.stash, c.added_time_s))
-        best, peaks = None, []
-        for i, c in enumerate(by_stash):
-            if best is None or c.added_time_s < best.added_time_s:
-                best = c
-            following = by_stash[i + 1].stash if i + 1 < len(by_stash) else None
-            if following is None or following > scale.stash_bound:
-                peaks.append(best.peak)
-        return replace(scale, peak=min(peaks))
+        return BudgetScale.of(fraction, scale_points(candidates), default.stash)
 
     def meet_budget(self, budget_bytes: int, candidates: list[_Candidate]) -> _Candidate:
         """The least added time whose peak meets the budget, else the lowest peak.
