@@ -116,6 +116,19 @@ def test_budget_plan_dominates_min_cut(name, fraction):
     assert ours.added_time_s <= their_seconds * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+@pytest.mark.parametrize("name", ["transformer", "resnet50-ish", "bottlenecks"])
+def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fraction):
+    # Issue 17's target: budget=F against activation_memory_budget=F. (Not on every
+    # zoo graph: on layernorm-gelu-linear min-cut's 0.5 reaches 0.75x at +9.6%, where
+    # PyTorch's rule on our candidates asks for 0.81x, reached at +0.3%.)
+    joint = _joint(name)
+    their_peak, their_seconds = min_cut_plan(joint, fraction)
+    ours = plan(joint, PlanOptions(mode="budget", budget=fraction))
+    assert ours.peak_after <= their_peak
+    assert ours.added_time_s <= their_seconds
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_full_size_transformer_dominates_min_cut(fraction):
