@@ -16,6 +16,7 @@ from mirrorgrad.graph.joint import is_getitem, is_view, op_name
 from mirrorgrad.mirror.budget_search import (
     DEFAULT_PLAN_OVERHEAD,
     MAX_CHAIN_READS,
+    BudgetScale,
     PlanOptions,
     partition_for,
     plan,
@@ -314,3 +315,14 @@ def test_no_plan_recomputes_a_chain_reading_many_values():
             p = plan(joint, options)
             assert p.peak_after < 0.9 * p.peak_before
             assert 1 < _widest_recompute_chain(p, graph) <= MAX_CHAIN_READS
+
+
+def test_budget_scale_takes_the_least_time_within_the_stash_bound_and_stays_monotone():
+    # (stash, peak, added seconds): the floor is 10, the default stashes 100.
+    points = [(100, 50, 0.0), (60, 45, 1.0), (40, 30, 3.0), (20, 35, 2.0), (10, 20, 9.0)]
+    asked = {f: BudgetScale.of(f, points, 100) for f in (1.0, 0.5, 0.1)}
+    assert asked[0.5].stash_bound == 55
+    # within 55 the least time is (20, 35, 2.0); higher bounds choose higher peaks
+    assert asked[0.5].budget_bytes == 35
+    assert asked[1.0].budget_bytes == 50  # the default itself
+    assert asked[0.1].budget_bytes == 20  # only the floor fits
