@@ -269,7 +269,7 @@ def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
         # the planner's index, and the final check's backward schedule
         assert len(indexes) == 2
         # 20 (balance) and 113 (budget) when written, 154 with the budget scale's
-        # breakdown and the second adding path, 182 with the chunk prefixes
+        # breakdown and the second adding path, 168 with the chunk prefixes
         # (REFINE_DROP); a search that re-simulates per unit would need thousands
         assert len(sims) <= 200, (options.mode, len(sims))
 
