@@ -21,7 +21,7 @@ from mirrorgrad.mirror.partition import MirrorgradFallbackWarning
 MODES = [
     pytest.param({"mode": "off"}, id="off"),
     pytest.param({"mode": "balance"}, id="balance"),
-    pytest.param({"mode": "budget", "budget": 0.5}, id="budget0.5"),
+    pytest.param({"mode": "budget", "budget": 0.1}, id="budget0.1"),
 ]
 
 
@@ -79,7 +79,7 @@ def test_zoo_gradients_equal_eager(name, options):
     if options["mode"] == "off":
         assert not plan.mirrored
     if options["mode"] == "budget":
-        assert plan.mirrored, "a budget of half the peak should mirror something"
+        assert plan.mirrored, "a budget of 0.1 should mirror something"
 
 
 def test_gradient_accumulation_over_two_backward_calls():
@@ -309,9 +309,11 @@ class _FusedLSTMLM(torch.nn.Module):
 def test_mirrorgrad_nn_lstm_goes_through_the_planner_as_one_op():
     reference = _FusedLSTMLM().double()
     model = copy.deepcopy(reference)
-    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3, backend="eager")
+    # Bytes no plan meets: the lowest peak, so something is mirrored around the op.
+    compiled = mirrorgrad.compile(model, mode="budget", budget=2, backend="eager")
     tokens = torch.randint(0, 11, (5, 3))
-    with no_fallback():
+    with no_fallback(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)
         step(compiled, (tokens,))
     step(reference, (tokens,))
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)

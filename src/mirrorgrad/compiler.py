@@ -28,8 +28,8 @@ from mirrorgrad.mirror.budget_search import Plan, PlanOptions
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
-    PinViewedOutputStrides,
     PlanCallback,
+    PlannedGraphPass,
     partition,
 )
 from mirrorgrad.mirror.policy import policy_for
@@ -120,7 +120,7 @@ class MirrorBackend:
         # Patched for this compilation only: other torch.compile calls keep min-cut. The
         # backward compiles now, not at the first backward, so that a plan Inductor
         # rejects is found while PyTorch's partition can still take over.
-        pin = PinViewedOutputStrides(
+        pin = PlannedGraphPass(
             settings.get(
                 _compat.INDUCTOR_POST_GRAD_PASS_CONFIG,
                 getattr(_compat.inductor_config, _compat.INDUCTOR_POST_GRAD_PASS_CONFIG),

@@ -46,8 +46,9 @@ class MirrorOptions:
       within ``max_overhead`` (a fraction of the step time).
     - ``mode="budget"``: the least added time whose estimated peak meets ``budget``:
       an int number of bytes, or a float fraction in (0, 1] on the scale of PyTorch's
-      ``activation_memory_budget`` (1: torch.compile's default plan; F: its estimated
-      peak less 1 - F of its saved activations; ``budget_search.BudgetScale``).
+      ``activation_memory_budget`` (its rule on the planner's candidates: the stash
+      bounded to F of the way from the smallest to torch.compile's default plan's;
+      the least-time plan within that sets the peak; ``budget_search.BudgetScale``).
       Strings such as ``"2GiB"`` and ``"0.5"`` are parsed into one of those.
     - ``mode="off"``: stash every value the backward reads (no mirroring).
     """

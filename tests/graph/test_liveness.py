@@ -273,3 +273,37 @@ class _CrossEntropy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(self.model(x), target)
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding -> Linear -> logits with the embedding's weight: the two weight
+    gradients are added, the LM head's (an mm of the logits gradient) at the end."""
+
+    def __init__(self, vocab: int = 256, width: int = 16) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.mid = torch.nn.Linear(width, width)
+
+    def forward(self, tokens, targets):
+        logits = torch.nn.functional.linear(self.mid(self.tok(tokens)), self.tok.weight)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def test_late_addmm_runs_the_product_where_inductor_fuses_it():
+    # Stock Inductor fuses add(mm(dlogits.t(), h), embedding_grad) into one addmm at the
+    # add: the logits gradient (the largest value) stays alive until the end.
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (4, 33))
+    joint = joint_of(_TiedLM(), tokens[:, :-1], tokens[:, 1:], decompose=True)
+    saved = [*joint.primals, *joint.forward]
+    early = liveness.simulate(joint, saved, [], fusion=True)
+    late = liveness.simulate(joint, saved, [], fusion=True, late_addmm=True)
+    names = [n.name for n in late.event_nodes]
+    (add,) = [n for n in joint.backward if n.target is aten.add.Tensor and n.users == {
+        joint.gm.graph.find_nodes(op="output")[0]: None}]
+    head = add.args[0]  # permute(permute(mm)): the pair is the identity
+    while head.target is not aten.mm.default:
+        head = head.args[0]
+    assert names.index(head.name) + 3 == names.index(add.name)  # mm, permute, permute, add
+    assert [n.name for n in early.event_nodes].index(head.name) < names.index(head.name)
+    assert late.peak >= early.peak

@@ -81,16 +81,18 @@ def _gpt2() -> JointGraph:
 
 
 GRAPHS |= {"transformer": _transformer, "resnet50-ish": _resnet50ish, "gpt2": _gpt2}
-# NOTE: on this toy LM (batch 3, 5 steps, hidden 10) min-cut's plan recomputes the
-# LSTMCell matmuls to reach 0.984x of the peak; our lowest is 0.990x.
-LOSSES = {"lstm_lm"}
+# Graphs where min-cut's plan reaches a peak ours does not (none since min-cut's
+# backward is judged with Inductor's late addmms: on the toy lstm_lm its plan had
+# recomputed the LSTMCell matmuls to 0.984x of the peak where our lowest was 0.990x).
+LOSSES: set[str] = set()
 
 
 def min_cut_plan(joint: JointGraph, fraction: float) -> tuple[int, float]:
-    """(peak, added seconds) of min-cut's partition at ``fraction``, by our models."""
+    """(peak, added seconds) of min-cut's partition at ``fraction``, by our models, its
+    backward as stock Inductor runs it (``late_addmm``: our plans split those)."""
     saved, mirrored = min_cut_partition(joint, fraction)
     cost = StepCost(joint, fusion=True)
-    peak = liveness.simulate(joint, saved, mirrored, fusion=True).peak
+    peak = liveness.simulate(joint, saved, mirrored, fusion=True, late_addmm=True).peak
     return peak, sum(cost.run(n).seconds for n in mirrored)
 
 
@@ -112,6 +114,19 @@ def test_budget_plan_dominates_min_cut(name, fraction):
         return
     assert ours.peak_after <= their_peak
     assert ours.added_time_s <= their_seconds * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+@pytest.mark.parametrize("name", ["transformer", "resnet50-ish", "bottlenecks"])
+def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fraction):
+    # Issue 17's target: budget=F against activation_memory_budget=F. (Not on every
+    # zoo graph: on layernorm-gelu-linear min-cut's 0.5 reaches 0.75x at +9.6%, where
+    # PyTorch's rule on our candidates asks for 0.81x, reached at +0.3%.)
+    joint = _joint(name)
+    their_peak, their_seconds = min_cut_plan(joint, fraction)
+    ours = plan(joint, PlanOptions(mode="budget", budget=fraction))
+    assert ours.peak_after <= their_peak
+    assert ours.added_time_s <= their_seconds
 
 
 @pytest.mark.slow

@@ -336,6 +336,7 @@ def simulate(
     live_at: int | None = None,
     fusion: bool = False,
     index: GraphIndex | None = None,
+    late_addmm: bool = False,
 ) -> Liveness:
     """Simulate one step with ``saved`` stashed and ``mirrored`` recomputed in backward.
 
@@ -343,11 +344,16 @@ def simulate(
     result also lists the values alive at that event. With ``fusion``, pointwise
     values a fusing compiler keeps in registers are not allocated (Inductor).
     ``index`` (``GraphIndex(joint)``) saves rebuilding it when simulating many plans.
+    ``late_addmm``: the backward as stock Inductor runs it, each ``add(mm(a, b), c)``
+    fused into one ``addmm`` where the add is (our plans split those back:
+    ``mirror/late_gemm.py``; min-cut's do not).
     """
     ix = index if index is not None else GraphIndex(joint)
     saved_ids = ix.ids(saved)
     fwd = ix.forward_schedule(saved_ids)
     bwd = ix.backward_schedule(saved_ids, ix.ids(mirrored))
+    if late_addmm:
+        bwd = _products_at_their_adds(ix, bwd)
     live_at = -1 if live_at is None else live_at
     alive = np.zeros(len(ix.nodes), dtype=bool)
     alive[ix.primals] = True
@@ -390,6 +396,44 @@ def simulate(
         _bytes=events,
         _nodes=ix.nodes,
     )
+
+
+def _products_at_their_adds(ix: GraphIndex, schedule: list[int]) -> list[int]:
+    """``schedule`` with each ``mm`` whose one reader is an ``add`` of a tensor of its
+    dtype moved to just before that add: Inductor's post-grad ``addmm`` pattern (on a
+    GPU not where every reader of the add is pointwise). Views that give the product
+    back as it is (a transpose of a transpose) are seen through, as Inductor's
+    joint-graph passes remove them."""
+    aten = torch.ops.aten
+    placed = set(schedule)
+    before: dict[int, list[int]] = {}
+    for n in schedule:
+        node = ix.nodes[n]
+        if node.target is not aten.mm.default:
+            continue
+        out, reader, chain = node.meta.get("val"), node, [n]
+        while len(reader.users) == 1 and is_view(next(iter(reader.users))):
+            reader = next(iter(reader.users))
+            chain.append(ix.ix[reader])
+        val = reader.meta.get("val")
+        if len(reader.users) != 1 or not isinstance(val, torch.Tensor):
+            continue
+        if val.shape != out.shape or val.stride() != out.stride():
+            continue
+        (add,) = reader.users
+        others = [a for a in add.args if a is not reader]
+        if add.target is not aten.add.Tensor or ix.ix[add] not in placed or len(others) != 1:
+            continue
+        other = others[0].meta.get("val") if isinstance(others[0], Node) else None
+        if not isinstance(other, torch.Tensor) or other.dtype != out.dtype:
+            continue
+        if out.device.type == "cuda" and all(is_pointwise(u) for u in add.users):
+            continue
+        before.setdefault(ix.ix[add], []).extend(c for c in chain if c in placed)
+    if not before:
+        return schedule
+    moved = {m for ms in before.values() for m in ms}
+    return [m for n in schedule if n not in moved for m in (*before.get(n, ()), n)]
 
 
 def _read_by(ix: GraphIndex, schedule: np.ndarray) -> np.ndarray:

@@ -123,17 +123,26 @@ def plan_joint(
     free = [c for c in free if c.saves > 0]
     free.sort(key=lambda c: -c.saves / max(c.added_seconds, 1e-12))
 
-    def planned(k: int, inner: PlanOptions) -> tuple[JointGraph, Plan]:
+    def planned_graph(k: int) -> JointGraph:
         recomputed = {c.forward for c in free[:k]}
         for c in candidates:
             _rewrite(joint_gm, c, "recompute" if c.forward in recomputed else "stash")
         if candidates:
             joint_gm.graph.lint()
             joint_gm.recompile()
-        graph = JointGraph.from_fx(joint_gm, num_fwd_outputs)
+        return JointGraph.from_fx(joint_gm, num_fwd_outputs)
+
+    def planned(k: int, inner: PlanOptions) -> tuple[JointGraph, Plan]:
+        graph = planned_graph(k)
         return graph, budget_search.plan(graph, inner, warn=False)
 
+    scale = None
+    if options.mode == "budget" and isinstance(options.budget, float) and free:
+        scale = _scale_over_op_choices(options, free, planned_graph)
+        options = dataclasses.replace(options, budget=max(scale.budget_bytes, 2))
     joint, base = planned(0, options)
+    if scale is not None:
+        base = dataclasses.replace(base, budget_scale=scale)
     trials = {0: (base, options)}
     for k in range(1, len(free) + 1):
         inner = _inner_options(options, base, _op_seconds(free[:k]))
@@ -154,6 +163,20 @@ def plan_joint(
             stacklevel=3,
         )  # fmt: skip
     return joint, result
+
+
+def _scale_over_op_choices(
+    options: PlanOptions, free: list[_Candidate], planned_graph
+) -> budget_search.BudgetScale:
+    """A fraction's scale (``BudgetScale``) over the value plans of every op choice
+    (k = 0, 1, ... ops recomputing, their time added): recomputing an op drops its
+    stash, so the smallest stash, and what a fraction asks for, counts it."""
+    points, default_stash = [], None
+    for k in range(len(free) + 1):
+        found, default = budget_search.budget_points(planned_graph(k), options)
+        points += [(stash, peak, t + _op_seconds(free[:k])) for stash, peak, t in found]
+        default_stash = default if default_stash is None else default_stash
+    return budget_search.BudgetScale.of(options.budget, points, default_stash)
 
 
 def _op_seconds(recomputed: list[_Candidate]) -> float:

@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 from mirrorgrad import _compat
 from mirrorgrad.graph.joint import is_getitem, is_view
 from mirrorgrad.mirror.budget_search import Plan, PlanOptions
+from mirrorgrad.mirror.late_gemm import PLANNED_BACKWARD, split_late_addmms
 from mirrorgrad.mirror.op_memory import plan_joint
 from mirrorgrad.mirror.policy import is_random, policy_for
 
@@ -134,7 +135,9 @@ def _split(
     bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
     fw_gm = _compat.raise_getitems(fw_gm)
     _mark_view_read_outputs(fw_gm)
-    return fw_gm, _compat.raise_getitems(bw_gm)
+    bw_gm = _compat.raise_getitems(bw_gm)
+    bw_gm.graph.find_nodes(op="output")[0].meta[PLANNED_BACKWARD] = True
+    return fw_gm, bw_gm
 
 
 def _mark_view_read_outputs(fw_gm: GraphModule) -> None:
@@ -143,7 +146,7 @@ def _mark_view_read_outputs(fw_gm: GraphModule) -> None:
     Inductor may lay out a saved output as it likes (channels-last where a convolution
     is near), but views of it inside the forward then carry strides nobody traced, and
     an op whose lowering takes such a view as it is fails at run time: issue 18, an
-    attention query whose head dim ended up strided by T. ``PinViewedOutputStrides``
+    attention query whose head dim ended up strided by T. ``PlannedGraphPass``
     makes Inductor keep these outputs' traced strides. Min-cut rarely saves such a
     base (it saves the views, which Inductor copies).
     """
@@ -244,12 +247,14 @@ class MirrorPartitioner(_compat.CustomPartitionerFn):
         return self
 
 
-class PinViewedOutputStrides(_compat.CustomGraphPass):
-    """Inductor's last post-grad pass: outputs of a planned forward that the forward also
-    reads through views keep their traced strides (see ``_mark_view_read_outputs``).
+class PlannedGraphPass(_compat.CustomGraphPass):
+    """Inductor's last post-grad pass, on the graphs of a plan: outputs of a planned
+    forward that the forward also reads through views keep their traced strides (see
+    ``_mark_view_read_outputs``); in a planned backward, products that Inductor fused
+    into a late ``addmm`` run where the plan placed them (``late_gemm``).
 
-    Graphs without the mark (backward graphs, min-cut's, other compiles) are left
-    alone; ``then`` is a pass that was configured before, run first."""
+    Graphs without the marks (min-cut's, other compiles) are left alone; ``then`` is a
+    pass that was configured before, run first."""
 
     def __init__(self, then: object = None) -> None:
         self.then = then
@@ -262,6 +267,8 @@ class PinViewedOutputStrides(_compat.CustomGraphPass):
         indices = output.meta.get(VIEW_READ_OUTPUTS)
         if indices:
             _compat.keep_output_strides(graph, indices)
+        if output.meta.get(PLANNED_BACKWARD):
+            split_late_addmms(graph)
 
     def uuid(self) -> bytes | None:
         """Inductor's cache key; None (no caching) behind a pass without one."""
@@ -270,12 +277,12 @@ class PinViewedOutputStrides(_compat.CustomGraphPass):
         keys = [p.uuid() if hasattr(p, "uuid") else None for p in earlier]
         if any(k is None for k in keys):
             return None
-        return _compat.get_hash_for_files((__file__, _compat.__file__), repr(keys))
+        return _compat.get_hash_for_files((*_PLANNER_SOURCES, _compat.__file__), repr(keys))
 
     def __reduce__(self) -> tuple[type[PartitionerKey], tuple[bytes | None]]:
         return PartitionerKey, (self.uuid(),)
 
-    def __deepcopy__(self, memo: dict[int, object]) -> PinViewedOutputStrides:
+    def __deepcopy__(self, memo: dict[int, object]) -> PlannedGraphPass:
         return self
 
 
@@ -298,7 +305,7 @@ def _stable_repr(value: object) -> str:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PartitionerKey:
-    """What a pickled ``MirrorPartitioner`` (or ``PinViewedOutputStrides``) becomes: its
+    """What a pickled ``MirrorPartitioner`` (or ``PlannedGraphPass``) becomes: its
     cache identity, nothing to run."""
 
     uuid: bytes | None
