@@ -157,12 +157,41 @@ def _nonnegative_lstsq(a, b) -> tuple[float, ...]:
 
 def fit_extra(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
     """Constants (>= 0) minimising the squared error (in ms, not relative: the measured
-    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms)."""
+    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms).
+    Never below zero: where recompute measured faster the rule says it costs nothing."""
     import numpy as np
 
     samples = list(samples)
     features = np.array([s.features() for s, _ in samples])
     return _nonnegative_lstsq(features, np.array([ms for _, ms in samples]))
+
+
+def _timing_shape(row: dict) -> Shape:
+    """The Shape of a ``bench/op_memory_timing`` row (older files: 2-layer LSTMs, T 35)."""
+    return Shape(mode=row.get("mode", "lstm"), T=row.get("T", 35), B=row["batch"],
+                 H=row["hidden"], layers=row["layers"],
+                 directions=row.get("directions", 1))  # fmt: skip
+
+
+def _step_ms(times: dict) -> float:
+    return times.get("step_ms", times["forward_ms"] + times["backward_ms"])
+
+
+def timing_extra_samples(rows: Iterable[dict]) -> list[tuple[Shape, float]]:
+    """(shape, what recompute added to the op's forward+backward, ms) of each LSTM or GRU
+    row of ``bench/op_memory_timing`` results: the samples RECOMPUTE_EXTRA is fitted to.
+    The whole step, not its backward alone: the rule prices both modes' forwards alike."""
+    return [
+        (shape, _step_ms(row["recompute"]) - _step_ms(row["stash"]))
+        for row in rows
+        if (shape := _timing_shape(row)).mode in ("lstm", "gru")
+    ]
+
+
+def timing_forward_share(rows: Iterable[dict]) -> float:
+    """The mean share of the forward in forward+backward with memory="stash"."""
+    shares = [row["stash"]["forward_ms"] / _step_ms(row["stash"]) for row in rows]
+    return sum(shares) / len(shares)
 
 
 def shape_of(workload: str) -> Shape:
