@@ -636,8 +636,8 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
 def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypatch):
     """While torch.compile traces impl="auto" on a GPU, the custom op's implementations
     (here the persistent kernel and the split kernels) are timed once, on tensors of the
-    call's shapes, into eager's cache: the compiled graph runs the pick, an eager call of
-    the same shape takes it untimed, and the RNG state is as if nothing had been timed
+    call's shapes, cached beside eager's picks: the compiled graph runs the pick, an
+    eager call still times its own candidates, and the RNG state is as if nothing had been timed
     (the gradients with dropout match a model that never timed). Run here with the
     interpreted kernels and a stand-in timer (the persistent kernel is not run)."""
     if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
@@ -680,6 +680,16 @@ def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypat
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.grad, b.grad)
     assert timed == ["persistent", "triton"]  # once, at the first trace
-    assert list(dispatch._AUTO_CHOICE.values()) == ["triton"]
-    model(x)[0].sum().backward()  # eager, same shape: eager's key, no timing
-    assert timed == ["persistent", "triton"]
+    ((key, choice),) = dispatch._AUTO_CHOICE.items()
+    assert key[-1] == "compiled" and choice == "triton"
+    # Eager, same shape: eager times its own candidates (cuDNN among them): the compiled
+    # pick is not eager's.
+    asked = []
+
+    def choose(key, candidates, timer=None, rule=None):
+        asked.append((key, list(candidates)))
+        return "triton"
+
+    monkeypatch.setattr(dispatch, "_choose_auto", choose)
+    model(x)[0].sum().backward()
+    assert asked == [(key[:-1], ["persistent", "triton", "cudnn"])]

@@ -108,20 +108,23 @@ def _time_and_cache(key: tuple, candidates: dict[str, Callable[[], None]],
 @torch.compiler.assume_constant_result
 def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -> str:
     """impl="auto"'s pick for a stack call that torch.compile traces, among the custom op's
-    implementations ``candidates``: timed as eager times them (``_choose_auto``, one
-    cache, so compiled and eager steps run the same implementation), on fresh tensors of
-    the call's shapes since the traced ones are fake. ``key`` is eager's key of the call;
+    implementations ``candidates``: eager's pick where eager timed the call and picked
+    one of them, else timed as eager times them, on fresh tensors of the call's shapes
+    (the traced ones are fake), cached beside eager's pick (eager may yet time cuDNN
+    against them). ``key`` is eager's key of the call;
     ``call``: (input size, hidden size, has_biases, dropout p, state_clip). The RNG
     state is kept (the timed calls draw dropout seeds) and the graphs the timed calls
     captured are released (their weights are gone after this)."""
-    if _AUTO_CHOICE.get(key) in candidates:
-        return _AUTO_CHOICE[key]
+    for cached in (key, (*key, "compiled")):
+        if _AUTO_CHOICE.get(cached) in candidates:
+            return _AUTO_CHOICE[cached]
     device = key[1]
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         with graphs.recording() as used:
             steps = _synthetic_steps(key, candidates, call)
-            choice = _time_and_cache(key, steps, _time_ms)
+            # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
+            choice = _time_and_cache((*key, "compiled"), steps, _time_ms)
             del steps
         graphs.release(used)
     return choice
