@@ -9,15 +9,16 @@ step: zero_grad, forward, backward, clip, SGD) three variants with mirrorgrad.nn
 (mirrorgrad.compile, mode="balance"), each on its own identically seeded model.
 
 First every compiled variant of every workload compiles cold in a process of its own,
-all at once (empty Inductor and Triton caches; "cold s" is under that contention). Then
-one process per workload builds its three variants (compiling from the warm caches) and
-waits for its turn on the GPU (a file lock, free once every cold compile is done), so
-each workload is timed alone. In its
-turn it runs its eager first step (``impl="auto"`` times its candidates there),
-warm-ups, then ``--rounds`` rounds of ``--steps`` steps per variant, the variants'
-order rotating each round: drift of clocks and host load hits all three alike. "vs
-eager" is the median over rounds of the round's compiled / eager median step time
-(< 1: faster than eager).
+all at once (empty Inductor and Triton caches; "cold s" is under that contention). One
+process per workload builds its three variants and waits for the GPU (a file lock, free
+once every cold compile is done or ``--quiet-s`` passed; then one workload at a time):
+in a first turn its eager first step (``impl="auto"`` times its candidates there,
+alone), then, outside the lock, the compiled variants' first steps (from the warm
+caches; their traces take eager's pick where it is one of the op's implementations),
+and in a second turn warm-ups and ``--rounds`` rounds of ``--steps`` steps per
+variant, the variants' order rotating each round: drift of clocks and host load hits
+all three alike. "vs eager" is the median over rounds of the round's compiled / eager
+median step time (< 1: faster than eager).
 
 Per variant it also records: host ms per step (the time to issue a step, no sync), a
 profile of 3 steps (kernel launches, CUDA Graph replays, copies, syncs per step and
@@ -306,9 +307,12 @@ def _run_all(args) -> list[dict]:
     timing_args = ["--lock", str(lock), "--rounds", str(args.rounds), "--steps", str(args.steps)]
     held = open(lock, "w")  # noqa: SIM115 (released below)
     fcntl.flock(held, fcntl.LOCK_EX)  # no timing while cold compiles load the host
+    quiet_until = time.perf_counter() + args.quiet_s
     while len(results) < len(args.workloads) and time.perf_counter() < deadline:
-        if not held.closed and all(proc.poll() is not None for proc, _ in colds.values()):
+        running = [name for name, (proc, _) in colds.items() if proc.poll() is None]
+        if not held.closed and (not running or time.perf_counter() > quiet_until):
             held.close()
+            print(f"GPU turns open; cold compiles still running: {running}", flush=True)
         for w in args.workloads:
             mine = [colds[w, v] for v in VARIANTS[1:]]
             if w not in timing and all(proc.poll() is not None for proc, _ in mine):
@@ -362,6 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
     parser.add_argument("--budget-s", type=float, default=190.0)
+    parser.add_argument(
+        "--quiet-s",
+        type=float,
+        default=75.0,
+        help="no timing while cold compiles run, for at most this long",
+    )
     parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--lock", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--cold", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
