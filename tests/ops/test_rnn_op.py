@@ -693,3 +693,26 @@ def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypat
     monkeypatch.setattr(dispatch, "_choose_auto", choose)
     model(x)[0].sum().backward()
     assert asked == [(key[:-1], ["persistent", "triton", "cudnn"])]
+
+
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
+def test_auto_under_compile_falls_back_to_the_rule_with_a_warning_where_timing_fails(
+    monkeypatch,
+):
+    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+
+    def timer(step):
+        raise RuntimeError("no timing here")
+
+    monkeypatch.setattr(dispatch, "_time_ms", timer)
+    torch._dynamo.reset()
+    model = mnn.LSTM(4, 5, 2, dropout=0.3)  # a seed by torch.randint: see the test above
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not time persistent, triton.*'triton'"):
+        compiled(torch.randn(3, 2, 4))[0].sum().backward()
+    assert dispatch._AUTO_CHOICE == {}

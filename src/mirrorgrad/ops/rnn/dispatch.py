@@ -11,6 +11,7 @@ cannot size.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -120,13 +121,22 @@ def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -
             return _AUTO_CHOICE[cached]
     device = key[1]
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        with graphs.recording() as used:
-            steps = _synthetic_steps(key, candidates, call)
-            # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
-            choice = _time_and_cache((*key, "compiled"), steps, _time_ms)
-            del steps
-        graphs.release(used)
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with graphs.recording() as used:
+                steps = _synthetic_steps(key, candidates, call)
+                # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
+                choice = _time_and_cache((*key, "compiled"), steps, _time_ms)
+                del steps
+            graphs.release(used)
+    except Exception as exc:  # timing is an optimisation: the rule can still rank them
+        mode, _, dtype, T, B, _, _, _, layers, bidirectional = key[:10]
+        shape = cost.Shape(mode=mode, T=T, B=B, H=call[1], layers=layers,
+                           directions=2 if bidirectional else 1)  # fmt: skip
+        choice = cost.pick(list(candidates), resolve_memory(key[11], mode), dtype, shape)
+        warnings.warn(f"mirrorgrad: impl='auto' could not time {', '.join(candidates)} while "
+                      f"torch.compile traced ({type(exc).__name__}: {exc}); the cost rule "
+                      f"picked {choice!r}", RuntimeWarning, stacklevel=2)  # fmt: skip
     return choice
 
 
