@@ -81,15 +81,17 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 
 
 # dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
-# or GRU's backward (fit_extra of the same tables: absolute least squares, >= 0).
+# or GRU's step (fit_extra: absolute least squares, >= 0). fp32: fitted to
+# docs/results/h100-2026-11-23-s3/compiled-w2/op_memory_timing.json (H100, TF32, 11 LSTM and
+# GRU stacks, forward and backward timed inside one step, the modes in alternating rounds);
+# half: to the H200 bf16 table (docs/results/rnn-kernels-h200/), older kernels.
 RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {
-    "fp32": (0.0, 0.0, 11.127, 0.081),
+    "fp32": (0.0, 0.11, 10.026, 0.102),
     "half": (0.0, 0.0, 0.0, 0.158),
 }
-# The forward's share of forward+backward with memory="stash": the mean over the rows of
-# docs/results/h100-2026-11-23/opmem-w1/op_memory_timing.json (H100, 2-layer LSTMs, the
-# only committed table timing the two phases apart).
-FORWARD_SHARE = 0.45
+# The forward's share of forward+backward with memory="stash": the mean over the rows of the
+# same H100 file (timing_forward_share).
+FORWARD_SHARE = 0.469
 
 
 def predicted_ms(impl: str, memory: str, dtype: torch.dtype, shape: Shape) -> float | None:
