@@ -3,8 +3,8 @@
     python tests/ops/gpu_item5.py OUT_DIR [--workloads NAME ...] [--rounds 8] [--steps 5]
                                           [--budget-s 190]
 
-For each recurrent workload of the suite (``mirrorgrad bench``'s models, batches and
-step: zero_grad, forward, backward, clip, SGD) three variants with mirrorgrad.nn RNNs:
+For each recurrent workload of the suite (``mirrorgrad bench``'s models, batches, step
+(zero_grad, forward, backward, clip, SGD) and TF32 setting) three variants with mirrorgrad.nn RNNs:
 ``eager+mgnn``, ``compile+mgnn`` (torch.compile) and ``mirror-balance+mgnn``
 (mirrorgrad.compile, mode="balance"), each on its own identically seeded model.
 
@@ -53,6 +53,14 @@ API_CALLS = {
 }
 
 
+def _precision(device: str) -> None:
+    """TF32 GEMMs on CUDA, as `mirrorgrad bench`'s worker sets them (bench/runner.py)."""
+    import torch
+
+    if device == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
 def _variant_steps(workload_name: str, device: str) -> dict:
     """variant -> (step callable, step_fn), each on its own model, built and seeded alike
     (``quick`` sizes off CUDA: the CPU smoke test)."""
@@ -60,6 +68,7 @@ def _variant_steps(workload_name: str, device: str) -> dict:
     from mirrorgrad.bench.suites import get_method, get_workload
 
     workload = get_workload(workload_name)
+    _precision(device)
     steps = {}
     for variant in VARIANTS:
         built = workload.build(device=device, quick=device == "cpu")
@@ -206,6 +215,7 @@ def _cold(workload: str, variant: str) -> dict:
     from mirrorgrad.bench.suites import get_method, get_workload
 
     spec = get_workload(workload)
+    _precision(device)
     built = spec.build(device=device, quick=device == "cpu")
     step_fn = get_method(variant).prepare(built.model, blocks=built.blocks, backend="inductor")
     step = _make_step(step_fn, built.model, built.make_batch(), spec)
