@@ -265,12 +265,8 @@ def rnn(
                       training=training)  # fmt: skip
 
     if impl == "auto":
-        # Eager's key: under compile "auto" (the planner's to decide) counts as what eager
-        # resolves it to, so that both find one choice.
-        key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-               num_layers, bidirectional, lengths is not None,
-               resolve_memory(memory, mode) if need_saved else memory, p > 0,
-               need_saved)  # fmt: skip
+        key = _auto_key(x, weights, hx, lengths, mode, num_layers, bidirectional, memory, p,
+                        need_saved)  # fmt: skip
         impl = _AUTO_CHOICE.get(key) if not torch.compiler.is_compiling() else None
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises).
@@ -282,6 +278,17 @@ def rnn(
             impl = _auto_impl(x, proj_size > 0, shape, key, custom,
                               cudnn if cudnn_ok else None, grad_inputs, memory, call)  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
+
+
+def _auto_key(x: Tensor, weights: Sequence[Tensor], hx: Tensor, lengths: Tensor | None,
+              mode: str, num_layers: int, bidirectional: bool, memory: str, p: float,
+              need_saved: bool) -> tuple:  # fmt: skip
+    """impl="auto"'s cache key of a call (the shape and configuration). Under compile
+    memory "auto" (the planner's to decide) counts as what eager resolves it to, so that
+    compiled and eager calls find one choice."""
+    memory = resolve_memory(memory, mode) if need_saved else memory
+    return (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1], num_layers,
+            bidirectional, lengths is not None, memory, p > 0, need_saved)  # fmt: skip
 
 
 def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Callable,
