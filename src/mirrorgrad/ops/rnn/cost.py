@@ -1,7 +1,7 @@
 """The cost rule of ``impl="auto"`` where it cannot time: predicted forward+backward ms.
 
-While torch.compile traces (or a CUDA Graph is captured) nothing may be timed, so
-``dispatch`` ranks the implementations by this rule. Every implementation's time is
+While a CUDA Graph is captured, or torch.compile traces with symbolic sizes, nothing may
+be timed, so ``dispatch`` ranks the implementations by this rule. Every implementation's time is
 modelled as a sum of per-step and per-layer terms, the step loop being what bounds it
 on a GPU (docs/notes/rnn-gpu.md):
 
