@@ -331,3 +331,17 @@ def test_inductor_seeded_random_ops_ignore_the_seed_when_run_eagerly():
     random = ops[0]
     seed = torch.tensor(1234)
     assert not torch.equal(random([64], seed, "rand"), random([64], seed, "rand"))
+
+
+def test_static_sizes_tells_symbolic_sizes_apart_while_dynamo_traces():
+    seen = {}
+
+    def f(x):
+        seen["static"] = _compat.static_sizes(x.shape)
+        return x * 2
+
+    assert _compat.static_sizes([3, 4])
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        torch.compile(f, dynamic=dynamic, backend="eager", fullgraph=True)(torch.ones(5, 4))
+        assert seen["static"] is not dynamic

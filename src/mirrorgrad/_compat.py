@@ -287,6 +287,16 @@ def ddp_graph_split(enabled: bool):
     return dynamo_config.patch(optimize_ddp=enabled)
 
 
+# --- sizes Dynamo traces (used by ops/rnn/dispatch.py) -------------------------------------
+def static_sizes(sizes) -> bool:
+    """True when every size is a plain int: also while Dynamo traces, where a symbolic size
+    passes ``isinstance(size, int)`` but no bound is known for it (Dynamo folds
+    ``statically_known_true`` to a constant, without a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(size <= 2**62) for size in sizes)
+
+
 # --- dispatch modes (used by ops/rnn/op.py) ---------------------------------------------
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 

@@ -93,9 +93,17 @@ def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
 def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypatch):
     from mirrorgrad.bench import op_memory_timing
 
-    monkeypatch.setattr(op_memory_timing, "SIZES", ((1, 8, 2),))
-    assert op_memory_timing.main(["--out", str(tmp_path), "--device", "cpu"]) == 0
-    (row,) = json.loads((tmp_path / "op_memory_timing.json").read_text())
-    assert row["stash"]["forward_ms"] > 0 and row["recompute"]["forward_ms"] > 0
-    assert row["gemm_ms_est"] > 0
-    assert row["priced"]["recompute"]["backward_ms"] > row["priced"]["stash"]["backward_ms"] > 0
+    sizes = (("lstm", 1, 8, 2, 3, 1), ("gru", 1, 8, 2, 3, 2))
+    monkeypatch.setattr(op_memory_timing, "SIZES", sizes)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--rounds", "2", "--steps", "1"]
+    assert op_memory_timing.main(argv) == 0
+    rows = json.loads((tmp_path / "op_memory_timing.json").read_text())
+    assert [(r["mode"], r["directions"]) for r in rows] == [("lstm", 1), ("gru", 2)]
+    for row in rows:
+        for memory in ("stash", "recompute"):
+            times = row[memory]
+            assert times["forward_ms"] > 0 and times["backward_ms"] > 0
+            assert times["step_ms"] >= times["forward_ms"]
+        assert row["gemm_ms_est"] > 0
+        priced = row["priced"]
+        assert priced["recompute"]["backward_ms"] >= priced["stash"]["backward_ms"] > 0

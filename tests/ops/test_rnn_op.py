@@ -592,9 +592,9 @@ def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, me
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, persistent, dynamic):
     """The choice impl="auto" makes on a GPU while torch.compile traces (persistent
-    support, the cost rule) is traced without a graph break, with static or symbolic
-    shapes, and the op it picks gets the same memory in forward and backward: run here
-    with the interpreted kernels."""
+    support, the timed pick or the cost rule) is traced without a graph break, with
+    static or symbolic shapes, and the op it picks gets the same memory in forward and
+    backward: run here with the interpreted kernels."""
     if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
                                         device=torch.device("cpu")):  # fmt: skip
         pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
@@ -603,6 +603,15 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
     picked = []
     real_pick = dispatch.cost.pick
     monkeypatch.setattr(dispatch.cost, "pick", lambda *a: picked.append(real_pick(*a)) or picked[0])
+
+    # With static shapes and two candidates the choice is timed (the test below): here a
+    # stand-in that picks the split kernels, traced as a constant as the real one is.
+    @torch.compiler.assume_constant_result
+    def timed(key, candidates, call):
+        picked.append("triton")
+        return "triton"
+
+    monkeypatch.setattr(dispatch, "_timed_while_tracing", timed)
     torch.manual_seed(0)
     # Dropout: its seed is drawn by torch.randint, not the poisoned torch.empty (whose
     # frame inspection Dynamo cannot trace).
@@ -621,3 +630,89 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a.grad, b.grad)
     assert picked and set(picked) == {"triton"}
+
+
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
+def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypatch):
+    """While torch.compile traces impl="auto" on a GPU, the custom op's implementations
+    (here the persistent kernel and the split kernels) are timed once, on tensors of the
+    call's shapes, cached beside eager's picks: the compiled graph runs the pick, an
+    eager call still times its own candidates, and the RNG state is as if nothing had been timed
+    (the gradients with dropout match a model that never timed). Run here with the
+    interpreted kernels and a stand-in timer (the persistent kernel is not run)."""
+    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
+    times, timed = {"persistent": 2.0, "triton": 1.0}, []
+    real_steps = dispatch._synthetic_steps
+
+    def named_steps(key, candidates, call):
+        steps = real_steps(key, candidates, call)
+        return {name: (lambda n=name, s=steps[name]: (n, s)) for name in steps}
+
+    def timer(step):
+        name, run = step()
+        if name == "triton":
+            run()  # the synthetic step runs (on real tensors)
+        timed.append(name)
+        return times[name]
+
+    monkeypatch.setattr(dispatch, "_synthetic_steps", named_steps)
+    monkeypatch.setattr(dispatch, "_time_ms", timer)
+    torch._dynamo.reset()  # an earlier test's graph of the same module class would serve
+    torch.manual_seed(0)
+    model = mnn.LSTM(4, 5, 2, dropout=0.3)
+    ref = mnn.LSTM(4, 5, 2, dropout=0.3, impl="triton")
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 2, 4)
+    for _ in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+        torch.manual_seed(1)
+        compiled(x)[0].square().sum().backward()
+        torch.manual_seed(1)
+        ref(x)[0].square().sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert timed == ["persistent", "triton"]  # once, at the first trace
+    ((key, choice),) = dispatch._AUTO_CHOICE.items()
+    assert key[-1] == "compiled" and choice == "triton"
+    # Eager, same shape: eager times its own candidates (cuDNN among them): the compiled
+    # pick is not eager's.
+    asked = []
+
+    def choose(key, candidates, timer=None, rule=None):
+        asked.append((key, list(candidates)))
+        return "triton"
+
+    monkeypatch.setattr(dispatch, "_choose_auto", choose)
+    model(x)[0].sum().backward()
+    assert asked == [(key[:-1], ["persistent", "triton", "cudnn"])]
+
+
+@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
+def test_auto_under_compile_falls_back_to_the_rule_with_a_warning_where_timing_fails(
+    monkeypatch,
+):
+    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
+                                        device=torch.device("cpu")):  # fmt: skip
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+
+    def timer(step):
+        raise RuntimeError("no timing here")
+
+    monkeypatch.setattr(dispatch, "_time_ms", timer)
+    torch._dynamo.reset()
+    model = mnn.LSTM(4, 5, 2, dropout=0.3)  # a seed by torch.randint: see the test above
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.warns(RuntimeWarning, match="could not time persistent, triton.*'triton'"):
+        compiled(torch.randn(3, 2, 4))[0].sum().backward()
+    assert dispatch._AUTO_CHOICE == {}

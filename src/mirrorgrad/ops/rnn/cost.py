@@ -1,7 +1,7 @@
 """The cost rule of ``impl="auto"`` where it cannot time: predicted forward+backward ms.
 
-While torch.compile traces (or a CUDA Graph is captured) nothing may be timed, so
-``dispatch`` ranks the implementations by this rule. Every implementation's time is
+While a CUDA Graph is captured, or torch.compile traces with symbolic sizes, nothing may
+be timed, so ``dispatch`` ranks the implementations by this rule. Every implementation's time is
 modelled as a sum of per-step and per-layer terms, the step loop being what bounds it
 on a GPU (docs/notes/rnn-gpu.md):
 
@@ -81,15 +81,17 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 
 
 # dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
-# or GRU's backward (fit_extra of the same tables: absolute least squares, >= 0).
+# or GRU's step (fit_extra: absolute least squares, >= 0). fp32: fitted to
+# docs/results/h100-2026-11-23-s3/compiled-w2/op_memory_timing.json (H100, TF32, 11 LSTM and
+# GRU stacks, forward and backward timed inside one step, the modes in alternating rounds);
+# half: to the H200 bf16 table (docs/results/rnn-kernels-h200/), older kernels.
 RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {
-    "fp32": (0.0, 0.0, 11.127, 0.081),
+    "fp32": (0.0, 0.11, 10.026, 0.102),
     "half": (0.0, 0.0, 0.0, 0.158),
 }
-# The forward's share of forward+backward with memory="stash": the mean over the rows of
-# docs/results/h100-2026-11-23/opmem-w1/op_memory_timing.json (H100, 2-layer LSTMs, the
-# only committed table timing the two phases apart).
-FORWARD_SHARE = 0.45
+# The forward's share of forward+backward with memory="stash": the mean over the rows of the
+# same H100 file (timing_forward_share).
+FORWARD_SHARE = 0.469
 
 
 def predicted_ms(impl: str, memory: str, dtype: torch.dtype, shape: Shape) -> float | None:
@@ -157,12 +159,41 @@ def _nonnegative_lstsq(a, b) -> tuple[float, ...]:
 
 def fit_extra(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
     """Constants (>= 0) minimising the squared error (in ms, not relative: the measured
-    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms)."""
+    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms).
+    Never below zero: where recompute measured faster the rule says it costs nothing."""
     import numpy as np
 
     samples = list(samples)
     features = np.array([s.features() for s, _ in samples])
     return _nonnegative_lstsq(features, np.array([ms for _, ms in samples]))
+
+
+def _timing_shape(row: dict) -> Shape:
+    """The Shape of a ``bench/op_memory_timing`` row (older files: 2-layer LSTMs, T 35)."""
+    return Shape(mode=row.get("mode", "lstm"), T=row.get("T", 35), B=row["batch"],
+                 H=row["hidden"], layers=row["layers"],
+                 directions=row.get("directions", 1))  # fmt: skip
+
+
+def _step_ms(times: dict) -> float:
+    return times.get("step_ms", times["forward_ms"] + times["backward_ms"])
+
+
+def timing_extra_samples(rows: Iterable[dict]) -> list[tuple[Shape, float]]:
+    """(shape, what recompute added to the op's forward+backward, ms) of each LSTM or GRU
+    row of ``bench/op_memory_timing`` results: the samples RECOMPUTE_EXTRA is fitted to.
+    The whole step, not its backward alone: the rule prices both modes' forwards alike."""
+    return [
+        (shape, _step_ms(row["recompute"]) - _step_ms(row["stash"]))
+        for row in rows
+        if (shape := _timing_shape(row)).mode in ("lstm", "gru")
+    ]
+
+
+def timing_forward_share(rows: Iterable[dict]) -> float:
+    """The mean share of the forward in forward+backward with memory="stash"."""
+    shares = [row["stash"]["forward_ms"] / _step_ms(row["stash"]) for row in rows]
+    return sum(shares) / len(shares)
 
 
 def shape_of(workload: str) -> Shape:

@@ -11,6 +11,7 @@ cannot size.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,16 +74,22 @@ def _choose_auto(
     drop the CUDA Graphs that only the others captured.
 
     While torch.compile traces, ``rule()`` (else the first candidate) is taken untimed:
-    the candidates it ranks are custom ops, one graph node with a fake kernel each,
-    whereas torch's own RNN does not trace reliably (AOTAutograd fails on CPU's aten
-    LSTM in torch 2.13). So is it while a CUDA Graph is captured (timing would
-    synchronize), without caching the pick."""
+    the candidates here run on the traced (fake) tensors; ``_timed_while_tracing``
+    times the custom op's implementations on tensors of its own instead. So is it while
+    a CUDA Graph is captured (timing would synchronize), without caching the pick."""
     if torch.compiler.is_compiling():
         return rule() if rule is not None else next(iter(candidates))
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return rule() if rule is not None else next(iter(candidates))
+    return _time_and_cache(key, candidates, timer)
+
+
+def _time_and_cache(key: tuple, candidates: dict[str, Callable[[], None]],
+                    timer: Callable[[Callable[[], None]], float]) -> str:  # fmt: skip
+    """The fastest of ``candidates`` by ``timer``, cached under ``key``; the CUDA Graphs
+    that only the others captured are released."""
     if len(candidates) == 1:
         choice = next(iter(candidates))
     else:
@@ -96,6 +103,74 @@ def _choose_auto(
         graphs.release(set().union(*used.values()) - used[choice])
     _AUTO_CHOICE[key] = choice
     return choice
+
+
+# (key, candidates, call) -> the choice; torch.compile calls it once while it traces.
+@torch.compiler.assume_constant_result
+def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -> str:
+    """impl="auto"'s pick for a stack call that torch.compile traces, among the custom op's
+    implementations ``candidates``: eager's pick where eager timed the call and picked
+    one of them, else timed as eager times them, on fresh tensors of the call's shapes
+    (the traced ones are fake), cached beside eager's pick (eager may yet time cuDNN
+    against them). ``key`` is eager's key of the call;
+    ``call``: (input size, hidden size, has_biases, dropout p, state_clip). The RNG
+    state is kept (the timed calls draw dropout seeds) and the graphs the timed calls
+    captured are released (their weights are gone after this)."""
+    for cached in (key, (*key, "compiled")):
+        if _AUTO_CHOICE.get(cached) in candidates:
+            return _AUTO_CHOICE[cached]
+    device = key[1]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            with graphs.recording() as used:
+                steps = _synthetic_steps(key, candidates, call)
+                # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
+                choice = _time_and_cache((*key, "compiled"), steps, _time_ms)
+                del steps
+            graphs.release(used)
+    except Exception as exc:  # timing is an optimisation: the rule can still rank them
+        mode, _, dtype, T, B, _, _, _, layers, bidirectional = key[:10]
+        shape = cost.Shape(mode=mode, T=T, B=B, H=call[1], layers=layers,
+                           directions=2 if bidirectional else 1)  # fmt: skip
+        choice = cost.pick(list(candidates), resolve_memory(key[11], mode), dtype, shape)
+        warnings.warn(f"mirrorgrad: impl='auto' could not time {', '.join(candidates)} while "
+                      f"torch.compile traced ({type(exc).__name__}: {exc}); the cost rule "
+                      f"picked {choice!r}", RuntimeWarning, stacklevel=2)  # fmt: skip
+    return choice
+
+
+def _synthetic_steps(key: tuple, candidates: tuple[str, ...], call: tuple) -> dict:
+    """candidate -> a forward+backward step of the stack ``key`` and ``call`` describe,
+    on random tensors (what ``_timed_while_tracing`` times)."""
+    mode, device, dtype, T, B, _, gh, Hr, layers, bidirectional, varlen, memory = key[:12]
+    need_saved = key[-1]
+    n_in, H, has_biases, p, clip = call
+    D = 2 if bidirectional else 1
+
+    def tensor(*size):
+        return (torch.randn(size, device=device, dtype=dtype) / H**0.5).requires_grad_(need_saved)
+
+    x = tensor(T, B, n_in)
+    weights = []
+    for layer in range(layers):
+        for _ in range(D):
+            weights += [tensor(gh, n_in if layer == 0 else D * Hr), tensor(gh, Hr)]
+            weights += [tensor(gh), tensor(gh)] if has_biases else []
+    hx = torch.zeros(layers * D, B, Hr, device=device, dtype=dtype)
+    cx = torch.zeros(layers * D, B, H, device=device, dtype=dtype) if mode == "lstm" else None
+    lengths = torch.full((B,), T, device=device, dtype=torch.int64) if varlen else None
+
+    def step(name: str) -> Callable[[], tuple]:
+        def run():
+            config = (mode, layers, bidirectional, has_biases, 0, p, memory, clip, name)
+            seed = _dropout_seed(p, device)
+            return EagerStack.apply(config, x, hx, cx, lengths, seed, *weights)
+
+        return run
+
+    grad_inputs = [x, *weights] if need_saved else []
+    return {name: _timed_step(step(name), grad_inputs) for name in candidates}
 
 
 # A constant for given arguments: Dynamo calls it once while tracing instead of
@@ -190,34 +265,52 @@ def rnn(
                       training=training)  # fmt: skip
 
     if impl == "auto":
-        key = (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1],
-               num_layers, bidirectional, lengths is not None, memory, p > 0,
-               need_saved)  # fmt: skip
+        key = _auto_key(x, weights, hx, lengths, mode, num_layers, bidirectional, memory, p,
+                        need_saved)  # fmt: skip
         impl = _AUTO_CHOICE.get(key) if not torch.compiler.is_compiling() else None
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises).
             cudnn_ok = state_clip is None and (training or not grad_inputs)
             shape = cost.Shape(mode=mode, T=x.shape[0], B=x.shape[1], H=weights[1].shape[1],
                                layers=num_layers, directions=2 if bidirectional else 1)  # fmt: skip
+            call = (x.shape[2], shape.H, has_biases, p,
+                    None if state_clip is None else tuple(state_clip))  # fmt: skip
             impl = _auto_impl(x, proj_size > 0, shape, key, custom,
-                              cudnn if cudnn_ok else None, grad_inputs, memory)  # fmt: skip
+                              cudnn if cudnn_ok else None, grad_inputs, memory, call)  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
 
 
+def _auto_key(x: Tensor, weights: Sequence[Tensor], hx: Tensor, lengths: Tensor | None,
+              mode: str, num_layers: int, bidirectional: bool, memory: str, p: float,
+              need_saved: bool) -> tuple:  # fmt: skip
+    """impl="auto"'s cache key of a call (the shape and configuration). Under compile
+    memory "auto" (the planner's to decide) counts as what eager resolves it to, so that
+    compiled and eager calls find one choice."""
+    memory = resolve_memory(memory, mode) if need_saved else memory
+    return (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1], num_layers,
+            bidirectional, lengths is not None, memory, p > 0, need_saved)  # fmt: skip
+
+
 def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Callable,
-               cudnn: Callable | None, grad_inputs: list[Tensor], memory: str) -> str:  # fmt: skip
+               cudnn: Callable | None, grad_inputs: list[Tensor], memory: str,
+               call: tuple = ()) -> str:  # fmt: skip
     """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
     fastest step of the custom op's implementations and cuDNN (None: not a candidate),
-    timed once per ``key`` (shape and configuration); the cost rule where it cannot time."""
+    timed once per ``key`` (shape and configuration). While torch.compile traces, cuDNN
+    is no candidate (torch's RNN is no graph node), the custom op's implementations are
+    timed as in eager (``_timed_while_tracing``, ``call`` its other arguments) where
+    the shapes are static, and ranked by the cost rule otherwise."""
     if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
     memory = resolve_memory(memory, shape.mode)
     compiling = torch.compiler.is_compiling()
+    static = _compat.static_sizes([v for v in key if isinstance(v, int)])
     fused = []  # the custom op's implementations: the only ones the rule may rank
-    # While tracing, the persistent kernel is asked only where the rule could pick it (it
-    # has constants): its plan depends on the batch, which int() then specialises (a
-    # symbolic batch cannot reach an assume_constant_result function).
-    ask = not compiling or cost.predicted_ms("persistent", memory, x.dtype, shape) is not None
+    # A symbolic batch cannot reach an assume_constant_result function: with dynamic
+    # shapes the persistent kernel is asked only where the rule could pick it (it has
+    # constants); int() then specialises the batch.
+    ask = (not compiling or static
+           or cost.predicted_ms("persistent", memory, x.dtype, shape) is not None)  # fmt: skip
     if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
@@ -226,6 +319,8 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
         return cost.pick(fused, memory, x.dtype, shape)
 
     if compiling:
+        if static and call and len(fused) > 1:
+            return _timed_while_tracing(key, tuple(fused), call)
         return rule()
     candidates = {name: _timed_step(custom(name), grad_inputs) for name in fused}
     if cudnn is not None:
