@@ -52,7 +52,8 @@ METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "auto", "layer-triton
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+def _modules(mode: str, cfg: Config, dtype: torch.dtype,
+             impls=("triton", "persistent", "auto")) -> dict[str, torch.nn.Module]:  # fmt: skip
     """torch.nn's module and mirrorgrad's per impl, all with the same weights."""
     import mirrorgrad.nn
 
@@ -61,7 +62,7 @@ def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.M
     args = (cfg.input, cfg.hidden, cfg.layers)
     base = plain(*args, bidirectional=cfg.bidirectional).cuda().to(dtype)
     out = {"cudnn": base}
-    for impl in ("triton", "persistent", "auto"):
+    for impl in impls:
         m = ours(*args, bidirectional=cfg.bidirectional, impl=impl).cuda().to(dtype)
         m.load_state_dict(base.state_dict())
         out[impl] = m
@@ -103,6 +104,17 @@ def _graphed(step: Callable[[], None]) -> Callable[[], None]:
 def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
     """Forward of every layer, then backward down the stack, the layer functions alone,
     in the memory mode the module picks (LSTM: recompute)."""
+    forward, backward = _layer_passes(impl, mode, module, x, gy)
+
+    def step() -> None:
+        backward(forward())
+
+    return step
+
+
+def _layer_passes(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
+    """(forward, backward) of ``_layer_step``: forward() returns what backward(record)
+    takes (each layer-direction's input, output and saved tensors)."""
     from mirrorgrad.ops.rnn import kernels, persistent
     from mirrorgrad.ops.rnn.op import resolve_memory
 
@@ -115,7 +127,7 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
     c0 = h0 if mode == "lstm" else None
     memory = resolve_memory("auto", mode)
 
-    def step() -> None:
+    def forward() -> list:
         inp, record = x, []
         for k in range(L):
             outs = []
@@ -126,6 +138,9 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
                 record.append((xin, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]
+        return record
+
+    def backward(record: list) -> None:
         g = gy
         for k in reversed(range(L)):
             g_in = None
@@ -139,7 +154,7 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
                 g_in = gx if g_in is None else g_in + gx
             g = g_in
 
-    return step
+    return forward, backward
 
 
 def _steps(mode: str, cfg: Config, dtype: torch.dtype, methods) -> dict[str, Callable]:

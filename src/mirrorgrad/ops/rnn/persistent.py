@@ -966,16 +966,33 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     (kernels.py does): an empty batch, or a grid beyond the SMs even at BN = MAX_BN."""
     if B == 0 or mode not in MODES:
         return None
+    interpreting = kernels._interpreting()
+    if not interpreting and device.type != "cuda":
+        return None
+    sms = 0 if interpreting else _programs_at_once(device)
+    return _plan(mode, B, H, dtype, interpreting, sms, _knobs())
+
+
+def _knobs() -> tuple:
+    """The module knobs ``plan`` reads (benchmarks and tests set them): its cache key."""
+    return (RESIDENT_BYTES, BLOCK_N, MAX_BN, NUM_WARPS, NUM_STAGES, RESIDENT_WARPS, BLOCK_K,
+            SPLIT_K, BWD_BLOCK_K, BWD_SPLIT_K, BWD_NUM_WARPS, RESIDENT_SPLIT,
+            BWD_RESIDENT_SPLIT, GATHER_LOADS, MAX_BB, SPIN_LOAD, FUSE_GATES)  # fmt: skip
+
+
+# Cached: a layer call asks twice per step of training, and building the frozen Plans
+# costs host time that a launch-bound step pays in full.
+@functools.lru_cache(maxsize=256)
+def _plan(mode: str, B: int, H: int, dtype: torch.dtype, interpreting: bool, sms: int,
+          knobs: tuple) -> Plan | None:  # fmt: skip
+    """``plan`` for a non-empty batch on ``sms`` SMs (0: the interpreter's layout)."""
     ka, kb = _k_pieces(H)
-    if kernels._interpreting():  # programs run in turn: one program owns every unit
+    if interpreting:  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
         return Plan(programs=1, groups=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True,
                     num_warps=4, bwd_warps=4, num_stages=1, spin_load=SPIN_LOAD,
                     rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
                     gather=GATHER_LOADS)  # fmt: skip
-    if device.type != "cuda":
-        return None
-    sms = _programs_at_once(device)
     bn = BLOCK_N
     while triton.cdiv(H, bn) > sms:
         bn *= 2
@@ -1083,6 +1100,14 @@ def _precision(config: kernels.LoopConfig) -> str:
 
 
 def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict:
+    """The launch's constexprs and compile options (a cached dict: do not change it)."""
+    probe = PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0
+    return _constants(kind, config, layout, probe, _precision(config), BWD_PART_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constants(kind: str, config: kernels.LoopConfig, layout: Plan, probe: int, precision: str,
+               part_bytes: int) -> dict:  # fmt: skip
     fused = layout.fuse_gates and GATES[config.mode] >= 3
     return dict(
         H=config.H,
@@ -1091,13 +1116,13 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         P=config.stash_width,
         HAS_LENGTHS=config.has_lengths,
         CLIP=config.clip is not None,
-        PREC=_precision(config),
+        PREC=precision,
         RESIDENT=layout.resident,
         BB=layout.bb,
         BN=layout.bn,
         BK=layout.bk if kind == "fwd" else layout.bwd_bk,
         SPIN_LOAD=layout.spin_load,
-        PROBE=PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0,
+        PROBE=probe,
         SPLIT=layout.split if kind == "fwd" else layout.bwd_split,
         **({"FUSE_GATES": fused} if kind == "fwd" else {"GATHER": layout.gather}),
         **_resident_slices(kind, config, layout, fused),
