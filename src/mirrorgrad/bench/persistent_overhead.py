@@ -10,7 +10,9 @@ set of weights, in four ways:
   times it (``.grad`` accumulates: one add per parameter per call);
 * ``fresh``: the same with every ``.grad`` set to None first (``zero_grad()``'s default);
 * ``layer``: the layer functions alone (``bench.persistent_rnn``'s ``layer-persistent``);
-* ``thread``: the same with the backward in a worker thread, as autograd runs the module's.
+* ``thread``: the same with the backward in a worker thread, as autograd runs the module's;
+* ``graph``: ``module`` captured in one CUDA Graph and replayed (no host work: the GPU's
+  own time for the module's kernels).
 
 Timed interleaved (``rounds`` x ``reps`` calls of each in turn, CUDA events), so that
 drift of the GPU's clocks hits all four alike; then per call: the host's own ms (calls
@@ -39,10 +41,10 @@ import numpy as np
 import torch
 
 from mirrorgrad._timing import time_calls
-from mirrorgrad.bench.persistent_rnn import DTYPES, _layer_passes, _modules
+from mirrorgrad.bench.persistent_rnn import DTYPES, _graphed, _layer_passes, _modules
 from mirrorgrad.bench.rnn_kernels import CONFIGS, Config
 
-WAYS = ("module", "fresh", "layer", "thread")
+WAYS = ("module", "fresh", "layer", "thread", "graph")
 # CUDA calls after which the host may wait for the device (or for the driver's lock).
 WAITING_PREFIXES = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cuMemAlloc", "cuMemFree",
                     "cuModuleLoad")  # fmt: skip
@@ -76,7 +78,7 @@ def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor) 
         pool.submit(backward, record).result()
 
     return {"module": module_step, "fresh": fresh_step, "layer": layer_step,
-            "thread": thread_step}  # fmt: skip
+            "thread": thread_step, "graph": _graphed(module_step)}  # fmt: skip
 
 
 def _host_ms(step: Callable[[], None], n: int = 8) -> float:
