@@ -11,6 +11,8 @@ set of weights, in four ways:
 * ``fresh``: the same with every ``.grad`` set to None first (``zero_grad()``'s default);
 * ``layer``: the layer functions alone (``bench.persistent_rnn``'s ``layer-persistent``);
 * ``thread``: the same with the backward in a worker thread, as autograd runs the module's;
+* ``onethread``: ``fresh`` with autograd's backward on the calling thread
+  (``torch.autograd.set_multithreading_enabled(False)``, no hand-off to its device thread);
 * ``graph``: ``module`` captured in one CUDA Graph and replayed (no host work: the GPU's
   own time for the module's kernels).
 
@@ -44,14 +46,15 @@ from mirrorgrad._timing import time_calls
 from mirrorgrad.bench.persistent_rnn import DTYPES, _graphed, _layer_passes, _modules
 from mirrorgrad.bench.rnn_kernels import CONFIGS, Config
 
-WAYS = ("module", "fresh", "layer", "thread", "graph")
+WAYS = ("module", "fresh", "onethread", "layer", "thread", "graph")
 # CUDA calls after which the host may wait for the device (or for the driver's lock).
 WAITING_PREFIXES = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cuMemAlloc", "cuMemFree",
                     "cuModuleLoad")  # fmt: skip
 DEFAULT_CASES = "lstm:bf16:0,lstm:bf16:7,lstm:fp32:0,lstm:fp32:7"
 
 
-def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor) -> dict:
+def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor,
+          chosen: tuple[str, ...] = WAYS) -> dict:  # fmt: skip
     """name -> forward+backward callable, every way on the same weights and input."""
     torch.manual_seed(0)
     module = _modules(mode, cfg, dtype, impls=("persistent",))["persistent"]
@@ -68,6 +71,10 @@ def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor) 
         x.grad = None
         module_step()
 
+    def onethread_step() -> None:
+        with torch.autograd.set_multithreading_enabled(False):
+            fresh_step()
+
     forward, backward = _layer_passes("persistent", mode, module, x.detach(), gy)
 
     def layer_step() -> None:
@@ -77,8 +84,10 @@ def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor) 
         record = forward()
         pool.submit(backward, record).result()
 
-    return {"module": module_step, "fresh": fresh_step, "layer": layer_step,
-            "thread": thread_step, "graph": _graphed(module_step)}  # fmt: skip
+    ways = {"module": lambda: module_step, "fresh": lambda: fresh_step,
+            "onethread": lambda: onethread_step, "layer": lambda: layer_step,
+            "thread": lambda: thread_step, "graph": lambda: _graphed(module_step)}  # fmt: skip
+    return {name: ways[name]() for name in chosen}
 
 
 def _host_ms(step: Callable[[], None], n: int = 8) -> float:
@@ -148,10 +157,11 @@ def _cprofile(step: Callable[[], None], path: Path, calls: int = 10) -> None:
     path.write_text(text.getvalue())
 
 
-def measure(mode: str, cfg: Config, dtype_name: str, rounds: int, reps: int, out: Path) -> dict:
+def measure(mode: str, cfg: Config, dtype_name: str, rounds: int, reps: int, out: Path,
+            chosen: tuple[str, ...] = WAYS) -> dict:  # fmt: skip
     """One case: interleaved samples, host ms and the profile of each way."""
     with ThreadPoolExecutor(1) as pool:
-        ways = _ways(mode, cfg, DTYPES[dtype_name], pool)
+        ways = _ways(mode, cfg, DTYPES[dtype_name], pool, chosen)
         for step in ways.values():  # compile, resident checks, allocator warm
             for _ in range(3):
                 step()
@@ -174,7 +184,7 @@ def table(rows: list[dict]) -> str:
             "persistent ms", "kernels", "waiting calls"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        for way in WAYS:
+        for way in r["ms"]:
             p, (lo, hi) = r["profile"][way], r["p20_p80"][way]
             waits = ", ".join(f"{k} {v:g}" for k, v in p["waits"].items()) or "-"
             cells = [f"{r['mode']} {r['dtype']} {r['config']}", way,
@@ -189,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", default=DEFAULT_CASES, help="mode:dtype:config,...")
+    parser.add_argument("--ways", default=",".join(WAYS), help=f"some of {WAYS}")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--time-limit", type=float, default=float("inf"),
@@ -205,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"time limit: skipped {case}", flush=True)
             continue
         mode, dtype_name, i = case.split(":")
-        rows.append(measure(mode, CONFIGS[int(i)], dtype_name, args.rounds, args.reps, args.out))
+        ways = tuple(args.ways.split(","))
+        rows.append(measure(mode, CONFIGS[int(i)], dtype_name, args.rounds, args.reps, args.out,
+                            ways))  # fmt: skip
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples_ms"}), flush=True)
         (args.out / "overhead.json").write_text(json.dumps(rows, indent=1))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; forward+backward per call")
