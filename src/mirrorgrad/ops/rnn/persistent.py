@@ -1050,12 +1050,14 @@ _RESIDENT: dict[tuple, str] = {}
 
 
 def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: tuple,
-            constants: dict) -> None:  # fmt: skip
+            constants: dict, count: Tensor | None = None) -> None:  # fmt: skip
     """Launch ``kernel`` on ``layout``'s grid. A resident layout is compiled first (once
     per shape) and runs only if ptxas kept W without spilling and the SM has room;
-    else the streamed layout runs."""
+    else the streamed layout runs. ``count``: the barriers' zeroed int32 counters (at
+    least ``_counters(layout)``; None: allocated here)."""
     key = (kind, config.mode, config.H, config.dtype, layout)
-    count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
+    if count is None:
+        count = torch.zeros(_counters(layout), dtype=torch.int32, device=config.device)
     probe = count  # read only when PROBE
     if PROBES is not None and not kernels._interpreting():
         shape = (layout.groups, layout.programs, config.T, STAMPS.value)
@@ -1074,6 +1076,41 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
             "n_spills": compiled.n_spills,
             "shared": compiled.metadata.shared,
         }
+
+
+def _counters(layout: Plan) -> int:
+    """Barrier counters a launch of ``layout`` uses: one per batch group, of the plan or
+    of the streamed layout it may fall back to."""
+    return max(layout.groups, layout.streamed_groups)
+
+
+def _zeroed_states(config: kernels.LoopConfig, layout: Plan, grad_hn: Tensor | None,
+                   grad_cn: Tensor | None, launches: int) -> tuple:  # fmt: skip
+    """(dh, dc, counters): the backward's running state gradients, ours to update in place
+    (dh in the layer's dtype, dc fp32 for an LSTM, else None; zeros where no gradient
+    flows in) and zeroed barrier counters per launch, [launches, >= _counters]. The zeros
+    are views of one zero-filled allocation: one fill instead of three (every torch op
+    costs tens of microseconds of host time, which a host-bound step pays in full)."""
+    B, H, lstm = config.B, config.H, config.mode == "lstm"
+    per_launch = -(-_counters(layout) // 4) * 4  # rows 16 bytes apart, as the first
+    sizes = {"count": launches * per_launch * 4,
+             "dh": B * H * config.dtype.itemsize if grad_hn is None else 0,
+             "dc": B * H * 4 if lstm and grad_cn is None else 0}  # fmt: skip
+    offsets, total = {}, 0
+    for name, n in sizes.items():  # each view 16-byte aligned, as the kernels' pointers
+        offsets[name], total = total, total + -(-n // 16) * 16
+    zeros = torch.zeros(total, dtype=torch.uint8, device=config.device)
+
+    def view(name: str, dtype: torch.dtype, *shape: int) -> Tensor:
+        return zeros[offsets[name] : offsets[name] + sizes[name]].view(dtype).view(shape)
+
+    dh = view("dh", config.dtype, B, H) if grad_hn is None else None
+    dh = dh if dh is not None else kernels._owned_state(config, grad_hn, config.dtype)
+    dc = None
+    if lstm:
+        dc = view("dc", torch.float32, B, H) if grad_cn is None else None
+        dc = dc if dc is not None else kernels._owned_state(config, grad_cn, torch.float32)
+    return dh, dc, view("count", torch.int32, launches, per_launch)
 
 
 def _resident_check(kernel, call, layout: Plan, constants, kind, config) -> str:
@@ -1211,8 +1248,9 @@ def layer_forward(
     return buf.y, h[T, :, : config.H].clone(), c_n, kernels._saved(config, buf)
 
 
-def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
-    """One chunk's reverse loop, then the last step's ``dh += dG_0 @ W_hh``."""
+def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf, count: Tensor) -> None:
+    """One chunk's reverse loop, then the last step's ``dh += dG_0 @ W_hh``; ``count``:
+    its zeroed barrier counters."""
     dummy = buf.dh
     args = (
         buf.pre if buf.pre is not None else dummy,
@@ -1228,7 +1266,7 @@ def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
         buf.lengths if buf.lengths is not None else dummy,
     )
     constants = dict(HAS_DY=buf.dy is not None, DS=buf.dg.stride(1))
-    _launch("bwd", _bwd_kernel, config, layout, args, constants)
+    _launch("bwd", _bwd_kernel, config, layout, args, constants, count)
     buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
 
 
@@ -1287,10 +1325,9 @@ def layer_backward(
     cells = saved[-1] if mode == "lstm" else None
     grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
     grad_wih = grad_whh = grad_bih = grad_bhh = None
-    dh = kernels._owned_state(config, grad_hn, config.dtype)
-    dc = kernels._owned_state(config, grad_cn, torch.float32) if mode == "lstm" else None
     steps = kernels._chunk_steps(T, B)
-    for t1 in range(T, 0, -steps):
+    dh, dc, counts = _zeroed_states(config, layout, grad_hn, grad_cn, -(-T // steps))
+    for launch, t1 in enumerate(range(T, 0, -steps)):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
         chunk = kernels._with_steps(config, n)
@@ -1308,7 +1345,7 @@ def layer_backward(
             lengths=lengths - t0 if lengths is not None else None, dh=dh, dc=dc,
             workspace=_padded_gate_grads,
         )  # fmt: skip
-        _bwd_launch(chunk, layout, buf)
+        _bwd_launch(chunk, layout, buf, counts[launch])
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
         if need_x:
