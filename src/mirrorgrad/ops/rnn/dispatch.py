@@ -265,20 +265,10 @@ def _dropout_seed(p: float, device: torch.device) -> Tensor:
     """The op's dropout seed, drawn from the default generator of the input's ``device``
     (torch.manual_seed reproduces masks) and kept there: a CPU seed would sync the host
     and, under torch.compile, put CPU kernels and a CPU tensor (no CUDA Graphs) in the
-    graph. Never read when p == 0: left uninitialised (no fill kernel), and in eager mode
-    one per device, kept (an allocation per call is tens of microseconds of host time,
-    paid in full by a host-bound step)."""
+    graph. Never read when p == 0: left uninitialised (no fill kernel)."""
     if p > 0:
         return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
-    if torch.compiler.is_compiling():
-        return torch.empty((), dtype=torch.int64, device=device)
-    seed = _UNREAD_SEEDS.get(device)
-    if seed is None:
-        seed = _UNREAD_SEEDS[device] = torch.empty((), dtype=torch.int64, device=device)
-    return seed
-
-
-_UNREAD_SEEDS: dict[torch.device, Tensor] = {}
+    return torch.empty((), dtype=torch.int64, device=device)
 
 
 def _timed_step(call: Callable[[], tuple], grad_inputs: list[Tensor]) -> Callable[[], None]:
