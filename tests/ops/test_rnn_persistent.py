@@ -1,6 +1,8 @@
 """Persistent RNN kernels (ops/rnn/persistent.py) against float64: interpreted on CPU at
 small shapes (one program), natively on the GPU (many programs, a real grid barrier)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -201,6 +203,29 @@ def test_backward_in_chunks(mode, monkeypatch):
     # Chunks of 2, 2 and 1 steps: one launch each, state gradients carried between them.
     monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
     _check(mode, T=5, lengths=[5, 2, 3], memory="recompute")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_state_and_counters_from_one_zero_fill(dtype):
+    # dh, dc and a counter row per launch: zeros, apart, each 16-byte aligned (the JIT
+    # specializes pointers on it), in one allocation; a given grad_hn is copied instead.
+    B, H = 3, 5
+    config = kernels._config("lstm", 4, B, H, dtype, torch.device(DEVICE), False, None,
+                             "stash", True, False, "ieee")  # fmt: skip
+    layout = persistent.replace(persistent.plan("lstm", B, H, dtype, torch.device(DEVICE)),
+                                groups=3, streamed_groups=5)  # fmt: skip
+    dh, dc, counts = persistent._zeroed_states(config, layout, None, None, launches=3)
+    assert (dh.shape, dh.dtype, dc.shape, dc.dtype) == ((B, H), dtype, (B, H), torch.float32)
+    assert counts.shape[0] == 3 and counts.shape[1] >= 5 and counts.dtype == torch.int32
+    assert dh.untyped_storage().data_ptr() == counts.untyped_storage().data_ptr()
+    views = [dh, dc, *counts]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.nbytes) for v in views)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # apart
+    assert all(not v.any() for v in views)
+    grad_hn = torch.randn(B, H, device=DEVICE)
+    dh, dc, _ = persistent._zeroed_states(config, layout, grad_hn, None, launches=1)
+    assert torch.equal(dh.float(), grad_hn.to(dtype).float()) and not dc.any()
 
 
 def test_empty_batch_runs_kernels_py():

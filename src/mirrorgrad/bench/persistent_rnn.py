@@ -52,7 +52,8 @@ METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "auto", "layer-triton
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+def _modules(mode: str, cfg: Config, dtype: torch.dtype,
+             impls=("triton", "persistent", "auto")) -> dict[str, torch.nn.Module]:  # fmt: skip
     """torch.nn's module and mirrorgrad's per impl, all with the same weights."""
     import mirrorgrad.nn
 
@@ -61,7 +62,7 @@ def _modules(mode: str, cfg: Config, dtype: torch.dtype) -> dict[str, torch.nn.M
     args = (cfg.input, cfg.hidden, cfg.layers)
     base = plain(*args, bidirectional=cfg.bidirectional).cuda().to(dtype)
     out = {"cudnn": base}
-    for impl in ("triton", "persistent", "auto"):
+    for impl in impls:
         m = ours(*args, bidirectional=cfg.bidirectional, impl=impl).cuda().to(dtype)
         m.load_state_dict(base.state_dict())
         out[impl] = m
@@ -103,6 +104,17 @@ def _graphed(step: Callable[[], None]) -> Callable[[], None]:
 def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
     """Forward of every layer, then backward down the stack, the layer functions alone,
     in the memory mode the module picks (LSTM: recompute)."""
+    forward, backward = _layer_passes(impl, mode, module, x, gy)
+
+    def step() -> None:
+        backward(forward())
+
+    return step
+
+
+def _layer_passes(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Tensor):
+    """(forward, backward) of ``_layer_step``: forward() returns what backward(record)
+    takes (each layer-direction's input, output and saved tensors)."""
     from mirrorgrad.ops.rnn import kernels, persistent
     from mirrorgrad.ops.rnn.op import resolve_memory
 
@@ -115,7 +127,7 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
     c0 = h0 if mode == "lstm" else None
     memory = resolve_memory("auto", mode)
 
-    def step() -> None:
+    def forward() -> list:
         inp, record = x, []
         for k in range(L):
             outs = []
@@ -126,6 +138,9 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
                 record.append((xin, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]
+        return record
+
+    def backward(record: list) -> None:
         g = gy
         for k in reversed(range(L)):
             g_in = None
@@ -139,7 +154,7 @@ def _layer_step(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: Te
                 g_in = gx if g_in is None else g_in + gx
             g = g_in
 
-    return step
+    return forward, backward
 
 
 def _steps(mode: str, cfg: Config, dtype: torch.dtype, methods) -> dict[str, Callable]:
@@ -200,7 +215,7 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
                        for k, v in dispatch.AUTO_TIMES.items()]  # fmt: skip
     flops = step_flops(mode, cfg)
     peak = (dense_peak_tflops(torch.cuda.get_device_name()) or {}).get(dtype_name)
-    best = row["ms"].get("persistent")
+    best = row["ms"].get("persistent") or row["ms"].get("auto")  # what "ours" ran
     if best:
         row["tflops"] = flops / best / 1e9
         row["peak_share"] = row["tflops"] / peak if peak else None
@@ -408,21 +423,48 @@ def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict
 
 
 def _table(rows: list[dict], methods) -> str:
-    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "TFLOP/s", "peak",
-            "auto picked (its ms)"]  # fmt: skip
+    """One line per row: ms per method; persistent's and auto's (the module users get)
+    ratios to plain and graphed cuDNN; TFLOP/s; what auto timed and picked."""
+    head = ["mode", "dtype", "config", *methods, "pers/cudnn", "pers/graph", "auto/cudnn",
+            "auto/graph", "TFLOP/s", "peak", "auto picked (its ms)"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ms = r["ms"]
-        p, c, g = ms.get("persistent"), ms.get("cudnn"), ms.get("cudnn-graph")
         cells = [r["mode"], r["dtype"], r["config"]]
         cells += [f"{ms[m]:.2f}" if ms.get(m) else "-" for m in methods]
-        cells += [f"{c / p:.2f}x" if p and c else "-", f"{g / p:.2f}x" if p and g else "-"]
+        for ours in ("persistent", "auto"):
+            cells += [_ratio(ms.get(base), ms.get(ours)) for base in ("cudnn", "cudnn-graph")]
         cells += [f"{r['tflops']:.1f}" if r.get("tflops") else "-"]
         cells += [f"{r['peak_share']:.1%}" if r.get("peak_share") else "-"]
         cells += ["; ".join(f"{a['picked']} ({_ms_list(a['ms'])})" for a in r.get("auto", []))
                   or "-"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + _geomeans(rows))
+
+
+def _ratio(base: float | None, ours: float | None) -> str:
+    return f"{base / ours:.2f}x" if base and ours else "-"
+
+
+def geomean_speedups(rows: list[dict], ours: str, base: str) -> dict[tuple[str, str], float]:
+    """(mode, dtype) -> geometric mean over the rows of base ms / ours ms (the issue's
+    targets), over the rows that have both."""
+    logs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        a, b = r["ms"].get(ours), r["ms"].get(base)
+        if a and b:
+            logs.setdefault((r["mode"], r["dtype"]), []).append(math.log(b / a))
+    return {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+
+
+def _geomeans(rows: list[dict]) -> list[str]:
+    lines = []
+    for ours in ("auto", "persistent"):
+        for base in ("cudnn", "cudnn-graph"):
+            for (mode, dtype), g in geomean_speedups(rows, ours, base).items():
+                n = sum(1 for r in rows if (r["mode"], r["dtype"]) == (mode, dtype))
+                lines.append(f"geomean {mode} {dtype} {ours} vs {base}: {g:.2f}x ({n} rows)")
+    return lines
 
 
 def _ms_list(times: dict[str, float]) -> str:
@@ -469,6 +511,32 @@ def _sweep_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _warm_case(case: tuple[str, str, int]) -> tuple[str, float, str | None]:
+    """A ``--precompile-jobs`` worker: one forward+backward of the case's modules with
+    impl fixed (triton, persistent), which compiles the Triton kernels that ``auto``
+    will time into the shared on-disk cache. Returns (case, seconds, error)."""
+    mode, dtype_name, i = case
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as main
+    start, error = time.monotonic(), None
+    try:
+        for make in _steps(mode, CONFIGS[i], DTYPES[dtype_name], ["triton", "persistent"]).values():
+            make()()
+        torch.cuda.synchronize()
+    except Exception as exc:  # the timed run reports it again
+        error = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return f"{mode}:{dtype_name}:{i}", time.monotonic() - start, error
+
+
+def precompile(cases: list[tuple[str, str, int]], jobs: int) -> dict:
+    """Compile every case's kernels in ``jobs`` processes at once (Triton compiles one
+    kernel at a time per process, most of a row's time when cold); the timed run then
+    loads them from Triton's cache. Returns case -> (seconds, error)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        return {case: (sec, err) for case, sec, err in pool.imap_unordered(_warm_case, cases)}
+
+
 def _cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(mode, dtype, config index) to run: ``--cases``, else dtypes x modes x configs."""
     if args.cases:
@@ -477,7 +545,7 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
             for mode in args.modes.split(",") for c in args.configs.split(",")]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtypes", default="fp32,bf16")
@@ -493,8 +561,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-phase us of each step, VARIANTS old against new")
     parser.add_argument("--probe-level", type=int, default=2, choices=(2, 3))
     parser.add_argument("--time-limit", type=float, default=float("inf"),
-                        help="start no case after this many seconds")
-    args = parser.parse_args(argv)
+                        help="start no case after this many seconds (precompiling included)")
+    parser.add_argument("--precompile-jobs", type=int, default=0,
+                        help="compile the cases' kernels in this many processes first")
+    return parser
+
+
+def _run_cases(args: argparse.Namespace, methods: list[str], doc: dict) -> list[dict]:
+    """The timed rows, each written to persistent_rnn.json as it comes (a run killed by
+    an outer timeout keeps them); no case starts after ``--time-limit`` seconds."""
+    start = time.monotonic()
+    if args.precompile_jobs:
+        warm = precompile(_cases(args), args.precompile_jobs)
+        doc["precompile"] = warm
+        print(f"precompiled in {time.monotonic() - start:.0f} s:", json.dumps(warm), flush=True)
+    rows = doc.setdefault("rows", [])
+    for mode, dtype_name, i in _cases(args):
+        if time.monotonic() - start > args.time_limit:
+            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
+            continue
+        rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
+        print(json.dumps(rows[-1]), flush=True)
+        (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
+        if args.profile:
+            _profile(mode, CONFIGS[i], dtype_name, args.out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if not torch.cuda.is_available():
         print("persistent_rnn: needs a CUDA device", file=sys.stderr)
         return 2
@@ -508,22 +603,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = _compare(_cases(args), args.probe_level, args.reps, args.out, args.time_limit)
         print(_phase_table(rows))
         return 0
-    rows = _sweep(_cases(args), args.reps, args.out) if args.sweep else []
-    start = time.monotonic()
-    for mode, dtype_name, i in [] if args.sweep else _cases(args):
-        if time.monotonic() - start > args.time_limit:
-            print(f"time limit: skipped {mode}:{dtype_name}:{i}", flush=True)
-            continue
-        rows.append(_measure(mode, CONFIGS[i], dtype_name, methods, args.reps))
-        print(json.dumps(rows[-1]), flush=True)
-        if args.profile:
-            _profile(mode, CONFIGS[i], dtype_name, args.out)
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version()}  # fmt: skip
-    doc = {"env": env, "rows": rows}
-    if args.sweep and rows:
-        doc["best"] = best_variant(rows)
+    doc: dict = {"env": env}
+    if args.sweep:
+        rows = doc["rows"] = _sweep(_cases(args), args.reps, args.out)
+        doc["best"] = best_variant(rows) if rows else {}
         print("best variant:", json.dumps(doc["best"]))
+    else:
+        rows = _run_cases(args, methods, doc)
     (args.out / "persistent_rnn.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(env))
     print(_sweep_table(rows) if args.sweep else _table(rows, methods))

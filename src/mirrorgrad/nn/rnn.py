@@ -140,6 +140,8 @@ class _FusedRNN:
         hidden = self.proj_size if self.proj_size > 0 else self.hidden_size
         expected_h = (self.num_layers * num_dirs, batch, hidden)
         expected_c = (self.num_layers * num_dirs, batch, self.hidden_size)
+        if self.mode == "LSTM" and h0 is None and c0 is None and expected_h == expected_c:
+            h0, c0 = x.new_zeros((2, *expected_h)).unbind(0)  # one fill (host time) for both
         if h0 is None:
             h0 = x.new_zeros(expected_h)
         if self.mode == "LSTM" and c0 is None:

@@ -966,16 +966,33 @@ def plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device) ->
     (kernels.py does): an empty batch, or a grid beyond the SMs even at BN = MAX_BN."""
     if B == 0 or mode not in MODES:
         return None
+    interpreting = kernels._interpreting()
+    if not interpreting and device.type != "cuda":
+        return None
+    sms = 0 if interpreting else _programs_at_once(device)
+    return _plan(mode, B, H, dtype, interpreting, sms, _knobs())
+
+
+def _knobs() -> tuple:
+    """The module knobs ``plan`` reads (benchmarks and tests set them): its cache key."""
+    return (RESIDENT_BYTES, BLOCK_N, MAX_BN, NUM_WARPS, NUM_STAGES, RESIDENT_WARPS, BLOCK_K,
+            SPLIT_K, BWD_BLOCK_K, BWD_SPLIT_K, BWD_NUM_WARPS, RESIDENT_SPLIT,
+            BWD_RESIDENT_SPLIT, GATHER_LOADS, MAX_BB, SPIN_LOAD, FUSE_GATES)  # fmt: skip
+
+
+# Cached: a layer call asks twice per step of training, and building the frozen Plans
+# costs host time that a launch-bound step pays in full.
+@functools.lru_cache(maxsize=256)
+def _plan(mode: str, B: int, H: int, dtype: torch.dtype, interpreting: bool, sms: int,
+          knobs: tuple) -> Plan | None:  # fmt: skip
+    """``plan`` for a non-empty batch on ``sms`` SMs (0: the interpreter's layout)."""
     ka, kb = _k_pieces(H)
-    if kernels._interpreting():  # programs run in turn: one program owns every unit
+    if interpreting:  # programs run in turn: one program owns every unit
         bn = max(16, triton.next_power_of_2(H))
         return Plan(programs=1, groups=1, bn=bn, bb=16, ka=ka, kb=kb, bk=16, resident=True,
                     num_warps=4, bwd_warps=4, num_stages=1, spin_load=SPIN_LOAD,
                     rsplit=RESIDENT_SPLIT, bwd_rsplit=BWD_RESIDENT_SPLIT,
                     gather=GATHER_LOADS)  # fmt: skip
-    if device.type != "cuda":
-        return None
-    sms = _programs_at_once(device)
     bn = BLOCK_N
     while triton.cdiv(H, bn) > sms:
         bn *= 2
@@ -1033,12 +1050,14 @@ _RESIDENT: dict[tuple, str] = {}
 
 
 def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: tuple,
-            constants: dict) -> None:  # fmt: skip
+            constants: dict, count: Tensor | None = None) -> None:  # fmt: skip
     """Launch ``kernel`` on ``layout``'s grid. A resident layout is compiled first (once
     per shape) and runs only if ptxas kept W without spilling and the SM has room;
-    else the streamed layout runs."""
+    else the streamed layout runs. ``count``: the barriers' zeroed int32 counters (at
+    least ``_counters(layout)``; None: allocated here)."""
     key = (kind, config.mode, config.H, config.dtype, layout)
-    count = torch.zeros(layout.groups, dtype=torch.int32, device=config.device)
+    if count is None:
+        count = torch.zeros(_counters(layout), dtype=torch.int32, device=config.device)
     probe = count  # read only when PROBE
     if PROBES is not None and not kernels._interpreting():
         shape = (layout.groups, layout.programs, config.T, STAMPS.value)
@@ -1057,6 +1076,41 @@ def _launch(kind: str, kernel, config: kernels.LoopConfig, layout: Plan, args: t
             "n_spills": compiled.n_spills,
             "shared": compiled.metadata.shared,
         }
+
+
+def _counters(layout: Plan) -> int:
+    """Barrier counters a launch of ``layout`` uses: one per batch group, of the plan or
+    of the streamed layout it may fall back to."""
+    return max(layout.groups, layout.streamed_groups)
+
+
+def _zeroed_states(config: kernels.LoopConfig, layout: Plan, grad_hn: Tensor | None,
+                   grad_cn: Tensor | None, launches: int) -> tuple:  # fmt: skip
+    """(dh, dc, counters): the backward's running state gradients, ours to update in place
+    (dh in the layer's dtype, dc fp32 for an LSTM, else None; zeros where no gradient
+    flows in) and zeroed barrier counters per launch, [launches, >= _counters]. The zeros
+    are views of one zero-filled allocation: one fill instead of three (every torch op
+    costs tens of microseconds of host time, which a host-bound step pays in full)."""
+    B, H, lstm = config.B, config.H, config.mode == "lstm"
+    per_launch = -(-_counters(layout) // 4) * 4  # rows 16 bytes apart, as the first
+    sizes = {"count": launches * per_launch * 4,
+             "dh": B * H * config.dtype.itemsize if grad_hn is None else 0,
+             "dc": B * H * 4 if lstm and grad_cn is None else 0}  # fmt: skip
+    offsets, total = {}, 0
+    for name, n in sizes.items():  # each view 16-byte aligned, as the kernels' pointers
+        offsets[name], total = total, total + -(-n // 16) * 16
+    zeros = torch.zeros(total, dtype=torch.uint8, device=config.device)
+
+    def view(name: str, dtype: torch.dtype, *shape: int) -> Tensor:
+        return zeros[offsets[name] : offsets[name] + sizes[name]].view(dtype).view(shape)
+
+    dh = view("dh", config.dtype, B, H) if grad_hn is None else None
+    dh = dh if dh is not None else kernels._owned_state(config, grad_hn, config.dtype)
+    dc = None
+    if lstm:
+        dc = view("dc", torch.float32, B, H) if grad_cn is None else None
+        dc = dc if dc is not None else kernels._owned_state(config, grad_cn, torch.float32)
+    return dh, dc, view("count", torch.int32, launches, per_launch)
 
 
 def _resident_check(kernel, call, layout: Plan, constants, kind, config) -> str:
@@ -1083,6 +1137,14 @@ def _precision(config: kernels.LoopConfig) -> str:
 
 
 def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict:
+    """The launch's constexprs and compile options (a cached dict: do not change it)."""
+    probe = PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0
+    return _constants(kind, config, layout, probe, _precision(config), BWD_PART_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)
+def _constants(kind: str, config: kernels.LoopConfig, layout: Plan, probe: int, precision: str,
+               part_bytes: int) -> dict:  # fmt: skip
     fused = layout.fuse_gates and GATES[config.mode] >= 3
     return dict(
         H=config.H,
@@ -1091,13 +1153,13 @@ def _tile_constants(kind: str, config: kernels.LoopConfig, layout: Plan) -> dict
         P=config.stash_width,
         HAS_LENGTHS=config.has_lengths,
         CLIP=config.clip is not None,
-        PREC=_precision(config),
+        PREC=precision,
         RESIDENT=layout.resident,
         BB=layout.bb,
         BN=layout.bn,
         BK=layout.bk if kind == "fwd" else layout.bwd_bk,
         SPIN_LOAD=layout.spin_load,
-        PROBE=PROBE_LEVEL if PROBES is not None and not kernels._interpreting() else 0,
+        PROBE=probe,
         SPLIT=layout.split if kind == "fwd" else layout.bwd_split,
         **({"FUSE_GATES": fused} if kind == "fwd" else {"GATHER": layout.gather}),
         **_resident_slices(kind, config, layout, fused),
@@ -1186,8 +1248,9 @@ def layer_forward(
     return buf.y, h[T, :, : config.H].clone(), c_n, kernels._saved(config, buf)
 
 
-def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
-    """One chunk's reverse loop, then the last step's ``dh += dG_0 @ W_hh``."""
+def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf, count: Tensor) -> None:
+    """One chunk's reverse loop, then the last step's ``dh += dG_0 @ W_hh``; ``count``:
+    its zeroed barrier counters."""
     dummy = buf.dh
     args = (
         buf.pre if buf.pre is not None else dummy,
@@ -1203,7 +1266,7 @@ def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf) -> None:
         buf.lengths if buf.lengths is not None else dummy,
     )
     constants = dict(HAS_DY=buf.dy is not None, DS=buf.dg.stride(1))
-    _launch("bwd", _bwd_kernel, config, layout, args, constants)
+    _launch("bwd", _bwd_kernel, config, layout, args, constants, count)
     buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
 
 
@@ -1262,10 +1325,9 @@ def layer_backward(
     cells = saved[-1] if mode == "lstm" else None
     grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
     grad_wih = grad_whh = grad_bih = grad_bhh = None
-    dh = kernels._owned_state(config, grad_hn, config.dtype)
-    dc = kernels._owned_state(config, grad_cn, torch.float32) if mode == "lstm" else None
     steps = kernels._chunk_steps(T, B)
-    for t1 in range(T, 0, -steps):
+    dh, dc, counts = _zeroed_states(config, layout, grad_hn, grad_cn, -(-T // steps))
+    for launch, t1 in enumerate(range(T, 0, -steps)):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
         chunk = kernels._with_steps(config, n)
@@ -1283,7 +1345,7 @@ def layer_backward(
             lengths=lengths - t0 if lengths is not None else None, dh=dh, dc=dc,
             workspace=_padded_gate_grads,
         )  # fmt: skip
-        _bwd_launch(chunk, layout, buf)
+        _bwd_launch(chunk, layout, buf, counts[launch])
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
         if need_x:
