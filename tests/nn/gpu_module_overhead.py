@@ -19,10 +19,7 @@ Writes OUT_DIR/module_overhead.json; prints the tables last.
 
 from __future__ import annotations
 
-import cProfile
-import io
 import json
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ from torch import nn
 import mirrorgrad.nn as mnn
 from mirrorgrad._timing import time_calls
 from mirrorgrad.bench import rnn_kernels
+from mirrorgrad.bench.persistent_overhead import write_cprofile
 from mirrorgrad.ops.rnn import dispatch, graphs
 
 # One memory measurement for both GPU scripts: tests/ops/gpu_rnn_memory.py's.
@@ -102,18 +100,6 @@ def _host_ms(step, n=20) -> float:
     return host
 
 
-def _profile(step, path: Path, n=20) -> None:
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
-    path.write_text(text.getvalue())
-
-
 def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
     rows = []
     for mode, layers, hidden, batch, T, dt in CONFIGS:
@@ -126,7 +112,7 @@ def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
             timing = time_calls(step, repeats=reps, warmup=3, device="cuda")
             row[method] = timing.median_ms
             row[f"{method} host"] = _host_ms(step)
-        _profile(steps["module-recompute"], out / f"cprofile_{name}.txt")
+        write_cprofile(steps["module-recompute"], out / f"cprofile_{name}.txt", calls=20)
         graphs.clear_graphs()
         rows.append(row)
         print(name, {k: round(v, 3) for k, v in row.items() if k != "config"}, flush=True)

@@ -145,7 +145,8 @@ def _may_wait(name: str) -> bool:
     return "Synchronize" in name or name == "cudaMemcpy" or name.startswith(WAITING_PREFIXES)
 
 
-def _cprofile(step: Callable[[], None], path: Path, calls: int = 10) -> None:
+def write_cprofile(step: Callable[[], None], path: Path, calls: int = 10) -> None:
+    """cProfile of ``calls`` steps (the GPU drained at the end), by own time, into ``path``."""
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(calls):
@@ -175,7 +176,7 @@ def measure(mode: str, cfg: Config, dtype_name: str, rounds: int, reps: int, out
         row["p20_p80"] = {n: np.percentile(s, [20, 80]).tolist() for n, s in samples.items()}
         row["host_ms"] = {n: _host_ms(step) for n, step in ways.items()}
         row["profile"] = {n: _profiled(step) for n, step in ways.items()}
-        _cprofile(ways["module"], out / f"cprofile_{mode}_{cfg.name}_{dtype_name}.txt")
+        write_cprofile(ways["module"], out / f"cprofile_{mode}_{cfg.name}_{dtype_name}.txt")
     return row
 
 
