@@ -587,6 +587,19 @@ def test_memory_formulas_match_what_the_op_allocates(monkeypatch, impl, mode, me
         assert low * seen <= declared <= high * seen, (declared, seen)
 
 
+def _same_grads_with_the_same_seed(compiled, model, ref, x) -> None:
+    """``compiled`` (of ``model``) and ``ref`` give the same gradients from one seed
+    (dropout masks included)."""
+    for m in (model, ref):
+        m.zero_grad()
+    torch.manual_seed(1)
+    compiled(x)[0].square().sum().backward()
+    torch.manual_seed(1)
+    ref(x)[0].square().sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 @pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -621,14 +634,7 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
     compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     for T, B in ((3, 2), (2, 3)):
         x = torch.randn(T, B, 4)
-        for m in (model, ref):
-            m.zero_grad()
-        torch.manual_seed(1)
-        compiled(x)[0].square().sum().backward()
-        torch.manual_seed(1)
-        ref(x)[0].square().sum().backward()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad)
+        _same_grads_with_the_same_seed(compiled, model, ref, x)
     assert picked and set(picked) == {"triton"}
 
 
@@ -671,14 +677,7 @@ def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypat
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     x = torch.randn(3, 2, 4)
     for _ in range(2):
-        for m in (model, ref):
-            m.zero_grad()
-        torch.manual_seed(1)
-        compiled(x)[0].square().sum().backward()
-        torch.manual_seed(1)
-        ref(x)[0].square().sum().backward()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad)
+        _same_grads_with_the_same_seed(compiled, model, ref, x)
     assert timed == ["persistent", "triton"]  # once, at the first trace
     ((key, choice),) = dispatch._AUTO_CHOICE.items()
     assert key[-1] == "compiled" and choice == "triton"
