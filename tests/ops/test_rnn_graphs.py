@@ -29,23 +29,18 @@ def _forward(inp, memory="stash"):
     return kernels.layer_forward("lstm", *inp.values(), None, memory=memory, use_graph=True)
 
 
-def _step_with_outputs(inp, memory="stash", mode="lstm"):
+def _step_with_outputs(inp, memory="stash", mode="lstm", use_graph=True):
     """Forward and backward of one layer; every tensor either returns."""
     c0 = inp["c0"] if mode == "lstm" else None
     args = (inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None)
-    y, h_n, c_n, saved = kernels.layer_forward(mode, *args, memory=memory, use_graph=True)
+    y, h_n, c_n, saved = kernels.layer_forward(mode, *args, memory=memory, use_graph=use_graph)
     grads = kernels.layer_backward(mode, saved, *args, y, torch.ones_like(y), None, None,
-                                   memory=memory, use_graph=True)  # fmt: skip
+                                   memory=memory, use_graph=use_graph)  # fmt: skip
     return [t for t in (y, h_n, c_n, *saved, *grads) if t is not None]
 
 
 def _uncaptured(inp, memory="stash", mode="lstm"):
-    c0 = inp["c0"] if mode == "lstm" else None
-    args = (inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None)
-    y, h_n, c_n, saved = kernels.layer_forward(mode, *args, memory=memory, use_graph=False)
-    grads = kernels.layer_backward(mode, saved, *args, y, torch.ones_like(y), None, None,
-                                   memory=memory, use_graph=False)  # fmt: skip
-    return [t for t in (y, h_n, c_n, *saved, *grads) if t is not None]
+    return _step_with_outputs(inp, memory, mode, use_graph=False)
 
 
 def _scaled(inp, scale):
