@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -172,3 +173,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Every check is done and written. Skip the interpreter's teardown: CI saw a rank abort
+    # there once ("terminate called without an active exception", a C++ thread of the CPU
+    # process group destroyed at exit), after its gradients had matched.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
