@@ -68,3 +68,15 @@ def time_calls(
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
     return Timing.of(samples)
+
+
+def host_ms(step: Callable[[], object], n: int = 8) -> float:
+    """Host ms per call: ``n`` CUDA calls issued back to back with no sync between them
+    (what the host spends to launch a step, whether or not the GPU keeps up)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - start) / n * 1e3
+    torch.cuda.synchronize()
+    return host

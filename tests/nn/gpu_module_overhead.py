@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import mirrorgrad.nn as mnn
-from mirrorgrad._timing import time_calls
+from mirrorgrad._timing import host_ms, time_calls
 from mirrorgrad.bench import rnn_kernels
 from mirrorgrad.bench.persistent_overhead import write_cprofile
 from mirrorgrad.ops.rnn import dispatch, graphs
@@ -89,17 +88,6 @@ def _steps(mode, layers, hidden, batch, T, dtype):
     return {name: step(f) for name, f in forwards.items()}
 
 
-def _host_ms(step, n=20) -> float:
-    """Host time per step: n steps launched back to back, no sync between them."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - start) / n * 1e3
-    torch.cuda.synchronize()
-    return host
-
-
 def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
     rows = []
     for mode, layers, hidden, batch, T, dt in CONFIGS:
@@ -111,7 +99,7 @@ def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
         for method, step in steps.items():
             timing = time_calls(step, repeats=reps, warmup=3, device="cuda")
             row[method] = timing.median_ms
-            row[f"{method} host"] = _host_ms(step)
+            row[f"{method} host"] = host_ms(step, n=20)
         write_cprofile(steps["module-recompute"], out / f"cprofile_{name}.txt", calls=20)
         graphs.clear_graphs()
         rows.append(row)

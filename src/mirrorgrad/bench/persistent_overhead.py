@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mirrorgrad._timing import time_calls
+from mirrorgrad._timing import host_ms, time_calls
 from mirrorgrad.bench.persistent_rnn import DTYPES, _graphed, _layer_passes, _modules
 from mirrorgrad.bench.rnn_kernels import CONFIGS, Config
 
@@ -88,17 +88,6 @@ def _ways(mode: str, cfg: Config, dtype: torch.dtype, pool: ThreadPoolExecutor,
             "onethread": lambda: onethread_step, "layer": lambda: layer_step,
             "thread": lambda: thread_step, "graph": lambda: _graphed(module_step)}  # fmt: skip
     return {name: ways[name]() for name in chosen}
-
-
-def _host_ms(step: Callable[[], None], n: int = 8) -> float:
-    """Host ms per call: n calls launched back to back (no sync between them)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = (time.perf_counter() - start) / n * 1e3
-    torch.cuda.synchronize()
-    return host
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> float:
@@ -174,7 +163,7 @@ def measure(mode: str, cfg: Config, dtype_name: str, rounds: int, reps: int, out
         row = {"mode": mode, "config": cfg.name, "dtype": dtype_name, "samples_ms": samples}
         row["ms"] = {n: float(np.median(s)) for n, s in samples.items()}
         row["p20_p80"] = {n: np.percentile(s, [20, 80]).tolist() for n, s in samples.items()}
-        row["host_ms"] = {n: _host_ms(step) for n, step in ways.items()}
+        row["host_ms"] = {n: host_ms(step) for n, step in ways.items()}
         row["profile"] = {n: _profiled(step) for n, step in ways.items()}
         write_cprofile(ways["module"], out / f"cprofile_{mode}_{cfg.name}_{dtype_name}.txt")
     return row
