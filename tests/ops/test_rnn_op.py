@@ -638,20 +638,28 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
     assert picked and set(picked) == {"triton"}
 
 
-@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
-def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypatch):
+@pytest.fixture
+def gpu_auto_dispatch(monkeypatch):
+    """impl="auto" as on a GPU with the persistent kernel supported (the interpreted
+    kernels stand in), with no cached picks."""
+    if op.triton_module() is None or not op.triton_module().supports(
+        "lstm", proj=False, dtype=torch.float32, device=torch.device("cpu")
+    ):
+        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+
+
+def test_auto_under_compile_times_the_op_implementations_as_eager_does(
+    monkeypatch, gpu_auto_dispatch
+):
     """While torch.compile traces impl="auto" on a GPU, the custom op's implementations
     (here the persistent kernel and the split kernels) are timed once, on tensors of the
     call's shapes, cached beside eager's picks: the compiled graph runs the pick, an
     eager call still times its own candidates, and the RNG state is as if nothing had been timed
     (the gradients with dropout match a model that never timed). Run here with the
     interpreted kernels and a stand-in timer (the persistent kernel is not run)."""
-    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
-                                        device=torch.device("cpu")):  # fmt: skip
-        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
-    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
-    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
     times, timed = {"persistent": 2.0, "triton": 1.0}, []
     real_steps = dispatch._synthetic_steps
@@ -694,16 +702,9 @@ def test_auto_under_compile_times_the_op_implementations_as_eager_does(monkeypat
     assert asked == [(key[:-1], ["persistent", "triton", "cudnn"])]
 
 
-@pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 def test_auto_under_compile_falls_back_to_the_rule_with_a_warning_where_timing_fails(
-    monkeypatch,
+    monkeypatch, gpu_auto_dispatch
 ):
-    if not op.triton_module().supports("lstm", proj=False, dtype=torch.float32,
-                                        device=torch.device("cpu")):  # fmt: skip
-        pytest.skip("Triton path needs TRITON_INTERPRET=1 on CPU")
-    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
-    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
 
     def timer(step):
         raise RuntimeError("no timing here")
