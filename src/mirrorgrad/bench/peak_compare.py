@@ -368,6 +368,14 @@ def table(result: dict[str, Any]) -> str:
     m = f"{meas['peak'] / mib:,.0f} ({meas['phase']})" if meas else "-"
     lines.append(f"{'peak':22}{m:>14}{est['peak'] / mib:>9,.0f} ({est['phase']}, {est['node']})")
     lines += [f"op memory: {c}" for c in est["op_memory"]]
+    if est["budget_bytes"] is not None:  # issue 14's "within 5% of the budget, or a warning"
+        met = {True: "met", False: "declared unmet (warned)", None: "-"}[est["budget_met"]]
+        # A budget bounds the graph's peak (README): what the step holds outside it is not asked.
+        ratio = ""
+        if meas:
+            graph_peak = meas["peak"] - est["by_row"][HELD]
+            ratio = f", measured less held / asked {graph_peak / est['budget_bytes']:.3f}"
+        lines.append(f"budget asked: {est['budget_bytes'] / mib:,.0f} {unit}, {met}{ratio}")
     if meas:
         lines.append(f"max_memory_allocated: {meas['max_memory_allocated'] / mib:,.1f} {unit}")
         lines.append("measured at the peak, by allocating line:")
