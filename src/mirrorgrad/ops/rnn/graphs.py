@@ -24,9 +24,7 @@ holds those addresses, never the tensors that lived there:
 - **bounded**: past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys are
   dropped (and workspace nobody reads any more); a key whose calls keep missing (the
   allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
-  miss in a row and runs the loop uncaptured in between, and a key whose entries are
-  replayed less often than it captures (a loop that keeps some outputs alive: its
-  addresses drift, with an odd hit in between) only at the 8th, 16th, ... (`_should_capture`);
+  miss in a row and runs the loop uncaptured in between;
 - **one capturing thread**: torch keeps a cuBLAS workspace per (thread's handle, stream)
   for the whole process (32 MiB on an H100), and the captured GEMMs point into it. Loops
   are captured on a side stream; captured from the forward's thread and from autograd's
@@ -91,22 +89,6 @@ class Entry:
 class _Key:
     entries: list[Entry] = field(default_factory=list)  # least recently used first
     misses: int = 0  # calls in a row that found no entry
-    captures: int = 0  # recent captures and replays (halved past _RECENT), which say
-    replays: int = 0  # whether this key's captures pay for themselves
-
-
-_RECENT = 256
-
-
-def _should_capture(slot: _Key) -> bool:
-    """Whether a miss captures a new entry. A capture costs several uncaptured calls, so
-    a key captures freely only while new or while its entries are replayed at least as
-    often as captured; otherwise only at a power-of-two miss in a row past
-    ENTRIES_PER_KEY, in case the loop's allocations have settled somewhere new."""
-    probe = slot.misses > ENTRIES_PER_KEY and not slot.misses & (slot.misses - 1)
-    if slot.captures < ENTRIES_PER_KEY or slot.replays >= slot.captures:
-        return slot.misses <= ENTRIES_PER_KEY or probe
-    return probe
 
 
 _ENTRIES: OrderedDict[tuple, _Key] = OrderedDict()
@@ -231,19 +213,15 @@ def acquire(
                 slot.entries.remove(entry)
                 slot.entries.append(entry)
             _COUNTS["replays"] += 1
-            slot.replays += 1
             return entry
     slot.misses += 1
-    if not _should_capture(slot):
+    if slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1):
         _COUNTS["uncaptured"] += 1
         return None
     if before_capture is not None:
         before_capture()
     entry = Entry(graph=_on_capture_thread(device, buffers, loop), addresses=wanted)
     _COUNTS["captures"] += 1
-    slot.captures += 1
-    if slot.captures + slot.replays > _RECENT:
-        slot.captures, slot.replays = slot.captures // 2, slot.replays // 2
     if len(slot.entries) >= ENTRIES_PER_KEY:
         del slot.entries[0]
     slot.entries.append(entry)
