@@ -6,6 +6,7 @@ import torch
 from torch import fx, nn
 
 from mirrorgrad.graph.cost import H100, H200, DeviceRates, OpCost, StepCost, op_cost, rates_for
+from mirrorgrad.graph.joint import op_name
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import joint_of
@@ -163,3 +164,26 @@ def test_inductor_lowerings_that_are_pointwise_are_inlined():
     assert {"full", "scatter", "gather"} <= inlined_ops
     # The logits and their gradient feed matmuls: they are written.
     assert "mm" not in inlined_ops and "addmm" not in inlined_ops
+
+
+class _PaddedHead(nn.Module):
+    """A pointwise value padded for a matmul, as Inductor's pad_mm pads the logits
+    gradient of a vocabulary that is no multiple of 4 (GPT-2's 50,257)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(67, 16))
+
+    def forward(self, x):
+        return nn.functional.pad(torch.tanh(x) * 2, (0, 3)) @ self.weight
+
+
+def test_a_padded_pointwise_value_is_computed_inside_the_pad():
+    joint = joint_of(_PaddedHead(), torch.randn(8, 64), decompose=True)
+    inlined = StepCost(joint, fusion=True).inlined
+    pads = [n for n in joint.gm.graph.nodes if op_name(n).endswith("constant_pad_nd")]
+    assert pads
+    for pad in pads:
+        producer = pad.args[0]
+        assert producer in inlined  # written once, padded, by the pad's kernel
+        assert pad not in inlined  # the matmul reads it from memory
