@@ -36,10 +36,8 @@ CONSTANT_FILLS = frozenset(
     ("full", "zeros", "ones", "full_like", "zeros_like", "ones_like", "scalar_tensor")
 )
 # Inductor's seeded random numbers (dropout after its joint-graph passes) are computed
-# in registers from the seed and the element index. constant_pad_nd is a masked load:
-# its producer is computed inside it (pad_mm's padded copy of GPT-2's logits gradient is
-# the only [8192, 50260] buffer on the GPU; counted with its unpadded input the estimate
-# was 27% high).
+# in registers from the seed and the element index. constant_pad_nd (pad_mm's padding
+# of a matmul operand) is a masked load: a producer it alone reads is computed inside it.
 POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(
     ("gather", "embedding", "index", "inductor_random", "inductor_randint", "constant_pad_nd")
 )
