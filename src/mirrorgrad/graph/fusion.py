@@ -36,9 +36,8 @@ CONSTANT_FILLS = frozenset(
     ("full", "zeros", "ones", "full_like", "zeros_like", "ones_like", "scalar_tensor")
 )
 # Inductor's seeded random numbers (dropout after its joint-graph passes) are computed
-# in registers from the seed and the element index. A constant pad is a masked load (the
-# padding its joint-graph pass puts around a matmul whose sizes are not aligned, on a
-# GPU: the LM head's vocabulary): the padded value's producer runs inside it.
+# in registers from the seed and the element index. constant_pad_nd (pad_mm's padding
+# of a matmul operand) is a masked load: a producer it alone reads is computed inside it.
 POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(
     ("gather", "embedding", "index", "inductor_random", "inductor_randint", "constant_pad_nd")
 )
