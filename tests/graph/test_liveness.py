@@ -307,3 +307,70 @@ def test_late_addmm_runs_the_product_where_inductor_fuses_it():
     assert names.index(head.name) + 3 == names.index(add.name)  # mm, permute, permute, add
     assert [n.name for n in early.event_nodes].index(head.name) < names.index(head.name)
     assert late.peak >= early.peak
+
+
+class _HFTiedLM(torch.nn.Module):
+    """A tied-head LM with Hugging Face's causal loss: labels padded with -100 and
+    shifted by one, cross-entropy over the [tokens, vocab] logits."""
+
+    def __init__(self, vocab: int, width: int = 16) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, width)
+        self.mid = torch.nn.Linear(width, width)
+
+    def forward(self, tokens):
+        logits = torch.nn.functional.linear(torch.tanh(self.mid(self.tok(tokens))), self.tok.weight)
+        labels = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100
+        )
+
+
+def _gpu_padded_joint(monkeypatch, vocab: int) -> JointGraph:
+    """The joint graph as Inductor hands it over on a GPU: pad_mm pads the vocabulary to
+    a multiple of 4 for the logits matmul (N) and the dX matmul (K), not the head's
+    weight gradient (M only), as on the H100; strides padded as there."""
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+
+    from mirrorgrad.bench.frontier import capture_joint
+    from mirrorgrad.graph import fusion
+
+    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
+    monkeypatch.setattr(torch._inductor.config, "force_shape_pad", True)
+    plain = pad_mm.should_pad
+
+    def k_or_n(match, mat1, mat2, op, input=None):
+        aligned = mat1.shape[1] % 4 == 0 and mat2.shape[1] % 4 == 0
+        return not aligned and plain(match, mat1, mat2, op, input)
+
+    monkeypatch.setattr(pad_mm, "should_pad", k_or_n)
+    monkeypatch.setattr(fusion, "PADDED_STRIDE_DEVICES", frozenset(("cpu", "cuda")))
+    torch.manual_seed(0)
+    return capture_joint(_HFTiedLM(vocab), torch.randint(0, vocab, (2, 32)))
+
+
+def test_the_logits_gradient_is_one_buffer_with_pad_mms_padding(monkeypatch):
+    # H100, GPT-2 budget 0.5 (logits recomputed in the backward): one (8192, 50260)
+    # buffer at stride 50272 holds the recomputed logits, the gradient written over them
+    # and the pad's three zero columns; the model counted two (+27%, 6,088 for 4,788).
+    vocab, rows = 2049, 64  # rows of 2049 floats: strides padded to 2080
+    joint = _gpu_padded_joint(monkeypatch, vocab)
+    pads = [n for n in joint.backward if n.target is aten.constant_pad_nd.default]
+    assert any(n.args[0].target is aten.sub.Tensor for n in pads), "pad_mm did not pad dX"
+    big = rows * vocab * 4
+    # Recompute every forward value of the logits' size; stash the rest.
+    mirrored = [n for n in joint.forward if joint.nbytes(n) >= big * 0.9]
+    saved = [*joint.primals, *(n for n in joint.forward if n not in mirrored)]
+    ix = liveness.GraphIndex(joint)
+    grad = next(n.args[0] for n in pads if n.args[0].target is aten.sub.Tensor)
+    pad = next(p for p in pads if p.args[0] is grad)
+    assert ix.storage[ix.ix[pad]] == ix.ix[grad]  # the pad writes into the gradient's rows
+    sim = liveness.simulate(joint, saved, mirrored, fusion=True, index=ix)
+    at_grad = next(
+        i for i, n in enumerate(sim.event_nodes) if n is grad and i >= sim.forward_events
+    )
+    seen = liveness.simulate(joint, saved, mirrored, fusion=True, index=ix, live_at=at_grad)
+    logits_sized = [n.name for n, b in seen.live_storages.items() if b >= big * 0.9]
+    assert len(logits_sized) == 1, logits_sized
+    assert sim.peak < sim.turn_bytes + 1.5 * big

@@ -64,6 +64,52 @@ def is_pointwise(node: Node) -> bool:
     )
 
 
+# Inductor pads the strides of the buffers it lays out on a GPU (comprehensive_padding;
+# not on the CPU): a stride longer than 1024 elements to a multiple of 128 bytes.
+PADDED_STRIDE_DEVICES = frozenset(("cuda",))
+PADDING_ALIGNMENT_BYTES = 128
+PADDING_STRIDE_THRESHOLD = 1024
+
+
+def padded_strides(val: torch.Tensor) -> tuple[int, ...]:
+    """The strides Inductor gives a buffer it allocates for ``val`` (its own layout, not
+    a graph input's or output's): a dense row-major value's strides padded as
+    ``ir.Layout._pad_strides`` does on ``PADDED_STRIDE_DEVICES``, else ``val``'s."""
+    strides = tuple(int(s) for s in val.stride())
+    if val.device.type not in PADDED_STRIDE_DEVICES or not val.is_contiguous():
+        return strides
+    align = max(PADDING_ALIGNMENT_BYTES // val.element_size(), 1)
+    padded, stride = [1] * val.dim(), 1
+    for dim in range(val.dim() - 1, 0, -1):
+        stride *= int(val.shape[dim])
+        if stride > PADDING_STRIDE_THRESHOLD and stride % align:
+            stride += align - stride % align
+        padded[dim - 1] = stride
+    return tuple(padded)
+
+
+def pads_in_place(node: Node) -> bool:
+    """A ``constant_pad_nd`` that Inductor writes into its input's buffer
+    (``inplace_padding``): pad_mm's padding of the last dimension of a matmul operand
+    that an Inductor kernel computes, within the gap stride padding leaves after each
+    row. Measured (H100, GPT-2): the logits gradient, (8192, 50257) at stride 50272,
+    padded to 50260 columns for the dX matmul in its own buffer."""
+    if op_name(node).split("::")[-1] != "constant_pad_nd" or len(node.users) != 1:
+        return False
+    reader = op_name(next(iter(node.users)))
+    x, pad = node.args[0], list(node.args[1])
+    if reader not in ("aten::mm", "aten::addmm") or not isinstance(x, Node):
+        return False
+    if len(pad) != 4 or pad[0] or pad[2] or pad[3] or pad[1] <= 0:
+        return False
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2 or is_view(x):
+        return False
+    if not fusible_reader(x):  # not a buffer an Inductor kernel computes (extern, input)
+        return False
+    return padded_strides(val)[0] >= int(val.shape[1]) + pad[1]
+
+
 def fusible_reader(node: Node) -> bool:
     """``node`` can compute a pointwise input inside its own kernel."""
     if is_view(node):
