@@ -68,7 +68,11 @@ GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) <
 # pre-activations are dead when its loop ends, a backward's gate gradients once the
 # chunk's GEMMs have read them (an LSTM's, written over its recomputed pre-activations:
 # "bwd.pre_dg"), and no loop runs between a loop and its own readers.
-_ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates"}
+# persistent.py's captured layers: its backward's padded gate gradients share "gates"
+# too, its recomputed pre-activations and GRU hidden-side gradients kernels.py's arenas.
+_ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates",
+             "persistent.bwd.dg": "gates", "persistent.bwd.pre": "bwd.pre",
+             "persistent.bwd.dgh": "bwd.dgh"}  # fmt: skip
 
 
 @dataclass(slots=True)
