@@ -1,0 +1,283 @@
+"""The persistent layers captured in CUDA Graphs (persistent.py's bodies through
+graphs.py): on CPU with the stand-in graphs of conftest (the captured path run by the
+interpreter, replayed on the captured addresses), on the GPU for real, the module's
+forward and backward with capture on against capture off."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mirrorgrad.nn
+from mirrorgrad.ops.rnn import graphs, kernels, persistent
+
+from .test_rnn_persistent import _inputs
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+CASES = [("lstm", "stash"), ("lstm", "recompute"), ("gru", "stash"), ("gru", "recompute"),
+         ("rnn_tanh", "stash")]  # fmt: skip
+on_cpu = pytest.mark.skipif(CUDA, reason="the stand-in graphs run the interpreter on CPU")
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _step(mode, memory, inp, grads, lengths, use_graph):
+    """Forward and backward of one layer; every tensor either returns."""
+    c0 = inp["c0"] if mode == "lstm" else None
+    args = (inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None)
+    kw = dict(lengths=lengths, memory=memory, use_graph=use_graph)
+    y, h_n, c_n, saved = persistent.layer_forward(mode, *args, **kw)
+    gy, ghn, gcn = grads
+    out = persistent.layer_backward(mode, saved, *args, y, gy, ghn,
+                                    gcn if mode == "lstm" else None, **kw)  # fmt: skip
+    return [t for t in (y, h_n, c_n, *saved, *out) if t is not None]
+
+
+def _case(mode, T=5, B=3, n_in=4, H=6, lengths=(5, 2, 3)):
+    inp = _inputs(mode, T, B, n_in, H)
+    grads = (torch.randn(T, B, H, device=DEVICE), torch.randn(B, H, device=DEVICE),
+             torch.randn(B, H, device=DEVICE))  # fmt: skip
+    if lengths is not None:
+        lengths = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    return inp, grads, lengths
+
+
+def _scale_inputs(inp, base, scale):
+    """New values for the inputs in place: a training loop's batch in a static buffer
+    (the inputs are read where they are, so a replay needs their addresses again)."""
+    for k in ("x", "h0", "c0"):
+        if inp[k] is not None:
+            inp[k].copy_(base[k] * scale)
+    return inp
+
+
+@on_cpu
+@pytest.mark.parametrize("chunk_rows", [None, 6], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_captured_layer_equals_the_plain_call_and_keeps_earlier_outputs(
+    cpu_graphs, reused_blocks, monkeypatch, mode, memory, chunk_rows
+):
+    """Step 1's tensors are kept while steps 2-4 run (capturing, then replaying on the
+    addresses the allocator repeats): they keep their values, and every step equals the
+    plain call bit for bit. ``chunks``: the backward in chunks of 2, 2 and 1 steps, the
+    state gradients carried between them inside one captured body."""
+    if chunk_rows is not None:
+        monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", chunk_rows)
+    inp, grads, lengths = _case(mode)
+    base = {k: v.clone() if v is not None else None for k, v in inp.items()}
+    kept = _step(mode, memory, inp, grads, lengths, True)
+    expected = [t.clone() for t in kept]
+    for scale in (2.0, 3.0, 4.0):
+        _scale_inputs(inp, base, scale)
+        got = _step(mode, memory, inp, grads, lengths, True)
+        want = _step(mode, memory, inp, grads, lengths, False)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        del got, want
+    for held, value in zip(kept, expected):
+        torch.testing.assert_close(held, value, rtol=0, atol=0)
+    counts = graphs.counts()
+    assert counts["replays"] > 0 and counts["captures"] > 0, counts
+    assert cpu_graphs and all(g.replays >= 0 for g in cpu_graphs)
+
+
+@on_cpu
+def test_weights_are_read_in_place(cpu_graphs, reused_blocks):
+    """An optimizer step changes W in place: the next replay reads the new values."""
+    inp, grads, lengths = _case("lstm")
+    for _ in range(2):
+        _step("lstm", "stash", inp, grads, lengths, True)
+    inp["w_hh"].mul_(0.5)
+    inp["b_ih"].add_(0.1)
+    before = graphs.counts()["replays"]
+    got = _step("lstm", "stash", inp, grads, lengths, True)
+    assert graphs.counts()["replays"] > before
+    for a, b in zip(got, _step("lstm", "stash", inp, grads, lengths, False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Allocations(TorchDispatchMode):
+    """Records the ops whose outputs are new storage (not an input's, not a view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        given = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.fresh.append(str(func))
+        return out
+
+
+@on_cpu
+@pytest.mark.parametrize("chunk_rows", [None, 6], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_bodies_allocate_nothing(monkeypatch, mode, memory, chunk_rows):
+    """What a capture records allocates nothing: an allocation inside a capture would
+    come from the graph's private pool and stay there as long as the entry. (The launch
+    is left out: the interpreter copies its arguments; a GPU launch allocates nothing.)"""
+    if chunk_rows is not None:
+        monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(persistent, "_launch", lambda *args, **kwargs: None)
+    bodies = []
+    real_fwd, real_bwd = persistent._fwd_body, persistent._bwd_body
+
+    def watched(real):
+        def body(config, layout, buf):
+            with _Allocations() as mode_:
+                real(config, layout, buf)
+            bodies.append(mode_.fresh)
+
+        return body
+
+    monkeypatch.setattr(persistent, "_fwd_body", watched(real_fwd))
+    monkeypatch.setattr(persistent, "_bwd_body", watched(real_bwd))
+    inp, grads, lengths = _case(mode)
+    _step(mode, memory, inp, grads, lengths, False)
+    assert bodies == [[], []]
+
+
+def _merged(held: list[dict]) -> dict:
+    out: dict = {}
+    for buffers in held:
+        for key, nbytes in buffers.items():
+            out[key] = max(out.get(key, 0), nbytes)
+    return out
+
+
+@on_cpu
+@pytest.mark.parametrize("lengths", [None, (5, 2, 3)], ids=["full", "lengths"])
+@pytest.mark.parametrize(("mode", "memory"), CASES)
+def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, monkeypatch, mode, memory,
+                                                        lengths):  # fmt: skip
+    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 6)  # chunks: their lengths too
+    inp, grads, lengths = _case(mode, lengths=lengths)
+    _step(mode, memory, inp, grads, lengths, True)
+    allocated = {name: a.numel() for (_, name), a in graphs._ARENAS.items()}
+    T, B, _ = inp["x"].shape
+    shape = (mode, memory, T, B, inp["h0"].shape[-1], inp["x"].dtype, torch.device("cuda"))
+    declared = _merged([persistent.held_arenas(*shape, has_lengths=lengths is not None,
+                                               has_bias=True, backward=phase)
+                        for phase in (False, True)])  # fmt: skip
+    assert cpu_graphs and allocated
+    assert {key[2]: n for key, n in declared.items()} == allocated
+
+
+@on_cpu
+def test_the_op_declares_the_persistent_arenas_as_held():
+    """impl="persistent" on CUDA: the op's held formula is the layers' arenas, and its
+    per-call temporaries leave them out (graphs.py keeps them between calls)."""
+    from mirrorgrad.formulas import held_formula, memory_formula
+
+    from .test_rnn_held import BACKWARD, FORWARD, _op_args
+
+    fwd, bwd = _op_args("lstm", 2, False, 35, 20, 650, "recompute")
+    fwd = (*fwd[:-2], "persistent", fwd[-1])
+    bwd = (*bwd[:-2], "persistent", bwd[-1])
+    held = {key[2]: n for key, n in held_formula(FORWARD)(*fwd).items()}
+    assert {"gates", "persistent.h", "persistent.count"} <= set(held)
+    assert {key[2] for key in held_formula(BACKWARD)(*bwd)} >= {"gates", "bwd.pre"}
+    cpu_fwd, cpu_bwd = _op_args("lstm", 2, False, 35, 20, 650, "recompute", device="cpu")
+    cpu_fwd = (*cpu_fwd[:-2], "persistent", cpu_fwd[-1])
+    cpu_bwd = (*cpu_bwd[:-2], "persistent", cpu_bwd[-1])
+    assert held_formula(FORWARD)(*cpu_fwd) == {}
+    per_call = memory_formula(FORWARD)(*cpu_fwd) - memory_formula(FORWARD)(*fwd)
+    assert per_call >= held["persistent.h"] + held["gates"] // 2
+    assert memory_formula(BACKWARD)(*cpu_bwd) > memory_formula(BACKWARD)(*bwd)
+
+
+# ---- The module: capture on against capture off ------------------------------------
+
+
+@contextlib.contextmanager
+def _capture(on: bool):
+    """The layers captured as graphs.py decides (on CUDA: by size) or never."""
+    before = graphs.use_graph
+    if not on:
+        graphs.use_graph = lambda device, elements, requested: False
+    try:
+        yield
+    finally:
+        graphs.use_graph = before
+
+
+def _train_steps(module, xs, lengths, steps_seeds):
+    """A training loop's steps on one static input buffer: per step the output, the
+    input's and the parameters' gradients, and graphs.py's counts after it."""
+    x = torch.zeros_like(xs[0]).requires_grad_()
+    records = []
+    for x_value, seed in zip(xs, steps_seeds):
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.no_grad():
+            x.copy_(x_value)
+        torch.manual_seed(seed)  # the dropout seed: same masks with capture on and off
+        inp = x
+        if lengths is not None:
+            inp = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False)
+        y, _ = module(inp)
+        y = y.data if lengths is not None else y
+        (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        records.append((y.detach().clone(), x.grad.clone(), grads, graphs.counts()))
+    return records
+
+
+def _module_pair(mode, dtype, dropout):
+    cls = {"lstm": mirrorgrad.nn.LSTM, "gru": mirrorgrad.nn.GRU}[mode]
+    torch.manual_seed(0)
+    a = cls(24, 40, 2, dropout=dropout, impl="persistent").to(DEVICE, dtype)
+    b = cls(24, 40, 2, dropout=dropout, impl="persistent").to(DEVICE, dtype)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _compare_captured(mode, dtype, packed, dropout, *, steps, T, B):
+    graphs.clear_graphs()
+    captured, plain = _module_pair(mode, dtype, dropout)
+    xs = [torch.randn(T, B, 24, device=DEVICE, dtype=dtype) for _ in range(steps)]
+    lengths = torch.tensor([T - (b % T) for b in range(B)]) if packed else None
+    seeds = list(range(100, 100 + steps))
+    with _capture(True):
+        got = _train_steps(captured, xs, lengths, seeds)
+    with _capture(False):
+        want = _train_steps(plain, xs, lengths, seeds)
+    names = ["y", "dx", *(name for name, _ in captured.named_parameters())]
+    for step, ((y, gx, gw, _), (y_, gx_, gw_, _)) in enumerate(zip(got, want)):
+        for name, a, b in zip(names, [y, gx, *gw], [y_, gx_, *gw_]):
+            assert torch.equal(a, b), f"step {step} {name}: max diff {(a - b).abs().max()}"
+    return [counts for *_, counts in got]
+
+
+@on_cpu
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_module_with_dropout_captured_equals_plain(cpu_graphs, packed):
+    counts = _compare_captured("lstm", torch.float32, packed, 0.4, steps=2, T=4, B=3)
+    assert counts[-1]["captures"] + counts[-1]["replays"] >= 8  # 2 layers x 2 phases x 2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("mode", "dtype", "packed"),
+    [("lstm", torch.bfloat16, True), ("lstm", torch.float32, False),
+     ("gru", torch.float32, True), ("gru", torch.bfloat16, False)],
+    ids=["lstm-bf16-packed", "lstm-fp32", "gru-fp32-packed", "gru-bf16"],
+)  # fmt: skip (each case compiles its own kernels: four, not eight)
+def test_gpu_module_captured_equals_uncaptured_call_after_call(mode, dtype, packed):
+    """Six training steps of a 2-layer module with dropout between its layers, captured
+    and not: the same outputs and gradients bit for bit at every step, and the steady
+    steps replay their layers (no capture, no uncaptured run in the last step)."""
+    counts = _compare_captured(mode, dtype, packed, 0.3, steps=6, T=9, B=5)
+    print(f"{mode} {dtype} packed={packed}: graphs.counts() per step {counts}")
+    last = {k: counts[-1][k] - counts[-2][k] for k in counts[-1]}
+    # 2 layers: 2 forward and 2 backward replays per step
+    assert last == {"captures": 0, "replays": 4, "uncaptured": 0}, counts
