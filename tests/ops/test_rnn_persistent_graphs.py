@@ -209,12 +209,14 @@ def _capture(on: bool):
         graphs.use_graph = before
 
 
-def _train_steps(module, xs, lengths, steps_seeds):
-    """A training loop's steps on one static input buffer: per step the output, the
-    input's and the parameters' gradients, and graphs.py's counts after it."""
+def _train_steps(module, xs, lengths, seeds):
+    """A training loop's steps on one static input buffer: every step's output, input
+    gradient and parameter gradients (stacked per tensor), and graphs.py's counts after
+    each step. The stacks are allocated once, in the first step, so that the later steps
+    allocate what the steps before them did (as a training loop does)."""
     x = torch.zeros_like(xs[0]).requires_grad_()
-    records = []
-    for x_value, seed in zip(xs, steps_seeds):
+    store, counts = None, []
+    for step, (x_value, seed) in enumerate(zip(xs, seeds)):
         module.zero_grad(set_to_none=True)
         x.grad = None
         with torch.no_grad():
@@ -226,9 +228,13 @@ def _train_steps(module, xs, lengths, steps_seeds):
         y, _ = module(inp)
         y = y.data if lengths is not None else y
         (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
-        grads = [p.grad.clone() for p in module.parameters()]
-        records.append((y.detach().clone(), x.grad.clone(), grads, graphs.counts()))
-    return records
+        now = [y.detach(), x.grad, *(p.grad for p in module.parameters())]
+        if store is None:
+            store = [t.new_empty((len(xs), *t.shape)) for t in now]
+        for slot, t in zip(store, now):
+            slot[step].copy_(t)
+        counts.append(graphs.counts())
+    return store, counts
 
 
 def _module_pair(mode, dtype, dropout):
@@ -247,14 +253,15 @@ def _compare_captured(mode, dtype, packed, dropout, *, steps, T, B):
     lengths = torch.tensor([T - (b % T) for b in range(B)]) if packed else None
     seeds = list(range(100, 100 + steps))
     with _capture(True):
-        got = _train_steps(captured, xs, lengths, seeds)
+        got, counts = _train_steps(captured, xs, lengths, seeds)
     with _capture(False):
-        want = _train_steps(plain, xs, lengths, seeds)
+        want, _ = _train_steps(plain, xs, lengths, seeds)
     names = ["y", "dx", *(name for name, _ in captured.named_parameters())]
-    for step, ((y, gx, gw, _), (y_, gx_, gw_, _)) in enumerate(zip(got, want)):
-        for name, a, b in zip(names, [y, gx, *gw], [y_, gx_, *gw_]):
-            assert torch.equal(a, b), f"step {step} {name}: max diff {(a - b).abs().max()}"
-    return [counts for *_, counts in got]
+    for name, a, b in zip(names, got, want):
+        for step in range(steps):
+            same = torch.equal(a[step], b[step])
+            assert same, f"step {step} {name}: max diff {(a[step] - b[step]).abs().max()}"
+    return counts
 
 
 @on_cpu
