@@ -31,6 +31,9 @@ A spin barrier needs every program resident at once: the grid is capped at the S
 count (one program per SM), else the layer runs kernels.py (``plan`` returns None).
 Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
 program owning all units (same arithmetic, the barrier trivially met).
+On CUDA each layer-direction's forward and backward (fills, GEMMs, the launch) is one
+body captured in a CUDA Graph and replayed through graphs.py, as kernels.py's step
+loops are: the host work of a call is one replay (the layer functions' section below).
 Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
 empty batch, and hidden sizes whose grid would exceed the SMs at BN <= MAX_BN.
 """
