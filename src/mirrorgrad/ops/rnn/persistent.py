@@ -1195,6 +1195,11 @@ def _graphed(config: kernels.LoopConfig, steps: int, use_graph: bool | None) -> 
 def _run(key: tuple, config: kernels.LoopConfig, buf, body) -> None:
     """``body(buf)`` as the captured entry of ``key`` for ``buf``'s addresses (captured
     now if there is none), or plainly where graphs.py skips this capture."""
+    if config.device.type == "cuda":
+        # This thread's cuBLAS handle, made now: its GEMMs all run on the capturing thread
+        # here, and an outer capture (a user's torch.cuda.graph) in which they run plainly
+        # cannot create one (w A: CUBLAS_STATUS_NOT_INITIALIZED in the bench's capture).
+        torch.cuda.current_blas_handle()
     entry = graphs.acquire(key, config.device, buf, body)
     if entry is not None:
         entry.replay(buf)
