@@ -20,7 +20,10 @@ from mirrorgrad.bench.suites import get_workload
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import StepCost
 from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.graph.repeats import repeated_classes
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror.policy import MirrorPolicy
+from mirrorgrad.mirror.storage_balance import UnitGraph
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -147,3 +150,30 @@ def test_full_size_transformer_dominates_min_cut(fraction):
 def _full_size_transformer() -> JointGraph:
     built = get_workload("transformer").build(device="cpu", quick=False)
     return capture_joint(built.model, *built.make_batch())
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("resnet50-ish", PlanOptions(mode="balance")),
+        ("resnet50-ish", PlanOptions(mode="budget", budget=0.3)),
+        ("seq2seq_attention", PlanOptions(mode="budget", budget=0.3)),
+    ],
+)
+def test_the_plan_is_alike_in_every_copy_of_a_repeated_block(name, options):
+    # On these graphs the per-unit search decides some copies of a repeated op one way
+    # and others the other way (one more kernel variant for Inductor to compile each);
+    # a plan alike in every copy keeps the same promise here.
+    joint = _joint(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(joint, options)
+    graph = UnitGraph(joint, MirrorPolicy())
+    mirrored = set(p.mirrored)
+    classes = repeated_classes(joint, graph.units)
+    assert classes
+    assert all(len(mirrored & set(c)) in (0, len(c)) for c in classes)
+    if options.mode == "balance":
+        assert p.added_time_s <= options.max_overhead * p.step_time_s
+    else:
+        assert p.budget_met is not False
