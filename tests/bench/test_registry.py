@@ -29,6 +29,7 @@ BASE_METHODS = (
     "compile-budget-0.1",
     "checkpoint",
     "mirror-balance",
+    "mirror-balance-0.03",
     "mirror-budget-0.5",
     "mirror-budget-0.3",
     "cuda-graph",
