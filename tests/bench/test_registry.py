@@ -48,7 +48,7 @@ def test_method_names():
     assert set(METHODS) == set(BASE_METHODS) | mgnn | suites
     assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
     assert set(MGNN_BASES) <= set(BASE_METHODS)
-    planner = [m for m in BASE_METHODS if m != "cuda-graph"]
+    planner = [m for m in BASE_METHODS if m not in ("cuda-graph", "mirror-balance-0.03")]
     assert default_methods(recurrent=False) == planner
     assert default_methods(recurrent=True) == [*planner, *(f"{m}+mgnn" for m in MGNN_BASES)]
     assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}
