@@ -29,7 +29,6 @@ BASE_METHODS = (
     "compile-budget-0.1",
     "checkpoint",
     "mirror-balance",
-    "mirror-balance-0.03",
     "mirror-budget-0.5",
     "mirror-budget-0.3",
     "cuda-graph",
@@ -48,7 +47,7 @@ def test_method_names():
     assert set(METHODS) == set(BASE_METHODS) | mgnn | suites
     assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
     assert set(MGNN_BASES) <= set(BASE_METHODS)
-    planner = [m for m in BASE_METHODS if m not in ("cuda-graph", "mirror-balance-0.03")]
+    planner = [m for m in BASE_METHODS if m != "cuda-graph"]
     assert default_methods(recurrent=False) == planner
     assert default_methods(recurrent=True) == [*planner, *(f"{m}+mgnn" for m in MGNN_BASES)]
     assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}

@@ -141,8 +141,6 @@ def _base_methods() -> list[Method]:
         )
     )
     mirror_modes: list[tuple[str, dict[str, Any]]] = [("mirror-balance", {"mode": "balance"})]
-    # Balance at a 3% cap (issue 17's time target), beside the default 5%.
-    mirror_modes.append(("mirror-balance-0.03", {"mode": "balance", "max_overhead": 0.03}))
     mirror_modes += [(f"mirror-budget-{f}", {"mode": "budget", "budget": f}) for f in (0.5, 0.3)]
     for name, options in mirror_modes:
         methods.append(
