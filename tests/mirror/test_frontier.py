@@ -18,7 +18,7 @@ from mirrorgrad.bench import models
 from mirrorgrad.bench.frontier import capture_joint, min_cut_partition
 from mirrorgrad.bench.suites import get_workload
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import StepCost
+from mirrorgrad.graph.cost import StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.graph.repeats import repeated_classes
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
@@ -94,9 +94,9 @@ def min_cut_plan(joint: JointGraph, fraction: float) -> tuple[int, float]:
     """(peak, added seconds) of min-cut's partition at ``fraction``, by our models, its
     backward as stock Inductor runs it (``late_addmm``: our plans split those)."""
     saved, mirrored = min_cut_partition(joint, fraction)
-    cost = StepCost(joint, fusion=True)
+    cost = StepCost(joint, rates_for(joint.device), fusion=True)
     peak = liveness.simulate(joint, saved, mirrored, fusion=True, late_addmm=True).peak
-    return peak, sum(cost.run(n).seconds for n in mirrored)
+    return peak, sum(cost.recomputed(n).seconds for n in mirrored)
 
 
 @functools.cache

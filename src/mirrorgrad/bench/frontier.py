@@ -30,7 +30,7 @@ import torch
 
 from mirrorgrad import _compat
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import StepCost, rates_for
+from mirrorgrad.graph.cost import H100, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
 from mirrorgrad.mirror.partition import remove_detaches
@@ -103,7 +103,9 @@ def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
 
 def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
     """One row per plan: min-cut's and ours, by the same models."""
-    cost = StepCost(joint, rates_for(joint.device), fusion=True)
+    # A CPU capture stands for the GPU graph: an H100's rates, kernel launches included.
+    rates = rates_for(joint.device) if joint.device.type == "cuda" else H100
+    cost = StepCost(joint, rates, fusion=True)
     index = liveness.GraphIndex(joint)
     # Min-cut's graphs run as stock Inductor runs them (our plans split late addmms).
     judge = dict(fusion=True, index=index, late_addmm=True)
@@ -130,19 +132,21 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
             p = plan(joint, options)
         row(name, p.peak_after, p.added_time_s, time.process_time() - start)
 
-    ours("mirror-balance", PlanOptions(mode="balance"))
+    ours("mirror-balance", PlanOptions(mode="balance", device=rates))
     for f in fractions:
         start = time.process_time()
         saved, recomputed = min_cut_partition(joint, f)
         their = liveness.simulate(joint, saved, recomputed, **judge).peak
-        seconds = sum(cost.run(n).seconds for n in recomputed)
+        seconds = sum(cost.recomputed(n).seconds for n in recomputed)
         # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
         # every op that may draw (an attention kernel with a dropout argument, a `rand`).
         drawn = sorted({op_name(n).split("::")[-1] for n in recomputed if is_random(n)})
         note = f" (recomputes {', '.join(drawn)}: may draw)" if drawn else ""
         row(f"compile-budget-{f} (min-cut){note}", their, seconds, time.process_time() - start)
-        ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f))
-        ours(f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their))
+        ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f, device=rates))
+        ours(
+            f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their, device=rates)
+        )
     return rows
 
 

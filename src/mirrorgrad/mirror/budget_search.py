@@ -589,7 +589,7 @@ class _Planner:
         self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
         self.inlined = costs.inlined  # values computed in their readers' kernels
-        self.recompute = {n: costs.run(n) for n in joint.forward}
+        self.recompute = {n: costs.recomputed(n) for n in joint.forward}
         self._evaluated: dict[tuple[frozenset[Node], bool], _Candidate] = {}
         self._chain_cache: dict[Node, tuple[str, list, int]] = {}
 
