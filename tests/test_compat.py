@@ -345,3 +345,24 @@ def test_static_sizes_tells_symbolic_sizes_apart_while_dynamo_traces():
         torch._dynamo.reset()
         torch.compile(f, dynamic=dynamic, backend="eager", fullgraph=True)(torch.ones(5, 4))
         assert seen["static"] is not dynamic
+
+
+def test_stride_padding_reads_inductors_settings():
+    # graph.fusion.padded_strides models Inductor's comprehensive padding with these:
+    # a rename or a new default must show up here, not as a wrong peak estimate.
+    assert _compat.stride_padding() == (True, 128, 1024)
+    settings = {"comprehensive_padding": False, "padding_alignment_bytes": 64}
+    with _compat.inductor_config.patch({**settings, "padding_stride_threshold": 512}):
+        assert _compat.stride_padding() == (False, 64, 512)
+
+
+def test_gpu_shape_padding_patches_names_pad_mm_has():
+    from torch._inductor.fx_passes import pad_mm
+
+    for name in ("check_device", "has_triton", "should_pad"):
+        assert callable(getattr(pad_mm, name)), name
+    assert hasattr(_compat.inductor_config, "force_shape_pad")
+    before = pad_mm.should_pad
+    with _compat.gpu_shape_padding():
+        assert pad_mm.check_device(None, None) and _compat.inductor_config.force_shape_pad
+    assert pad_mm.should_pad is before

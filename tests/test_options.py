@@ -84,7 +84,7 @@ def test_options_are_frozen_and_exported():
     options = mirrorgrad.MirrorOptions(mode="budget", budget=0.5)
     with pytest.raises(AttributeError):
         options.mode = "off"
-    assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.05}
+    assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.03}
 
 
 

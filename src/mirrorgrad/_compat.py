@@ -6,6 +6,9 @@ that fails loudly when a torch release moves or changes it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])  # type: ignore[assignment]
@@ -214,6 +217,7 @@ __all__ = [
     "extract_fwd_bwd_modules",
     "functorch_config",
     "get_hash_for_files",
+    "gpu_shape_padding",
     "inductor_config",
     "inductor_decompositions",
     "inductor_mode_options",
@@ -232,6 +236,7 @@ __all__ = [
     "record_memory_history",
     "reordering_to_mimic_autograd_engine",
     "storage_use_count",
+    "stride_padding",
     "tracing",
     "tracing_context",
     "vf_rnn",
@@ -330,3 +335,38 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.is_available():
         clear()
+
+
+def stride_padding() -> tuple[bool, int, int]:
+    """Inductor's comprehensive padding as configured now: (on, alignment in bytes, the
+    shortest stride padded, in elements). ``graph.fusion.padded_strides`` follows it."""
+    return (
+        bool(inductor_config.comprehensive_padding),
+        int(inductor_config.padding_alignment_bytes),
+        int(inductor_config.padding_stride_threshold),
+    )
+
+
+@contextlib.contextmanager
+def gpu_shape_padding() -> Iterator[None]:
+    """Inductor's ``pad_mm`` joint-graph pass as it runs on a GPU, for a capture on the
+    CPU (where ``check_device`` turns it off): matmuls whose K or N is not a multiple
+    of the alignment are padded (``force_shape_pad`` skips its benchmark; an M-only pad,
+    which the H100's benchmark declined for GPT-2's LM-head weight gradient, is not)."""
+    from torch._inductor.fx_passes import pad_mm
+
+    plain = pad_mm.should_pad
+
+    def k_or_n(match, mat1, mat2, op, input=None):
+        aligned = mat1.shape[1] % 4 == 0 and mat2.shape[1] % 4 == 0
+        return not aligned and plain(match, mat1, mat2, op, input)
+
+    saved = (pad_mm.check_device, pad_mm.has_triton, pad_mm.should_pad)
+    pad_mm.check_device = lambda a, b: True
+    pad_mm.has_triton = lambda: True
+    pad_mm.should_pad = k_or_n
+    try:
+        with inductor_config.patch({"force_shape_pad": True}):
+            yield
+    finally:
+        pad_mm.check_device, pad_mm.has_triton, pad_mm.should_pad = saved

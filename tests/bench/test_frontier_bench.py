@@ -30,3 +30,27 @@ def test_rows_compare_at_min_cuts_peak(tmp_path, capsys):
         if ours["peak_mib"] <= theirs["peak_mib"]:
             assert ours["added_time"] <= theirs["added_time"] + 1e-9
     assert "| mlp |" in capsys.readouterr().out
+
+
+def test_gpu_layout_pads_an_unaligned_vocabulary_as_a_gpu_does(tmp_path):
+    # A tied-head LM with a vocabulary of 2049: on a GPU Inductor's pad_mm pads it for
+    # the logits matmul; a plain CPU capture never does, --gpu-layout does.
+    from torch import nn
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(2049, 32)
+
+        def forward(self, tokens):
+            logits = self.emb(tokens) @ self.emb.weight.t()
+            return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    tokens = torch.randint(0, 2049, (2, 16))
+
+    def pads(joint) -> int:
+        return sum(n.target is torch.ops.aten.constant_pad_nd.default for n in joint.gm.graph.nodes)
+
+    assert pads(frontier.capture_joint(TiedLM(), tokens)) == 0
+    with frontier._as_on_a_gpu():
+        assert pads(frontier.capture_joint(TiedLM(), tokens)) > 0

@@ -1,3 +1,4 @@
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -104,7 +105,9 @@ def test_rates_must_be_positive():
 
 
 def test_rates_follow_the_device():
-    assert rates_for(torch.device("cpu")) == H100
+    cpu = rates_for(torch.device("cpu"))  # an H100's rates, no kernel launches
+    assert cpu.launch_s == 0 and H100.launch_s > 0
+    assert dataclasses.replace(cpu, launch_s=H100.launch_s) == H100
     assert H200.bytes_per_s > H100.bytes_per_s
     assert H200.matmul_flops_per_s == H100.matmul_flops_per_s
 
@@ -187,3 +190,30 @@ def test_a_padded_pointwise_value_is_computed_inside_the_pad():
         producer = pad.args[0]
         assert producer in inlined  # written once, padded, by the pad's kernel
         assert pad not in inlined  # the matmul reads it from memory
+
+
+class _PointwiseChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(h * 2 + 1) * torch.sigmoid(h)).sum()
+
+
+def test_a_recomputed_op_written_to_memory_costs_at_least_a_launch():
+    joint = joint_of(_PointwiseChain(), torch.randn(8, 16), decompose=True)
+    cost = StepCost(joint, H100, fusion=True)
+    floored = inline = 0
+    for n in joint.forward:
+        run, again = cost.run(n).seconds, cost.recomputed(n).seconds
+        if n in cost.inlined or run == 0:
+            assert again == run
+            inline += n in cost.inlined
+        else:
+            assert again == max(run, H100.launch_s)
+            floored += run < H100.launch_s
+    assert floored and inline  # tiny ops: both kinds occur
+    on_cpu = StepCost(joint, rates_for(torch.device("cpu")), fusion=True)
+    assert all(on_cpu.recomputed(n) == on_cpu.run(n) for n in joint.forward)

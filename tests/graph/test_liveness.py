@@ -5,6 +5,7 @@ import operator
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import fx
 
@@ -326,36 +327,26 @@ class _HFTiedLM(torch.nn.Module):
         )
 
 
-def _gpu_padded_joint(monkeypatch, vocab: int) -> JointGraph:
-    """The joint graph as Inductor hands it over on a GPU: pad_mm pads the vocabulary to
-    a multiple of 4 for the logits matmul (N) and the dX matmul (K), not the head's
-    weight gradient (M only), as on the H100; strides padded as there."""
-    import torch._inductor.fx_passes.pad_mm as pad_mm
-
-    from mirrorgrad.bench.frontier import capture_joint
+@pytest.fixture
+def as_on_a_gpu():
+    """Captured and laid out as on a GPU: pad_mm pads the vocabulary to a multiple of 4
+    for the logits matmul (N) and the dX matmul (K), not the head's weight gradient (M
+    only), as on the H100; strides padded as there."""
     from mirrorgrad.graph import fusion
 
-    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)
-    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
-    monkeypatch.setattr(torch._inductor.config, "force_shape_pad", True)
-    plain = pad_mm.should_pad
-
-    def k_or_n(match, mat1, mat2, op, input=None):
-        aligned = mat1.shape[1] % 4 == 0 and mat2.shape[1] % 4 == 0
-        return not aligned and plain(match, mat1, mat2, op, input)
-
-    monkeypatch.setattr(pad_mm, "should_pad", k_or_n)
-    monkeypatch.setattr(fusion, "PADDED_STRIDE_DEVICES", frozenset(("cpu", "cuda")))
-    torch.manual_seed(0)
-    return capture_joint(_HFTiedLM(vocab), torch.randint(0, vocab, (2, 32)))
+    with _compat.gpu_shape_padding(), fusion.strides_as_on_a_gpu():
+        yield
 
 
-def test_the_logits_gradient_is_one_buffer_with_pad_mms_padding(monkeypatch):
+def test_the_logits_gradient_is_one_buffer_with_pad_mms_padding(as_on_a_gpu):
     # H100, GPT-2 budget 0.5 (logits recomputed in the backward): one (8192, 50260)
     # buffer at stride 50272 holds the recomputed logits, the gradient written over them
     # and the pad's three zero columns; the model counted two (+27%, 6,088 for 4,788).
     vocab, rows = 2049, 64  # rows of 2049 floats: strides padded to 2080
-    joint = _gpu_padded_joint(monkeypatch, vocab)
+    from mirrorgrad.bench.frontier import capture_joint
+
+    torch.manual_seed(0)
+    joint = capture_joint(_HFTiedLM(vocab), torch.randint(0, vocab, (2, 32)))
     pads = [n for n in joint.backward if n.target is aten.constant_pad_nd.default]
     assert any(n.args[0].target is aten.sub.Tensor for n in pads), "pad_mm did not pad dX"
     big = rows * vocab * 4

@@ -18,9 +18,12 @@ from mirrorgrad.bench import models
 from mirrorgrad.bench.frontier import capture_joint, min_cut_partition
 from mirrorgrad.bench.suites import get_workload
 from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import StepCost
+from mirrorgrad.graph.cost import StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
+from mirrorgrad.graph.repeats import repeated_classes
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror.policy import MirrorPolicy
+from mirrorgrad.mirror.storage_balance import UnitGraph
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
@@ -91,9 +94,9 @@ def min_cut_plan(joint: JointGraph, fraction: float) -> tuple[int, float]:
     """(peak, added seconds) of min-cut's partition at ``fraction``, by our models, its
     backward as stock Inductor runs it (``late_addmm``: our plans split those)."""
     saved, mirrored = min_cut_partition(joint, fraction)
-    cost = StepCost(joint, fusion=True)
+    cost = StepCost(joint, rates_for(joint.device), fusion=True)
     peak = liveness.simulate(joint, saved, mirrored, fusion=True, late_addmm=True).peak
-    return peak, sum(cost.run(n).seconds for n in mirrored)
+    return peak, sum(cost.recomputed(n).seconds for n in mirrored)
 
 
 @functools.cache
@@ -147,3 +150,30 @@ def test_full_size_transformer_dominates_min_cut(fraction):
 def _full_size_transformer() -> JointGraph:
     built = get_workload("transformer").build(device="cpu", quick=False)
     return capture_joint(built.model, *built.make_batch())
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("resnet50-ish", PlanOptions(mode="balance")),
+        ("resnet50-ish", PlanOptions(mode="budget", budget=0.3)),
+        ("seq2seq_attention", PlanOptions(mode="budget", budget=0.3)),
+    ],
+)
+def test_the_plan_is_alike_in_every_copy_of_a_repeated_block(name, options):
+    # On these graphs the per-unit search decides some copies of a repeated op one way
+    # and others the other way (one more kernel variant for Inductor to compile each);
+    # a plan alike in every copy keeps the same promise here.
+    joint = _joint(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(joint, options)
+    graph = UnitGraph(joint, MirrorPolicy())
+    mirrored = set(p.mirrored)
+    classes = repeated_classes(joint, graph.units)
+    assert classes
+    assert all(len(mirrored & set(c)) in (0, len(c)) for c in classes)
+    if options.mode == "balance":
+        assert p.added_time_s <= options.max_overhead * p.step_time_s
+    else:
+        assert p.budget_met is not False

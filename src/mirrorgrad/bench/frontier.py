@@ -5,7 +5,8 @@ The joint graph is the one Inductor hands its partitioner (``torch.compile`` wit
 capturing ``custom_partitioner_fn``) and nothing is executed: the capture stops in the
 partitioner, so full-size graphs cost a trace on any device.
 
-    python -m mirrorgrad.bench.frontier --out DIR [--workloads gpt2 transformer resnet152]
+    python -m mirrorgrad.bench.frontier --out DIR [--workloads gpt2 transformer resnet152] \
+        [--gpu-layout]
 
 Per workload: min-cut at each fraction, our budget at the same fraction, our budget
 asked for min-cut's estimated peak in bytes (the frontier comparison: same peak, whose
@@ -17,20 +18,22 @@ Writes ``frontier.json`` to ``--out``; the table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mirrorgrad import _compat
-from mirrorgrad.graph import liveness
-from mirrorgrad.graph.cost import StepCost, rates_for
+from mirrorgrad.graph import fusion, liveness
+from mirrorgrad.graph.cost import H100, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror.budget_search import PlanOptions, plan
 from mirrorgrad.mirror.partition import remove_detaches
@@ -103,7 +106,9 @@ def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
 
 def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
     """One row per plan: min-cut's and ours, by the same models."""
-    cost = StepCost(joint, rates_for(joint.device), fusion=True)
+    # A CPU capture stands for the GPU graph: an H100's rates, kernel launches included.
+    rates = rates_for(joint.device) if joint.device.type == "cuda" else H100
+    cost = StepCost(joint, rates, fusion=True)
     index = liveness.GraphIndex(joint)
     # Min-cut's graphs run as stock Inductor runs them (our plans split late addmms).
     judge = dict(fusion=True, index=index, late_addmm=True)
@@ -130,20 +135,28 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
             p = plan(joint, options)
         row(name, p.peak_after, p.added_time_s, time.process_time() - start)
 
-    ours("mirror-balance", PlanOptions(mode="balance"))
+    ours("mirror-balance", PlanOptions(mode="balance", device=rates))
     for f in fractions:
         start = time.process_time()
         saved, recomputed = min_cut_partition(joint, f)
         their = liveness.simulate(joint, saved, recomputed, **judge).peak
-        seconds = sum(cost.run(n).seconds for n in recomputed)
+        seconds = sum(cost.recomputed(n).seconds for n in recomputed)
         # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
         # every op that may draw (an attention kernel with a dropout argument, a `rand`).
         drawn = sorted({op_name(n).split("::")[-1] for n in recomputed if is_random(n)})
         note = f" (recomputes {', '.join(drawn)}: may draw)" if drawn else ""
         row(f"compile-budget-{f} (min-cut){note}", their, seconds, time.process_time() - start)
-        ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f))
-        ours(f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their))
+        ours(f"mirror-budget-{f}", PlanOptions(mode="budget", budget=f, device=rates))
+        ours(
+            f"mirror at min-cut {f}'s peak", PlanOptions(mode="budget", budget=their, device=rates)
+        )
     return rows
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    with _compat.gpu_shape_padding(), fusion.strides_as_on_a_gpu():
+        yield
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
@@ -173,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["transformer", "gpt2", "resnet50"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument(
+        "--gpu-layout",
+        action="store_true",
+        help="on the CPU, capture and lay out as a GPU does (Inductor's pad_mm padding of "
+        "unaligned matmul dimensions, padded strides): estimates of unaligned "
+        "vocabularies (GPT-2's 50,257) then follow the GPU's",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -182,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads:
         try:
             built = get_workload(name).build(device=args.device, quick=args.quick)
-            start = time.perf_counter()
-            joint = capture_joint(built.model, *built.make_batch())
-            capture_s = time.perf_counter() - start
-            rows = compare(joint)
+            layout = _as_on_a_gpu() if args.gpu_layout else contextlib.nullcontext()
+            with layout:
+                start = time.perf_counter()
+                joint = capture_joint(built.model, *built.make_batch())
+                capture_s = time.perf_counter() - start
+                rows = compare(joint)
             results[name] = {"nodes": len(joint.gm.graph.nodes), "capture_s": capture_s}
             results[name]["rows"] = rows
         except Exception as e:  # one workload's failure is a row, not the end of the run

@@ -58,28 +58,48 @@ class DeviceRates:
     conv_flops_per_s: float = 100e12
     vector_flops_per_s: float = 50e12
     bytes_per_s: float = 3.0e12
+    # The least a recomputed op written to memory costs on a GPU: a kernel of its own,
+    # launched by the host (0: no floor, as on the CPU). On the H100 machines
+    # torch.compile's ResNet-152 step (batch 32) ran 2,154 kernels in 51.6 ms with the
+    # GPU busy 29 ms (host-bound, ~24 us a kernel); a balance plan adding 458 small
+    # BatchNorm/ReLU recompute kernels, priced +3-5% by bytes, measured 1.28-1.33x.
+    # With this floor it keeps the large ones: 0.69x the peak at 0.90x the time
+    # (docs/notes/planner.md, "Kernel launches").
+    launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops_per_s", "conv_flops_per_s", "vector_flops_per_s",
                      "bytes_per_s"):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceRates.{name} must be > 0, got {getattr(self, name)}")
+        if not self.launch_s >= 0:
+            raise ValueError(f"DeviceRates.launch_s must be >= 0, got {self.launch_s}")
 
 
-H100 = DeviceRates()
+# Launches as the H100/H200 machines' hosts measured them (~24 us a kernel).
+GPU_LAUNCH_S = 20e-6
+H100 = DeviceRates(launch_s=GPU_LAUNCH_S)
 # Same compute as the H100, HBM3e at 4.8 TB/s peak: memory-bound recomputation is
 # ~1.4x cheaper next to the matmuls.
-H200 = DeviceRates(bytes_per_s=4.3e12)
+H200 = DeviceRates(bytes_per_s=4.3e12, launch_s=GPU_LAUNCH_S)
 # TF32/bf16 matmul as reached in practice, fp32 vector units, HBM2e (2.0 TB/s peak).
 A100 = DeviceRates(
-    matmul_flops_per_s=200e12, conv_flops_per_s=50e12, vector_flops_per_s=15e12, bytes_per_s=1.7e12
-)
+    matmul_flops_per_s=200e12, conv_flops_per_s=50e12, vector_flops_per_s=15e12,
+    bytes_per_s=1.7e12, launch_s=GPU_LAUNCH_S,
+)  # fmt: skip
 _KNOWN = (("H200", H200), ("H100", H100), ("A100", A100))
+# A graph on the CPU: an H100's rates (the planner's CPU tests and captures stand for
+# GPU graphs) without the launch floor (the CPU runs no kernel launches; small test
+# graphs would otherwise never recompute anything). ``bench.frontier`` passes H100.
+CPU = DeviceRates()
 
 
 def rates_for(device: torch.device) -> DeviceRates:
-    """The rates of ``device`` by its CUDA name; H100's for anything else."""
-    if device.type == "cuda" and torch.cuda.is_available():
+    """The rates of ``device`` by its CUDA name (an unknown GPU: the H100's); on the
+    CPU, ``CPU``."""
+    if device.type != "cuda":
+        return CPU
+    if torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
         for key, rates in _KNOWN:
             if key in name:
@@ -229,6 +249,17 @@ class StepCost:
         cost = self._cost.get(node)
         if cost is None:
             cost = self._cost[node] = self._run(node)
+        return cost
+
+    def recomputed(self, node: Node) -> OpCost:
+        """Cost of recomputing ``node`` in the backward pass: ``run``, and at least a
+        kernel launch where it is written to memory (not computed inside its readers'
+        kernels). The step's own estimate keeps ``run``: torch.compile's plan pays its
+        launches too, and on a GPU-bound step they hide behind its kernels."""
+        cost = self.run(node)
+        written = node not in self.inlined and not is_getitem(node) and not is_view(node)
+        if written and 0 < cost.seconds < self.rates.launch_s:
+            return OpCost(flops=cost.flops, bytes=cost.bytes, seconds=self.rates.launch_s)
         return cost
 
     def _run(self, node: Node) -> OpCost:

@@ -12,6 +12,9 @@ as Inductor does; the cost model does not, as its scheduler may fuse them again)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.fx import Node
 
@@ -65,10 +68,22 @@ def is_pointwise(node: Node) -> bool:
 
 
 # Inductor pads the strides of the buffers it lays out on a GPU (comprehensive_padding;
-# not on the CPU): a stride longer than 1024 elements to a multiple of 128 bytes.
+# not on the CPU): by default a stride longer than 1024 elements to a multiple of 128
+# bytes (its settings are read through ``_compat.stride_padding``).
 PADDED_STRIDE_DEVICES = frozenset(("cuda",))
-PADDING_ALIGNMENT_BYTES = 128
-PADDING_STRIDE_THRESHOLD = 1024
+
+
+@contextlib.contextmanager
+def strides_as_on_a_gpu() -> Iterator[None]:
+    """Values on the CPU get the padded strides a GPU's buffers would (``bench.frontier
+    --gpu-layout``: a CPU capture estimated as the GPU lays it out)."""
+    global PADDED_STRIDE_DEVICES
+    saved = PADDED_STRIDE_DEVICES
+    PADDED_STRIDE_DEVICES = saved | {"cpu"}
+    try:
+        yield
+    finally:
+        PADDED_STRIDE_DEVICES = saved
 
 
 def padded_strides(val: torch.Tensor) -> tuple[int, ...]:
@@ -76,13 +91,14 @@ def padded_strides(val: torch.Tensor) -> tuple[int, ...]:
     a graph input's or output's): a dense row-major value's strides padded as
     ``ir.Layout._pad_strides`` does on ``PADDED_STRIDE_DEVICES``, else ``val``'s."""
     strides = tuple(int(s) for s in val.stride())
-    if val.device.type not in PADDED_STRIDE_DEVICES or not val.is_contiguous():
+    padding, alignment_bytes, threshold = _compat.stride_padding()
+    if not padding or val.device.type not in PADDED_STRIDE_DEVICES or not val.is_contiguous():
         return strides
-    align = max(PADDING_ALIGNMENT_BYTES // val.element_size(), 1)
+    align = max(alignment_bytes // val.element_size(), 1)
     padded, stride = [1] * val.dim(), 1
     for dim in range(val.dim() - 1, 0, -1):
         stride *= int(val.shape[dim])
-        if stride > PADDING_STRIDE_THRESHOLD and stride % align:
+        if stride > threshold and stride % align:
             stride += align - stride % align
         padded[dim - 1] = stride
     return tuple(padded)

@@ -31,6 +31,7 @@ from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import DeviceRates, StepCost, rates_for
 from mirrorgrad.graph.fusion import REALIZE_ACC_READS
 from mirrorgrad.graph.joint import JointGraph, JointGraphError, is_getitem, is_sym, is_view
+from mirrorgrad.graph.repeats import repeated_classes
 from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy, is_random, op_name
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 from mirrorgrad.options import MirrorOptions
@@ -80,6 +81,19 @@ BUDGET_TOLERANCE = 0.05
 # recomputation its arithmetic). Running min-cut itself would cost 4-7 s of planning
 # on a 10k-node graph.
 DEFAULT_PLAN_OVERHEAD = 0.01
+# A plan that differs between copies of a repeated block gives Inductor a kernel per
+# variant to compile (cold compile 1.35-1.47x torch.compile's on the suite's
+# Transformer and resnet50, where min-cut's identical blocks reuse 8 backward
+# kernels at any depth). The chosen plan is made the same in every copy where that
+# keeps its promise: a budget at no more time (a search by whole classes of
+# repeated ops found no plan at the transformer's budget peaks as fast as the
+# per-unit one); balance's cap, at most this share above its peak.
+UNIFORM_PEAK_SLACK = 0.02
+# Up to this many classes decided both ways, every way of deciding them is tried
+# (2**N simulations); beyond, three.
+UNIFORM_EXHAUSTIVE = 4
+# Rounds of stashing classes that a plan still recomputes in some copies only.
+UNIFORM_SETTLE_ROUNDS = 4
 # The largest values alive at the peak that a plan's summary names.
 FLOOR_VALUES = 5
 # What an estimated peak counts (str(plan), the budget warning, the README).
@@ -158,14 +172,14 @@ class BudgetScale:
         # The rule's choice for every stash bound from this fraction's up: the
         # least-time candidate among those stashing at most the bound.
         by_stash = sorted(points, key=lambda p: (p[0], p[2]))
-        best, peaks = None, []
+        best, choices = None, []
         for i, point in enumerate(by_stash):
             if best is None or point[2] < best[2]:
                 best = point
             following = by_stash[i + 1][0] if i + 1 < len(by_stash) else None
             if following is None or following > scale.stash_bound:
-                peaks.append(best[1])
-        return replace(scale, peak=min(peaks))
+                choices.append(best)
+        return replace(scale, peak=min(p[1] for p in choices))
 
     def to_dict(self) -> dict:
         return {
@@ -256,9 +270,7 @@ class Plan:
         """One line: the bytes alive at the estimated peak by kind, and the largest values."""
         if self.floor is None:
             return ""
-        kinds = ", ".join(
-            f"{kind} {_fmt(b)}" for kind, b in self.floor.bytes_by_kind.items() if b
-        )
+        kinds = ", ".join(f"{kind} {_fmt(b)}" for kind, b in self.floor.bytes_by_kind.items() if b)
         largest = ", ".join(
             f"{n.name} ({kind}) {_fmt(b)}" for n, kind, b in self.floor.values[:FLOOR_VALUES]
         )
@@ -465,6 +477,15 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         chosen = before
     elif options.mode == "balance":
         chosen = planner.balance(options.max_overhead, before)
+        cap_s = options.max_overhead * planner.step_time_s
+        chosen = planner.uniform(
+            chosen,
+            lambda c: (
+                c.added_time_s <= cap_s
+                and c.peak < before.peak
+                and c.peak <= chosen.peak * (1 + UNIFORM_PEAK_SLACK)
+            ),
+        )
     else:
         candidates, default = planner.budget_candidates(before)
         if isinstance(options.budget, float):
@@ -473,6 +494,10 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         else:
             budget_bytes = int(options.budget)
         chosen = planner.meet_budget(budget_bytes, candidates)
+        peak_cap, time_cap = max(budget_bytes, chosen.peak), chosen.added_time_s
+        chosen = planner.uniform(
+            chosen, lambda c: c.peak <= peak_cap and c.added_time_s <= time_cap
+        )
     _check(joint, chosen.partition)
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
@@ -564,29 +589,100 @@ class _Planner:
         self.index = liveness.GraphIndex(joint)
         self.step_time_s = costs.step_seconds
         self.inlined = costs.inlined  # values computed in their readers' kernels
-        self.recompute = {n: costs.run(n) for n in joint.forward}
-        self._evaluated: dict[frozenset[Node], _Candidate] = {}
+        self.recompute = {n: costs.recomputed(n) for n in joint.forward}
+        self._evaluated: dict[tuple[frozenset[Node], bool], _Candidate] = {}
         self._chain_cache: dict[Node, tuple[str, list, int]] = {}
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
-    def evaluate(self, units: set[Node]) -> _Candidate:
+    def evaluate(self, units: set[Node], *, uniform: bool = False) -> _Candidate:
         """The plan that mirrors ``units`` once its long recompute chains are cut
-        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set."""
-        key = frozenset(units)
+        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set.
+        ``uniform``: a unit stashed to cut a chain is stashed in every copy of its
+        repeated block too (``repeated_classes``)."""
+        key = (frozenset(units), uniform)
         known = self._evaluated.get(key)
         if known is None:
-            partition = partition_for(self.joint, self.graph, set(key))
-            cut = self._cut_long_chains(key, partition.mirrored)
-            known = self._evaluated.get(cut)
+            partition = partition_for(self.joint, self.graph, set(key[0]))
+            cut = self._cut_long_chains(key[0], partition.mirrored, uniform=uniform)
+            known = self._evaluated.get((cut, uniform))
             if known is None:
-                known = self._evaluate(cut, partition if cut == key else None)
-                self._evaluated[cut] = known
+                known = self._evaluate(cut, partition if cut == key[0] else None)
+                self._evaluated[(cut, uniform)] = known
             self._evaluated[key] = known
         return known
 
-    def _cut_long_chains(self, units: frozenset[Node], recomputed: list[Node]) -> frozenset[Node]:
+    @cached_property
+    def _classes(self) -> list[frozenset[Node]]:
+        """Units that are the same op in copies of a repeated block."""
+        return [frozenset(c) for c in repeated_classes(self.joint, self.graph.units)]
+
+    @cached_property
+    def _class_of(self) -> dict[Node, frozenset[Node]]:
+        return {u: c for c in self._classes for u in c}
+
+    def uniform(self, chosen: _Candidate, keeps_promise) -> _Candidate:
+        """``chosen`` with the same decisions in every copy of each repeated block,
+        where one such plan ``keeps_promise`` (the least time of those that do), else
+        ``chosen``. Each class decided both ways is all stashed or all mirrored: every
+        combination for a few classes, else all stashed, all mirrored, each as most
+        of its copies are, and then one class flipped at a time from the best of
+        those. Chains are cut the same way in every copy."""
+        units = set(chosen.units)
+        mixed = self._mixed(chosen)
+        if not mixed:
+            return chosen
+        g = self.graph
+        allowed = [frozenset(u for u in c if g.mirrorable[u] or u in g.last_resort) for c in mixed]
+        down = frozenset(units.difference(*mixed))
+
+        def trial(up: tuple[bool, ...]) -> _Candidate:
+            return self._settled(down.union(*(a for a, u in zip(allowed, up) if u)))
+
+        def score(c: _Candidate) -> tuple:
+            kept = keeps_promise(c) and self._is_uniform(c)
+            return (not kept, c.added_time_s if kept else c.peak, c.peak)
+
+        k = len(mixed)
+        if k <= UNIFORM_EXHAUSTIVE:
+            ways = [tuple(bool(bits >> i & 1) for i in range(k)) for bits in range(2**k)]
+        else:
+            most = tuple(2 * len(units & c) >= len(c) for c in mixed)
+            ways = [(False,) * k, most, (True,) * k]
+        best_way = min(ways, key=lambda w: score(trial(w)))
+        if k > UNIFORM_EXHAUSTIVE:
+            for i in range(k):
+                flipped = (*best_way[:i], not best_way[i], *best_way[i + 1 :])
+                if score(trial(flipped)) < score(trial(best_way)):
+                    best_way = flipped
+        best = trial(best_way)
+        return best if not score(best)[0] else chosen
+
+    def _settled(self, units: frozenset[Node]) -> _Candidate:
+        """The plan of ``units`` with chains cut alike in every copy, and then the
+        classes still recomputed in some copies only (the backward reaches a unit
+        through readers decided elsewhere) stashed in all, until none is left."""
+        for _ in range(UNIFORM_SETTLE_ROUNDS):
+            candidate = self.evaluate(units, uniform=True)
+            mixed = self._mixed(candidate)
+            if not mixed:
+                break
+            units = frozenset(candidate.units.difference(*mixed))
+        return candidate
+
+    def _mixed(self, candidate: _Candidate) -> list[frozenset[Node]]:
+        """Classes recomputed in some copies and not in others (a unit asked for is
+        recomputed only where the backward reaches it: ``partition_for``)."""
+        recomputed = set(candidate.partition.mirrored)
+        return [c for c in self._classes if 0 < len(recomputed & c) < len(c)]
+
+    def _is_uniform(self, candidate: _Candidate) -> bool:
+        return not self._mixed(candidate)
+
+    def _cut_long_chains(
+        self, units: frozenset[Node], recomputed: list[Node], *, uniform: bool = False
+    ) -> frozenset[Node]:
         """``units`` less those whose stashing keeps every chain of recomputed
         elementwise ops computed in registers (``StepCost.inlined``: a value an extern
         kernel reads is written out and ends the chain, as a ResNet block's output
@@ -625,7 +721,8 @@ class _Planner:
                 links = [(a, unit) for a, unit in links if unit not in stashed]
                 if len(read) <= MAX_CHAIN_READS or not links:
                     break
-                stashed.add(max(links, key=lambda link: len(reads[link[0]]))[1])
+                unit = max(links, key=lambda link: len(reads[link[0]]))[1]
+                stashed |= self._class_of.get(unit, {unit}) if uniform else {unit}
             # an op not inlined is written to memory: its readers read it alone
             reads[n] = frozenset(read) if role != "written" else empty
         return units - stashed if stashed else units
