@@ -285,6 +285,7 @@ def test_gpu_module_captured_equals_uncaptured_call_after_call(mode, dtype, pack
     steps replay their layers (no capture, no uncaptured run in the last step)."""
     counts = _compare_captured(mode, dtype, packed, 0.3, steps=6, T=9, B=5)
     print(f"{mode} {dtype} packed={packed}: graphs.counts() per step {counts}")
+    print("misses (phase, fields that moved):", graphs.misses())
     last = {k: counts[-1][k] - counts[-2][k] for k in counts[-1]}
     # 2 layers: 2 forward and 2 backward replays per step
     assert last == {"captures": 0, "replays": 4, "uncaptured": 0}, counts

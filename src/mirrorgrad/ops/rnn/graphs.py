@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -103,6 +103,9 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirrorgrad-rnn-capture")
 _COUNTS = {"captures": 0, "replays": 0, "uncaptured": 0}
+# The latest misses: (the key's phase name, the fields whose addresses differ from the
+# key's closest entry). A key that never replays shows here which buffer moves.
+_MISSES: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=64)
 
 
 def captures_by_size(elements: int) -> bool:
@@ -219,6 +222,8 @@ def acquire(
             _COUNTS["replays"] += 1
             return entry
     slot.misses += 1
+    if slot.entries:
+        _MISSES.append((_phase(key), _moved(type(buffers), slot.entries, wanted)))
     if slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1):
         _COUNTS["uncaptured"] += 1
         return None
@@ -236,6 +241,25 @@ def acquire(
     if held_bytes() > GRAPH_CACHE_BYTES:
         _drop_least_recent(keep=key)
     return entry
+
+
+def _phase(key: tuple) -> str:
+    """The first string in a key (its phase: "fwd", "bwd", "persistent.fwd", ...)."""
+    return next((part for part in key if isinstance(part, str)), "?")
+
+
+def _moved(cls: type, entries: list[Entry], wanted: tuple[int, ...]) -> tuple[str, ...]:
+    """The fields of ``cls`` whose addresses differ from the entry closest to ``wanted``."""
+    names = _field_names(cls)
+    differing = (
+        tuple(n for n, a, b in zip(names, entry.addresses, wanted) if a != b) for entry in entries
+    )
+    return min(differing, key=len)
+
+
+def misses() -> list[tuple[str, tuple[str, ...]]]:
+    """The latest misses of keys that had entries: (phase, fields that moved)."""
+    return list(_MISSES)
 
 
 def counts() -> dict[str, int]:
@@ -292,7 +316,9 @@ def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
     entry synchronizes and empties the caching allocator's cache: every capture would
     then move the addresses the next calls get, the very thing entries are found by
     (and cost a device sync and the re-allocation of every freed segment)."""
-    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
@@ -349,3 +375,4 @@ def clear_graphs() -> None:
     _ARENAS.clear()
     _ARENA_ALONE.clear()
     _COUNTS.update(dict.fromkeys(_COUNTS, 0))
+    _MISSES.clear()
