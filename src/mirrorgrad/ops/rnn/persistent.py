@@ -1264,9 +1264,38 @@ def _fwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspa
         stash=config.empty(T, B, 4 * H) if gru and config.memory == "stash" else None,
         cells=config.empty(T + 1, B, H, dtype=torch.float32) if lstm else None,
         y=config.empty(T, B, H),
-        h_n=config.empty(B, H),
-        c_n=config.empty(B, H) if lstm else None,
+        **_final_states(config),
     )
+
+
+def _final_states(config: kernels.LoopConfig) -> dict:
+    """h_n (and an LSTM's c_n) as views of one fresh buffer: one address fewer for a
+    captured entry to find again."""
+    lstm = config.mode == "lstm"
+    states = config.empty(2 if lstm else 1, config.B, config.H)
+    return dict(h_n=states[0], c_n=states[1] if lstm else None)
+
+
+# Small inputs copied into workspace before a captured phase runs: a replay then reads
+# them where it was captured to, wherever the caller's tensors live (the module's zero
+# states and autograd's zero-filled gradients are fresh small tensors every call, and
+# small blocks are where the caching allocator repeats itself least). The large inputs
+# (x, y, dy, the stash) are read in place: copying them would cost their bandwidth.
+_COPIED_IN = ("h0", "c0", "lengths", "grad_hn", "grad_cn")
+
+
+def _copy_in(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspace) -> dict:
+    """``inputs`` with those named in _COPIED_IN replaced by views of workspace holding
+    their values."""
+    out = dict(inputs)
+    for name in _COPIED_IN:
+        value = inputs.get(name)
+        if value is not None:
+            view = workspace((config, layout), f"persistent.in.{name}",
+                             lambda v=value: torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
+            view.copy_(value)
+            out[name] = view
+    return out
 
 
 def _input_bias(buf) -> Tensor | None:
@@ -1348,6 +1377,7 @@ def layer_forward(
     if _graphed(config, config.T, use_graph):
         # The "gates" arena large enough for the backward before views of it are taken.
         graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, graphs.workspace)
         buf = _fwd_buffers(config, layout, inputs, graphs.workspace)
         _run(((config, layout), "persistent.fwd", *_addresses(w_ih, w_hh, b_ih, b_hh)),
              config, buf, body)  # fmt: skip
@@ -1398,15 +1428,20 @@ class _BwdBuffers:
     grad_c0: Tensor | None
 
 
-def _state_block(config: kernels.LoopConfig, layout: Plan, launches: int) -> dict:
-    """(state, count, dh, dc): the backward's barrier counters per launch ([launches, >=
-    _counters], rows 16 bytes apart) and running state gradients (dh in the layer's
-    dtype, dc fp32 for an LSTM, else None) as views of one buffer, zeroed in one fill
-    (every torch op costs tens of microseconds of host time where it is not captured)."""
-    B, H, lstm = config.B, config.H, config.mode == "lstm"
+def _state_block(config: kernels.LoopConfig, layout: Plan, launches: int, needs: tuple) -> dict:
+    """(state, count, dh, dc) and the small gradients (grad_c0, grad_bih, grad_bhh, where
+    ``needs`` asks) as views of one buffer: the backward's barrier counters per launch
+    ([launches, >= _counters], rows 16 bytes apart) and running state gradients (dh in
+    the layer's dtype, dc fp32 for an LSTM, else None) zeroed in one fill (every torch op
+    costs tens of microseconds of host time where it is not captured); one allocation
+    where there were four, so one address for a captured entry to find again."""
+    B, H, gh, lstm = config.B, config.H, config.gh, config.mode == "lstm"
+    _, need_c0, _, _, need_bih, need_bhh = needs
+    d = config.dtype.itemsize
     per_launch = -(-_counters(layout) // 4) * 4
-    sizes = {"count": launches * per_launch * 4, "dh": B * H * config.dtype.itemsize,
-             "dc": B * H * 4 if lstm else 0}  # fmt: skip
+    sizes = {"count": launches * per_launch * 4, "dh": B * H * d, "dc": B * H * 4 if lstm else 0,
+             "grad_c0": B * H * d if need_c0 else 0, "grad_bih": gh * d if need_bih else 0,
+             "grad_bhh": gh * d if need_bhh else 0}  # fmt: skip
     offsets, total = {}, 0
     for name, n in sizes.items():  # each view 16-byte aligned, as the kernels' pointers
         offsets[name], total = total, total + -(-n // 16) * 16
@@ -1415,9 +1450,13 @@ def _state_block(config: kernels.LoopConfig, layout: Plan, launches: int) -> dic
     def view(name: str, dtype: torch.dtype, *shape: int) -> Tensor:
         return state[offsets[name] : offsets[name] + sizes[name]].view(dtype).view(shape)
 
+    def grad(name: str, *shape: int) -> Tensor | None:
+        return view(name, config.dtype, *shape) if sizes[name] else None
+
     dc = view("dc", torch.float32, B, H) if lstm else None
     return dict(state=state, count=view("count", torch.int32, launches, per_launch),
-                dh=view("dh", config.dtype, B, H), dc=dc)  # fmt: skip
+                dh=view("dh", config.dtype, B, H), dc=dc, grad_c0=grad("grad_c0", B, H),
+                grad_bih=grad("grad_bih", gh), grad_bhh=grad("grad_bhh", gh))  # fmt: skip
 
 
 def _bwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, needs: tuple,
@@ -1453,13 +1492,10 @@ def _bwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, needs: 
         chunk_lengths=scratch("persistent.lengths",
                               lambda: config.empty(launches, B, dtype=torch.int64))
         if chunked_lengths else None,
-        **_state_block(config, layout, launches),
+        **_state_block(config, layout, launches, needs),
         grad_x=config.empty(T, B, n_in) if need_x else None,
         grad_wih=config.empty(gh, n_in) if need_wih else None,
         grad_whh=config.empty(gh, H) if need_whh else None,
-        grad_bih=config.empty(gh) if need_bih else None,
-        grad_bhh=config.empty(gh) if need_bhh else None,
-        grad_c0=config.empty(B, H) if need_c0 else None,
     )  # fmt: skip
 
 
@@ -1649,6 +1685,7 @@ def layer_backward(
     body = functools.partial(_bwd_body, config, layout)
     if _graphed(config, kernels._chunk_steps(config.T, config.B), use_graph):
         graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, graphs.workspace)
         buf = _bwd_buffers(config, layout, inputs, needs, graphs.workspace)
         key = ((config, layout), "persistent.bwd", *_addresses(w_ih, w_hh, b_ih, b_hh))
         _run(key, config, buf, body)
@@ -1710,14 +1747,17 @@ def held_arenas(
     empty, gh = config.empty, config.gh
     weights = dict(w_ih=empty(gh, 1), w_hh=empty(gh, H), b_ih=empty(gh) if has_bias else None,
                    b_hh=empty(gh) if has_bias else None)  # fmt: skip
+    lstm_state = empty(B, H) if mode == "lstm" else None
     common = dict(x=empty(T, B, 1), h0=empty(B, H), **weights,
                   lengths=empty(B, dtype=torch.int64) if has_lengths else None)  # fmt: skip
-    if backward:
-        inputs = dict(stash=None, cells=None, y=empty(T, B, H), dy=None, grad_hn=None,
-                      grad_cn=None, **common)  # fmt: skip
+    if backward:  # the state gradients given (autograd fills the unused ones with zeros)
+        inputs = dict(stash=None, cells=None, y=empty(T, B, H), dy=None, grad_hn=empty(B, H),
+                      grad_cn=lstm_state, **common)  # fmt: skip
+        inputs = _copy_in(config, layout, inputs, record)
         _bwd_buffers(config, layout, inputs, (True,) * 4 + (has_bias,) * 2, record)
     else:
-        _fwd_buffers(config, layout, dict(c0=None, **common), record)
+        inputs = _copy_in(config, layout, dict(c0=lstm_state, **common), record)
+        _fwd_buffers(config, layout, inputs, record)
     return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
 
 
