@@ -1291,8 +1291,10 @@ def _copy_in(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspace) 
     for name in _COPIED_IN:
         value = inputs.get(name)
         if value is not None:
-            view = workspace((config, layout), f"persistent.in.{name}",
-                             lambda v=value: torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
+            def make(v=value):
+                return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+            view = workspace((config, layout), f"persistent.in.{name}", make)
             view.copy_(value)
             out[name] = view
     return out
@@ -1466,7 +1468,7 @@ def _bwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, needs: 
     T, B, H, gh, mode = config.T, config.B, config.H, config.gh, config.mode
     steps = kernels._chunk_steps(T, B)
     launches = -(-T // steps)
-    need_x, need_c0, need_wih, need_whh, need_bih, need_bhh = needs
+    need_x, _, need_wih, need_whh, need_bih, need_bhh = needs
     recompute = config.memory == "recompute" and not mode.startswith("rnn")
 
     def scratch(name: str, make):
