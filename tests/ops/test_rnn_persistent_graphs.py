@@ -280,11 +280,12 @@ def test_module_with_dropout_captured_equals_plain(cpu_graphs, packed):
     ids=["lstm-bf16-packed", "lstm-fp32", "gru-fp32-packed", "gru-bf16"],
 )  # fmt: skip (each case compiles its own kernels: four, not eight)
 def test_gpu_module_captured_equals_uncaptured_call_after_call(mode, dtype, packed):
-    """Ten training steps of a 2-layer module with dropout between its layers, captured
-    and not: the same outputs and gradients bit for bit at every step, and the steady
-    steps replay their layers (no capture, no uncaptured run in the last two steps: the
-    caching allocator repeats its addresses after a few steps, graphs.py's entries)."""
-    counts = _compare_captured(mode, dtype, packed, 0.3, steps=10, T=9, B=5)
+    """Sixteen training steps of a 2-layer module with dropout between its layers,
+    captured and not: the same outputs and gradients bit for bit at every step, and the
+    steady steps replay their layers (no capture, no uncaptured run in the last two
+    steps: the caching allocator repeats its addresses after a few steps, and graphs.py
+    captures an address set that comes back)."""
+    counts = _compare_captured(mode, dtype, packed, 0.3, steps=16, T=9, B=5)
     print(f"{mode} {dtype} packed={packed}: graphs.counts() per step {counts}")
     print("misses (phase, fields that moved):", graphs.misses())
     last = [{k: counts[i][k] - counts[i - 1][k] for k in counts[i]} for i in (-2, -1)]

@@ -24,7 +24,10 @@ holds those addresses, never the tensors that lived there:
 - **bounded**: past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys are
   dropped (and workspace nobody reads any more); a key whose calls keep missing (the
   allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
-  miss in a row and runs the loop uncaptured in between;
+  miss in a row, or when a call brings addresses one of its last ``RECENT_MISSES``
+  uncaptured calls had (a loop that settles into a cycle of address sets only after its
+  first captures: capturing perturbs what the allocator hands out next), and runs the
+  loop uncaptured otherwise;
 - **one capturing thread**: torch keeps a cuBLAS workspace per (thread's handle, stream)
   for the whole process (32 MiB on an H100), and the captured GEMMs point into it. Loops
   are captured on a side stream; captured from the forward's thread and from autograd's
@@ -61,6 +64,8 @@ _GRAPH_CACHE_SIZE = 256
 # Entries of one key: the address sets a loop's calls get (a forward's outputs held over
 # a step, a warm-up's addresses) before the steady loop's repeat.
 ENTRIES_PER_KEY = 4
+# Address sets of a key's latest uncaptured calls: one that comes back is captured.
+RECENT_MISSES = 8
 # Bytes of arenas past which the least recently used keys are dropped, with the
 # workspace only they used.
 GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
@@ -93,6 +98,9 @@ class Entry:
 class _Key:
     entries: list[Entry] = field(default_factory=list)  # least recently used first
     misses: int = 0  # calls in a row that found no entry
+    uncaptured: deque[tuple[int, ...]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_MISSES)
+    )  # the address sets of the latest calls that ran uncaptured
 
 
 _ENTRIES: OrderedDict[tuple, _Key] = OrderedDict()
@@ -224,7 +232,9 @@ def acquire(
     slot.misses += 1
     if slot.entries:
         _MISSES.append((_phase(key), _moved(type(buffers), slot.entries, wanted)))
-    if slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1):
+    backing_off = slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1)
+    if backing_off and wanted not in slot.uncaptured:
+        slot.uncaptured.append(wanted)
         _COUNTS["uncaptured"] += 1
         return None
     if before_capture is not None:
