@@ -294,7 +294,7 @@ def test_gpu_module_captured_equals_uncaptured_call_after_call(mode, dtype, pack
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_gpu_training_loop_replays_every_layer_once_settled(mode):
     """A training loop (a static input buffer, the loss, backward, SGD, grads set to None)
-    through a 2-layer module of the medium LM's shape with dropout: from its fourth step
+    through a 2-layer module of the medium LM's shape with dropout: from its fifth step
     on every layer's forward and backward replays (the allocator repeats its addresses
     with period 2 there; the key holds both sets). Not every loop settles: at 40 wide,
     batch 5 (the allocator's pool of blocks under 1 MiB) no address set came back in 16
@@ -315,7 +315,7 @@ def test_gpu_training_loop_replays_every_layer_once_settled(mode):
         per_step.append({k: n - before[k] for k, n in graphs.counts().items()})
     print(f"{mode}: per step {per_step}; misses {graphs.misses()}")
     # 2 layers: 2 forward and 2 backward replays per step
-    assert per_step[3:] == [{"captures": 0, "replays": 4, "uncaptured": 0}] * 7, per_step
+    assert per_step[4:] == [{"captures": 0, "replays": 4, "uncaptured": 0}] * 6, per_step
 
 
 @pytest.mark.gpu
