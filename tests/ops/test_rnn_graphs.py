@@ -1,6 +1,8 @@
 """The CUDA Graph cache of the RNN step loops (graphs.py), run on CPU with a stand-in
 graph that replays the captured loop on its captured buffers (graph_stand_in.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,6 +104,39 @@ def test_a_key_keeps_its_most_recent_entries_and_backs_off_when_it_keeps_missing
     for outputs in held:
         for got, want in zip(outputs, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@dataclasses.dataclass
+class _OneBuffer:
+    out: torch.Tensor
+
+
+def test_an_address_set_that_comes_back_is_captured_between_one_off_misses(cpu_graphs):
+    """Past its first ENTRIES_PER_KEY misses a key backs off (captures only at the 8th,
+    16th, ... miss in a row), but an address set that one of its last uncaptured calls
+    had is captured at once: here a recurring buffer whose calls fall between one-off
+    buffers, always on an odd miss, where back-off alone would never capture it."""
+    key, device = ("test", 1), torch.device("cpu")
+    outcome = []
+
+    def call(buffer):
+        before = graphs.counts()
+        entry = graphs.acquire(key, device, _OneBuffer(buffer), lambda b: b.out.add_(1))
+        outcome.append(next(k for k, n in graphs.counts().items() if n > before[k]))
+        if entry is not None:
+            entry.replay(_OneBuffer(buffer))
+
+    warm_ups = [torch.zeros(4) for _ in range(graphs.ENTRIES_PER_KEY)]
+    recurring, one_offs = torch.zeros(4), [torch.zeros(4) for _ in range(6)]
+    for buffer in warm_ups:
+        call(buffer)
+    for one_off in one_offs:
+        call(recurring)
+        call(one_off)
+    recurring_outcomes = outcome[len(warm_ups)::2]
+    assert outcome[: len(warm_ups)] == ["captures"] * len(warm_ups)
+    assert recurring_outcomes == ["uncaptured", "captures", *["replays"] * 4], outcome
+    assert "replays" not in outcome[len(warm_ups) + 1 :: 2]  # one-offs never replay
 
 
 def test_weights_are_read_in_place_not_copied(cpu_graphs):

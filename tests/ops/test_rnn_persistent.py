@@ -206,26 +206,26 @@ def test_backward_in_chunks(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_state_and_counters_from_one_zero_fill(dtype):
-    # dh, dc and a counter row per launch: zeros, apart, each 16-byte aligned (the JIT
-    # specializes pointers on it), in one allocation; a given grad_hn is copied instead.
+def test_backward_state_and_counters_are_views_of_one_buffer(dtype):
+    # dh, dc and a counter row per launch: apart, each 16-byte aligned (the JIT
+    # specializes pointers on it), in one allocation that the backward zeroes in one fill.
     B, H = 3, 5
     config = kernels._config("lstm", 4, B, H, dtype, torch.device(DEVICE), False, None,
                              "stash", True, False, "ieee")  # fmt: skip
     layout = persistent.replace(persistent.plan("lstm", B, H, dtype, torch.device(DEVICE)),
                                 groups=3, streamed_groups=5)  # fmt: skip
-    dh, dc, counts = persistent._zeroed_states(config, layout, None, None, launches=3)
+    block = persistent._state_block(config, layout, launches=3)
+    dh, dc, counts = block["dh"], block["dc"], block["count"]
     assert (dh.shape, dh.dtype, dc.shape, dc.dtype) == ((B, H), dtype, (B, H), torch.float32)
     assert counts.shape[0] == 3 and counts.shape[1] >= 5 and counts.dtype == torch.int32
-    assert dh.untyped_storage().data_ptr() == counts.untyped_storage().data_ptr()
     views = [dh, dc, *counts]
+    state = block["state"].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == state for v in views)
     assert all(v.data_ptr() % 16 == 0 for v in views)
     spans = sorted((v.data_ptr(), v.data_ptr() + v.nbytes) for v in views)
     assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))  # apart
+    block["state"].zero_()
     assert all(not v.any() for v in views)
-    grad_hn = torch.randn(B, H, device=DEVICE)
-    dh, dc, _ = persistent._zeroed_states(config, layout, grad_hn, None, launches=1)
-    assert torch.equal(dh.float(), grad_hn.to(dtype).float()) and not dc.any()
 
 
 def test_empty_batch_runs_kernels_py():

@@ -203,7 +203,7 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
     for name, make in _steps(mode, cfg, dtype, methods).items():
         try:
             step = make()
-            row["ms"][name] = time_calls(step, repeats=reps, warmup=3, device="cuda").median_ms
+            row["ms"][name] = time_calls(step, repeats=reps, warmup=6, device="cuda").median_ms
         except Exception as exc:  # one failing method must not end the run
             row["ms"][name] = None
             row["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"

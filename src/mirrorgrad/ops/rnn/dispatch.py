@@ -59,9 +59,10 @@ AUTO_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
-    """Median ms of 5 forward+backward calls on the current GPU, after two warm-up calls
-    (they compile kernels, capture the step loops and fill caches)."""
-    return time_calls(fn, repeats=5, warmup=2, device="cuda").median_ms
+    """Median ms of 5 forward+backward calls on the current GPU, after four warm-up calls
+    (they compile kernels, capture the step loops and fill caches: a step's addresses
+    repeat, and its captured layers replay, from about its fifth call on)."""
+    return time_calls(fn, repeats=5, warmup=4, device="cuda").median_ms
 
 
 def _choose_auto(

@@ -24,7 +24,10 @@ holds those addresses, never the tensors that lived there:
 - **bounded**: past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys are
   dropped (and workspace nobody reads any more); a key whose calls keep missing (the
   allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
-  miss in a row and runs the loop uncaptured in between;
+  miss in a row, or when a call brings addresses one of its last ``RECENT_MISSES``
+  uncaptured calls had (a loop that settles into a cycle of address sets only after its
+  first captures: capturing perturbs what the allocator hands out next), and runs the
+  loop uncaptured otherwise;
 - **one capturing thread**: torch keeps a cuBLAS workspace per (thread's handle, stream)
   for the whole process (32 MiB on an H100), and the captured GEMMs point into it. Loops
   are captured on a side stream; captured from the forward's thread and from autograd's
@@ -40,7 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +64,8 @@ _GRAPH_CACHE_SIZE = 256
 # Entries of one key: the address sets a loop's calls get (a forward's outputs held over
 # a step, a warm-up's addresses) before the steady loop's repeat.
 ENTRIES_PER_KEY = 4
+# Address sets of a key's latest uncaptured calls: one that comes back is captured.
+RECENT_MISSES = 8
 # Bytes of arenas past which the least recently used keys are dropped, with the
 # workspace only they used.
 GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
@@ -68,7 +73,11 @@ GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) <
 # pre-activations are dead when its loop ends, a backward's gate gradients once the
 # chunk's GEMMs have read them (an LSTM's, written over its recomputed pre-activations:
 # "bwd.pre_dg"), and no loop runs between a loop and its own readers.
-_ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates"}
+# persistent.py's captured layers: its backward's padded gate gradients share "gates"
+# too, its recomputed pre-activations and GRU hidden-side gradients kernels.py's arenas.
+_ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates",
+             "persistent.bwd.dg": "gates", "persistent.bwd.pre": "bwd.pre",
+             "persistent.bwd.dgh": "bwd.dgh"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -89,6 +98,9 @@ class Entry:
 class _Key:
     entries: list[Entry] = field(default_factory=list)  # least recently used first
     misses: int = 0  # calls in a row that found no entry
+    uncaptured: deque[tuple[int, ...]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_MISSES)
+    )  # the address sets of the latest calls that ran uncaptured
 
 
 _ENTRIES: OrderedDict[tuple, _Key] = OrderedDict()
@@ -99,6 +111,9 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirrorgrad-rnn-capture")
 _COUNTS = {"captures": 0, "replays": 0, "uncaptured": 0}
+# The latest misses: (the key's phase name, the fields whose addresses differ from the
+# key's closest entry). A key that never replays shows here which buffer moves.
+_MISSES: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=64)
 
 
 def captures_by_size(elements: int) -> bool:
@@ -215,7 +230,11 @@ def acquire(
             _COUNTS["replays"] += 1
             return entry
     slot.misses += 1
-    if slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1):
+    if slot.entries:
+        _MISSES.append((_phase(key), _moved(type(buffers), slot.entries, wanted)))
+    backing_off = slot.misses > ENTRIES_PER_KEY and slot.misses & (slot.misses - 1)
+    if backing_off and wanted not in slot.uncaptured:
+        slot.uncaptured.append(wanted)
         _COUNTS["uncaptured"] += 1
         return None
     if before_capture is not None:
@@ -232,6 +251,25 @@ def acquire(
     if held_bytes() > GRAPH_CACHE_BYTES:
         _drop_least_recent(keep=key)
     return entry
+
+
+def _phase(key: tuple) -> str:
+    """The first string in a key (its phase: "fwd", "bwd", "persistent.fwd", ...)."""
+    return next((part for part in key if isinstance(part, str)), "?")
+
+
+def _moved(cls: type, entries: list[Entry], wanted: tuple[int, ...]) -> tuple[str, ...]:
+    """The fields of ``cls`` whose addresses differ from the entry closest to ``wanted``."""
+    names = _field_names(cls)
+    differing = (
+        tuple(n for n, a, b in zip(names, entry.addresses, wanted) if a != b) for entry in entries
+    )
+    return min(differing, key=len)
+
+
+def misses() -> list[tuple[str, tuple[str, ...]]]:
+    """The latest misses of keys that had entries: (phase, fields that moved)."""
+    return list(_MISSES)
 
 
 def counts() -> dict[str, int]:
@@ -288,7 +326,9 @@ def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
     entry synchronizes and empties the caching allocator's cache: every capture would
     then move the addresses the next calls get, the very thing entries are found by
     (and cost a device sync and the re-allocation of every freed segment)."""
-    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
@@ -345,3 +385,4 @@ def clear_graphs() -> None:
     _ARENAS.clear()
     _ARENA_ALONE.clear()
     _COUNTS.update(dict.fromkeys(_COUNTS, 0))
+    _MISSES.clear()

@@ -645,8 +645,11 @@ def _hint(size) -> int:
 
 
 def _captures(impl: str, proj_size: int) -> ModuleType | None:
-    """kernels.py where ``impl`` runs it (and so may capture its loops), else None."""
-    return None if impl in ("reference", "persistent") or proj_size else triton_module()
+    """The layer module that ``impl`` runs where it may capture its layers in CUDA Graphs
+    (kernels.py, persistent.py), else None."""
+    if impl == "reference" or proj_size or triton_module() is None:
+        return None
+    return _kernels(impl)
 
 
 def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, *, backward: bool) -> int:

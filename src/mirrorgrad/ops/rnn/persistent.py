@@ -31,6 +31,9 @@ A spin barrier needs every program resident at once: the grid is capped at the S
 count (one program per SM), else the layer runs kernels.py (``plan`` returns None).
 Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
 program owning all units (same arithmetic, the barrier trivially met).
+On CUDA each layer-direction's forward and backward (fills, GEMMs, the launch) is one
+body captured in a CUDA Graph and replayed through graphs.py, as kernels.py's step
+loops are: the host work of a call is one replay (the layer functions' section below).
 Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
 empty batch, and hidden sizes whose grid would exceed the SMs at BN <= MAX_BN.
 """
@@ -46,7 +49,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import kernels
+from mirrorgrad.ops.rnn import graphs, kernels
 from mirrorgrad.ops.rnn.cells import GATES, MODES
 from mirrorgrad.ops.rnn.kernels import _sigmoid, _tanh, _tile
 
@@ -67,21 +70,28 @@ def _padded(n: int, dtype: torch.dtype) -> int:
 
 
 def workspace_bytes(
-    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
-) -> int:
-    """kernels.py's workspace, plus forward every step's h ([T+1, B, H] with padded rows)
-    and backward the gate gradients' row padding."""
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool,
+    captured: bool = False,
+) -> int:  # fmt: skip
+    """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
+    and outputs ([B, H]-sized buffers left out): forward the pre-activations where they
+    are not the stash and every step's h ([T+1, B, H] with padded rows); backward per
+    chunk the padded gate gradients and the recomputed pre-activations. ``captured``:
+    the layer runs as a CUDA Graph, whose buffers are arenas held between calls
+    (``held_arenas``), not allocated per call."""
+    if captured:
+        return 0
     d, gh = dtype.itemsize, GATES[mode] * H
-    base = kernels.workspace_bytes(mode, memory, T, B, H, dtype, backward=backward,
-                                   dg_over_pre=False)  # fmt: skip
     if not backward:
-        return base + (T + 1) * B * _padded(H, dtype) * d
+        pre = 0 if mode == "lstm" and memory == "stash" else T * B * gh * d
+        return pre + (T + 1) * B * _padded(H, dtype) * d
     rows = kernels._chunk_steps(T, B) * B
-    return base + rows * (_padded(gh, dtype) - gh) * d * (2 if mode == "gru" else 1)
+    dg = rows * _padded(gh, dtype) * d * (2 if mode == "gru" else 1)
+    recompute = memory == "recompute" and not mode.startswith("rnn")
+    width = 4 * H if mode == "gru" else gh
+    return dg + (rows * width * d if recompute else 0)
 
 
-# W_hh bytes per program kept in registers across steps; above it the slice streams
-# from L2 each step. NOTE: a guess until measured (docs/notes/rnn-persistent.md).
 RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 160 * 1024))
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
@@ -1084,35 +1094,6 @@ def _counters(layout: Plan) -> int:
     return max(layout.groups, layout.streamed_groups)
 
 
-def _zeroed_states(config: kernels.LoopConfig, layout: Plan, grad_hn: Tensor | None,
-                   grad_cn: Tensor | None, launches: int) -> tuple:  # fmt: skip
-    """(dh, dc, counters): the backward's running state gradients, ours to update in place
-    (dh in the layer's dtype, dc fp32 for an LSTM, else None; zeros where no gradient
-    flows in) and zeroed barrier counters per launch, [launches, >= _counters]. The zeros
-    are views of one zero-filled allocation: one fill instead of three (every torch op
-    costs tens of microseconds of host time, which a host-bound step pays in full)."""
-    B, H, lstm = config.B, config.H, config.mode == "lstm"
-    per_launch = -(-_counters(layout) // 4) * 4  # rows 16 bytes apart, as the first
-    sizes = {"count": launches * per_launch * 4,
-             "dh": B * H * config.dtype.itemsize if grad_hn is None else 0,
-             "dc": B * H * 4 if lstm and grad_cn is None else 0}  # fmt: skip
-    offsets, total = {}, 0
-    for name, n in sizes.items():  # each view 16-byte aligned, as the kernels' pointers
-        offsets[name], total = total, total + -(-n // 16) * 16
-    zeros = torch.zeros(total, dtype=torch.uint8, device=config.device)
-
-    def view(name: str, dtype: torch.dtype, *shape: int) -> Tensor:
-        return zeros[offsets[name] : offsets[name] + sizes[name]].view(dtype).view(shape)
-
-    dh = view("dh", config.dtype, B, H) if grad_hn is None else None
-    dh = dh if dh is not None else kernels._owned_state(config, grad_hn, config.dtype)
-    dc = None
-    if lstm:
-        dc = view("dc", torch.float32, B, H) if grad_cn is None else None
-        dc = dc if dc is not None else kernels._owned_state(config, grad_cn, torch.float32)
-    return dh, dc, view("count", torch.int32, launches, per_launch)
-
-
 def _resident_check(kernel, call, layout: Plan, constants, kind, config) -> str:
     """Compile (and load) the resident variant without launching it."""
     try:
@@ -1187,12 +1168,177 @@ def _resident_slices(kind: str, config: kernels.LoopConfig, layout: Plan, fused:
             return {"RS": rs, "KA": ka, "KB": kb, "GP": gp}
 
 
+# ---- The layer functions -------------------------------------------------------------
+# Each phase of a layer-direction is one body (``_fwd_body``, ``_bwd_body``) that reads
+# its inputs in place, writes its outputs and workspace, and allocates nothing: on CUDA
+# it is captured once in a CUDA Graph and replayed (graphs.py), so a call costs one
+# replay instead of a dozen torch ops and a Triton launch on the host; elsewhere (CPU,
+# inside another capture, benchmarks' probes) the same body runs plainly on fresh
+# buffers, so captured and plain calls do the same arithmetic.
+
+
 def _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> kernels.LoopConfig:
     return kernels._loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, False)
 
 
 def _plan_of(config: kernels.LoopConfig, layout: Plan | None) -> Plan | None:
     return layout or plan(config.mode, config.B, config.H, config.dtype, config.device)
+
+
+def _graphed(config: kernels.LoopConfig, steps: int, use_graph: bool | None) -> bool:
+    """Whether a phase runs as a CUDA Graph: graphs.py's rule (sized as kernels.py's loop
+    of ``steps`` steps), never while probes record the launches (they allocate)."""
+    elements = steps * config.B * config.stash_width
+    return PROBES is None and graphs.use_graph(config.device, elements, use_graph)
+
+
+def _run(key: tuple, config: kernels.LoopConfig, buf, body) -> None:
+    """``body(buf)`` as the captured entry of ``key`` for ``buf``'s addresses (captured
+    now if there is none), or plainly where graphs.py skips this capture."""
+    if config.device.type == "cuda":
+        # This thread's cuBLAS handle, made now: its GEMMs all run on the capturing thread
+        # here, and an outer capture (a user's torch.cuda.graph) in which they run plainly
+        # cannot create one (w A: CUBLAS_STATUS_NOT_INITIALIZED in the bench's capture).
+        torch.cuda.current_blas_handle()
+    entry = graphs.acquire(key, config.device, buf, body)
+    if entry is not None:
+        entry.replay(buf)
+    else:
+        body(buf)
+
+
+def _gates_bytes(config: kernels.LoopConfig) -> int:
+    """What this config asks of the "gates" arena, forward (pre-activations where they
+    are not the stash) or backward (a chunk's padded gate gradients)."""
+    d, B, gh = config.dtype.itemsize, config.B, config.gh
+    forward = 0 if config.mode == "lstm" and config.memory == "stash" else config.T * B * gh
+    backward = kernels._chunk_steps(config.T, B) * B * _padded(gh, config.dtype)
+    return max(forward, backward) * d
+
+
+@dataclass(kw_only=True, slots=True)
+class _FwdBuffers:
+    """Everything one forward reads and writes: inputs read in place (a captured entry
+    replays on the addresses it was captured with), workspace (graphs.py's arenas where
+    captured, else fresh) and this call's fresh outputs."""
+
+    x: Tensor  # [T, B, I] contiguous
+    h0: Tensor
+    c0: Tensor | None
+    w_ih: Tensor
+    w_hh: Tensor
+    b_ih: Tensor | None
+    b_hh: Tensor | None
+    lengths: Tensor | None  # int64
+    bias: Tensor | None  # workspace: b_ih + b_hh for the input GEMM (both given, not gru)
+    h: Tensor  # workspace: [T+1, B, HS] every step's h (module doc)
+    count: Tensor  # workspace: zeroed barrier counters
+    pre: Tensor  # [T, B, G*H] input GEMM: an LSTM's stash (an output), else workspace
+    stash: Tensor | None  # gru "stash": [T, B, 4H]
+    cells: Tensor | None  # lstm: [T+1, B, H] fp32
+    y: Tensor
+    h_n: Tensor
+    c_n: Tensor | None
+
+
+def _fwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspace=None):
+    """A forward's buffers; ``workspace(key, name, make)``, when given, supplies those
+    that are no output (fresh ones otherwise)."""
+    T, B, H, gh = config.T, config.B, config.H, config.gh
+    lstm, gru = config.mode == "lstm", config.mode == "gru"
+
+    def scratch(name: str, make):
+        return make() if workspace is None else workspace((config, layout), name, make)
+
+    def make_pre():
+        return config.empty(T, B, gh)
+
+    folded = inputs["b_ih"] is not None and inputs["b_hh"] is not None and not gru
+    counters = _counters(layout)
+    return _FwdBuffers(
+        **inputs,
+        bias=scratch("persistent.bias", lambda: config.empty(gh)) if folded else None,
+        h=scratch("persistent.h", lambda: config.empty(T + 1, B, _padded(H, config.dtype))),
+        count=scratch("persistent.count", lambda: config.empty(counters, dtype=torch.int32)),
+        pre=make_pre() if lstm and config.memory == "stash" else scratch("pre", make_pre),
+        stash=config.empty(T, B, 4 * H) if gru and config.memory == "stash" else None,
+        cells=config.empty(T + 1, B, H, dtype=torch.float32) if lstm else None,
+        y=config.empty(T, B, H),
+        **_final_states(config),
+    )
+
+
+def _final_states(config: kernels.LoopConfig) -> dict:
+    """h_n (and an LSTM's c_n) as views of one fresh buffer: one address fewer for a
+    captured entry to find again."""
+    lstm = config.mode == "lstm"
+    states = config.empty(2 if lstm else 1, config.B, config.H)
+    return dict(h_n=states[0], c_n=states[1] if lstm else None)
+
+
+# Small inputs copied into workspace before a captured phase runs: a replay then reads
+# them where it was captured to, wherever the caller's tensors live (the module's zero
+# states and autograd's zero-filled gradients are fresh small tensors every call, and
+# small blocks are where the caching allocator repeats itself least). The large inputs
+# (x, y, dy, the stash) are read in place: copying them would cost their bandwidth.
+_COPIED_IN = ("h0", "c0", "lengths", "grad_hn", "grad_cn")
+
+
+def _copy_in(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspace) -> dict:
+    """``inputs`` with those named in _COPIED_IN replaced by views of workspace holding
+    their values."""
+    out = dict(inputs)
+    for name in _COPIED_IN:
+        value = inputs.get(name)
+        if value is not None:
+            def make(v=value):
+                return torch.empty_like(v, memory_format=torch.contiguous_format)
+
+            view = workspace((config, layout), f"persistent.in.{name}", make)
+            view.copy_(value)
+            out[name] = view
+    return out
+
+
+def _input_bias(buf) -> Tensor | None:
+    """The bias of the input GEMM (kernels._input_bias), folded into ``buf.bias`` here."""
+    if buf.bias is not None:
+        torch.add(buf.b_ih, buf.b_hh, out=buf.bias)
+        return buf.bias
+    return buf.b_ih if buf.b_ih is not None else buf.b_hh
+
+
+def _fwd_body(config: kernels.LoopConfig, layout: Plan, buf: _FwdBuffers) -> None:
+    """The input GEMM over all steps, the initial states, ONE persistent launch, the
+    final states."""
+    T, B, H = config.T, config.B, config.H
+    gru = config.mode == "gru"
+    bias = buf.b_ih if gru else _input_bias(buf)
+    kernels._input_gemm(buf.x.view(T * B, -1), buf.w_ih, bias, buf.pre.view(T * B, -1))
+    buf.h[0, :, :H].copy_(buf.h0)
+    if buf.cells is not None:
+        buf.cells[0].copy_(buf.c0)
+    buf.count.zero_()
+    stash = buf.pre if config.mode == "lstm" and config.memory == "stash" else buf.stash
+    dummy = buf.y
+    has_hb = buf.b_hh is not None and gru
+    args = (
+        buf.pre, stash if stash is not None else dummy, buf.h, buf.w_hh,
+        buf.b_hh if has_hb else dummy, buf.cells if buf.cells is not None else dummy, buf.y,
+        buf.lengths if buf.lengths is not None else dummy,
+    )  # fmt: skip
+    constants = dict(WRITE_STASH=stash is not None, HAS_HB=has_hb, HS=buf.h.shape[-1])
+    _launch("fwd", _fwd_kernel, config, layout, args, constants, buf.count)
+    buf.h_n.copy_(buf.h[T, :, :H])
+    if buf.c_n is not None:
+        buf.c_n.copy_(buf.cells[T])
+
+
+def _saved(config: kernels.LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
+    """What ``layer_forward`` saves for backward (saved_layout)."""
+    if config.mode == "lstm":
+        return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
+    return (buf.stash,) if buf.stash is not None else ()
 
 
 @torch.no_grad()
@@ -1211,41 +1357,256 @@ def layer_forward(
     memory: str = "stash",
     state_clip: tuple[float, float] | None = None,
     layout: Plan | None = None,
+    use_graph: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """One layer, one direction: ``(y [T,B,H], h_n, c_n, saved)`` (kernels.py's
-    contract); ``layout`` overrides ``plan``'s (tests, benchmarks)."""
+    contract); ``layout`` overrides ``plan``'s (tests, benchmarks); ``use_graph``:
+    capture the layer in a CUDA Graph (None: by size, graphs.py)."""
     kernels._check(mode, x, w_hr, memory, state_clip)
     config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
     layout = _plan_of(config, layout)
     if layout is None:
         return kernels.layer_forward(
             mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr,
-            lengths=lengths, memory=memory, state_clip=state_clip,
+            lengths=lengths, memory=memory, state_clip=state_clip, use_graph=use_graph,
         )  # fmt: skip
-    T, B = config.T, config.B
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
-    buf = kernels._fwd_buffers(config, w_hh, b_hh, lengths)
-    x2d = x.reshape(T * B, x.shape[2])
-    kernels._input_gemm(x2d, w_ih, kernels._input_bias(mode, b_ih, b_hh), buf.pre.view(T * B, -1))
-    hs = _padded(config.H, config.dtype)
-    h = config.empty(T + 1, B, hs)  # every step's h: read by all programs (module doc)
-    h[0, :, : config.H].copy_(h0)
-    if buf.cells is not None:
-        buf.cells[0].copy_(c0)
-    lstm_stash = mode == "lstm" and memory == "stash"
-    stash = buf.pre if lstm_stash else buf.stash
-    dummy = buf.y
-    args = (
-        buf.pre, stash if stash is not None else dummy, h, w_hh,
-        b_hh if b_hh is not None and mode == "gru" else dummy,
-        buf.cells if buf.cells is not None else dummy, buf.y,
-        lengths if lengths is not None else dummy,
+    inputs = dict(x=x.contiguous(), h0=h0.contiguous(),
+                  c0=c0.contiguous() if c0 is not None else None, w_ih=w_ih, w_hh=w_hh,
+                  b_ih=b_ih, b_hh=b_hh,
+                  lengths=lengths.contiguous() if lengths is not None else None)  # fmt: skip
+    body = functools.partial(_fwd_body, config, layout)
+    if _graphed(config, config.T, use_graph):
+        # The "gates" arena large enough for the backward before views of it are taken.
+        graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, graphs.workspace)
+        buf = _fwd_buffers(config, layout, inputs, graphs.workspace)
+        _run(((config, layout), "persistent.fwd", *_addresses(w_ih, w_hh, b_ih, b_hh)),
+             config, buf, body)  # fmt: skip
+    else:
+        buf = _fwd_buffers(config, layout, inputs)
+        body(buf)
+    return buf.y, buf.h_n, buf.c_n, _saved(config, buf)
+
+
+def _addresses(*tensors: Tensor | None) -> tuple[int, ...]:
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+@dataclass(kw_only=True, slots=True)
+class _BwdBuffers:
+    """Everything one backward (all its chunks) reads and writes, as ``_FwdBuffers``."""
+
+    stash: Tensor | None  # saved [T, B, P] (memory "stash"; not rnn)
+    cells: Tensor | None  # lstm: saved [T+1, B, H] fp32
+    x: Tensor
+    h0: Tensor
+    w_ih: Tensor
+    w_hh: Tensor
+    b_ih: Tensor | None
+    b_hh: Tensor | None
+    y: Tensor
+    dy: Tensor | None
+    grad_hn: Tensor | None
+    grad_cn: Tensor | None
+    lengths: Tensor | None
+    # workspace, a chunk's worth (each chunk runs on views of it)
+    bias: Tensor | None  # recompute (not gru): b_ih + b_hh
+    pre: Tensor | None  # recompute: [steps, B, P]
+    dg: Tensor  # [steps, B, padded G*H]
+    dgh: Tensor | None  # gru: [steps, B, padded 3H]
+    ones: Tensor | None  # [steps * B]: the bias gradients as GEMVs
+    chunk_lengths: Tensor | None  # [chunks, B]: lengths - t0 of each chunk
+    # outputs
+    state: Tensor  # zeroed first: the counters and dh, dc below are views of it
+    count: Tensor  # [chunks, >= _counters]
+    dh: Tensor  # running grad of h (grad h0 at the end)
+    dc: Tensor | None  # lstm: running grad of c, fp32
+    grad_x: Tensor | None
+    grad_wih: Tensor | None
+    grad_whh: Tensor | None
+    grad_bih: Tensor | None
+    grad_bhh: Tensor | None
+    grad_c0: Tensor | None
+
+
+def _state_block(config: kernels.LoopConfig, layout: Plan, launches: int, needs: tuple) -> dict:
+    """(state, count, dh, dc) and the small gradients (grad_c0, grad_bih, grad_bhh, where
+    ``needs`` asks) as views of one buffer: the backward's barrier counters per launch
+    ([launches, >= _counters], rows 16 bytes apart) and running state gradients (dh in
+    the layer's dtype, dc fp32 for an LSTM, else None) zeroed in one fill (every torch op
+    costs tens of microseconds of host time where it is not captured); one allocation
+    where there were four, so one address for a captured entry to find again."""
+    B, H, gh, lstm = config.B, config.H, config.gh, config.mode == "lstm"
+    _, need_c0, _, _, need_bih, need_bhh = needs
+    d = config.dtype.itemsize
+    per_launch = -(-_counters(layout) // 4) * 4
+    sizes = {"count": launches * per_launch * 4, "dh": B * H * d, "dc": B * H * 4 if lstm else 0,
+             "grad_c0": B * H * d if need_c0 else 0, "grad_bih": gh * d if need_bih else 0,
+             "grad_bhh": gh * d if need_bhh else 0}  # fmt: skip
+    offsets, total = {}, 0
+    for name, n in sizes.items():  # each view 16-byte aligned, as the kernels' pointers
+        offsets[name], total = total, total + -(-n // 16) * 16
+    state = config.empty(total, dtype=torch.uint8)
+
+    def view(name: str, dtype: torch.dtype, *shape: int) -> Tensor:
+        return state[offsets[name] : offsets[name] + sizes[name]].view(dtype).view(shape)
+
+    def grad(name: str, *shape: int) -> Tensor | None:
+        return view(name, config.dtype, *shape) if sizes[name] else None
+
+    dc = view("dc", torch.float32, B, H) if lstm else None
+    return dict(state=state, count=view("count", torch.int32, launches, per_launch),
+                dh=view("dh", config.dtype, B, H), dc=dc, grad_c0=grad("grad_c0", B, H),
+                grad_bih=grad("grad_bih", gh), grad_bhh=grad("grad_bhh", gh))  # fmt: skip
+
+
+def _bwd_buffers(config: kernels.LoopConfig, layout: Plan, inputs: dict, needs: tuple,
+                 workspace=None) -> _BwdBuffers:  # fmt: skip
+    """A backward's buffers (``_fwd_buffers``'s rules); ``needs``: (x, c0, w_ih, w_hh,
+    b_ih, b_hh) gradients wanted."""
+    T, B, H, gh, mode = config.T, config.B, config.H, config.gh, config.mode
+    steps = kernels._chunk_steps(T, B)
+    launches = -(-T // steps)
+    need_x, _, need_wih, need_whh, need_bih, need_bhh = needs
+    recompute = config.memory == "recompute" and not mode.startswith("rnn")
+
+    def scratch(name: str, make):
+        return make() if workspace is None else workspace((config, layout), name, make)
+
+    def gate_grads(name: str) -> Tensor:
+        width = _padded(gh, config.dtype)
+        return scratch(name, lambda: config.empty(steps, B, width))
+
+    folded = recompute and mode != "gru" and inputs["b_ih"] is not None
+    folded = folded and inputs["b_hh"] is not None
+    chunked_lengths = inputs["lengths"] is not None and launches > 1
+    n_in = inputs["x"].shape[-1]
+    return _BwdBuffers(
+        **inputs,
+        bias=scratch("persistent.bias", lambda: config.empty(gh)) if folded else None,
+        pre=scratch("persistent.bwd.pre", lambda: config.empty(steps, B, config.stash_width))
+        if recompute else None,
+        dg=gate_grads("persistent.bwd.dg"),
+        dgh=gate_grads("persistent.bwd.dgh") if mode == "gru" else None,
+        ones=scratch("persistent.ones", lambda: config.empty(steps * B))
+        if need_bih or need_bhh else None,
+        chunk_lengths=scratch("persistent.lengths",
+                              lambda: config.empty(launches, B, dtype=torch.int64))
+        if chunked_lengths else None,
+        **_state_block(config, layout, launches, needs),
+        grad_x=config.empty(T, B, n_in) if need_x else None,
+        grad_wih=config.empty(gh, n_in) if need_wih else None,
+        grad_whh=config.empty(gh, H) if need_whh else None,
     )  # fmt: skip
-    constants = dict(WRITE_STASH=stash is not None, HAS_HB=b_hh is not None and mode == "gru",
-                     HS=hs)  # fmt: skip
-    _launch("fwd", _fwd_kernel, config, layout, args, constants)
-    c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    return buf.y, h[T, :, : config.H].clone(), c_n, kernels._saved(config, buf)
+
+
+def _bwd_body(config: kernels.LoopConfig, layout: Plan, buf: _BwdBuffers) -> None:
+    """Chunks of steps from the end, each: (recomputed pre-activations,) ONE persistent
+    launch, the chunk's GEMMs of the input and weight gradients; the state gradients
+    carried between chunks in ``buf.dh``, ``buf.dc``."""
+    T, B = config.T, config.B
+    buf.state.zero_()
+    if buf.grad_hn is not None:
+        buf.dh.copy_(buf.grad_hn)
+    if buf.grad_cn is not None:
+        buf.dc.copy_(buf.grad_cn)
+    if buf.ones is not None:
+        buf.ones.fill_(1)
+    bias = _input_bias(buf) if buf.pre is not None and config.mode != "gru" else None
+    steps = kernels._chunk_steps(T, B)
+    for launch, t1 in enumerate(range(T, 0, -steps)):
+        t0 = max(0, t1 - steps)
+        chunk = kernels._with_steps(config, t1 - t0)
+        loop = _chunk_buffers(chunk, buf, t0, t1, launch)
+        if buf.pre is not None:
+            _recompute(chunk, buf, t0, t1, bias, out=loop.pre)
+        _bwd_launch(chunk, layout, loop, buf.count[launch])
+        _chunk_grads(chunk, buf, loop, t0, t1, first=launch == 0)
+    if buf.grad_c0 is not None:
+        buf.grad_c0.copy_(buf.dc)
+
+
+def _chunk_buffers(chunk: kernels.LoopConfig, buf: _BwdBuffers, t0: int, t1: int, launch: int):
+    """kernels.py's loop buffers of the chunk of steps [t0, t1): views of ``buf``."""
+    n, gh, mode = t1 - t0, chunk.gh, chunk.mode
+    lengths = buf.lengths
+    if lengths is not None and t0 > 0:
+        lengths = torch.sub(lengths, t0, out=buf.chunk_lengths[launch])
+    pre = buf.pre[:n] if buf.pre is not None else None
+    if buf.stash is not None:
+        pre = buf.stash[t0:t1]
+    grads = {"dg": buf.dg[:n, :, :gh], "dgh": buf.dgh[:n, :, :gh] if buf.dgh is not None else None}
+    return kernels._bwd_buffers(
+        chunk, pre=pre, cells=buf.cells[t0 : t1 + 1] if buf.cells is not None else None,
+        h0=(buf.h0 if t0 == 0 else buf.y[t0 - 1]) if mode == "gru" else None,
+        y=buf.y[t0:t1] if mode != "lstm" else None,
+        dy=buf.dy[t0:t1] if buf.dy is not None else None, w_hh=buf.w_hh, lengths=lengths,
+        dh=buf.dh, dc=buf.dc, workspace=lambda _config, name, _make: grads[name[len("bwd."):]],
+    )  # fmt: skip
+
+
+def _recompute(chunk: kernels.LoopConfig, buf: _BwdBuffers, t0: int, t1: int,
+               bias: Tensor | None, *, out: Tensor) -> None:  # fmt: skip
+    """The chunk's pre-activations from x and h_{t-1} (h0, then y) written into ``out``
+    [n, B, P] in place (kernels._recompute_pre's result, with no temporary)."""
+    B, H, n = chunk.B, chunk.H, (t1 - t0) * chunk.B
+    x2d = buf.x.view(-1, buf.x.shape[-1])[t0 * B : t1 * B]
+    pre = out.view(n, out.shape[-1])
+    # h_{t-1} of the chunk's first step, then of the others
+    prev = ((slice(0, B), buf.h0 if t0 == 0 else buf.y[t0 - 1]),
+            (slice(B, n), buf.y[t0 : t1 - 1].reshape(-1, H)))  # fmt: skip
+    prev = [(rows, h) for rows, h in prev if h.numel()]
+    if chunk.mode != "gru":
+        kernels._input_gemm(x2d, buf.w_ih, bias, pre)
+        for rows, h in prev:
+            pre[rows].addmm_(h, buf.w_hh.t())
+        return
+    # gru: [r, z: input + hidden side | n: input side | n: hidden side]
+    kernels._input_gemm(x2d, buf.w_ih, buf.b_ih, pre[:, : 3 * H])
+    b_hn = buf.b_hh[2 * H :] if buf.b_hh is not None else None
+    for rows, h in prev:
+        pre[rows, : 2 * H].addmm_(h, buf.w_hh[: 2 * H].t())
+        kernels._input_gemm(h, buf.w_hh[2 * H :], b_hn, pre[rows, 3 * H :])
+    if buf.b_hh is not None:
+        pre[:, : 2 * H].add_(buf.b_hh[: 2 * H])
+
+
+def _chunk_grads(chunk: kernels.LoopConfig, buf: _BwdBuffers, loop, t0: int, t1: int,
+                 *, first: bool) -> None:  # fmt: skip
+    """The chunk's share of the input and weight gradients: GEMMs over its stored gate
+    gradients, written by the first chunk and added to by the others."""
+    B, H, gh = chunk.B, chunk.H, chunk.gh
+    n = (t1 - t0) * B
+    dg = loop.dg.view(n, gh)
+    dgh = loop.dgh.view(n, gh) if loop.dgh is not None else dg
+    x2d = buf.x.view(-1, buf.x.shape[-1])[t0 * B : t1 * B]
+    if buf.grad_x is not None:
+        torch.mm(dg, buf.w_ih, out=buf.grad_x[t0:t1].view(n, -1))
+    if buf.grad_wih is not None:
+        _mm_into(buf.grad_wih, first, dg.t(), x2d)
+    for out, g in ((buf.grad_bih, dg), (buf.grad_bhh, dgh)):
+        if out is not None:  # a GEMV: kernels._add_sum's reason
+            if first:
+                torch.mv(g.t(), buf.ones[:n], out=out)
+            else:
+                out.addmv_(g.t(), buf.ones[:n])
+    if buf.grad_whh is not None:  # dG_hidden^T @ h_{t-1}: h0 for step 0, then y
+        done = 0
+        if t0 == 0:
+            _mm_into(buf.grad_whh, first, dgh[:B].t(), buf.h0)
+            first, done = False, B
+        if n > done:
+            hprev = buf.y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
+            _mm_into(buf.grad_whh, first, dgh[done:].t(), hprev)
+
+
+def _mm_into(out: Tensor, first: bool, a: Tensor, b: Tensor) -> None:
+    """out = a @ b (first) or out += a @ b."""
+    if first:
+        torch.mm(a, b, out=out)
+    else:
+        out.addmm_(a, b)
 
 
 def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf, count: Tensor) -> None:
@@ -1270,13 +1631,6 @@ def _bwd_launch(config: kernels.LoopConfig, layout: Plan, buf, count: Tensor) ->
     buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
 
 
-def _padded_gate_grads(config: kernels.LoopConfig, name: str, make) -> Tensor:
-    """[T, B, G*H] gate gradients with rows a whole number of L1 lines apart (module doc):
-    a view of a wider buffer, still flat in (T, B) for the GEMMs after the launch."""
-    width = _padded(config.gh, config.dtype)
-    return config.empty(config.T, config.B, width)[..., : config.gh]
-
-
 @torch.no_grad()
 def layer_backward(
     mode: str,
@@ -1299,10 +1653,11 @@ def layer_backward(
     state_clip: tuple[float, float] | None = None,
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
     layout: Plan | None = None,
+    use_graph: bool | None = None,
 ) -> tuple[Tensor | None, ...]:
     """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (kernels.py's contract and
     chunks of steps: one persistent launch per chunk, the weight gradients as GEMMs over
-    its stored gate gradients)."""
+    its stored gate gradients); ``use_graph`` as ``layer_forward``'s."""
     kernels._check(mode, x, w_hr, memory, state_clip)
     config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
     layout = _plan_of(config, layout)
@@ -1310,54 +1665,108 @@ def layer_backward(
         return kernels.layer_backward(
             mode, saved, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, grad_y, grad_hn, grad_cn,
             lengths=lengths, memory=memory, state_clip=state_clip,
-            needs_input_grad=needs_input_grad,
+            needs_input_grad=needs_input_grad, use_graph=use_graph,
         )  # fmt: skip
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
-    need_c0 = need_c0 and c0 is not None
-    need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
-    if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
+    needs = (need_x, need_c0 and c0 is not None, need_wih, need_whh,
+             need_bih and b_ih is not None, need_bhh and b_hh is not None)  # fmt: skip
+    if not (need_h0 or any(needs)):
         return (None,) * 8
-    T, B, gh = config.T, config.B, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
-    x2d = x.reshape(T * B, x.shape[2])
-    y = y.contiguous()
-    dy = grad_y.contiguous() if grad_y is not None else None
-    cells = saved[-1] if mode == "lstm" else None
-    grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
-    grad_wih = grad_whh = grad_bih = grad_bhh = None
-    steps = kernels._chunk_steps(T, B)
-    dh, dc, counts = _zeroed_states(config, layout, grad_hn, grad_cn, -(-T // steps))
-    for launch, t1 in enumerate(range(T, 0, -steps)):
-        t0 = max(0, t1 - steps)
-        n, rows = t1 - t0, slice(t0 * B, t1 * B)
-        chunk = kernels._with_steps(config, n)
-        h_first = h0 if t0 == 0 else y[t0 - 1]
-        pre = saved[0][t0:t1] if memory == "stash" and not mode.startswith("rnn") else None
-        if memory == "recompute" and not mode.startswith("rnn"):
-            # Before the gate gradients exist: a lower peak (kernels.py's order).
-            pre = chunk.empty(n, B, chunk.stash_width)
-            kernels._recompute_pre(chunk, x2d[rows], h_first, y[t0:t1], w_ih, w_hh, b_ih, b_hh,
-                                   out=pre)  # fmt: skip
-        buf = kernels._bwd_buffers(
-            chunk, pre=pre, cells=cells[t0 : t1 + 1] if cells is not None else None,
-            h0=h_first if mode == "gru" else None, y=y[t0:t1] if mode != "lstm" else None,
-            dy=dy[t0:t1] if dy is not None else None, w_hh=w_hh,
-            lengths=lengths - t0 if lengths is not None else None, dh=dh, dc=dc,
-            workspace=_padded_gate_grads,
-        )  # fmt: skip
-        _bwd_launch(chunk, layout, buf, counts[launch])
-        dg = buf.dg.view(n * B, gh)
-        dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
-        if need_x:
-            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
-        if need_wih:
-            grad_wih = kernels._add_mm(grad_wih, dg.t(), x2d[rows])
-        if need_bih:
-            grad_bih = kernels._add_sum(grad_bih, dg)
-        if need_bhh:
-            grad_bhh = kernels._add_sum(grad_bhh, dgh)
-        if need_whh:
-            grad_whh = kernels._whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
-    grad_h0 = dh if need_h0 else None
-    grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
-    return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
+    stashed = memory == "stash" and not mode.startswith("rnn")
+
+    def own(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.contiguous()
+
+    inputs = dict(stash=own(saved[0]) if stashed else None,
+                  cells=own(saved[-1]) if mode == "lstm" else None, x=x.contiguous(),
+                  h0=h0.contiguous(), w_ih=w_ih, w_hh=w_hh, b_ih=b_ih, b_hh=b_hh,
+                  y=y.contiguous(), dy=own(grad_y), grad_hn=own(grad_hn),
+                  grad_cn=own(grad_cn) if mode == "lstm" else None,
+                  lengths=own(lengths))  # fmt: skip
+    body = functools.partial(_bwd_body, config, layout)
+    if _graphed(config, kernels._chunk_steps(config.T, config.B), use_graph):
+        graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, graphs.workspace)
+        buf = _bwd_buffers(config, layout, inputs, needs, graphs.workspace)
+        key = ((config, layout), "persistent.bwd", *_addresses(w_ih, w_hh, b_ih, b_hh))
+        _run(key, config, buf, body)
+    else:
+        buf = _bwd_buffers(config, layout, inputs, needs)
+        body(buf)
+    return (buf.grad_x, buf.dh if need_h0 else None, buf.grad_c0, buf.grad_wih, buf.grad_whh,
+            buf.grad_bih, buf.grad_bhh, None)  # fmt: skip
+
+
+# ---- What the captured layers hold (the op's formulas) -------------------------------
+
+
+def loop_captured(mode: str, T: int, B: int, H: int, device: torch.device, *,
+                  backward: bool) -> bool:  # fmt: skip
+    """Whether a layer's forward (or backward) runs as a CUDA Graph when the caller asks
+    nothing, outside another capture: kernels.py's rule, sized alike (``_graphed``)."""
+    return kernels.loop_captured(mode, T, B, H, device, backward=backward)
+
+
+def held_arenas(
+    mode: str,
+    memory: str,
+    T: int,
+    B: int,
+    H: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    has_lengths: bool,
+    has_bias: bool,
+    backward: bool,
+    has_grad_y: bool = True,
+) -> dict[tuple, int]:
+    """Bytes of each shared arena (graphs.py) that one layer-direction's captured forward
+    (or backward) asks for and the cache keeps between calls, keyed as
+    ``kernels.held_arenas`` (whose layers run where the persistent kernel does not): the
+    same buffer builders as the capture, on the meta device, and the "gates" arena
+    reserved for both phases. Bias gradients are assumed wanted (their GEMV's vector of
+    ones: rows elements)."""
+    device = torch.device(device)
+    layout = _formula_plan(mode, B, H, dtype, device)
+    if layout is None:
+        return kernels.held_arenas(mode, memory, T, B, H, dtype, device, has_lengths=has_lengths,
+                                   has_bias=has_bias, backward=backward,
+                                   has_grad_y=has_grad_y)  # fmt: skip
+    if device.type != "cuda" or not loop_captured(mode, T, B, H, device, backward=backward):
+        return {}
+    config = kernels._config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None,
+                             memory, has_bias, False, "ieee")  # fmt: skip
+    sizes = {graphs.arena_name("pre"): _gates_bytes(config)}
+
+    def record(_key, name: str, make) -> Tensor:
+        like = make()
+        arena = graphs.arena_name(name)
+        sizes[arena] = max(sizes.get(arena, 0), graphs.arena_bytes(like))
+        return like
+
+    empty, gh = config.empty, config.gh
+    weights = dict(w_ih=empty(gh, 1), w_hh=empty(gh, H), b_ih=empty(gh) if has_bias else None,
+                   b_hh=empty(gh) if has_bias else None)  # fmt: skip
+    lstm_state = empty(B, H) if mode == "lstm" else None
+    common = dict(x=empty(T, B, 1), h0=empty(B, H), **weights,
+                  lengths=empty(B, dtype=torch.int64) if has_lengths else None)  # fmt: skip
+    if backward:  # the state gradients given (autograd fills the unused ones with zeros)
+        inputs = dict(stash=None, cells=None, y=empty(T, B, H), dy=None, grad_hn=empty(B, H),
+                      grad_cn=lstm_state, **common)  # fmt: skip
+        inputs = _copy_in(config, layout, inputs, record)
+        _bwd_buffers(config, layout, inputs, (True,) * 4 + (has_bias,) * 2, record)
+    else:
+        inputs = _copy_in(config, layout, dict(c0=lstm_state, **common), record)
+        _fwd_buffers(config, layout, inputs, record)
+    return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
+
+
+def _formula_plan(mode: str, B: int, H: int, dtype: torch.dtype, device: torch.device):
+    """``plan`` where the op's formulas ask; None (kernels.py's layers) also where no GPU
+    is here to size the grid by."""
+    try:
+        return plan(mode, B, H, dtype, device)
+    except (AssertionError, RuntimeError):  # torch.cuda without a device
+        return None
