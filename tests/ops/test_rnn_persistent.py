@@ -207,18 +207,23 @@ def test_backward_in_chunks(mode, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_state_and_counters_are_views_of_one_buffer(dtype):
-    # dh, dc and a counter row per launch: apart, each 16-byte aligned (the JIT
-    # specializes pointers on it), in one allocation that the backward zeroes in one fill.
+    # dh, dc, a counter row per launch and the small gradients asked for (grad_c0, the
+    # biases'): apart, each 16-byte aligned (the JIT specializes pointers on it), in one
+    # allocation that the backward zeroes in one fill.
     B, H = 3, 5
     config = kernels._config("lstm", 4, B, H, dtype, torch.device(DEVICE), False, None,
                              "stash", True, False, "ieee")  # fmt: skip
     layout = persistent.replace(persistent.plan("lstm", B, H, dtype, torch.device(DEVICE)),
                                 groups=3, streamed_groups=5)  # fmt: skip
-    block = persistent._state_block(config, layout, launches=3)
+    needs = (True,) * 6  # the gradients of x, c0, w_ih, w_hh, b_ih, b_hh all asked
+    block = persistent._state_block(config, layout, launches=3, needs=needs)
     dh, dc, counts = block["dh"], block["dc"], block["count"]
     assert (dh.shape, dh.dtype, dc.shape, dc.dtype) == ((B, H), dtype, (B, H), torch.float32)
     assert counts.shape[0] == 3 and counts.shape[1] >= 5 and counts.dtype == torch.int32
-    views = [dh, dc, *counts]
+    small = [block["grad_c0"], block["grad_bih"], block["grad_bhh"]]
+    assert [t.shape for t in small] == [(B, H), (4 * H,), (4 * H,)]
+    assert all(t.dtype == dtype for t in small)
+    views = [dh, dc, *counts, *small]
     state = block["state"].untyped_storage().data_ptr()
     assert all(v.untyped_storage().data_ptr() == state for v in views)
     assert all(v.data_ptr() % 16 == 0 for v in views)
