@@ -1291,9 +1291,7 @@ def _copy_in(config: kernels.LoopConfig, layout: Plan, inputs: dict, workspace) 
     for name in _COPIED_IN:
         value = inputs.get(name)
         if value is not None:
-            def make(v=value):
-                return torch.empty_like(v, memory_format=torch.contiguous_format)
-
+            make = functools.partial(torch.empty_like, value, memory_format=torch.contiguous_format)
             view = workspace((config, layout), f"persistent.in.{name}", make)
             view.copy_(value)
             out[name] = view
