@@ -283,6 +283,13 @@ def needs_plain_autograd(tensors) -> bool:
     return any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors)
 
 
+def is_batched(t: torch.Tensor | None) -> bool:
+    """True for a tensor batched by vmap: functorch's (``torch.func.vmap``) or the legacy
+    one that ``torch.autograd.grad(..., is_grads_batched=True)`` runs the backward under
+    (its ``Batched`` dispatch key has no Python binding: read from the key set's name)."""
+    return t is not None and "Batched" in repr(torch._C._dispatch_keys(t))
+
+
 # --- Dynamo's DDP optimizer (used by train/loop.py's ddp-graphs-whole benchmark mode) ----
 def ddp_graph_split(enabled: bool):
     """A context in which Dynamo does (``True``, its default) or does not split a

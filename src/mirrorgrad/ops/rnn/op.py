@@ -341,8 +341,13 @@ def _direction_view(
     """(layer input, layer output, output gradient) as one direction sees them: its Hr
     output columns, and time reversed within each length for the reverse direction."""
     layer_in, layer_out, grad_out = tensors
-    cols = slice(direction * Hr, (direction + 1) * Hr)
-    views = (layer_in, layer_out[..., cols], None if grad_out is None else grad_out[..., cols])
+
+    def columns(t: Tensor | None) -> Tensor | None:
+        # A one-direction layer's output is all its columns: no view (a full slice is
+        # aten::alias, which the batched gradients' vmap has no rule for).
+        return t if t is None or t.shape[-1] == Hr else t.narrow(-1, direction * Hr, Hr)
+
+    views = (layer_in, columns(layer_out), columns(grad_out))
     if direction == 0:
         return views
     return tuple(None if t is None else reverse_within_lengths(t, lengths) for t in views)
@@ -420,9 +425,14 @@ def _stack_backward(ctx, grad_y, grad_hn, grad_cn, needs: list[bool]) -> tuple:
     cx = extra.pop(0) if ctx.has_cx else None
     lengths = extra.pop(0) if ctx.has_lengths else None
     cfg = ctx.config
-    if torch.is_grad_enabled():  # backward(create_graph=True): a differentiable backward
+    grads = (grad_y, grad_hn, grad_cn)
+    create_graph = torch.is_grad_enabled()  # backward(create_graph=True)
+    if create_graph or _compat.is_batched(next((g for g in grads if g is not None), None)):
+        # Higher-order or batched gradients (``is_grads_batched=True``, functorch): the
+        # backward recomputed in plain PyTorch ops, which have both rules.
         inputs = (x, weights, hx, cx, lengths, seed)
-        return _differentiable_backward(inputs, cfg, (grad_y, grad_hn, grad_cn), needs)
+        with torch.enable_grad():
+            return _differentiable_backward(inputs, cfg, grads, needs, create_graph)
     grad_x, grad_hx, grad_cx, grad_w = _call(
         torch.ops.mirrorgrad.rnn_backward, _backward_impl,
         (grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
@@ -449,9 +459,10 @@ def _call(op: Callable, impl: Callable, args: tuple, tensors: Sequence[Tensor | 
     return op(*args)
 
 
-def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool]):
+def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list[bool],
+                             create_graph: bool):  # fmt: skip
     """The backward recomputed through ``differentiable_stack`` with a graph of its own, for
-    higher-order gradients: same return as _stack_backward."""
+    higher-order (``create_graph``) or batched gradients: same return as _stack_backward."""
     x, weights, hx, cx, lengths, seed = inputs
     wanted = [t for t, n in zip([x, hx, cx, *weights], needs) if n]
     outputs = differentiable_stack(
@@ -464,7 +475,7 @@ def _differentiable_backward(inputs: tuple, cfg: dict, grads: tuple, needs: list
     if pairs and wanted:
         computed = iter(torch.autograd.grad(
             [o for o, _ in pairs], wanted, [g for _, g in pairs],
-            create_graph=True, allow_unused=True,
+            create_graph=create_graph, allow_unused=True,
         ))  # fmt: skip
     result = [next(computed, None) if n else None for n in needs]
     return result[0], result[1], result[2], result[3:]

@@ -1692,8 +1692,15 @@ def layer_backward(
     else:
         buf = _bwd_buffers(config, layout, inputs, needs)
         body(buf)
+    # grad_h0, grad_c0 and the bias gradients are views of the state block (one address
+    # for a captured entry to find again): the small ones leave it as copies of their own,
+    # since a custom op's outputs may share no storage (the stack stacks dh and grad_c0).
     return (buf.grad_x, buf.dh if need_h0 else None, buf.grad_c0, buf.grad_wih, buf.grad_whh,
-            buf.grad_bih, buf.grad_bhh, None)  # fmt: skip
+            _own(buf.grad_bih), _own(buf.grad_bhh), None)  # fmt: skip
+
+
+def _own(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.clone()
 
 
 # ---- What the captured layers hold (the op's formulas) -------------------------------
