@@ -2,7 +2,8 @@
 
 import subprocess
 import sys
-import time
+
+from tests.child import read_line
 
 from mirrorgrad.bench import ddp_scaling
 
@@ -32,16 +33,15 @@ def test_table_gives_each_run_as_a_ratio_to_one_gpu():
 
 
 def test_descendants_finds_a_grandchild():
-    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
-        "'import time; time.sleep(30)']); time.sleep(30)"  # fmt: skip
-    parent = subprocess.Popen([sys.executable, "-c", script])
+    # The child prints once it has started the grandchild: no polling against the clock.
+    script = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(300)']); print('started', flush=True); time.sleep(300)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        for _ in range(100):  # until the grandchild has started
-            found = ddp_scaling._descendants(parent.pid)
-            if found:
-                break
-            time.sleep(0.1)
-        assert len(found) == 1
+        assert read_line(parent.stdout) == "started\n"
+        assert len(ddp_scaling._descendants(parent.pid)) == 1
     finally:
         for pid in ddp_scaling._descendants(parent.pid):
             subprocess.run(["kill", str(pid)], check=False)

@@ -1,4 +1,5 @@
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,13 @@ def corpus(tmp_path):
 def make_corpus():
     """``write_corpus`` for fixtures of a wider scope than ``corpus``."""
     return write_corpus
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_a_terminal():
+    """SIGINT handled as in a terminal. A process started with SIGINT ignored (`bash
+    .ci/run &`, some CI runners) keeps it ignored, and so does `train`, as Unix programs
+    do: a test's Ctrl-C would then never arrive."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

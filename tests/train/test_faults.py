@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.child import TIMEOUT_S, read_line
 
 from mirrorgrad.cli import main
 from mirrorgrad.options import MirrorOptions
@@ -42,14 +43,6 @@ def the_error(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith("mirrorgrad train:")]
     assert len(lines) == 1, err
     return lines[0]
-
-
-@pytest.fixture(autouse=True)
-def ctrl_c_as_in_a_terminal():
-    """Python ignores SIGINT for good when started with it ignored (`pytest &` in a script)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +336,7 @@ def _dead_pid() -> int:
 
 def _interrupt(signum):
     def send(*args, **kwargs):
-        os.kill(os.getpid(), signum)
+        signal.raise_signal(signum)  # its handler has run when this returns
         raise AssertionError("the signal did not interrupt")
 
     return send
@@ -381,7 +374,7 @@ def test_sigterm_during_the_steps_saves_and_resumes(saved, tmp_path, capsys, mon
     def step_then_term(self, x, y):
         loss = real_step(self, x, y)
         if next(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
         return loss
 
     monkeypatch.setattr(loop._Run, "_step", step_then_term)
@@ -406,36 +399,56 @@ def _child(code: str, *args: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-_READY_THEN_TRAIN = """
-import sys
-import mirrorgrad.train.loop  # imports done before "ready"
+_PAUSE_IN_SETUP_THEN_TRAIN = """
+import sys, time
 from mirrorgrad.cli import main
-print("ready", flush=True)
+from mirrorgrad.train import loop
+
+real_explain = loop._Run._explain
+
+def explain_once_signalled(self):
+    print("in setup", flush=True)  # data loaded, the plan and the compile to come
+    time.sleep(120)  # the test's signal ends this; without it, training goes on
+    return real_explain(self)
+
+loop._Run._explain = explain_once_signalled
 sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 
 
 def test_ctrl_c_during_setup_of_a_real_process(saved, tmp_path):
     run = tmp_path / "run"
-    child = _child(_READY_THEN_TRAIN, f"--data={saved[0]}", f"--logdir={run}", *FAST)
-    assert child.stdout.readline() == "ready\n"
-    time.sleep(0.3)  # into data loading, the plan and the compile (about 2 s)
-    child.send_signal(signal.SIGINT)
-    out, err = child.communicate(timeout=60)
+    child = _child(_PAUSE_IN_SETUP_THEN_TRAIN, f"--data={saved[0]}", f"--logdir={run}", *FAST)
+    try:
+        assert read_line(child.stdout) == "in setup\n", child.stderr.read()
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        child.kill()
     assert child.returncode == 130, err
     assert err.strip() == "mirrorgrad train: interrupted"
     assert out == "" and not (run / "checkpoints" / "last.pt").exists()
 
 
+_TRAIN = """
+import sys
+from mirrorgrad.cli import main
+sys.exit(main(["train", "lm", *sys.argv[1:]]))
+"""
+
+
 def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path):
     corpus, run = saved[0], tmp_path / "killed"
-    args = [f"--data={corpus}", f"--logdir={run}", *FAST, "--max-steps=10000", "--ckpt-every=1"]
-    child = _child(_READY_THEN_TRAIN, *args)
+    # --epochs: still training when killed, however long the test took to look.
+    args = [f"--data={corpus}", f"--logdir={run}", *FAST, "--ckpt-every=1"]
+    args += ["--max-steps=10000", "--epochs=1000"]
+    child = _child(_TRAIN, *args)
     last = run / "checkpoints" / "last.pt"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + TIMEOUT_S
         while _saved_step(last) < 3:
-            assert child.poll() is None and time.monotonic() < deadline, child.stderr.read()
+            assert child.poll() is None, child.stderr.read()
+            assert time.monotonic() < deadline, f"no checkpoint of step 3 in {TIMEOUT_S:g} s"
             time.sleep(0.05)
         child.kill()  # kill -9, most likely in the middle of a step or a save
     finally:
@@ -499,7 +512,7 @@ def test_kill_9_during_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path, pau
     path = tmp_path / "last.pt"
     child = _child(_SAVE_TWICE_AND_PAUSE, str(path), pause_after)
     try:
-        assert child.stdout.readline() == "paused\n", child.stderr.read()
+        assert read_line(child.stdout) == "paused\n", child.stderr.read()
         child.kill()
     finally:
         child.communicate(timeout=30)
