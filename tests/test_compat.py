@@ -366,3 +366,19 @@ def test_gpu_shape_padding_patches_names_pad_mm_has():
     with _compat.gpu_shape_padding():
         assert pad_mm.check_device(None, None) and _compat.inductor_config.force_shape_pad
     assert pad_mm.should_pad is before
+
+
+def test_is_batched_sees_both_vmaps_and_not_a_plain_tensor():
+    from torch import _vmap_internals
+
+    seen = []
+
+    def record(t):
+        seen.append(_compat.is_batched(t))
+        return t * 2
+
+    _vmap_internals._vmap(record, 0, 0)(torch.randn(3, 2))  # what is_grads_batched runs
+    torch.func.vmap(record)(torch.randn(3, 2))
+    assert seen == [True, True]
+    assert not _compat.is_batched(torch.randn(3)) and not _compat.is_batched(None)
+

@@ -32,14 +32,16 @@ def _torch_compile(backend):
     return make
 
 
+def _mirrorgrad_compile(**planner):
+    return lambda fn: mirrorgrad.compile(fn, **planner, fullgraph=True, options=SAME_RNG)
+
+
 PATHS = {
     "eager": lambda fn: fn,
     "aot_eager": _torch_compile("aot_eager"),
     "inductor": _torch_compile("inductor"),
-    "mirrorgrad-balance": lambda fn: mirrorgrad.compile(fn, mode="balance", fullgraph=True,
-                                                        options=SAME_RNG),  # fmt: skip
-    "mirrorgrad-budget": lambda fn: mirrorgrad.compile(fn, mode="budget", budget=0.5,
-                                                       fullgraph=True, options=SAME_RNG),  # fmt: skip
+    "mirrorgrad-balance": _mirrorgrad_compile(mode="balance"),
+    "mirrorgrad-budget": _mirrorgrad_compile(mode="budget", budget=0.5),
     "backend-mirrorgrad": lambda fn: torch.compile(
         fn, backend="mirrorgrad", fullgraph=True, options={"mode": "balance", **SAME_RNG}
     ),
@@ -85,5 +87,7 @@ def test_gradients_equal_eager(rnn, impl, path):
         expected_loss, expected = _step(twin, twin, x, y)
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
         for name, grad in expected.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name, s=step: f"{n}, step {s}: {m}")  # fmt: skip
+            where = f"{name}, step {step}"
+            torch.testing.assert_close(
+                grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+            )

@@ -603,6 +603,34 @@ def test_vmap_over_a_batch_of_sequences_matches_a_loop():
     torch.testing.assert_close(out, torch.stack([mod(x)[0] for x in xs]))
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton", "persistent"])
+def test_batched_gradients_equal_a_loop_of_gradients(impl):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (what jacobians and gradcheck's
+    batched check run) through every implementation's backward, dropout and lengths
+    included: the same as one backward per cotangent."""
+    pytest.importorskip("triton")
+    mod = mnn.LSTM(3, 4, 2, dropout=0.5, impl=impl)
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    torch.manual_seed(2)
+    y, (h_n, c_n) = mod(x)
+    inputs = [x, *mod.parameters()]
+    cotangents = [torch.randn(3, *t.shape) for t in (y, h_n, c_n)]
+    batched = torch.autograd.grad((y, h_n, c_n), inputs, cotangents, is_grads_batched=True,
+                                  retain_graph=True)  # fmt: skip
+    for i in range(3):
+        one = torch.autograd.grad((y, h_n, c_n), inputs, [v[i] for v in cotangents],
+                                  retain_graph=True)  # fmt: skip
+        for a, b in zip(batched, one):
+            torch.testing.assert_close(a[i], b, rtol=1e-4, atol=1e-5)
+
+
+def test_jacrev_matches_the_jacobian_of_torch_nn():
+    ref, mod = make_pair(KINDS[0], {"num_layers": 2}, 3, 4)
+    x = torch.randn(4, 2, 3, dtype=DT)
+    jac = torch.func.jacrev(lambda x: mod(x)[0])(x)
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda x: ref(x)[0])(x))
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
 def test_dropout_one_in_training_gives_torch_nn_zeros(kind):
     ref, mod = make_pair(kind, {"num_layers": 3, "dropout": 1.0}, 3, 4)

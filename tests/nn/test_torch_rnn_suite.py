@@ -920,6 +920,53 @@ def test_save_lstm_compatibility(nn, device):
     assert_equal(loaded_model(x), expected)
 
 
+# --- test/test_modules.py: test_grad_nn_{LSTM,GRU,RNN}_{train,eval}_mode --------------------
+def _module_inputs(name):
+    """common_modules.module_inputs_torch_nn_{LSTM,RNN_GRU}'s samples (no-batch-dim
+    input [3, 2], with and without an initial state): (constructor kwargs, state shapes)."""
+    products = {
+        "LSTM": itertools.product([False, True], [False, True], [False, True], [0, 2], [None]),
+        "GRU": itertools.product([False, True], [False, True], [False, True], [0], [None]),
+        "RNN": itertools.product([False, True], [False, True], [False, True], [0],
+                                 ["relu", "tanh"]),
+    }  # fmt: skip
+    for bias, batch_first, bidir, proj, nonlinearity in products[name]:
+        kwargs = dict(input_size=2, hidden_size=3, num_layers=2, bias=bias,
+                      batch_first=batch_first, bidirectional=bidir)  # fmt: skip
+        kwargs.update({"proj_size": proj} if proj else {})
+        kwargs.update({"nonlinearity": nonlinearity} if nonlinearity else {})
+        D = 2 if bidir else 1
+        yield kwargs, None
+        h0 = (2 * D, proj or 3)
+        yield kwargs, (h0, (2 * D, 3)) if name == "LSTM" else h0
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
+def test_grad_nn(nn, name, training):
+    # gradcheck as test_modules.py runs it (common_utils.gradcheck's defaults: fast mode,
+    # batched gradients checked) over every sample, parameters among the inputs
+    for kwargs, state in _module_inputs(name):
+        module = getattr(nn, name)(**kwargs).double().train(training)
+        params = tuple(module.parameters())
+        x = torch.randn(3, 2, dtype=torch.double, requires_grad=True)
+        if state is None:
+            states = ()
+        elif name == "LSTM":
+            states = tuple(torch.randn(s, dtype=torch.double, requires_grad=True) for s in state)
+        else:
+            states = (torch.randn(state, dtype=torch.double, requires_grad=True),)
+
+        n, lstm = len(states), name == "LSTM"
+
+        def fn(x, *rest, module=module, n=n, lstm=lstm):
+            hx = None if not n else (tuple(rest[:n]) if lstm else rest[0])
+            out, h = module(x) if hx is None else module(x, hx)
+            return (out, *(h if lstm else (h,)))
+
+        assert gradcheck(fn, (x, *states, *params), check_batched_grad=True, fast_mode=True), kwargs
+
+
 def test_ported_cases_cover_both_flavours():
     """Every skip names a test of this file and a known flavour (no stale entries)."""
     names = {name for name in globals() if name.startswith("test_")}

@@ -609,16 +609,16 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     peak = 0
     for layer in range(num_layers):
         layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
-        held = layer_in if layer > 0 and dropout > 0 else 0
+        dropped = layer > 0 and dropout > 0
+        held = layer_in if dropped else 0
         if not need_saved:
             held += D * layer_saved_bytes(impl, mode, memory, T, B, H, x.dtype)
             held += layer_in if layer > 0 else 0  # the previous output: not saved
             held += D * unit if layer < num_layers - 1 else 0  # this one, the same
-        if D == 2:
-            held += layer_in + unit + max(work + unit, 2 * unit)
-        else:
-            held += work
-        peak = max(peak, held + (layer + 1) * D * state)
+        # the dropout's scratch is freed before the layer runs
+        scratch = _dropout_scratch(impl, layer_in // d) if dropped else 0
+        directions = layer_in + unit + max(work + unit, 2 * unit) if D == 2 else work
+        peak = max(peak, held + max(directions, scratch) + (layer + 1) * D * state)
     return peak
 
 
@@ -640,14 +640,24 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
     for layer in reversed(range(num_layers)):
         layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
         held = D * unit if layer < num_layers - 1 else 0  # gradient from above
-        held += layer_in if layer > 0 and dropout > 0 else 0  # recomputed dropout
+        dropped = layer > 0 and dropout > 0
+        scratch = _dropout_scratch(impl, layer_in // d) if dropped else 0
+        if dropped:  # recomputed dropout (its scratch freed before the layer runs)
+            held += layer_in
+            peak = max(peak, held + scratch)
         grad_in = layer_in if layer > 0 else 0  # the op's grad_x at layer 0
         if D == 2:
             held += 2 * unit + layer_in + grad_in + max(work + layer_in, 2 * layer_in)
-        else:
-            held += max(work + grad_in, 2 * grad_in if dropout > 0 else 0)
+        else:  # the layer, then the dropout of its input gradient
+            held += max(work + grad_in, 2 * grad_in + scratch if dropped else 0)
         peak = max(peak, held)
     return peak
+
+
+def _dropout_scratch(impl: str, elements: int) -> int:
+    """Bytes the dropout between layers allocates beside its output (the reference
+    path's hashes; the Triton kernel's none)."""
+    return reference.dropout_scratch_bytes(elements) if impl == "reference" else 0
 
 
 def _hint(size) -> int:

@@ -59,8 +59,11 @@ from torch import Tensor
 
 from mirrorgrad.ops.rnn.cells import GATES, MODES
 
-# Mixes (seed, offset) into one generator seed; odd 64-bit constant of the golden ratio.
-_SEED_MIX = 0x9E3779B97F4A7C15
+# Odd multipliers of the 32-bit integer hash below: under 2**31, so that a 32-bit value
+# times one stays inside int64 (tensors have no unsigned 64-bit arithmetic).
+_HASH_MULTIPLIERS = (0x7FEB352D, 0x2C1B3C6D, 0x297A2D39)
+_LOW32 = 0xFFFFFFFF
+_MASK_CHUNK = 1 << 16  # elements hashed at a time
 
 
 def saved_layout(
@@ -104,10 +107,40 @@ def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
         return x
     if p >= 1.0:  # torch.nn's dropout(p=1): zeros, not 0/0
         return x * 0.0
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed((seed * _SEED_MIX + offset) % 2**63)
-    keep = torch.rand(x.shape, generator=gen, device=x.device) >= p
-    return x * keep / (1.0 - p)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    flat_in, flat_out = x.reshape(-1), out.view(-1)
+    threshold = int(p * 2**32)  # kept where the element's 32-bit hash reaches it
+    for start in range(0, flat_in.numel(), _MASK_CHUNK):  # the hash's scratch stays small
+        end = min(start + _MASK_CHUNK, flat_in.numel())
+        keep = _hash(start, end, seed, offset, x.device) >= threshold
+        torch.mul(flat_in[start:end], keep, out=flat_out[start:end])
+    return out.div_(1.0 - p)
+
+
+def dropout_scratch_bytes(numel: int) -> int:
+    """Bytes ``dropout`` allocates beside its output: a chunk's two int64 hashes and mask."""
+    return 17 * min(numel, _MASK_CHUNK)
+
+
+def _hash32(z):
+    """A 32-bit integer hash (xor-shift-multiply rounds) of an int, or in place of an int64
+    tensor of values in [0, 2**32)."""
+    if isinstance(z, int):
+        for multiplier in _HASH_MULTIPLIERS:
+            z = ((z ^ (z >> 16)) * multiplier) & _LOW32
+        return z ^ (z >> 16)
+    for multiplier in _HASH_MULTIPLIERS:
+        z.bitwise_xor_(z >> 16).mul_(multiplier).bitwise_and_(_LOW32)
+    return z.bitwise_xor_(z >> 16)
+
+
+def _hash(start: int, end: int, seed: int, offset: int, device) -> Tensor:
+    """32-bit hashes of elements [start, end) that (seed, offset) and each element's index
+    determine: a mask drawn this way, not from a generator, has no random op, so it can be
+    recomputed under vmap (batched gradients, torch.func), which refuses them."""
+    key = _hash32(_hash32(_hash32((seed >> 32) & _LOW32) ^ (seed & _LOW32)) ^ (offset & _LOW32))
+    index = torch.arange(start, end, dtype=torch.int64, device=device)
+    return _hash32(_hash32(index).bitwise_xor_(key))
 
 
 def _active_steps(T: int, lengths: Tensor | None) -> Tensor | None:
