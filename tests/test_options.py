@@ -41,7 +41,7 @@ def test_bad_cli_strings(text):
 
 @pytest.mark.parametrize(
     "budget",
-    ["abc", 1.5, math.nan, math.inf, -math.inf, 0, 0.0, -1, -0.5, True, [0.5], None],
+    ["abc", 1.5, 2.0, 2e9, math.nan, math.inf, -math.inf, 0, 0.0, -1, -0.5, True, [0.5], None],
 )
 def test_bad_budgets(budget):
     with pytest.raises(ValueError, match="budget"):
@@ -52,9 +52,17 @@ def test_budgets_normalise_to_fraction_or_bytes():
     assert parse_budget(1) == 1.0 and isinstance(parse_budget(1), float)
     assert parse_budget(0.25) == 0.25
     assert parse_budget(4096) == 4096 and isinstance(parse_budget(4096), int)
-    assert parse_budget(4096.0) == 4096 and isinstance(parse_budget(4096.0), int)
+    assert parse_budget("4096") == 4096 and isinstance(parse_budget("4096"), int)
     assert parse_budget("512MiB") == 512 * 2**20
     assert parse_budget("0.5") == 0.5
+
+
+@pytest.mark.parametrize("budget", [2.0, 2e9])
+def test_a_float_above_one_is_refused_not_taken_as_bytes(budget):
+    with pytest.raises(ValueError, match=r"budget=.*a float is a fraction in \(0, 1\]"):
+        mirrorgrad.compile(lambda x: x * 2, mode="budget", budget=budget, backend="eager")
+    with pytest.raises(ValueError, match="a float is a fraction"):
+        MirrorOptions.from_dict({"mode": "budget", "budget": budget})  # backend options
 
 
 @pytest.mark.parametrize("mode", ["balance", "off"])
@@ -85,8 +93,6 @@ def test_options_are_frozen_and_exported():
     with pytest.raises(AttributeError):
         options.mode = "off"
     assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.03}
-
-
 
 
 def test_the_cli_spelling_of_a_budget_names_the_keyword_form():

@@ -2,6 +2,9 @@
 
 import pathlib
 import re
+import signal
+
+from mirrorgrad.train.stop import exit_status
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -13,3 +16,12 @@ def test_usage_example_runs(capsys):
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "bytes: estimated peak with mirroring" in out
+
+
+def test_the_exit_statuses_of_train_are_the_ones_the_code_returns():
+    text = " ".join(README.read_text().split())
+    assert (
+        f"{exit_status(signal.SIGINT)} for Ctrl-C (SIGINT), "
+        f"{exit_status(signal.SIGTERM)} for SIGTERM"
+    ) in text
+    assert "an explicit `--lr` replaces it" in text  # --resume keeps the checkpoint's lr

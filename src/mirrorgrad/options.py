@@ -140,8 +140,9 @@ def parse_budget(value: object) -> float | int:
     """A budget as the planner takes it: a float fraction in (0, 1] or int bytes > 1.
 
     Numbers up to 1 are fractions (``1`` is torch.compile's default plan); integers above
-    1 are bytes; a float above 1 is refused (1.5 bytes is a mistake, not a budget).
-    Strings: a number as above, or a size with a unit (``512MiB``, ``2GB``)."""
+    1 are bytes; a float above 1 is refused (``budget=2.0`` reads as a fraction gone
+    wrong, not as 2 bytes). Strings: a number (an integral one above 1, ``"2e9"``, is
+    bytes), or a size with a unit (``512MiB``, ``2GB``)."""
     if isinstance(value, str):
         return _parse_budget_text(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -152,9 +153,10 @@ def parse_budget(value: object) -> float | int:
         return float(value)
     if isinstance(value, numbers.Integral):
         return int(value)
-    if float(value).is_integer():
-        return int(value)  # 2e9 is as clear as 2_000_000_000
-    raise ValueError(f"budget={value!r} is neither a fraction <= 1 nor whole bytes: {_BUDGET_HELP}")
+    raise ValueError(
+        f"budget={value!r}: a float is a fraction in (0, 1]; give bytes as an int "
+        f"(budget={int(value)}) or a size string ('2GiB')"
+    )
 
 
 def _parse_budget_text(text: str) -> float | int:

@@ -6,10 +6,11 @@ import tempfile
 import time
 
 import pytest
+import torch
 from tqdm import tqdm
 
 from mirrorgrad import cli
-from mirrorgrad.bench import zoo
+from mirrorgrad.bench import explain, zoo
 from mirrorgrad.bench.command import _Bench, _share, _WorkerSettings
 from mirrorgrad.bench.explain import parse_mode
 
@@ -76,7 +77,7 @@ def test_report_redrawn_from_json(bench_out, tmp_path):
 
 def test_unknown_names_are_rejected(tmp_path, capsys):
     argv = ["bench", "--quick", "--methods", "eager,nope", "--out", str(tmp_path)]
-    assert cli.main(argv) == 1
+    assert cli.main(argv) == 2
     assert "unknown method nope" in capsys.readouterr().err
 
 
@@ -173,14 +174,33 @@ def test_time_shares_pass_unused_time_on():
     assert _share(200.0, 190.0, 1) == 200.0
 
 
-@pytest.mark.parametrize("content", [None, "not json", '{"no": "workloads"}'])
-def test_from_json_of_a_bad_file_is_one_line(tmp_path, capsys, content):
+_ENV = '"env": {}, "options": {"dtype": "fp32"}'
+_OK = '"method": "eager", "status": "ok"'
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "No such file or directory"),
+        ("not json", "is not JSON"),
+        ("[1, 2]", "a JSON object at the top, not a list"),
+        ('{"no": "workloads"}', "no 'workloads' object"),
+        ('{"workloads": {"mlp": {}}, ' + _ENV + "}", "workload 'mlp' has no 'methods' list"),
+        ('{"workloads": {"mlp": {"methods": [{}]}}, ' + _ENV + "}", "has no 'method', 'status'"),
+        ('{"workloads": {"mlp": {"methods": [{' + _OK + "}]}}, " + _ENV + "}", "'median_ms'"),
+        ('{"workloads": {}, "env": {}, "options": {}}', "no 'dtype' in 'options'"),
+    ],
+    ids=["missing", "text", "list", "object", "workload", "method", "measured", "options"],
+)
+def test_from_json_of_a_bad_file_is_one_line(tmp_path, capsys, content, says):
     path = tmp_path / "results.json"
     if content is not None:
         path.write_text(content)
-    assert cli.main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 1
+    assert cli.main(["bench", "--from-json", str(path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mirrorgrad bench: ") and "\n" not in err and str(path) in err
+    assert err.startswith("mirrorgrad bench: --from-json: ") and "\n" not in err, err
+    assert str(path) in err and says in err, err
+    assert not list((tmp_path / "o").iterdir())  # nothing drawn
 
 
 @pytest.mark.parametrize("option", ["--steps", "--warmup", "--jobs", "--limit"])
@@ -196,10 +216,63 @@ def test_counts_below_one_are_rejected(tmp_path, capsys, option, value):
 def test_an_unwritable_output_folder_is_one_line(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    argv = ["bench", "--quick", "--workloads", "mlp", "--out", str(blocker / "sub")]
-    assert cli.main(argv) == 1
+    out = blocker / "sub"
+    for extra in ([], ["--from-json", str(tmp_path / "results.json")]):
+        argv = ["bench", "--quick", "--workloads", "mlp", "--out", str(out), *extra]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"mirrorgrad bench: --out {out}: cannot create or write there (Not a directory); "
+            "pass a writable folder with --out"
+        )
+
+
+_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+
+
+@pytest.mark.parametrize(
+    ("argument", "says"),
+    [
+        ("--cap-gb=nan", "--cap-gb must be a finite number > 0, got nan"),
+        ("--cap-gb=0", "--cap-gb must be a finite number > 0, got 0.0"),
+        ("--time-limit=-1", "--time-limit must be a finite number > 0, got -1.0"),
+        ("--method-timeout=inf", "--method-timeout must be a finite number > 0, got inf"),
+        ("--workload-time=nan", "--workload-time must be a finite number > 0, got nan"),
+        ("--search-time=-5", "--search-time must be a finite number > 0, got -5.0"),
+        ("--precompile-jobs=-1", "--precompile-jobs must be >= 0, got -1"),
+        ("--max-probes=0", "--max-probes must be >= 1, got 0"),
+        ("--device=gpu", "--device 'gpu': choose cpu, cuda or cuda:N"),
+        pytest.param("--device=cuda", "--device cuda: torch sees no CUDA GPU", marks=_NO_GPU),
+    ],
+)
+def test_bench_refuses_bad_input_before_any_work(tmp_path, capsys, argument, says):
+    out = tmp_path / "out"
+    argv = ["bench", "--quick", "--workloads", "mlp", "--out", str(out), argument]
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mirrorgrad bench: cannot write") and "\n" not in err
+    assert err.startswith(f"mirrorgrad bench: {says}") and "\n" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argument", "says"),
+    [
+        ("--max-overhead=nan", "--max-overhead nan: a finite fraction of the step time >= 0"),
+        ("--max-overhead=-1", "--max-overhead -1.0: a finite fraction of the step time >= 0"),
+        ("--batch=-3", "--batch must be >= 1, got -3"),
+        ("--batch=0", "--batch must be >= 1, got 0"),  # not the workload's default
+        ("--device=tpu", "--device 'tpu': choose cpu, cuda or cuda:N"),
+        pytest.param("--device=cuda", "--device cuda: torch sees no CUDA GPU", marks=_NO_GPU),
+    ],
+)
+def test_explain_refuses_bad_input_before_any_work(capsys, monkeypatch, argument, says):
+    def no_work(name):
+        raise AssertionError("built a workload")
+
+    monkeypatch.setattr(explain, "get_workload", no_work)
+    assert cli.main(["explain", "mlp", "--quick", argument]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mirrorgrad explain: error: {says}") and "\n" not in err, err
 
 
 def test_suites_select_their_workloads_and_methods(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from tests.child import TIMEOUT_S, read_line
 
 from mirrorgrad.cli import main
 from mirrorgrad.options import MirrorOptions
-from mirrorgrad.train import checkpoint, data, loop
+from mirrorgrad.train import checkpoint, data, loop, preflight
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
@@ -187,6 +187,7 @@ def test_resume_compares_values_not_flags(saved, tmp_path, capsys):
         "--lr=nan", "--lr=inf", "--lr=-inf", "--lr=0", "--clip=nan", "--clip=inf", "--clip=-1",
         "--dropout=nan", "--dropout=1", "--dropout=-0.5", "--mirror=budget:nan",
         "--mirror=budget:inf", "--mirror=budget:0", "--mirror=budget:1.5", "--mirror=budget:abc",
+        "--seed=-1", f"--seed={2**63}", f"--seed={2**80}",
     ],
 )  # fmt: skip
 def test_bad_number_is_refused_before_any_work(saved, tmp_path, capsys, argument):
@@ -233,6 +234,47 @@ def test_read_only_folder_fails_before_training(saved, tmp_path, capsys):
     assert rc == 2 and "Permission denied" in the_error(err)
 
 
+def _chattr(flag: str, path: Path) -> bool:
+    try:
+        return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("kind", ["folder", "immutable", "sticky"])
+def test_checkpoint_that_cannot_be_replaced_fails_before_training(
+    saved, tmp_path, capsys, monkeypatch, kind
+):
+    """The preflight checks the file a save replaces, not only its folder: else the run
+    trains to the end and loses everything at the final save."""
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    last = ckpt_dir / "last.pt"
+    if kind == "folder":
+        last.mkdir()
+        (last / "notes.txt").write_text("mine")
+        reason = "it is a folder"
+    else:
+        last.write_bytes(b"someone's checkpoint")
+    if kind == "immutable":
+        if not _chattr("+i", last):
+            pytest.skip("needs chattr +i (root, a file system with the flag)")
+        reason = "it is immutable or append-only"
+    if kind == "sticky":  # /tmp: the file and the folder are another user's
+        ckpt_dir.chmod(0o1777)
+        monkeypatch.setattr(preflight.os, "geteuid", lambda: last.stat().st_uid + 12345)
+        reason = "another user owns it in a sticky folder"
+    try:
+        rc, out, err = cli(capsys, saved[0], tmp_path / "run", f"--ckpt-dir={ckpt_dir}")
+    finally:
+        if kind == "immutable":
+            _chattr("-i", last)
+    line = the_error(err)
+    assert rc == 2 and f"the checkpoint {last} cannot be replaced ({reason})" in line, line
+    assert out == "" and "--ckpt-dir" in line
+    assert last.is_dir() if kind == "folder" else last.read_bytes() == b"someone's checkpoint"
+
+
 def test_missing_folders_are_created(saved, tmp_path, capsys):
     deep = tmp_path / "a" / "b"
     rc, _, err = cli(capsys, saved[0], deep / "log", f"--ckpt-dir={deep / 'ckpt'}", "--max-steps=1")
@@ -267,21 +309,31 @@ def test_data_that_is_a_device_reads_as_a_file(tmp_path, capsys):
     assert rc == 2 and "/dev/null is empty" in the_error(err)
 
 
-def test_disk_failure_while_saving_is_one_line(saved, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("full_from_save", [1, 2])
+def test_disk_failure_while_saving_is_one_line(
+    saved, tmp_path, capsys, monkeypatch, full_from_save
+):
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs Linux's /proc to tell a checkpoint's file descriptor")
-    real_fsync = os.fsync
+    real_fsync, saves = os.fsync, itertools.count(1)
 
     def full_disk_for_checkpoints(fd):
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp") and next(saves) >= full_from_save:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_fsync(fd)
 
     monkeypatch.setattr(checkpoint.os, "fsync", full_disk_for_checkpoints)
-    rc, _, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=2", "--ckpt-every=1")
+    rc, _, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=3", "--ckpt-every=1")
     line = the_error(err)
     assert rc == 1 and "cannot save the checkpoint (No space left on device)" in line, line
-    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # no temporary left
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    if full_from_save == 1:  # the first save: there is no previous one to keep
+        assert line.endswith("; no checkpoint was saved"), line
+        assert not list(ckpt_dir.iterdir())  # no temporary left
+    else:
+        assert line.endswith("; the previous one is kept"), line
+        assert [p.name for p in ckpt_dir.iterdir()] == ["last.pt"]
+        assert checkpoint.load(ckpt_dir)["position"]["step"] == 1
 
 
 @pytest.mark.parametrize(
@@ -334,37 +386,57 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def _interrupt(signum):
-    def send(*args, **kwargs):
-        signal.raise_signal(signum)  # its handler has run when this returns
-        raise AssertionError("the signal did not interrupt")
+def _signal_then(signum, real, *, swallowed=False):
+    """``real``, after ``signum`` came (its handler has run when raise_signal returns).
+    ``swallowed``: its exception is caught, as Dynamo's guard checks and Python's
+    weakref callbacks catch everything (a SIGTERM in setup was lost that way)."""
 
-    return send
+    def call(*args, **kwargs):
+        try:
+            signal.raise_signal(signum)
+        except KeyboardInterrupt:
+            if not swallowed:
+                raise
+        return real(*args, **kwargs)
+
+    return call
+
+
+# Where a signal lands, and what the run must do: "line" (one line, nothing printed
+# on stdout, no checkpoint unless the steps ran) or "summary" (stop after the step,
+# save, print the summary). Each ends with the shell's status for the signal.
+_MOMENTS = {
+    "data": ((data, "load_corpus"), False, "line", None),
+    "plan": ((loop._Run, "_explain"), False, "line", None),
+    "plan, swallowed": ((loop._Run, "_explain"), True, "line", None),
+    "compile": ((loop.mirrorgrad, "compile"), False, "line", None),
+    "first step": ((loop._Run, "_step"), False, "summary", 1),
+    "final save": ((checkpoint, "save"), False, "summary", 2),
+    "final evaluation": ((loop._Run, "_final_evaluation"), False, "line", 2),
+    "final evaluation, swallowed": ((loop._Run, "_final_evaluation"), True, "line", 2),
+}
 
 
 @pytest.mark.parametrize(
-    ("where", "signum"),
-    [
-        ("data", signal.SIGINT),
-        ("data", signal.SIGTERM),
-        ("compile", signal.SIGINT),
-        ("final-evaluation", signal.SIGINT),
-    ],
+    ("moment", "signum"),
+    [(moment, signal.SIGTERM) for moment in _MOMENTS]
+    + [("data", signal.SIGINT), ("first step", signal.SIGINT), ("final save", signal.SIGINT)],
 )
-def test_signal_outside_the_steps_exits_130_with_one_line(
-    saved, tmp_path, capsys, monkeypatch, where, signum
-):
-    target = {
-        "data": (data, "load_corpus"),
-        "compile": (loop.mirrorgrad, "compile"),
-        "final-evaluation": (loop._Run, "_final_evaluation"),
-    }[where]
-    monkeypatch.setattr(*target, _interrupt(signum))
+def test_a_signal_at_any_moment_ends_the_run(saved, tmp_path, capsys, monkeypatch, moment, signum):
+    (owner, name), swallowed, outcome, saved_step = _MOMENTS[moment]
+    monkeypatch.setattr(
+        owner, name, _signal_then(signum, getattr(owner, name), swallowed=swallowed)
+    )
     rc, out, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=2")
-    assert rc == 130 and the_error(err) == "mirrorgrad train: interrupted"
-    assert out == ""
-    saved_ckpt = (tmp_path / "run" / "checkpoints" / "last.pt").exists()
-    assert saved_ckpt == (where == "final-evaluation")  # the steps' work is kept
+    assert rc == 128 + signum, err  # what a shell shows: 130 for SIGINT, 143 for SIGTERM
+    name = signal.Signals(signum).name
+    if outcome == "line":
+        assert the_error(err) == f"mirrorgrad train: interrupted by {name}" and out == ""
+    else:
+        assert f"interrupted by {name}: tiny LSTM LM" in out and "Traceback" not in err
+        assert "valid n/a  test n/a" in out  # no evaluation after a stop
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    assert (checkpoint.load(last)["position"]["step"] if last.exists() else None) == saved_step
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
@@ -379,11 +451,44 @@ def test_sigterm_during_the_steps_saves_and_resumes(saved, tmp_path, capsys, mon
 
     monkeypatch.setattr(loop._Run, "_step", step_then_term)
     rc, out, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=5")
-    assert rc == 130 and "interrupted:" in out and "Traceback" not in err
+    assert rc == 143 and "interrupted by SIGTERM:" in out and "Traceback" not in err
     assert checkpoint.load(tmp_path / "run" / "checkpoints")["position"]["step"] == 2
     monkeypatch.undo()
     rc, out, _ = cli(capsys, saved[0], tmp_path / "run", "--max-steps=5", "--resume")
     assert rc == 0 and "steps        5" in out
+
+
+def _lr_of(path: Path) -> float:
+    return checkpoint.load(path)["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_resume_goes_on_at_the_checkpoints_lr_unless_lr_is_given(saved, tmp_path, capsys):
+    corpus, good = saved
+    assert _lr_of(good) == 20.0  # the tiny model's default
+    ckpt = tmp_path / "ckpt"
+    argv = [f"--resume={good}", "--max-steps=3", f"--ckpt-dir={ckpt}"]
+    rc, _, err = cli(capsys, corpus, tmp_path / "run", *argv)
+    assert rc == 0 and "--lr" not in err and _lr_of(ckpt / "last.pt") == 20.0
+    rc, _, err = cli(capsys, corpus, tmp_path / "run", *argv, "--lr=20")  # the same: no news
+    assert rc == 0 and "--lr" not in err
+    rc, _, err = cli(capsys, corpus, tmp_path / "run", *argv, "--lr=0.5")
+    notes = [line for line in err.splitlines() if "--lr" in line]
+    assert rc == 0 and notes == [
+        f"--lr 0.5 replaces the lr of {good} (20); the schedule goes on from 0.5"
+    ]
+    assert _lr_of(ckpt / "last.pt") == 0.5
+
+
+def test_resume_with_a_huge_lr_trains_at_it_and_keeps_the_checkpoint(saved, tmp_path, capsys):
+    corpus, good = saved
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "last.pt").write_bytes(good.read_bytes())
+    argv = [f"--ckpt-dir={ckpt}", "--resume", "--max-steps=5", "--lr=1e38"]
+    rc, out, err = cli(capsys, corpus, tmp_path / "run", *argv)
+    line = the_error(err)
+    assert rc == 1 and "the checkpoint of step 2 is kept. Lower --lr (now 1e+38)" in line, line
+    assert out == "" and (ckpt / "last.pt").read_bytes() == good.read_bytes()
 
 
 # -- real processes ----------------------------------------------------------------------
@@ -416,17 +521,18 @@ sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 
 
-def test_ctrl_c_during_setup_of_a_real_process(saved, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_setup_of_a_real_process(saved, tmp_path, signum):
     run = tmp_path / "run"
     child = _child(_PAUSE_IN_SETUP_THEN_TRAIN, f"--data={saved[0]}", f"--logdir={run}", *FAST)
     try:
         assert read_line(child.stdout) == "in setup\n", child.stderr.read()
-        child.send_signal(signal.SIGINT)
+        child.send_signal(signum)
         out, err = child.communicate(timeout=TIMEOUT_S)
     finally:
         child.kill()
-    assert child.returncode == 130, err
-    assert err.strip() == "mirrorgrad train: interrupted"
+    assert child.returncode == 128 + signum, err
+    assert err.strip() == f"mirrorgrad train: interrupted by {signal.Signals(signum).name}"
     assert out == "" and not (run / "checkpoints" / "last.pt").exists()
 
 

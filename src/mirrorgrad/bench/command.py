@@ -39,9 +39,10 @@ from tqdm import tqdm
 
 from mirrorgrad.bench import report
 from mirrorgrad.bench.provenance import git_commit
-from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER
+from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER, check_device
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
 from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, suite_of
+from mirrorgrad.train.preflight import FolderNotWritable, probe_writable
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
@@ -497,20 +498,55 @@ def _redraw(path: Path, out: Path) -> int:
     """``--from-json``: tables and plots of a saved results file."""
     try:
         doc = json.loads(path.read_text())
-        workloads = doc["workloads"].values()
     except (OSError, UnicodeDecodeError) as e:
-        raise _Fail(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
-        raise _Fail(f"{path} is not a results.json of mirrorgrad bench") from None
-    for workload in workloads:
-        # Files older than a ratio get it too.
-        report.add_ratios(workload["methods"], report.baselines_of(doc))
-    _write_report(doc, out)
+        reason = getattr(e, "strerror", None) or e
+        raise _Fail(f"--from-json: cannot read {path}: {reason}") from None
+    except json.JSONDecodeError as e:
+        raise _Fail(f"--from-json: {path} is not JSON ({e})") from None
+    missing = _missing_from_results(doc)
+    if missing is not None:
+        raise _Fail(f"--from-json: {path} is not a results.json of mirrorgrad bench: {missing}")
+    try:
+        for workload in doc["workloads"].values():
+            # Files older than a ratio get it too.
+            report.add_ratios(workload["methods"], report.baselines_of(doc))
+        _write_report(doc, out)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a value of the wrong kind
+        raise _Fail(f"--from-json: cannot draw {path} ({type(e).__name__}: {e})") from None
     return 0
 
 
+# What the report reads of a results.json: keys and what they hold.
+_RESULTS_KEYS = {"workloads": dict, "env": dict, "options": dict}
+_METHOD_KEYS = ("method", "status")
+_MEASURED_KEYS = ("median_ms", "peak_bytes", "samples_per_s")  # of an "ok" method
+
+
+def _missing_from_results(doc: Any) -> str | None:
+    """What a results.json lacks for the report, in a few words; None if nothing."""
+    if not isinstance(doc, dict):
+        return f"a JSON object at the top, not a {type(doc).__name__}"
+    for key, kind in _RESULTS_KEYS.items():
+        if not isinstance(doc.get(key), kind):
+            return f"no {key!r} object"
+    if "dtype" not in doc["options"]:
+        return "no 'dtype' in 'options'"
+    for name, workload in doc["workloads"].items():
+        methods = workload.get("methods") if isinstance(workload, dict) else None
+        if not isinstance(methods, list):
+            return f"workload {name!r} has no 'methods' list"
+        for i, m in enumerate(methods):
+            if not isinstance(m, dict):
+                return f"method {i} of workload {name!r} is not an object"
+            keys = _METHOD_KEYS + (_MEASURED_KEYS if m.get("status") == "ok" else ())
+            absent = [k for k in keys if k not in m]
+            if absent:
+                return f"method {i} of workload {name!r} has no {', '.join(map(repr, absent))}"
+    return None
+
+
 class _Fail(Exception):
-    """An error the command reports in one line (exit code 1)."""
+    """An error in what the user asked for, found before any work: one line, exit status 2."""
 
 
 def _select(args: argparse.Namespace) -> tuple[Suite, dict[str, list[str]]]:
@@ -742,19 +778,42 @@ def _phases(bench: _Bench, progress: _Progress, start: float) -> None:
     progress.doc["env"] = bench.env
 
 
-def run(args: argparse.Namespace) -> int:
-    """`mirrorgrad bench`: errors of the user's making and of the file system are one line."""
-    for name in ("steps", "warmup", "jobs", "limit", "max_probes"):
+# The smallest value of each count option, and the options that must be finite and > 0.
+_COUNTS = {"steps": 1, "warmup": 1, "jobs": 1, "limit": 1, "max_probes": 1, "precompile_jobs": 0}
+_POSITIVE = ("cap_gb", "time_limit", "method_timeout", "workload_time", "search_time")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Numbers, the device and --out, before any work (_Fail naming the option)."""
+    for name, low in _COUNTS.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
-            print(f"mirrorgrad bench: --{name.replace('_', '-')} must be >= 1, got {value}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+        if value is not None and value < low:
+            raise _Fail(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise _Fail(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+    if args.device is not None:
+        try:
+            check_device(args.device)
+        except ValueError as e:
+            raise _Fail(str(e)) from None
+    if not args.list:
+        try:
+            probe_writable(args.out, "--out")
+        except FolderNotWritable as e:
+            raise _Fail(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mirrorgrad bench`: errors of the user's making are one line and exit status 2
+    (before any work); a file system that fails under a run, one line and 1."""
     try:
+        _check_arguments(args)
         return _run(args)
     except _Fail as e:
         print(f"mirrorgrad bench: {e}", file=sys.stderr)
-        return 1
+        return 2
     except OSError as e:
         where = f" {e.filename}" if e.filename else ""
         print(f"mirrorgrad bench: cannot write{where}: {e.strerror or e}", file=sys.stderr)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from mirrorgrad.bench.runner import DTYPES, default_device
+from mirrorgrad.bench.runner import DTYPES, check_device, default_device
 from mirrorgrad.bench.suites import WORKLOADS, get_workload
 from mirrorgrad.options import MirrorOptions
 
@@ -43,9 +44,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
 
 
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's keywords; a ValueError naming the option, before any work."""
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if args.device is not None:
+        check_device(args.device)
+    options = dict(args.mode)
+    if args.max_overhead is not None:
+        options["max_overhead"] = args.max_overhead
+        try:
+            MirrorOptions(**options)
+        except ValueError as e:  # "max_overhead=nan: a finite fraction ..."
+            reason = str(e).partition(": ")[2]
+            raise ValueError(f"--max-overhead {args.max_overhead}: {reason}") from None
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
+    """Exit status 0, or 2 with one line for bad input (before any work)."""
     import mirrorgrad
 
+    try:
+        options = _options(args)
+    except ValueError as e:
+        print(f"mirrorgrad explain: error: {e}", file=sys.stderr)
+        return 2
     workload = get_workload(args.workload)
     device = args.device or default_device(args.quick)
     built = workload.build(
@@ -55,9 +79,6 @@ def run(args: argparse.Namespace) -> int:
         import mirrorgrad.nn
 
         built.model = mirrorgrad.nn.convert(built.model)
-    options = dict(args.mode)
-    if args.max_overhead is not None:
-        options["max_overhead"] = args.max_overhead
     # Graph breaks (torch.nn RNNs are not traced) give one plan per graph: the
     # largest is shown.
     plan = mirrorgrad.explain(built.model, *built.make_batch(), fullgraph=False, **options)

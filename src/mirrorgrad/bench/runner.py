@@ -495,6 +495,27 @@ def default_device(quick: bool) -> str:
     return "cuda" if torch.cuda.is_available() and not quick else "cpu"
 
 
+def check_device(device: str) -> None:
+    """A ValueError naming ``--device`` unless it is the CPU or a GPU torch sees here."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: choose cpu, cuda or cuda:N")
+    if parsed.type == "cpu":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(
+            f"--device {device}: torch sees no CUDA GPU; use --device cpu (or --quick)"
+        )
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(
+            f"--device {device}: torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}"
+        )
+
+
 def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", required=True)
     parser.add_argument("--methods", required=True, help="comma-separated method names")

@@ -64,7 +64,9 @@ def save(state: dict[str, Any], path: Path) -> None:
         os.replace(tmp, path)
         _sync_folder(path.parent)
     except OSError as e:  # the command prints "<path>: <strerror>"
-        reason = f"cannot save the checkpoint ({e.strerror or e}); the previous one is kept"
+        # os.replace is atomic: what was at `path` before the save is there still.
+        kept = "the previous one is kept" if os.path.isfile(path) else "no checkpoint was saved"
+        reason = f"cannot save the checkpoint ({e.strerror or e}); {kept}"
         raise OSError(e.errno, reason, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train.config import PRESETS, TrainConfig
+from mirrorgrad.train.stop import exit_status
 
 _EPILOG = """examples:
   mirrorgrad train lm                                     # tiny model, default corpus, CPU
@@ -87,9 +89,14 @@ def _add_schedule_options(group: argparse._ArgumentGroup) -> None:
         "--batch-size", type=int, help="global batch, split over processes (tiny 32, else 20)"
     )
     group.add_argument("--bptt", type=int, help="truncated-BPTT window length (default 35)")
-    group.add_argument("--lr", type=float, help="SGD learning rate (default 20, / 4 on plateau)")
+    group.add_argument(
+        "--lr",
+        type=float,
+        help="SGD learning rate (default 20, / 4 on plateau); with --resume it replaces the "
+        "checkpoint's (default: go on with it)",
+    )
     group.add_argument("--clip", type=float, help="gradient-norm clip (default 0.25)")
-    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--seed", type=int, default=1234, help="in [0, 2**63) (default 1234)")
 
 
 def _add_output_options(group: argparse._ArgumentGroup) -> None:
@@ -141,12 +148,14 @@ def _mirror_option(text: str) -> MirrorOptions:
 
 def run(args: argparse.Namespace) -> int:
     """Exit status: 0 done, 2 bad input (found before the first step), 1 a failure
-    while training, 130 interrupted. Every error is one line on stderr."""
+    while training, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM. Every error is
+    one line on stderr."""
     try:
         return _run(args)
-    except KeyboardInterrupt:
-        print("mirrorgrad train: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)  # a bare one: Python's own Ctrl-C
+        print(f"mirrorgrad train: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return exit_status(signum)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -170,7 +179,9 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if os.environ.get("RANK", "0") == "0":
         print(summary)
-    return 130 if summary.interrupted else 0
+    if not summary.interrupted:
+        return 0
+    return exit_status(signal.Signals[summary.signal or "SIGINT"])
 
 
 def _error(message: str) -> None:

@@ -59,7 +59,7 @@ class TrainConfig:
     batch_size: int = 20
     eval_batch_size: int = 10
     bptt: int = 35
-    lr: float = 20.0
+    lr: float | None = None  # None: the preset's, or on resume the checkpoint's
     clip: float = 0.25
     seed: int = 1234
     logdir: Path | None = Path("runs/lm")
@@ -89,8 +89,12 @@ class TrainConfig:
             raise ValueError(f"--dropout {self.dropout}: must be in [0, 1)")
         for name in ("lr", "clip"):
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
+            if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"--{name} {value}: must be a finite number > 0")
+        # torch.manual_seed takes [-2**63, 2**64); rank r seeds its dropout with seed + r.
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"--seed {seed!r}: must be an integer in [0, 2**63)")
 
     @property
     def preset(self) -> Preset:
@@ -114,9 +118,10 @@ class TrainConfig:
         if model not in PRESETS:
             raise ValueError(f"--model {model!r}: choose one of {', '.join(PRESETS)}")
         p = PRESETS[model]
+        # No lr: the preset's on a new run, the checkpoint's on a resume (unless given).
         values = dict(
             epochs=p.epochs, max_steps=p.max_steps, batch_size=p.batch_size, bptt=p.bptt,
-            lr=p.lr, clip=p.clip, vocab_size=p.vocab_size,
+            clip=p.clip, vocab_size=p.vocab_size,
         )  # fmt: skip
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if "epochs" in overrides and "max_steps" not in overrides:

@@ -120,13 +120,14 @@ def maximum(world: World, value: Tensor) -> Tensor:
     return value
 
 
-def any_true(world: World, flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on one (so all ranks stop at the same step)."""
+def largest(world: World, value: int, device: torch.device) -> int:
+    """The largest ``value`` of all ranks, on every rank (a stop signal: all ranks stop
+    at the same step, with the same exit status)."""
     if not world.distributed:
-        return flag
-    t = torch.tensor([int(flag)], device=device)
+        return value
+    t = torch.tensor([value], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def broadcast_parameters(world: World, module: torch.nn.Module) -> None:

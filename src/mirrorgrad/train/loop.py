@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import signal
 import sys
 import time
 import warnings
@@ -93,8 +94,8 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
     """Trains the LSTM language model that ``config`` describes; see `mirrorgrad train lm`.
 
     SIGINT/SIGTERM during the steps stop after the current one, save and return a
-    summary with ``interrupted=True``; before or after the steps they raise
-    KeyboardInterrupt.
+    summary with ``interrupted=True`` and ``signal`` naming it; before or after the
+    steps they raise `mirrorgrad.train.stop.Interrupted` (a KeyboardInterrupt).
     """
     stop = StopRequest()
     with stop.installed():
@@ -102,6 +103,7 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
         try:
             run = _Run(config, world, device, list(callbacks))
             try:
+                stop.check()  # a signal in setup whose exception was swallowed
                 return run.run(stop)
             finally:
                 for cb in run.callbacks:
@@ -164,6 +166,7 @@ class _Run:
         ckpt_dir = cfg.checkpoint_dir
         if ckpt_dir is not None:
             preflight.probe_writable(ckpt_dir, "--ckpt-dir")
+            preflight.probe_replaceable(ckpt_dir / checkpoint.LAST, "--ckpt-dir")
             if self.world.is_main:
                 checkpoint.remove_stale_temporaries(ckpt_dir)
         if cfg.resume is None:
@@ -248,7 +251,8 @@ class _Run:
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         self.model = LanguageModel(len(self.vocab), cfg.preset, tie_weights=cfg.tie_weights)
         self.model.to(device)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=cfg.lr)
+        lr = cfg.preset.lr if cfg.lr is None else cfg.lr  # a resume restores its own
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
         # The word_language_model schedule: lr / 4 whenever valid loss does not improve.
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             self.optimizer, mode="min", factor=0.25, patience=0
@@ -293,6 +297,7 @@ class _Run:
         """
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
+
         # Without CUDA Graphs: their replays allocate nothing, so the peak would read ~0.
         def plain(options: MirrorOptions) -> nn.Module:
             return step.compile_for_training(self.model, options, self.device, cuda_graphs=False)
@@ -375,6 +380,7 @@ class _Run:
             raise CheckpointError(
                 f"{self.resume_path}: its training state does not fit this run ({_first_line(e)})"
             ) from None
+        self._override_lr()
 
     def _restore_progress(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
@@ -387,6 +393,21 @@ class _Run:
         self.losses = RunningLosses.from_state(state["losses"][self.world.rank], self.device)
         checkpoint.set_rng_state(state["rng"][self.world.rank])
         self.saved_step = self.position.step
+
+    def _override_lr(self) -> None:
+        """An explicit --lr replaces the one the checkpoint's schedule had reached."""
+        lr, groups = self.config.lr, self.optimizer.param_groups
+        saved = groups[0]["lr"]
+        if lr is None or lr == saved:
+            return
+        for group in groups:
+            group["lr"] = lr
+        if self.world.is_main:
+            print(
+                f"--lr {lr:g} replaces the lr of {self.resume_path} "
+                f"({saved:g}); the schedule goes on from {lr:g}",
+                file=sys.stderr,
+            )
 
     # -- the steps ---------------------------------------------------------------------
 
@@ -405,7 +426,7 @@ class _Run:
         clock = _Clock.start()
         self.model.train()
         with progress, stop.deferring():
-            interrupted = self._train_steps(total_steps, stop, clock, progress)
+            signum = self._train_steps(total_steps, stop, clock, progress)
             self._synchronize()
             seconds = time.perf_counter() - clock.started
             steps_per_s = clock.steps_per_s(pos.step, self.eval_seconds)
@@ -413,21 +434,24 @@ class _Run:
             train_loss = self.losses.train_loss(self.world)
             path = self._save()
         # A signal that came while the last checkpoint was written also skips evaluation.
-        interrupted = interrupted or stop.requested
-        valid_loss, test_loss = (None, None) if interrupted else self._final_evaluation()
+        signum = signum or stop.signum
+        valid_loss = test_loss = None
+        if signum is None:
+            valid_loss, test_loss = self._final_evaluation()
+            stop.check()  # a signal in the evaluation whose exception was swallowed
         return self._summary(
             seconds=seconds,
             steps_per_s=steps_per_s,
             first_step_seconds=first_step_s,
             losses=(train_loss, valid_loss, test_loss),
-            interrupted=interrupted,
+            signum=signum,
             checkpoint=path,
         )
 
     def _train_steps(
         self, total_steps: int, stop: StopRequest, clock: _Clock, progress: tqdm
-    ) -> bool:
-        """Steps until ``total_steps`` or a stop request; True when stopped early."""
+    ) -> int | None:
+        """Steps until ``total_steps`` or a stop request; the signal that stopped them."""
         cfg, pos = self.config, self.position
         while pos.step < total_steps:
             x, y = data.window(self.train_data, pos.window, cfg.bptt)
@@ -442,18 +466,18 @@ class _Run:
             if pos.step % cfg.log_freq == 0 or last:
                 self._log(clock, progress)
                 # All ranks must agree to stop at the same step (collectives follow).
-                interrupted = distributed.any_true(self.world, stop.requested, self.device)
+                signum = distributed.largest(self.world, stop.signum or 0, self.device) or None
             else:
-                interrupted = stop.requested and not self.world.distributed
+                signum = None if self.world.distributed else stop.signum
             if pos.window == self.windows_per_epoch:
                 eval_started = self.eval_seconds
                 self._end_epoch()
                 clock.window_started += self.eval_seconds - eval_started
-            if interrupted:
-                return True
+            if signum is not None:
+                return signum
             if pos.step % cfg.ckpt_every == 0 and not last:
                 self._save()
-        return False
+        return None
 
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
         reduce = self.reduce_gradients
@@ -473,15 +497,15 @@ class _Run:
         bad_step = int(distributed.maximum(self.world, self.first_bad_step))
         if not bad_step:
             return
-        cfg = self.config
         kept = (
             "no checkpoint was saved"
             if self.saved_step is None
             else f"the checkpoint of step {self.saved_step} is kept"
         )
+        lr = self.optimizer.param_groups[0]["lr"]
         raise Diverged(
             f"training diverged: the loss or gradient norm is not finite at step {bad_step}; "
-            f"{kept}. Lower --lr (now {cfg.lr:g}) or --clip (now {cfg.clip:g})"
+            f"{kept}. Lower --lr (now {lr:g}) or --clip (now {self.config.clip:g})"
         )
 
     def _log(self, clock: _Clock, progress: tqdm) -> None:
@@ -555,7 +579,7 @@ class _Run:
         steps_per_s: float,
         first_step_seconds: float | None,
         losses: tuple[float | None, float | None, float | None],
-        interrupted: bool,
+        signum: int | None,
         checkpoint: str | None,
     ) -> Summary:
         cfg, pos = self.config, self.position
@@ -581,7 +605,8 @@ class _Run:
             peak_estimated_without=getattr(self.plan, "peak_before", None),
             peak_estimated_with=getattr(self.plan, "peak_after", None),
             first_step_seconds=first_step_seconds,
-            interrupted=interrupted,
+            interrupted=signum is not None,
+            signal=None if signum is None else signal.Signals(signum).name,
             checkpoint=checkpoint,
             plan=None if self.plan is None else self.plan.summary_line(),
         )

@@ -35,6 +35,7 @@ class Summary:
     peak_estimated_with: int | None
     first_step_seconds: float | None = None  # compiles included
     interrupted: bool = False
+    signal: str | None = None  # what interrupted it: "SIGINT" or "SIGTERM"
     checkpoint: str | None = None
     plan: str | None = None  # Plan.summary_line(): the op choices, and a budget not met
 
@@ -45,8 +46,11 @@ class Summary:
         first_step = ""
         if self.first_step_seconds is not None:
             first_step = f" (the first, which compiles, {self.first_step_seconds:.1f} s)"
+        status = "done"
+        if self.interrupted:
+            status = f"interrupted by {self.signal}" if self.signal else "interrupted"
         lines = [
-            f"{'interrupted' if self.interrupted else 'done'}: {self.model} LSTM LM, "
+            f"{status}: {self.model} LSTM LM, "
             f"{self.parameters / 1e6:.2f}M parameters, mirror={self.mirror}, "
             f"{self.device} x {self.world_size}",
             f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s"
