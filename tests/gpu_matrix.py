@@ -21,9 +21,9 @@ times with finite losses. Then the word-LM snippet of issue 28 (dropout 0.5, emb
 650, batch 4, 20 and 128) under ``torch.compile`` and ``mirrorgrad.compile`` balance:
 no error, gradients equal eager's with the same seed (``fallback_random``).
 
-One worker process per (mode, dtype, impl) runs its cases (``--jobs`` at once; each compiles its
-own graphs). Writes OUT/matrix.json and OUT/matrix.md (logs in OUT/workers/), prints pass counts and every
-failure last; exits 1 if any case failed.
+One worker process per (mode, dtype, impl) runs its cases (``--jobs`` at once; each
+compiles its own graphs). Writes OUT/matrix.json and OUT/matrix.md (logs in OUT/workers/),
+prints pass counts and every failure last; exits 1 if any case failed.
 """
 
 from __future__ import annotations
