@@ -13,6 +13,7 @@ from mirrorgrad import cli
 from mirrorgrad.bench import explain, zoo
 from mirrorgrad.bench.command import _Bench, _share, _WorkerSettings
 from mirrorgrad.bench.explain import parse_mode
+from mirrorgrad.bench.workloads import Workload
 
 METHODS = ["eager", "checkpoint", "compile-budget-0.5", "mirror-balance"]
 CAP_GB = 0.00005
@@ -143,6 +144,15 @@ def test_explain_lists_the_op_memory_of_swapped_rnns(capsys):
     out = capsys.readouterr().out
     assert "mirrorgrad.nn RNNs" in out.splitlines()[0]
     assert "op memory:      rnn_forward (rnn): stash [off] (recompute: saved " in out
+
+
+def test_explain_of_a_workload_whose_package_is_missing_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(Workload, "missing_packages", lambda self: ["torchvision"])
+    assert cli.main(["explain", "mlp", "--quick"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mirrorgrad explain: error: mlp needs torchvision, not installed here: "
+        "pip install torchvision"
+    )
 
 
 @pytest.mark.parametrize(

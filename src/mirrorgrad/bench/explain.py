@@ -23,7 +23,9 @@ def parse_mode(text: str) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workload", choices=list(WORKLOADS))
+    parser.add_argument(
+        "workload", choices=list(WORKLOADS), metavar="WORKLOAD", help="`mirrorgrad bench --list`"
+    )
     parser.add_argument(
         "--mode",
         type=parse_mode,
@@ -58,6 +60,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as e:  # "max_overhead=nan: a finite fraction ..."
             reason = str(e).partition(": ")[2]
             raise ValueError(f"--max-overhead {args.max_overhead}: {reason}") from None
+    missing = WORKLOADS[args.workload].missing_packages()
+    if missing:
+        raise ValueError(
+            f"{args.workload} needs {', '.join(missing)}, not installed here: "
+            f"pip install {' '.join(missing)}"
+        )
     return options
 
 
