@@ -421,6 +421,7 @@ _MOMENTS = {
     ("moment", "signum"),
     [(moment, signal.SIGTERM) for moment in _MOMENTS]
     + [("data", signal.SIGINT), ("first step", signal.SIGINT), ("final save", signal.SIGINT)],
+    ids=lambda value: value.name if isinstance(value, signal.Signals) else value,
 )
 def test_a_signal_at_any_moment_ends_the_run(saved, tmp_path, capsys, monkeypatch, moment, signum):
     (owner, name), swallowed, outcome, saved_step = _MOMENTS[moment]
@@ -521,7 +522,7 @@ sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_setup_of_a_real_process(saved, tmp_path, signum):
     run = tmp_path / "run"
     child = _child(_PAUSE_IN_SETUP_THEN_TRAIN, f"--data={saved[0]}", f"--logdir={run}", *FAST)
