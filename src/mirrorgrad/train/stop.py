@@ -41,10 +41,6 @@ class StopRequest:
         self.signum: int | None = None  # the first signal that came
         self.deferred = False  # True while steps run: stop at the next step boundary
 
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
     def _handle(self, signum: int, frame: object) -> None:
         first = self.signum is None
         if first:
@@ -84,7 +80,7 @@ class StopRequest:
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
-        """Inside the block a signal only sets ``requested``."""
+        """Inside the block a signal only records itself in ``signum``."""
         self.deferred = True
         try:
             yield
