@@ -366,6 +366,19 @@ def test_auto_choice_is_timed_once_per_shape_and_cached(monkeypatch):
     assert timed == ["triton", "cudnn", "triton", "cudnn"]
 
 
+def test_timing_auto_candidates_keeps_the_rng_state(monkeypatch):
+    """The timed calls draw dropout seeds; the call timed first still gets the masks
+    torch.manual_seed gives (the draw after the choice is the one without timing)."""
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
+    candidates = {"triton": lambda: torch.rand(3), "cudnn": lambda: torch.rand(3)}
+    torch.manual_seed(4)
+    expected = torch.rand(2)
+    torch.manual_seed(4)
+    dispatch._choose_auto((torch.device("cpu"), 1), candidates, lambda fn: float(fn()[0]))
+    torch.testing.assert_close(torch.rand(2), expected)
+
+
 def test_auto_keeps_only_the_graphs_of_the_implementation_it_picked(monkeypatch):
     """Timing captures step loops for every candidate; those only the losers used are
     released (a shape cuDNN wins keeps no CUDA Graph buffers)."""

@@ -84,7 +84,11 @@ def _choose_auto(
         return _AUTO_CHOICE[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return rule() if rule is not None else next(iter(candidates))
-    return _time_and_cache(key, candidates, timer)
+    # The timed calls draw dropout seeds: the RNG state is kept, so that the call's own
+    # masks are the ones torch.manual_seed gives, timed first or not.
+    devices = [d for d in key[1:2] if isinstance(d, torch.device) and d.type == "cuda"]
+    with torch.random.fork_rng(devices=devices):
+        return _time_and_cache(key, candidates, timer)
 
 
 def _time_and_cache(key: tuple, candidates: dict[str, Callable[[], None]],
