@@ -181,7 +181,7 @@ def test_compile_a_function():
         ({"mode": "budget"}, "needs budget="),
         ({"mode": "budget", "budget": -1}, "finite and > 0"),
         ({"mode": "budget", "budget": "abc"}, "activation_memory_budget"),
-        ({"mode": "budget", "budget": 1.5}, "neither a fraction"),
+        ({"mode": "budget", "budget": 1.5}, r"a fraction in \(0, 1\]"),
         ({"mode": "balance", "budget": 0.5}, "only used by mode='budget'"),
         ({"max_overhead": -0.1}, "max_overhead"),
         ({"backend": "eager", "options": {"max_autotune": True}}, "backend='inductor'"),

@@ -155,7 +155,7 @@ def parse_budget(value: object) -> float | int:
         return int(value)
     raise ValueError(
         f"budget={value!r}: a float is a fraction in (0, 1]; give bytes as an int "
-        f"(budget={int(value)}) or a size string ('2GiB')"
+        "(budget=2_000_000_000) or a size string ('2GiB')"
     )
 
 
