@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn.cells import GATES, MODES
+from mirrorgrad.ops.rnn.cells import MODES
+
+from .test_rnn_op import forward_args, stack_inputs
 
 pytest.importorskip("triton")
 
@@ -36,22 +38,14 @@ def _cases():
                 yield pytest.param(impl, mode, variant, id=f"{impl}-{mode}-{variant}")
 
 
-def _args(impl, mode, variant, *, T=3, B=3, n_in=4, H=5, memory="stash"):
-    """rnn_forward's arguments (weights in torch.nn's order, requiring grad)."""
+def _args(impl, mode, variant, *, memory="stash"):
+    """rnn_forward's arguments (float32: the Triton paths' dtype)."""
     layers, bidirectional, dropout, lengths, proj = VARIANTS[variant]
-    G, D, Hr = GATES[mode], 2 if bidirectional else 1, proj or H
-    weights = []
-    for layer in range(layers):
-        for _ in range(D):
-            shapes = [(G * H, n_in if layer == 0 else D * Hr), (G * H, Hr), (G * H,), (G * H,)]
-            shapes += [(Hr, H)] if proj else []
-            weights += [(torch.randn(s) * 0.4).requires_grad_() for s in shapes]
-    x = torch.randn(T, B, n_in, requires_grad=True)
-    hx = torch.randn(layers * D, B, Hr, requires_grad=True)
-    cx = torch.randn(layers * D, B, H, requires_grad=True) if mode == "lstm" else None
+    shape = dict(layers=layers, bidirectional=bidirectional, proj=proj)
+    inputs = stack_inputs(mode, **shape, T=3, B=3, n_in=4, H=5, dtype=torch.float32)
     lengths = None if lengths is None else torch.tensor(lengths)
-    return (x, weights, hx, cx, lengths, torch.tensor(7), mode, layers, bidirectional, True,
-            proj, dropout, memory, None, impl, True)  # fmt: skip
+    return forward_args(mode, *inputs, **shape, lengths=lengths, dropout=dropout, seed=7,
+                        memory=memory, impl=impl)  # fmt: skip
 
 
 def _backward_args(forward_args):

@@ -15,8 +15,9 @@ from mirrorgrad.ops.rnn.cells import GATES, MODES
 DT = torch.float64
 
 
-def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, proj=0, bias=True):
-    """Random inputs of rnn_forward in torch.nn's weight order (float64, requiring grad)."""
+def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, proj=0, bias=True,
+                 dtype=DT):  # fmt: skip
+    """Random inputs of rnn_forward in torch.nn's weight order (requiring grad)."""
     G = GATES[mode]
     D = 2 if bidirectional else 1
     Hr = proj or H
@@ -26,18 +27,19 @@ def stack_inputs(mode, *, layers=2, bidirectional=True, T=4, B=3, n_in=2, H=2, p
             layer_in = n_in if layer == 0 else D * Hr
             shapes = [(G * H, layer_in), (G * H, Hr)] + ([(G * H,), (G * H,)] if bias else [])
             shapes += [(Hr, H)] if proj else []
-            weights += [torch.randn(s, dtype=DT).mul_(0.5).requires_grad_() for s in shapes]
-    x = torch.randn(T, B, n_in, dtype=DT, requires_grad=True)
-    hx = torch.randn(layers * D, B, Hr, dtype=DT, requires_grad=True)
-    cx = torch.randn(layers * D, B, H, dtype=DT, requires_grad=True) if mode == "lstm" else None
+            weights += [torch.randn(s, dtype=dtype).mul_(0.5).requires_grad_() for s in shapes]
+    x = torch.randn(T, B, n_in, dtype=dtype, requires_grad=True)
+    hx = torch.randn(layers * D, B, Hr, dtype=dtype, requires_grad=True)
+    cx = torch.randn(layers * D, B, H, dtype=dtype, requires_grad=True) if mode == "lstm" else None
     return x, weights, hx, cx
 
 
 def forward_args(mode, x, weights, hx, cx, *, layers=2, bidirectional=True, proj=0, lengths=None,
-                 dropout=0.0, seed=5, memory="stash", clip=None, need_saved=True):  # fmt: skip
+                 dropout=0.0, seed=5, memory="stash", clip=None, need_saved=True,
+                 impl="reference"):  # fmt: skip
     return (
         x, weights, hx, cx, lengths, torch.tensor(seed), mode, layers, bidirectional, True, proj,
-        dropout, memory, clip, "reference", need_saved,
+        dropout, memory, clip, impl, need_saved,
     )  # fmt: skip
 
 

@@ -110,9 +110,10 @@ def dropout(x: Tensor, p: float, seed: int, offset: int = 0) -> Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     flat_in, flat_out = x.reshape(-1), out.view(-1)
     threshold = int(p * 2**32)  # kept where the element's 32-bit hash reaches it
+    key = _hash32(_hash32(_hash32((seed >> 32) & _LOW32) ^ (seed & _LOW32)) ^ (offset & _LOW32))
     for start in range(0, flat_in.numel(), _MASK_CHUNK):  # the hash's scratch stays small
         end = min(start + _MASK_CHUNK, flat_in.numel())
-        keep = _hash(start, end, seed, offset, x.device) >= threshold
+        keep = _hash(start, end, key, x.device) >= threshold
         torch.mul(flat_in[start:end], keep, out=flat_out[start:end])
     return out.div_(1.0 - p)
 
@@ -134,11 +135,11 @@ def _hash32(z):
     return z.bitwise_xor_(z >> 16)
 
 
-def _hash(start: int, end: int, seed: int, offset: int, device) -> Tensor:
-    """32-bit hashes of elements [start, end) that (seed, offset) and each element's index
-    determine: a mask drawn this way, not from a generator, has no random op, so it can be
-    recomputed under vmap (batched gradients, torch.func), which refuses them."""
-    key = _hash32(_hash32(_hash32((seed >> 32) & _LOW32) ^ (seed & _LOW32)) ^ (offset & _LOW32))
+def _hash(start: int, end: int, key: int, device) -> Tensor:
+    """32-bit hashes of elements [start, end) that ``key`` (of the seed and offset) and
+    each element's index determine: a mask drawn this way, not from a generator, has no
+    random op, so it can be recomputed under vmap (batched gradients, torch.func), which
+    refuses them."""
     index = torch.arange(start, end, dtype=torch.int64, device=device)
     return _hash32(_hash32(index).bitwise_xor_(key))
 
