@@ -382,3 +382,15 @@ def test_is_batched_sees_both_vmaps_and_not_a_plain_tensor():
     assert seen == [True, True]
     assert not _compat.is_batched(torch.randn(3)) and not _compat.is_batched(None)
 
+
+
+def test_sgd_update_is_plain_sgd_with_a_tensor_lr():
+    torch.manual_seed(0)
+    params = [torch.randn(5), torch.randn(3, 2)]
+    grads = [torch.randn(5), torch.randn(3, 2)]
+    expected = [p - 0.25 * g for p, g in zip(params, grads)]
+    lr = torch.tensor(0.5)
+    lr.fill_(0.25)  # read at the call, not when the tensor was made
+    _compat.sgd_update_(params, grads, lr)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e)

@@ -377,3 +377,14 @@ def gpu_shape_padding() -> Iterator[None]:
             yield
     finally:
         pad_mm.check_device, pad_mm.has_triton, pad_mm.should_pad = saved
+
+
+# --- the whole-step CUDA Graph of `mirrorgrad train lm` (train/step.py) -------------
+def sgd_update_(params: list[torch.Tensor], grads: list[torch.Tensor], lr: torch.Tensor) -> None:
+    """``p -= lr * g`` for every pair, in one fused kernel that reads ``lr`` (a 0-d
+    tensor) on the device: a CUDA Graph replays it at whatever lr the tensor holds.
+    torch.optim.SGD(fused=True) runs the same op but takes lr from its param group."""
+    torch._fused_sgd_(
+        params, grads, [], weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0,
+        nesterov=False, maximize=False, is_first_step=False,
+    )  # fmt: skip

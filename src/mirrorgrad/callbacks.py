@@ -64,7 +64,8 @@ class TensorBoardLogger(Callback):
     ``perplexity`` is not, ``perplexity = exp(loss)`` is added. On a CUDA device the
     memory of ``device`` (allocated, peak, reserved) is logged under ``memory/``.
     A mirror ``plan`` (from ``mirrorgrad.explain``) is logged once under ``plan/``:
-    stash and estimated peak, with and without mirroring.
+    stash and estimated peak, with and without mirroring; ``settings`` (name -> value,
+    e.g. the precision) once as a table under ``settings``.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class TensorBoardLogger(Callback):
         device: torch.device | str | None = None,
         plan: Any = None,
         purge_step: int | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         if log_freq < 1:
             raise ValueError(f"log_freq must be >= 1, got {log_freq}")
@@ -88,6 +90,9 @@ class TensorBoardLogger(Callback):
         self._writer = SummaryWriter(str(logdir), purge_step=purge_step)
         if plan is not None:
             self._log_plan(plan, purge_step or 0)
+        if settings:
+            table = "\n".join(f"| {k} | {v} |" for k, v in settings.items())
+            self._writer.add_text("settings", f"| setting | value |\n|---|---|\n{table}", 0)
 
     def _log_plan(self, plan: Any, step: int) -> None:
         mib = 2**20

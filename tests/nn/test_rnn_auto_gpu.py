@@ -65,3 +65,26 @@ def test_auto_under_compile_follows_the_rule_and_matches_eager(fresh, dynamic):
     for T in (12, 9):
         x = torch.randn(T, 8, 64, device="cuda")
         torch.testing.assert_close(compiled(x)[0], model(x)[0], rtol=2e-3, atol=2e-3)
+
+
+def test_auto_inside_dispatch_as_captured_times_replays_and_runs_captured(fresh):
+    """The candidates are timed as CUDA Graph replays; the module then runs inside a
+    graph of the caller's and gives the uncaptured gradients."""
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    x = torch.randn(12, 8, 64, device="cuda", requires_grad=True)
+    _step(model, x)
+    expected = [p.grad.clone() for p in model.parameters()]
+    with mnn.dispatch_as_captured():
+        model.zero_grad(set_to_none=True)
+        _step(model, x)
+    captured_keys = [k for k in dispatch.AUTO_TIMES if k[-1] == "captured"]
+    assert len(captured_keys) == 1 and {"triton", "cudnn"} <= set(
+        dispatch.AUTO_TIMES[captured_keys[0]]
+    )
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        _step(model, x)
+    graph.replay()
+    for p, e in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)

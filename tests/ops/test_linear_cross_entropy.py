@@ -226,3 +226,27 @@ def test_public_name_in_nn_functional():
     import mirrorgrad.nn.functional as mf
 
     assert mf.linear_cross_entropy is linear_cross_entropy
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_matches_linear_then_cross_entropy_under_autocast(bias, hidden_dtype):
+    """Under bf16 autocast it computes what F.linear + F.cross_entropy do there: the
+    matmul in bf16 from fp32 weights, a float32 loss, gradients in the leaves' dtypes
+    (an LSTM under autocast hands it bf16 hidden states, the decoder is fp32)."""
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 5, 16, dtype=hidden_dtype, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    b = torch.randn(40, requires_grad=True) if bias else None
+    target = torch.randint(0, 40, (6, 5))
+    leaves = [hidden, weight] + ([b] if bias else [])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_cross_entropy(hidden, weight, b, target, chunk_size=7)
+        theirs = F.cross_entropy(F.linear(hidden, weight, b).flatten(0, 1), target.flatten())
+    assert ours.dtype == theirs.dtype == torch.float32
+    ours_grads = torch.autograd.grad(ours, leaves)
+    theirs_grads = torch.autograd.grad(theirs, leaves)
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+    for leaf, mine, torchs in zip(leaves, ours_grads, theirs_grads):
+        assert mine.dtype == leaf.dtype
+        torch.testing.assert_close(mine, torchs, rtol=2e-2, atol=2e-3)

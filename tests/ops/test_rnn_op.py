@@ -731,3 +731,22 @@ def test_auto_under_compile_falls_back_to_the_rule_with_a_warning_where_timing_f
     with pytest.warns(RuntimeWarning, match="could not time persistent, triton.*'triton'"):
         compiled(torch.randn(3, 2, 4))[0].sum().backward()
     assert dispatch._AUTO_CHOICE == {}
+
+
+def test_captured_and_uncaptured_choices_are_timed_and_cached_apart(monkeypatch):
+    """dispatch_as_captured(): the candidates are timed again (captured, on a GPU) and
+    that choice is kept beside the uncaptured one, not instead of it."""
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
+    uncaptured, captured = {"triton": 1.0, "cudnn": 2.0}, {"triton": 2.0, "cudnn": 1.0}
+
+    def timer(fn):
+        return (captured if dispatch._captured_depth else uncaptured)[fn()]
+
+    candidates = {"triton": lambda: "triton", "cudnn": lambda: "cudnn"}
+    key = (torch.device("cpu"), 1)
+    assert dispatch._choose_auto(key, candidates, timer) == "triton"
+    with dispatch.dispatch_as_captured():
+        assert dispatch._choose_auto(key, candidates, timer) == "cudnn"
+    assert dispatch._choose_auto(key, candidates, timer) == "triton"
+    assert dispatch.AUTO_TIMES == {key: uncaptured, (*key, "captured"): captured}

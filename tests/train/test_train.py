@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mirrorgrad.callbacks import Callback
 from mirrorgrad.options import MirrorOptions
-from mirrorgrad.train import checkpoint
+from mirrorgrad.train import checkpoint, step
 from mirrorgrad.train.config import PRESETS, TrainConfig
 from mirrorgrad.train.distributed import World
 from mirrorgrad.train.loop import train
@@ -147,7 +147,8 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
-    # --mirror off: "without" is a plain compile of the training mode, "with" balance.
-    assert run._measure_step_peaks() == (111, 222)
-    assert compiled == ["balance", "off"]
+    # --mirror off: "without" is the step as planned (off), "with" balance.
+    planned = step.compile_for_training(run.model, run.config.mirror, run.device, cuda_graphs=False)
+    assert run._measure_step_peaks(planned) == (111, 222)
+    assert compiled == ["off", "balance"]
     assert all(p.grad is None for p in run.model.parameters())

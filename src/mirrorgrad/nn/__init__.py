@@ -3,5 +3,9 @@
 from mirrorgrad.nn import functional
 from mirrorgrad.nn.cells import GRUCell, LSTMCell, RNNCell
 from mirrorgrad.nn.rnn import GRU, LSTM, RNN, convert
+from mirrorgrad.ops.rnn.dispatch import dispatch_as_captured
 
-__all__ = ["GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "convert", "functional"]
+__all__ = [
+    "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNCell", "convert", "dispatch_as_captured",
+    "functional",
+]  # fmt: skip

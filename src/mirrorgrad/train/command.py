@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from mirrorgrad.options import MirrorOptions
-from mirrorgrad.train.config import PRESETS, TrainConfig
+from mirrorgrad.train.config import PRECISIONS, PRESETS, TrainConfig
 from mirrorgrad.train.stop import exit_status
 
 _EPILOG = """examples:
@@ -71,6 +71,13 @@ def _add_model_options(group: argparse._ArgumentGroup) -> None:
         "--tie-weights", action="store_true", help="share embedding and decoder weights"
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    group.add_argument(
+        "--precision",
+        choices=list(PRECISIONS),
+        default="fp32",
+        help="fp32 (default) or bf16: the forward under bf16 autocast, float32 weights, "
+        "gradients and optimizer (as AMP)",
+    )
     group.add_argument(
         "--mirror",
         default="balance",
@@ -136,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 _CONFIG_AS_GIVEN = (
     "data", "device", "epochs", "max_steps", "batch_size", "bptt", "lr", "clip", "seed",
     "logdir", "dropout", "tie_weights", "char", "vocab_size", "log_freq", "ckpt_every",
+    "precision",
 )  # fmt: skip
 
 

@@ -6,7 +6,12 @@ import dataclasses
 import math
 from pathlib import Path
 
+import torch
+
 from mirrorgrad.options import MirrorOptions
+
+# --precision -> the autocast dtype of the forward (None: plain float32)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -71,12 +76,15 @@ class TrainConfig:
     vocab_size: int | None = 10000
     log_freq: int = 50
     ckpt_every: int = 1000
+    precision: str = "fp32"  # a key of PRECISIONS
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
             raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: choose auto, cpu or cuda")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: choose {' or '.join(PRECISIONS)}")
         for name in ("epochs", "batch_size", "eval_batch_size", "bptt", "log_freq", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -150,6 +150,7 @@ class _Run:
                     log_freq=config.log_freq,
                     device=device,
                     plan=self.plan,
+                    settings={"precision": config.precision, "step": self._step_description()},
                     # Drop what an earlier run logged after this checkpoint.
                     purge_step=self.position.step + 1 if resume is not None else None,
                 )
@@ -249,7 +250,9 @@ class _Run:
     def _build_model(self) -> None:
         cfg, device = self.config, self.device
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        self.model = LanguageModel(len(self.vocab), cfg.preset, tie_weights=cfg.tie_weights)
+        self.model = LanguageModel(
+            len(self.vocab), cfg.preset, tie_weights=cfg.tie_weights, precision=cfg.precision
+        )
         self.model.to(device)
         lr = cfg.preset.lr if cfg.lr is None else cfg.lr  # a resume restores its own
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
@@ -258,9 +261,21 @@ class _Run:
             self.optimizer, mode="min", factor=0.25, patience=0
         )
         self.plan = self._explain() if self.world.is_main else None
+        # On one GPU the whole step is one CUDA Graph around the planned step compiled
+        # without Inductor's own graphs (a graph cannot hold graphs). Under DDP the
+        # forward and backward are graphs and the rest runs eagerly.
+        self.graphed: step.GraphedStep | None = None
+        plain = None
+        if device.type == "cuda":
+            plain = step.compile_for_training(self.model, cfg.mirror, device, cuda_graphs=False)
         # On every GPU, before any wrapper: the plain model's step is each rank's.
-        self.step_peaks = self._measure_step_peaks() if device.type == "cuda" else None
-        self.step_model = self._wrap(self.model)
+        self.step_peaks = self._measure_step_peaks(plain) if plain is not None else None
+        if plain is not None and not self.world.distributed:
+            self.step_model = plain
+            self.reduce_gradients = None
+            self.graphed = step.GraphedStep(plain, self.model, self.optimizer, clip=cfg.clip)
+        else:
+            self.step_model = self._wrap(self.model)
 
     def _shard(self, batches: Tensor) -> Tensor:
         return data.shard_columns(batches, self.world.rank, self.world.world_size).to(self.device)
@@ -289,21 +304,19 @@ class _Run:
             warnings.warn(f"mirrorgrad.explain failed, no plan in the logs: {e}", stacklevel=2)
             return None
 
-    def _measure_step_peaks(self) -> tuple[int, int] | None:
+    def _measure_step_peaks(self, measured: Callable[..., Any]) -> tuple[int, int] | None:
         """Measured peak bytes of one forward+backward without and with mirroring.
 
-        Of this rank's GPU. Runs before training, leaves no gradients, and the RNG is
-        seeded afresh after it, so training is the same with or without it.
+        Of this rank's GPU; ``measured`` is the step as planned, compiled without CUDA
+        Graphs (their replays allocate nothing, so the peak would read ~0). Runs before
+        training, leaves no gradients, and the RNG is seeded afresh after it, so
+        training is the same with or without it.
         """
         mirror = self.config.mirror
         other = "balance" if mirror.mode == "off" else "off"
-
-        # Without CUDA Graphs: their replays allocate nothing, so the peak would read ~0.
-        def plain(options: MirrorOptions) -> nn.Module:
-            return step.compile_for_training(self.model, options, self.device, cuda_graphs=False)
-
-        other_model = plain(MirrorOptions(mode=other))
-        measured = plain(mirror)
+        other_model = step.compile_for_training(
+            self.model, MirrorOptions(mode=other), self.device, cuda_graphs=False
+        )
         pair = (measured, other_model) if mirror.mode == "off" else (other_model, measured)
         try:
             return tuple(self._step_peak(m) for m in pair)
@@ -484,14 +497,39 @@ class _Run:
         if self.embedding_rows is not None:
             rows = self.embedding_rows[self.position.window].to(self.device, non_blocking=True)
             reduce = functools.partial(reduce, rows=(self.model.encoder.weight, rows))
-        loss, grad_norm, self.state = step.sgd_step(
-            self.step_model, self.model, self.optimizer, x, y, self.state,
-            clip=self.config.clip, reduce_gradients=reduce,
-        )  # fmt: skip
+        if self.graphed is not None:
+            loss, grad_norm, self.state = self._graphed_step(x, y)
+        else:
+            loss, grad_norm, self.state = step.sgd_step(
+                self.step_model, self.model, self.optimizer, x, y, self.state,
+                clip=self.config.clip, reduce_gradients=reduce,
+            )  # fmt: skip
         # Recorded on the device (no sync per step); checked at log steps and saves.
         bad = ~torch.isfinite(loss + grad_norm) & (self.first_bad_step == 0)
         self.first_bad_step.masked_fill_(bad, self.position.step + 1)
         return loss
+
+    def _graphed_step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, State]:
+        """The whole-step graph; if it cannot be captured, one warning and the step
+        compiled with CUDA Graphs for forward and backward from then on."""
+        try:
+            return self.graphed(x, y, self.state)
+        except Exception as e:
+            if self.graphed.graph is not None:  # a replay failed: not a capture problem
+                raise
+            warnings.warn(
+                f"mirrorgrad train: the training step could not be captured as one CUDA "
+                f"Graph ({type(e).__name__}: {_first_line(e)}); forward and backward run "
+                "as CUDA Graphs, the clip and SGD eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.graphed = None
+            self.step_model = self._wrap(self.model)
+            return step.sgd_step(
+                self.step_model, self.model, self.optimizer, x, y, self.state,
+                clip=self.config.clip, reduce_gradients=self.reduce_gradients,
+            )  # fmt: skip
 
     def _check_finite(self) -> None:
         bad_step = int(distributed.maximum(self.world, self.first_bad_step))
@@ -609,7 +647,16 @@ class _Run:
             signal=None if signum is None else signal.Signals(signum).name,
             checkpoint=checkpoint,
             plan=None if self.plan is None else self.plan.summary_line(),
+            precision=cfg.precision,
+            step=self._step_description(),
         )
+
+    def _step_description(self) -> str:
+        if self.graphed is not None:
+            return "one CUDA Graph (forward, backward, gradient clip, SGD)"
+        if self.device.type == "cuda":
+            return "compiled; forward and backward as CUDA Graphs, clip and SGD eager"
+        return "compiled (AOTAutograd graphs run eagerly on the CPU)"
 
     def _peak_per_gpu(self) -> int | None:
         """The largest ``max_memory_allocated`` of all ranks (collective)."""

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 import mirrorgrad.nn
 from mirrorgrad.nn.functional import linear_cross_entropy
-from mirrorgrad.train.config import Preset
+from mirrorgrad.train.config import PRECISIONS, Preset
 
 State = tuple[Tensor, Tensor]
 
@@ -17,10 +17,23 @@ class LanguageModel(nn.Module):
 
     ``forward(tokens, targets, state)`` returns the mean cross-entropy and the final
     state; the decoder logits are never materialised (``linear_cross_entropy``).
+    ``precision="bf16"`` runs the forward under bf16 autocast, as AMP does: the weights
+    stay float32 (the master copy the optimizer updates), the loss and the carried
+    state are float32.
     """
 
-    def __init__(self, vocab_size: int, preset: Preset, *, tie_weights: bool = False) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        preset: Preset,
+        *,
+        tie_weights: bool = False,
+        precision: str = "fp32",
+    ) -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+        self.autocast_dtype = PRECISIONS[precision]
         if tie_weights and preset.embedding != preset.hidden:
             raise ValueError(
                 f"--tie-weights needs embedding size == hidden size, got {preset.embedding} "
@@ -50,8 +63,11 @@ class LanguageModel(nn.Module):
         return zeros, zeros.clone()
 
     def forward(self, tokens: Tensor, targets: Tensor, state: State) -> tuple[Tensor, State]:
-        x = self.drop(self.encoder(tokens))  # [T, B, E]
-        out, state = self.rnn(x, state)  # [T, B, H]
-        out = self.drop(out)
-        loss = linear_cross_entropy(out, self.decoder.weight, self.decoder.bias, targets)
-        return loss, state
+        dtype = self.autocast_dtype
+        with torch.autocast(tokens.device.type, dtype=dtype, enabled=dtype is not None):
+            x = self.drop(self.encoder(tokens))  # [T, B, E]
+            out, (h, c) = self.rnn(x, state)  # [T, B, H]
+            out = self.drop(out)
+            loss = linear_cross_entropy(out, self.decoder.weight, self.decoder.bias, targets)
+        # The carried state keeps its dtype (the LSTM returns bf16 under autocast).
+        return loss, (h.to(state[0].dtype), c.to(state[1].dtype))

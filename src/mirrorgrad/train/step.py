@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 import mirrorgrad
 from mirrorgrad import _compat
+from mirrorgrad.nn import dispatch_as_captured
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import distributed
 from mirrorgrad.train.distributed import World
@@ -115,3 +116,124 @@ def sgd_step(
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     return loss.detach().clone(), grad_norm, (h.detach().clone(), c.detach().clone())
+
+
+def whole_step_graph_supported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be replayed inside `GraphedStep` (None: it can).
+
+    The graph runs plain SGD itself (one fused kernel that reads lr from the device),
+    so only what that computes is accepted: no momentum, weight decay, nesterov or
+    maximize."""
+    if type(optimizer) is not torch.optim.SGD:
+        return f"{type(optimizer).__name__} is not plain torch.optim.SGD"
+    for group in optimizer.param_groups:
+        extras = [k for k in ("momentum", "weight_decay", "dampening") if group[k]]
+        extras += [k for k in ("nesterov", "maximize") if group[k]]
+        if extras:
+            return f"SGD with {', '.join(extras)}"
+    return None
+
+
+class GraphedStep:
+    """`sgd_step` as one CUDA Graph: forward, backward, gradient clip and SGD update.
+
+    The first call warms the step up uncaptured (it compiles; the weights and RNG are
+    left as they were), then captures it; every call replays it. The inputs are copied
+    into the graph's own buffers, the next state is written back into them inside the
+    graph, and the learning rate is read from the optimizer before each replay (a
+    scheduler may change it). Returns the loss, the gradient norm before clipping and
+    the next state; they are the graph's buffers, overwritten by the next call.
+
+    With ``capture=False`` the same step runs eagerly, call by call: what the CPU, a
+    test or a failed capture runs, with the same arithmetic.
+    """
+
+    def __init__(
+        self,
+        step_model: Callable[..., Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip: float,
+        capture: bool = True,
+        warmup: int = 3,
+    ) -> None:
+        reason = whole_step_graph_supported(optimizer)
+        if reason is not None:
+            raise ValueError(f"GraphedStep runs plain SGD in the graph; {reason}")
+        self.step_model, self.model, self.optimizer = step_model, model, optimizer
+        self.clip, self.capture, self.warmup = clip, capture, warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        # Per param group: the lr on the device (read by the SGD kernel), and its value.
+        self._lrs: list[Tensor] = []
+        self._lr_set: list[float | None] = [None] * len(optimizer.param_groups)
+
+    def __call__(
+        self, tokens: Tensor, targets: Tensor, state: State
+    ) -> tuple[Tensor, Tensor, State]:
+        if not self._lrs:
+            self._lrs = [torch.zeros((), device=tokens.device) for _ in self._lr_set]
+        self._read_lr()
+        if not self.capture:
+            self.optimizer.zero_grad(set_to_none=True)
+            state = (state[0].detach(), state[1].detach())
+            loss, norm, (h, c) = self._body(tokens, targets, state)
+            return loss.detach(), norm, (h.detach(), c.detach())
+        if self.graph is None:
+            self._capture(tokens, targets, state)
+        for buffer, value in zip(self._inputs, (tokens, targets, *state)):
+            if value is not buffer:
+                buffer.copy_(value)
+        self.graph.replay()
+        return self._loss, self._norm, (self._inputs[2], self._inputs[3])
+
+    def _body(self, tokens: Tensor, targets: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
+        loss, next_state = self.step_model(tokens, targets, state)
+        loss.backward()
+        groups = [
+            [p for p in group["params"] if p.grad is not None]
+            for group in self.optimizer.param_groups
+        ]
+        norm = nn.utils.clip_grad_norm_([p for g in groups for p in g], self.clip)
+        for params, lr in zip(groups, self._lrs):
+            _compat.sgd_update_(params, [p.grad for p in params], lr)
+        return loss, norm, next_state
+
+    def _read_lr(self) -> None:
+        """The optimizer's lr into the graph's lr tensors, where it changed (a fill
+        kernel, no sync)."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            lr = float(group["lr"])
+            if lr != self._lr_set[i]:
+                self._lrs[i].fill_(lr)
+                self._lr_set[i] = lr
+
+    def _capture(self, tokens: Tensor, targets: Tensor, state: State) -> None:
+        device = tokens.device
+        self._inputs = [t.detach().clone() for t in (tokens, targets, *state)]
+        tokens, targets, h, c = self._inputs
+        # Warm-up: compiles, autotunes and fills caches. It draws dropout masks, so the
+        # RNG is restored after it, and it updates no weight.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        # impl="auto" chooses here (the first call), timing its candidates captured.
+        with (
+            torch.random.fork_rng(devices=[device]),
+            torch.cuda.stream(side),
+            dispatch_as_captured(),
+        ):
+            for _ in range(self.warmup):
+                self.optimizer.zero_grad(set_to_none=True)
+                loss, _ = self.step_model(tokens, targets, (h, c))
+                loss.backward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        # Gradients made in the capture live in the graph's memory and are rewritten,
+        # not accumulated, by each replay.
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss, norm, (h_next, c_next) = self._body(tokens, targets, (h, c))
+            self._loss, self._norm = loss.detach(), norm
+            h.copy_(h_next)
+            c.copy_(c_next)
+        self.graph = graph

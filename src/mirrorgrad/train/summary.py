@@ -38,6 +38,8 @@ class Summary:
     signal: str | None = None  # what interrupted it: "SIGINT" or "SIGTERM"
     checkpoint: str | None = None
     plan: str | None = None  # Plan.summary_line(): the op choices, and a budget not met
+    precision: str = "fp32"
+    step: str | None = None  # how each training step ran (STEP_DESCRIPTIONS)
 
     def __str__(self) -> str:
         def ppl(x: float | None) -> str:
@@ -52,7 +54,7 @@ class Summary:
         lines = [
             f"{status}: {self.model} LSTM LM, "
             f"{self.parameters / 1e6:.2f}M parameters, mirror={self.mirror}, "
-            f"{self.device} x {self.world_size}",
+            f"{self.precision}, {self.device} x {self.world_size}",
             f"  steps        {self.steps} ({self.epochs_done:.2f} epochs) in {self.seconds:.1f} s"
             + first_step,
             f"  perplexity   train {ppl(self.train_perplexity)}  "
@@ -72,6 +74,8 @@ class Summary:
                 f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU "
                 "(the largest of all GPUs)"
             )
+        if self.step:
+            lines.append(f"  step         {self.step}")
         if self.plan:
             lines.append(f"  plan         {self.plan}")
         if self.checkpoint:

@@ -13,6 +13,8 @@ without its incoming gradient (every gradient came out zero under torch.compile)
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -272,11 +274,22 @@ def linear_cross_entropy(
     flat_target = target.reshape(-1)
     valid = flat_target != ignore_index
     safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
-    lse, target_logit = linear_cross_entropy_forward(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe_target, chunk_size
-    )
-    losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
     out_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    device_type = hidden.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if autocast:
+        # As F.linear then F.cross_entropy under autocast: the matmul in the autocast
+        # dtype (fp32 weights cast, their gradients fp32 again), the loss in float32.
+        low = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(low), weight.to(low)
+        bias = None if bias is None else bias.to(low)
+        out_dtype = torch.float32
+    # The op runs in the dtypes it is given: no autocast recast inside it.
+    with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+        lse, target_logit = linear_cross_entropy_forward(
+            hidden.reshape(-1, hidden.shape[-1]), weight, bias, safe_target, chunk_size
+        )
+    losses = torch.where(valid, lse - target_logit, torch.zeros_like(lse))
     if reduction == "none":
         return losses.reshape(target.shape).to(out_dtype)
     total = losses.sum()

@@ -3,16 +3,19 @@
 ``impl="auto"`` times the custom op's implementations (the persistent kernel where it
 covers the shape, the split Triton kernels) and torch's own RNN (cuDNN on CUDA) once per
 shape, forward and backward as the call runs them, and keeps the fastest; where it may
-not time (torch.compile tracing, a CUDA Graph capture) it ranks the custom op's
-implementations by ``cost.py``'s rule. ``impl="cudnn"`` runs torch's RNN outside the
-custom ops, since cuDNN's backward needs its private reserve space that a fake kernel
-cannot size.
+not time (a CUDA Graph capture) it ranks the custom op's implementations by
+``cost.py``'s rule. Inside ``dispatch_as_captured()`` the candidates are timed captured
+in a CUDA Graph and replayed, the way a caller that captures its step runs them (host
+launch costs gone), and that choice is cached apart from the uncaptured one.
+``impl="cudnn"`` runs torch's RNN outside the custom ops, since cuDNN's backward needs
+its private reserve space that a fake kernel cannot size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -58,11 +61,48 @@ _AUTO_CHOICE: dict[tuple, str] = {}
 AUTO_TIMES: dict[tuple, dict[str, float]] = {}
 
 
+_captured_depth = 0  # > 0 inside dispatch_as_captured()
+
+
+@contextlib.contextmanager
+def dispatch_as_captured() -> Iterator[None]:
+    """impl="auto" calls (and torch.compile traces) inside choose by timing each
+    candidate captured in a CUDA Graph, as a caller that captures the step will run it
+    (CUDA Graphs, ``mode="reduce-overhead"``, `mirrorgrad train lm`'s step): without the
+    host's launch costs, which favour fewer, larger kernels uncaptured."""
+    global _captured_depth
+    _captured_depth += 1
+    try:
+        yield
+    finally:
+        _captured_depth -= 1
+
+
+def _choice_key(key: tuple) -> tuple:
+    """The cache key of a choice: captured and uncaptured timings choose apart."""
+    return (*key, "captured") if _captured_depth else key
+
+
 def _time_ms(fn: Callable[[], None]) -> float:
     """Median ms of 5 forward+backward calls on the current GPU, after four warm-up calls
     (they compile kernels, capture the step loops and fill caches: a step's addresses
-    repeat, and its captured layers replay, from about its fifth call on)."""
-    return time_calls(fn, repeats=5, warmup=4, device="cuda").median_ms
+    repeat, and its captured layers replay, from about its fifth call on). Inside
+    ``dispatch_as_captured()``: 5 replays of the call captured in one CUDA Graph."""
+    if not _captured_depth:
+        return time_calls(fn, repeats=5, warmup=4, device="cuda").median_ms
+    stream = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):  # warm-up uncaptured, as torch.cuda.graph asks
+        for _ in range(3):
+            fn()
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_calls(graph.replay, repeats=5, warmup=2, device="cuda").median_ms
+    del graph  # and its memory pool
+    return ms
 
 
 def _choose_auto(
@@ -80,6 +120,7 @@ def _choose_auto(
     a CUDA Graph is captured (timing would synchronize), without caching the pick."""
     if torch.compiler.is_compiling():
         return rule() if rule is not None else next(iter(candidates))
+    key = _choice_key(key)
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -121,7 +162,7 @@ def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -
     ``call``: (input size, hidden size, has_biases, dropout p, state_clip). The RNG
     state is kept (the timed calls draw dropout seeds) and the graphs the timed calls
     captured are released (their weights are gone after this)."""
-    for cached in (key, (*key, "compiled")):
+    for cached in (_choice_key(key), (*_choice_key(key), "compiled")):
         if _AUTO_CHOICE.get(cached) in candidates:
             return _AUTO_CHOICE[cached]
     device = key[1]
@@ -131,7 +172,7 @@ def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -
             with graphs.recording() as used:
                 steps = _synthetic_steps(key, candidates, call)
                 # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
-                choice = _time_and_cache((*key, "compiled"), steps, _time_ms)
+                choice = _time_and_cache((*_choice_key(key), "compiled"), steps, _time_ms)
                 del steps
             graphs.release(used)
     except Exception as exc:  # timing is an optimisation: the rule can still rank them
@@ -149,7 +190,7 @@ def _synthetic_steps(key: tuple, candidates: tuple[str, ...], call: tuple) -> di
     """candidate -> a forward+backward step of the stack ``key`` and ``call`` describe,
     on random tensors (what ``_timed_while_tracing`` times)."""
     mode, device, dtype, T, B, _, gh, Hr, layers, bidirectional, varlen, memory = key[:12]
-    need_saved = key[-1]
+    need_saved = key[13]
     n_in, H, has_biases, p, clip = call
     D = 2 if bidirectional else 1
 
@@ -272,7 +313,8 @@ def rnn(
     if impl == "auto":
         key = _auto_key(x, weights, hx, lengths, mode, num_layers, bidirectional, memory, p,
                         need_saved)  # fmt: skip
-        impl = _AUTO_CHOICE.get(key) if not torch.compiler.is_compiling() else None
+        compiling = torch.compiler.is_compiling()
+        impl = _AUTO_CHOICE.get(_choice_key(key)) if not compiling else None
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises).
             cudnn_ok = state_clip is None and (training or not grad_inputs)
