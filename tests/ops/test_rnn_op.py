@@ -749,4 +749,4 @@ def test_captured_and_uncaptured_choices_are_timed_and_cached_apart(monkeypatch)
     with dispatch.dispatch_as_captured():
         assert dispatch._choose_auto(key, candidates, timer) == "cudnn"
     assert dispatch._choose_auto(key, candidates, timer) == "triton"
-    assert dispatch.AUTO_TIMES == {key: uncaptured, (*key, "captured"): captured}
+    assert {key: uncaptured, (*key, "captured"): captured} == dispatch.AUTO_TIMES

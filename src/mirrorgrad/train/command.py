@@ -13,6 +13,8 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train.config import PRECISIONS, PRESETS, TrainConfig
 from mirrorgrad.train.stop import exit_status
@@ -75,8 +77,9 @@ def _add_model_options(group: argparse._ArgumentGroup) -> None:
         "--precision",
         choices=list(PRECISIONS),
         default="fp32",
-        help="fp32 (default) or bf16: the forward under bf16 autocast, float32 weights, "
-        "gradients and optimizer (as AMP)",
+        help="fp32 (default; matmuls in TF32 on GPUs that have it, as cuDNN's RNNs) or "
+        "bf16: the forward under bf16 autocast, float32 weights, gradients and optimizer "
+        "(as AMP)",
     )
     group.add_argument(
         "--mirror",
@@ -174,6 +177,9 @@ def _run(args: argparse.Namespace) -> int:
     from mirrorgrad.train.preflight import FolderNotWritable
 
     bad_input = (ValueError, FileNotFoundError, CheckpointError, CorpusUnavailable, NoGPUError)
+    # fp32 matmuls as TF32 where the GPU has it, as cuDNN's RNNs and convolutions
+    # already run by default (torch.backends.cudnn.allow_tf32).
+    torch.set_float32_matmul_precision("high")
     try:
         summary = train(args.make_config(args))
     except (*bad_input, FolderNotWritable) as e:

@@ -1,0 +1,222 @@
+"""The LM-step table: the word LM's training step as a user would run each option, side by side.
+
+    python -m mirrorgrad.bench.lm_step --out DIR [--data CORPUS] [--batch 20 128]
+                                       [--precision fp32 bf16] [--steps 60]
+
+The medium model (2x650, dropout 0.5, vocabulary 10k, BPTT 35, SGD lr 20, clip 0.25),
+per batch size and precision, in one process:
+
+- ``pytorch-example``: PyTorch's word_language_model step (``nn.LSTM``, cuDNN), eager;
+  bf16 under autocast as AMP runs it.
+- ``cudnn-graphed``: the train package's model with ``torch.nn.LSTM`` (cuDNN) in place
+  of ours, the whole step (forward, backward, clip, SGD) in one CUDA Graph
+  (``train.step.GraphedStep``).
+- ``ours-graphed``: the same model with ``mirrorgrad.nn.LSTM``, the same whole-step graph.
+- ``train-lm``: ``mirrorgrad train lm --model medium`` itself on ``--data`` (its loop,
+  compile and plan included): tokens/s of the steps after the first, the peak of the run.
+
+Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens;
+their peak is the largest ``max_memory_allocated`` while the row ran (weights,
+gradients, the graph's memory). The table is printed last; ``lm_step.json`` keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mirrorgrad._timing import time_calls
+from mirrorgrad.bench.word_lm import BPTT, CLIP, LR, VOCAB, ExampleLM
+
+ROWS = ("pytorch-example", "cudnn-graphed", "ours-graphed", "train-lm")
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Result:
+    row: str
+    batch: int
+    precision: str
+    tokens_per_s: float
+    peak_bytes: int
+    step_ms: float
+
+
+def _example_step(batch: int, precision: str, device: torch.device) -> Callable[[], Tensor]:
+    from mirrorgrad.train.config import PRESETS
+
+    preset = PRESETS["medium"]
+    model = ExampleLM(VOCAB, preset).to(device)
+    tokens, targets = _tokens(batch, device)
+    zeros = torch.zeros(preset.layers, batch, preset.hidden, device=device)
+    state = [(zeros, zeros.clone())]
+    criterion = nn.NLLLoss()
+    dtype = _AUTOCAST[precision]
+
+    def step() -> Tensor:  # main.py's train() body for one batch
+        model.zero_grad()
+        hidden = tuple(h.detach() for h in state[0])
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            output, state[0] = model(tokens, hidden)
+            loss = criterion(output.float(), targets.reshape(-1))
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-LR)
+        return loss
+
+    return step
+
+
+def _graphed_step(
+    batch: int, precision: str, device: torch.device, *, cudnn: bool
+) -> Callable[[], Tensor]:
+    from mirrorgrad.train import step
+    from mirrorgrad.train.config import PRESETS
+    from mirrorgrad.train.model import LanguageModel
+
+    preset = PRESETS["medium"]
+    torch.manual_seed(0)
+    model = LanguageModel(VOCAB, preset, precision=precision)
+    if cudnn:
+        model.rnn = nn.LSTM(preset.embedding, preset.hidden, preset.layers, dropout=preset.dropout)
+    model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    graphed = step.GraphedStep(model, model, optimizer, clip=CLIP)
+    tokens, targets = _tokens(batch, device)
+    state = [model.initial_state(batch, device)]
+
+    def one_step() -> Tensor:
+        loss, _, state[0] = graphed(tokens, targets, state[0])
+        return loss
+
+    return one_step
+
+
+def _tokens(batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BPTT + 1, batch), generator=g).to(device)
+    return tokens[:-1].contiguous(), tokens[1:].contiguous()
+
+
+def _time_step_row(row: str, batch: int, precision: str, steps: int, device) -> Result:
+    _fresh(device)
+    if row == "pytorch-example":
+        step = _example_step(batch, precision, device)
+    else:
+        step = _graphed_step(batch, precision, device, cudnn=row == "cudnn-graphed")
+    timing = time_calls(step, repeats=steps, warmup=5, device=device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del step
+    return Result(
+        row=row, batch=batch, precision=precision, step_ms=timing.median_ms,
+        tokens_per_s=batch * BPTT / timing.median_ms * 1e3, peak_bytes=peak,
+    )  # fmt: skip
+
+
+def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, device) -> Result:
+    """`mirrorgrad train lm --model medium` itself, for ``steps`` steps."""
+    from mirrorgrad.train.config import TrainConfig
+    from mirrorgrad.train.loop import train
+
+    _fresh(device)
+    with tempfile.TemporaryDirectory() as logdir:
+        config = TrainConfig.from_preset(
+            "medium", data=data, device="cuda", batch_size=batch, epochs=1, max_steps=steps,
+            precision=precision, logdir=Path(logdir), log_freq=steps, ckpt_every=10**9,
+        )  # fmt: skip
+        summary = train(config)
+    return Result(
+        row="train-lm", batch=batch, precision=precision, tokens_per_s=summary.tokens_per_s,
+        peak_bytes=summary.peak_measured_bytes or 0,
+        step_ms=batch * BPTT / summary.tokens_per_s * 1e3,
+    )  # fmt: skip
+
+
+def _fresh(device) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def table(results: list[Result]) -> str:
+    """Markdown: per (batch, precision) every row's tokens/s and peak, with ratios to
+    the graphed cuDNN step."""
+    lines = [
+        "| batch | precision | step | tokens/s | vs cudnn-graphed | peak MiB | peak vs it |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for (batch, precision), group in _groups(results).items():
+        base = next((r for r in group if r.row == "cudnn-graphed"), None)
+        for r in group:
+            speed = "" if base is None else f"{r.tokens_per_s / base.tokens_per_s:.2f}x"
+            memory = "" if base is None else f"{r.peak_bytes / base.peak_bytes:.2f}x"
+            lines.append(
+                f"| {batch} | {precision} | {r.row} | {r.tokens_per_s / 1e3:.1f}k | {speed} "
+                f"| {r.peak_bytes / 2**20:.0f} | {memory} |"
+            )
+    return "\n".join(lines)
+
+
+def _groups(results: list[Result]) -> dict[tuple[int, str], list[Result]]:
+    groups: dict[tuple[int, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.batch, r.precision), []).append(r)
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mirrorgrad.bench.lm_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", type=Path, required=True, help="folder for lm_step.json")
+    parser.add_argument("--data", type=Path, help="corpus of the train-lm row (default: train's)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[20, 128])
+    parser.add_argument("--precision", nargs="+", choices=list(_AUTOCAST), default=["fp32", "bf16"])
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per row (>= 10)")
+    args = parser.parse_args(argv)
+    if args.steps < 10 or any(b < 1 for b in args.batch):
+        parser.error("--steps must be >= 10 and every --batch >= 1")
+    if not torch.cuda.is_available():
+        parser.error("the LM-step table needs a CUDA device (CUDA Graphs)")
+    if args.data is not None and not args.data.exists():
+        parser.error(f"--data {args.data}: no such file or folder")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    torch.set_float32_matmul_precision("high")  # TF32, as `mirrorgrad train lm` runs
+    results = []
+    for batch in args.batch:
+        for precision in args.precision:
+            for row in args.rows:
+                if row == "train-lm":
+                    steps = max(args.steps, math.ceil(3000 / batch))
+                    result = _train_lm_row(batch, precision, steps, args.data, device)
+                else:
+                    result = _time_step_row(row, batch, precision, args.steps, device)
+                results.append(result)
+                print(f"{row} b{batch} {precision}: {result.tokens_per_s / 1e3:.1f}k tokens/s, "
+                      f"peak {result.peak_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
+                (args.out / "lm_step.json").write_text(
+                    json.dumps({"gpu": torch.cuda.get_device_name(),
+                                "torch": torch.__version__,
+                                "results": [dataclasses.asdict(r) for r in results]}, indent=1)
+                )  # fmt: skip
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
