@@ -175,6 +175,25 @@ def _groups(results: list[Result]) -> dict[tuple[int, str], list[Result]]:
     return groups
 
 
+def _progress(r: Result) -> None:
+    print(
+        f"{r.row} b{r.batch} {r.precision}: {r.tokens_per_s / 1e3:.1f}k tokens/s, "
+        f"peak {r.peak_bytes / 2**20:.0f} MiB",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _save(path: Path, results: list[Result]) -> None:
+    """After every row: a run cut short keeps what it measured."""
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+    path.write_text(json.dumps(record, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mirrorgrad.bench.lm_step",
@@ -207,13 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     result = _time_step_row(row, batch, precision, args.steps, device)
                 results.append(result)
-                print(f"{row} b{batch} {precision}: {result.tokens_per_s / 1e3:.1f}k tokens/s, "
-                      f"peak {result.peak_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)  # fmt: skip
-                (args.out / "lm_step.json").write_text(
-                    json.dumps({"gpu": torch.cuda.get_device_name(),
-                                "torch": torch.__version__,
-                                "results": [dataclasses.asdict(r) for r in results]}, indent=1)
-                )  # fmt: skip
+                _progress(result)
+                _save(args.out / "lm_step.json", results)
     print(table(results))
     return 0
 
