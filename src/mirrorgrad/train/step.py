@@ -213,27 +213,25 @@ class GraphedStep:
         self._inputs = [t.detach().clone() for t in (tokens, targets, *state)]
         tokens, targets, h, c = self._inputs
         # Warm-up: compiles, autotunes and fills caches. It draws dropout masks, so the
-        # RNG is restored after it, and it updates no weight.
+        # RNG is restored after it, and it updates no weight. Warm-up and capture share
+        # one side stream: autograd's gradient accumulation then stays on one stream.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         # impl="auto" chooses here (the first call), timing its candidates captured.
-        with (
-            torch.random.fork_rng(devices=[device]),
-            torch.cuda.stream(side),
-            dispatch_as_captured(),
-        ):
+        rng = torch.random.fork_rng(devices=[device])
+        with rng, torch.cuda.stream(side), dispatch_as_captured():
             for _ in range(self.warmup):
                 self.optimizer.zero_grad(set_to_none=True)
-                loss, _ = self.step_model(tokens, targets, (h, c))
-                loss.backward()
-        torch.cuda.current_stream(device).wait_stream(side)
+                self.step_model(tokens, targets, (h, c))[0].backward()
+        side.synchronize()
         # Gradients made in the capture live in the graph's memory and are rewritten,
         # not accumulated, by each replay.
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             loss, norm, (h_next, c_next) = self._body(tokens, targets, (h, c))
             self._loss, self._norm = loss.detach(), norm
             h.copy_(h_next)
             c.copy_(c_next)
+        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = graph

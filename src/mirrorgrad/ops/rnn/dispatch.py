@@ -96,10 +96,11 @@ def _time_ms(fn: Callable[[], None]) -> float:
     with torch.cuda.stream(side):  # warm-up uncaptured, as torch.cuda.graph asks
         for _ in range(3):
             fn()
-    stream.wait_stream(side)
+    side.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # the warm-up's stream (autograd's too)
         fn()
+    stream.wait_stream(side)
     ms = time_calls(graph.replay, repeats=5, warmup=2, device="cuda").median_ms
     del graph  # and its memory pool
     return ms
