@@ -9,7 +9,8 @@ per batch size and precision, in one process:
 - ``pytorch-example``: PyTorch's word_language_model step (``nn.LSTM``, cuDNN), eager;
   bf16 under autocast as AMP runs it.
 - ``cudnn-graphed``: the train package's model with ``torch.nn.LSTM`` (cuDNN) in place
-  of ours, the whole step (forward, backward, clip, SGD) in one CUDA Graph
+  of ours, one ``nn.LSTM`` per layer (``CudnnStack``: nn.LSTM's own inter-layer dropout
+  cannot be captured), the whole step (forward, backward, clip, SGD) in one CUDA Graph
   (``train.step.GraphedStep``).
 - ``ours-graphed``: the same model with ``mirrorgrad.nn.LSTM``, the same whole-step graph.
 - ``train-lm``: ``mirrorgrad train lm --model medium`` itself on ``--data`` (its loop,
@@ -78,6 +79,29 @@ def _example_step(batch: int, precision: str, device: torch.device) -> Callable[
     return step
 
 
+class CudnnStack(nn.Module):
+    """``nn.LSTM(num_layers=L, dropout=p)`` as L one-layer ``nn.LSTM``s with ``nn.Dropout``
+    between them: the same maths, and capturable. nn.LSTM's own inter-layer dropout
+    waits on the host for its cuDNN dropout state, which a CUDA Graph capture refuses
+    ("operation not permitted when stream is capturing"), so a user who captures the
+    step writes it this way."""
+
+    def __init__(self, input_size: int, hidden: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        sizes = [input_size] + [hidden] * (layers - 1)
+        self.layers = nn.ModuleList(nn.LSTM(size, hidden) for size in sizes)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, state: tuple[Tensor, Tensor]):
+        h0, c0 = state
+        hs, cs = [], []
+        for i, lstm in enumerate(self.layers):
+            x, (h, c) = lstm(self.drop(x) if i else x, (h0[i : i + 1], c0[i : i + 1]))
+            hs.append(h)
+            cs.append(c)
+        return x, (torch.cat(hs), torch.cat(cs))
+
+
 def _graphed_step(
     batch: int, precision: str, device: torch.device, *, cudnn: bool
 ) -> Callable[[], Tensor]:
@@ -89,7 +113,7 @@ def _graphed_step(
     torch.manual_seed(0)
     model = LanguageModel(VOCAB, preset, precision=precision)
     if cudnn:
-        model.rnn = nn.LSTM(preset.embedding, preset.hidden, preset.layers, dropout=preset.dropout)
+        model.rnn = CudnnStack(preset.embedding, preset.hidden, preset.layers, preset.dropout)
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     graphed = step.GraphedStep(model, model, optimizer, clip=CLIP)

@@ -74,6 +74,13 @@ def _add_model_options(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     group.add_argument(
+        "--no-step-graph",
+        dest="step_graph",
+        action="store_false",
+        help="on one GPU, run the clip and SGD eagerly after forward and backward graphs "
+        "instead of the whole step as one CUDA Graph",
+    )
+    group.add_argument(
         "--precision",
         choices=list(PRECISIONS),
         default="fp32",
@@ -146,7 +153,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 _CONFIG_AS_GIVEN = (
     "data", "device", "epochs", "max_steps", "batch_size", "bptt", "lr", "clip", "seed",
     "logdir", "dropout", "tie_weights", "char", "vocab_size", "log_freq", "ckpt_every",
-    "precision",
+    "precision", "step_graph",
 )  # fmt: skip
 
 
@@ -173,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     from mirrorgrad.train.checkpoint import CheckpointError
     from mirrorgrad.train.corpus import CorpusUnavailable
     from mirrorgrad.train.distributed import NoGPUError
-    from mirrorgrad.train.loop import Diverged, train
+    from mirrorgrad.train.loop import Diverged, StepNotCaptured, train
     from mirrorgrad.train.preflight import FolderNotWritable
 
     bad_input = (ValueError, FileNotFoundError, CheckpointError, CorpusUnavailable, NoGPUError)
@@ -185,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
     except (*bad_input, FolderNotWritable) as e:
         _error(str(e))
         return 2
-    except Diverged as e:
+    except (Diverged, StepNotCaptured) as e:
         _error(str(e))
         return 1
     except OSError as e:  # the file system failed under a running job: disk full, I/O error

@@ -77,6 +77,7 @@ class TrainConfig:
     log_freq: int = 50
     ckpt_every: int = 1000
     precision: str = "fp32"  # a key of PRECISIONS
+    step_graph: bool = True  # one GPU: the whole step as one CUDA Graph
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:

@@ -53,6 +53,10 @@ class Diverged(RuntimeError):
     """A step gave a non-finite loss or gradient norm; no checkpoint was written after it."""
 
 
+class StepNotCaptured(RuntimeError):
+    """The whole-step CUDA Graph could not be captured (before any weight changed)."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Position:
     """Where training stands: ``window`` is the next BPTT window of ``epoch``."""
@@ -270,7 +274,7 @@ class _Run:
             plain = step.compile_for_training(self.model, cfg.mirror, device, cuda_graphs=False)
         # On every GPU, before any wrapper: the plain model's step is each rank's.
         self.step_peaks = self._measure_step_peaks(plain) if plain is not None else None
-        if plain is not None and not self.world.distributed:
+        if plain is not None and not self.world.distributed and cfg.step_graph:
             self.step_model = plain
             self.reduce_gradients = None
             self.graphed = step.GraphedStep(plain, self.model, self.optimizer, clip=cfg.clip)
@@ -510,26 +514,16 @@ class _Run:
         return loss
 
     def _graphed_step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, State]:
-        """The whole-step graph; if it cannot be captured, one warning and the step
-        compiled with CUDA Graphs for forward and backward from then on."""
         try:
             return self.graphed(x, y, self.state)
         except Exception as e:
             if self.graphed.graph is not None:  # a replay failed: not a capture problem
                 raise
-            warnings.warn(
-                f"mirrorgrad train: the training step could not be captured as one CUDA "
-                f"Graph ({type(e).__name__}: {_first_line(e)}); forward and backward run "
-                "as CUDA Graphs, the clip and SGD eagerly",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self.graphed = None
-            self.step_model = self._wrap(self.model)
-            return step.sgd_step(
-                self.step_model, self.model, self.optimizer, x, y, self.state,
-                clip=self.config.clip, reduce_gradients=self.reduce_gradients,
-            )  # fmt: skip
+            # A failed capture leaves CUDA's RNG mid-capture: this process cannot go on.
+            raise StepNotCaptured(
+                f"the training step could not be captured as one CUDA Graph "
+                f"({type(e).__name__}: {_first_line(e)}); run with --no-step-graph"
+            ) from e
 
     def _check_finite(self) -> None:
         bad_step = int(distributed.maximum(self.world, self.first_bad_step))
