@@ -16,9 +16,9 @@ per batch size and precision, in one process:
 - ``train-lm``: ``mirrorgrad train lm --model medium`` itself on ``--data`` (its loop,
   compile and plan included): tokens/s of the steps after the first, the peak of the run.
 
-Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens;
-their peak is the largest ``max_memory_allocated`` while the row ran (weights,
-gradients, the graph's memory). The table is printed last; ``lm_step.json`` keeps it.
+Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens.
+A row's peak is the largest ``max_memory_allocated`` while it ran (weights, gradients,
+the graph's memory) less what earlier rows still held when it began. The table is printed last; ``lm_step.json`` keeps it.
 """
 
 from __future__ import annotations
@@ -134,13 +134,13 @@ def _tokens(batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _time_step_row(row: str, batch: int, precision: str, steps: int, device) -> Result:
-    _fresh(device)
+    before = _fresh(device)
     if row == "pytorch-example":
         step = _example_step(batch, precision, device)
     else:
         step = _graphed_step(batch, precision, device, cudnn=row == "cudnn-graphed")
     timing = time_calls(step, repeats=steps, warmup=5, device=device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
     del step
     return Result(
         row=row, batch=batch, precision=precision, step_ms=timing.median_ms,
@@ -153,7 +153,7 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
     from mirrorgrad.train.config import TrainConfig
     from mirrorgrad.train.loop import train
 
-    _fresh(device)
+    before = _fresh(device)
     with tempfile.TemporaryDirectory() as logdir:
         config = TrainConfig.from_preset(
             "medium", data=data, device="cuda", batch_size=batch, epochs=1, max_steps=steps,
@@ -162,15 +162,18 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
         summary = train(config)
     return Result(
         row="train-lm", batch=batch, precision=precision, tokens_per_s=summary.tokens_per_s,
-        peak_bytes=summary.peak_measured_bytes or 0,
+        peak_bytes=(summary.peak_measured_bytes or before) - before,
         step_ms=batch * BPTT / summary.tokens_per_s * 1e3,
     )  # fmt: skip
 
 
-def _fresh(device) -> None:
+def _fresh(device) -> int:
+    """Peak counters reset; returns the bytes still held from earlier rows (compiled
+    code and caches keep some), which the row's peak leaves out."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def table(results: list[Result]) -> str:
