@@ -18,7 +18,8 @@ per batch size and precision, in one process:
 
 Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens.
 A row's peak is the largest ``max_memory_allocated`` while it ran (weights, gradients,
-the graph's memory) less what earlier rows still held when it began. The table is printed last; ``lm_step.json`` keeps it.
+the graph's memory) less what earlier rows still held when it began. The table is
+printed last; ``lm_step.json`` keeps it.
 """
 
 from __future__ import annotations
