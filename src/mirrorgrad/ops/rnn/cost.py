@@ -82,7 +82,7 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 
 # dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
 # or GRU's step (fit_extra: absolute least squares, >= 0). fp32: fitted to
-# docs/results/h100-2026-11-23-s3/compiled-w2/op_memory_timing.json (H100, TF32, 11 LSTM and
+# docs/results/rnn-memory-mode-timing-h100.json (H100, TF32, 11 LSTM and
 # GRU stacks, forward and backward timed inside one step, the modes in alternating rounds);
 # half: to the H200 bf16 table (docs/results/rnn-kernels-h200/), older kernels.
 RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {
