@@ -192,10 +192,22 @@ def backend(
     on_plan: PlanCallback | None = None,
     root_module: nn.Module | None = None,
 ) -> MirrorBackend:
-    """A backend for ``torch.compile(model, backend=mirrorgrad.backend(...))``.
+    """The planner as a backend: ``torch.compile(model, backend=mirrorgrad.backend())``.
 
-    Options as for :func:`compile`. ``root_module`` (the compiled model) lets the
-    planner see ``mirrorgrad.mark``s; ``on_plan`` receives each plan applied.
+    Args:
+        mode, budget, max_overhead, backend: as for :func:`compile`.
+        on_plan: called with each plan applied.
+        root_module: the compiled model, so that the planner sees its
+            ``mirrorgrad.mark`` tags (``mirrorgrad.compile`` passes it).
+
+    One backend object plans each distinct graph once; give the same object to every
+    block compiled on its own (FSDP2), so that Dynamo does not recompile a shared
+    ``forward`` once per backend.
+
+    Example::
+
+        >>> planner = mirrorgrad.backend(mode="budget", budget="2GiB")
+        >>> compiled = torch.compile(model, backend=planner)
     """
     return MirrorBackend(
         options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
@@ -244,20 +256,52 @@ def compile(
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
-    """``torch.compile`` with the mirror planner choosing what to stash for backward.
+    """``torch.compile`` with the mirror planner choosing what to keep for the backward.
 
-    - ``mode="balance"``: the lowest estimated peak within ``max_overhead`` (a fraction
-      of the step time) of added recompute time.
-    - ``mode="budget"``: the least added time whose estimated peak meets ``budget``
-      (bytes: an int or ``"2GiB"``; or a fraction in (0, 1] on the scale of PyTorch's
-      ``activation_memory_budget``: of the saved activations of torch.compile's default).
-    - ``mode="off"``: stash every value the backward reads (no mirroring).
-    - ``backend="inductor"`` generates code; ``"eager"`` runs AOTAutograd's graphs
-      without code generation.
+    The planner sees the joint forward+backward graph and decides, value by value,
+    what the forward keeps ("stash") and what the backward recomputes ("mirror"),
+    judged by the estimated peak memory of the whole step and the estimated time of
+    the recomputation. Gradients are those of the model without mirroring; a graph the
+    planner cannot handle falls back to PyTorch's own partition with one
+    ``MirrorgradFallbackWarning``.
 
-    Other keyword arguments go to ``torch.compile`` (``fullgraph``, ``dynamic``;
-    ``options`` are Inductor settings). The result's ``_mirrorgrad_plans`` lists the
-    plans applied, one per compiled graph.
+    Args:
+        model_or_fn: an ``nn.Module`` or a function of tensors, as ``torch.compile``
+            takes. ``mirrorgrad.mark(submodule, mirror=...)`` tags on a module are seen.
+        mode: ``"balance"`` (default): the lowest estimated peak whose added recompute
+            time stays within ``max_overhead`` of the step. ``"budget"``: the least
+            added time whose estimated peak meets ``budget``. ``"off"``: stash every
+            value the backward reads.
+        budget: only with ``mode="budget"``. Peak bytes (``2_000_000_000``,
+            ``"2GiB"``) or a fraction in (0, 1] on the scale of PyTorch's
+            ``activation_memory_budget`` (``0.5`` asks for about the peak that
+            ``activation_memory_budget=0.5`` reaches). A budget no plan meets gets the
+            lowest peak found and one ``MirrorgradBudgetWarning``.
+        max_overhead: balance mode's cap on added time, a fraction of the estimated
+            step time (default 0.03).
+        backend: ``"inductor"`` (default) generates fused code; ``"eager"`` runs
+            AOTAutograd's forward and backward graphs op by op (CPU examples, tests).
+        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``,
+            ``dynamic``, ...); ``options`` are Inductor settings for both graphs, e.g.
+            ``options={"triton.cudagraphs": True}`` replays each as a CUDA Graph.
+
+    Returns:
+        The compiled callable, called like ``model_or_fn``. Its ``_mirrorgrad_plans``
+        lists the plans applied, one per compiled graph (see :func:`explain`).
+
+    Raises:
+        ValueError: an unknown ``mode``, a ``budget`` outside ``mode="budget"`` or out
+            of range, a negative ``max_overhead``.
+
+    Example::
+
+        >>> layers = [nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10)]
+        >>> model = nn.Sequential(*layers)
+        >>> step = mirrorgrad.compile(model, mode="budget", budget=0.5, backend="eager")
+        >>> step(torch.randn(4096, 256)).square().mean().backward()
+        >>> plan = step._mirrorgrad_plans[0]
+        >>> plan.peak_after <= plan.peak_before
+        True
     """
     inductor_options = torch_compile_kwargs.pop("options", None) or {}
     mirror_backend = MirrorBackend(
@@ -282,15 +326,41 @@ def explain(
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Plan:
-    """The plan the planner makes for ``model`` on ``example_inputs``, without codegen.
+    """The plan :func:`compile` would make for ``model`` on ``example_inputs``, without running it.
 
-    ``backend`` is the one the plan is for (``mirrorgrad.compile``'s): with Inductor the
-    estimate counts its fusion of pointwise ops.
+    Traces one forward through AOTAutograd (no backward, no code generation) and
+    returns the plan: what is stashed and what is mirrored, the stash and the estimated
+    peak before and after, the added FLOPs and time, and for a budget whether it is met
+    and what holds the floor. Parameters, buffers (BatchNorm statistics) and the RNG
+    state are as they were afterwards. A planning error is raised, not fallen back from.
 
-    Runs the forward once through AOTAutograd (no backward); parameters, buffers
-    (BatchNorm statistics) and the RNG state are as before afterwards. A planning error
-    is raised, not fallen back from. The model must compile to one graph
-    (``fullgraph=True`` unless overridden).
+    Args:
+        model: an ``nn.Module`` or a function of tensors; it must compile to one graph
+            (``fullgraph=True`` unless overridden), and a parameter or an input must
+            require grad.
+        *example_inputs: the inputs of one call, at the sizes to plan for.
+        mode, budget, max_overhead: as for :func:`compile`.
+        backend: the backend the plan is for: with ``"inductor"`` (default) the
+            estimate counts Inductor's fusion of pointwise ops; ``"eager"`` does not.
+        **torch_compile_kwargs: passed to ``torch.compile``.
+
+    Returns:
+        A ``Plan``. ``print(plan)`` lists every saved and mirrored value with its op,
+        shape and bytes; ``plan.summary_line()`` says it in one line;
+        ``plan.to_dict()`` is JSON-able. Attributes include ``peak_before`` /
+        ``peak_after`` (estimated bytes), ``added_time_s``, ``budget_met``, ``floor``
+        and ``op_memory`` (the memory mode chosen for each ``mirrorgrad.nn`` RNN).
+
+    Raises:
+        ValueError: bad options, or no forward+backward graph (nothing requires grad).
+
+    Example::
+
+        >>> layers = [nn.Linear(256, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 10)]
+        >>> model = nn.Sequential(*layers)
+        >>> plan = mirrorgrad.explain(model, torch.randn(4096, 256), mode="budget", budget=0.5)
+        >>> print(plan.summary_line())  # doctest: +SKIP
+        mirror budget: estimated peak ... MiB (... MiB unmirrored), +...% time; budget ... met
     """
     if backend not in CODEGENS:
         raise ValueError(f"backend={backend!r}: choose one of {', '.join(CODEGENS)}")

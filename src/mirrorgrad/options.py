@@ -43,17 +43,40 @@ _BUDGET_HELP = (
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class MirrorOptions:
-    """What the planner is asked for.
+    """What the planner is asked for: the one options type behind every entry point.
 
-    - ``mode="balance"``: the lowest estimated peak whose added recompute time stays
-      within ``max_overhead`` (a fraction of the step time).
-    - ``mode="budget"``: the least added time whose estimated peak meets ``budget``:
-      an int number of bytes, or a float fraction in (0, 1] on the scale of PyTorch's
-      ``activation_memory_budget`` (its rule on the planner's candidates: the stash
-      bounded to F of the way from the smallest to torch.compile's default plan's;
-      the least-time plan within that sets the peak; ``budget_search.BudgetScale``).
-      Strings such as ``"2GiB"`` and ``"0.5"`` are parsed into one of those.
-    - ``mode="off"``: stash every value the backward reads (no mirroring).
+    ``mirrorgrad.compile``, ``mirrorgrad.explain``, ``mirrorgrad.backend``, the
+    registered backend's ``options={...}`` and the CLIs' ``--mirror`` / ``--mode``
+    strings all build one of these; it is validated once, here.
+
+    Args:
+        mode: ``"balance"`` (default): the lowest estimated peak whose added
+            recompute time stays within ``max_overhead``. ``"budget"``: the least
+            added time whose estimated peak meets ``budget``. ``"off"``: stash every
+            value the backward reads (no mirroring).
+        budget: required by ``mode="budget"`` and refused by the others. An int
+            number of peak bytes (> 1), or a float fraction in (0, 1] on the scale of
+            PyTorch's ``activation_memory_budget``: PyTorch's rule applied to the
+            planner's candidates (stash at most F of the way from the smallest stash
+            to torch.compile's default plan's; the least-time plan within that sets
+            the peak asked for). Strings such as ``"2GiB"``, ``"500MB"`` and ``"0.5"``
+            are parsed into one of those.
+        max_overhead: balance mode's cap on added time, a finite fraction >= 0 of the
+            estimated step time (default 0.03).
+
+    Raises:
+        ValueError: an unknown mode, a missing or misplaced budget, a budget out of
+            range, a negative or non-finite ``max_overhead``; the message says what
+            is accepted.
+
+    Example::
+
+        >>> MirrorOptions(mode="budget", budget="2GiB").budget
+        2147483648
+        >>> MirrorOptions.from_cli("budget:0.5")
+        MirrorOptions(mode='budget', budget=0.5, max_overhead=0.03)
+        >>> MirrorOptions.from_cli("budget:0.5").to_cli()
+        'budget:0.5'
     """
 
     mode: Mode = "balance"

@@ -117,8 +117,7 @@ def test_the_rule_ranks_the_module_level_runs_within_fifteen_percent(path):
 
 # bench/op_memory_timing on the H100 (TF32): forward and backward inside one step, stash and
 # recompute in alternating rounds, 11 LSTM and GRU stacks.
-H100_PHASES = (RESULTS.parent / "h100-2026-11-23-s3" / "compiled-w2"
-               / "op_memory_timing.json")  # fmt: skip
+H100_PHASES = RESULTS.parent / "rnn-memory-mode-timing-h100.json"
 # Stated factors: the op's calls as the cost model prices them are within PRICE_FACTOR of
 # every committed row (0.66-1.24x); what recompute adds, a difference of two noisy times,
 # within EXTRA_FACTOR where it is above the noise (the outliers: B256, where recompute

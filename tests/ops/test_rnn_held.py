@@ -1,6 +1,6 @@
 """The RNN op's held formulas (op.py): the CUDA Graph arenas its captured loops keep
 between calls (graphs.py), as the cache allocates them on CPU (conftest's stand-in
-graphs) and as the H100 measured them (docs/results/h100-2026-11-23/opmem-w3/)."""
+graphs) and as the H100 measured them (docs/results/peak-compare-rnn-arenas-h100/)."""
 
 import json
 from pathlib import Path
@@ -20,7 +20,7 @@ ON_CPU = pytest.mark.skipif(
     reason="Triton kernels need TRITON_INTERPRET=1 on CPU",
 )
 
-RESULTS = Path(__file__).parents[2] / "docs/results/h100-2026-11-23/opmem-w3"
+RESULTS = Path(__file__).parents[2] / "docs/results/peak-compare-rnn-arenas-h100"
 FORWARD, BACKWARD = torch.ops.mirrorgrad.rnn_forward, torch.ops.mirrorgrad.rnn_backward
 
 

@@ -274,7 +274,7 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
 # backward's hidden GEMM in independent MMA chains (resident: K slices over the warps; streamed: K
 # chunks in slices, 256 deep, 8 warps), its other inputs in one round trip, and the
 # barrier polled with acquiring atomics. (That window's first "new" did the same to the
-# forward, which made it slower: docs/notes/rnn-persistent.md.)
+# forward, which made it slower: docs/rnn-op.md.)
 VARIANTS: dict[str, dict] = {
     "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BLOCK_K": 64,
             "BWD_BLOCK_K": 64, "BWD_SPLIT_K": 1, "GATHER_LOADS": False, "NUM_WARPS": 4,

@@ -64,7 +64,7 @@ class DeviceRates:
     # GPU busy 29 ms (host-bound, ~24 us a kernel); a balance plan adding 458 small
     # BatchNorm/ReLU recompute kernels, priced +3-5% by bytes, measured 1.28-1.33x.
     # With this floor it keeps the large ones: 0.69x the peak at 0.90x the time
-    # (docs/notes/planner.md, "Kernel launches").
+    # (docs/planner.md, "Findings").
     launch_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ blocks that repeat (a Transformer's layers, a ResNet stage's bottlenecks).
 Inductor compiles one kernel per distinct piece of generated code, and identical
 blocks give identical code: a plan that recomputes the same ops in every copy of a
 block keeps that reuse, one that differs from block to block multiplies the kernels
-the backward compiles (docs/notes/planner.md, "Cold compile"). The planner uses these
+the backward compiles (docs/planner.md, "Repeated blocks"). The planner uses these
 classes to make its decisions the same in every copy.
 
 Classes come from Weisfeiler-Lehman refinement: a node starts from its op, its

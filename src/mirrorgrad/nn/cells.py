@@ -132,21 +132,80 @@ def _check_step(x: Tensor, states: list[Tensor], input_size: int, hidden_size: i
 
 
 class LSTMCell(_FusedCell, torch.nn.LSTMCell):
-    """``torch.nn.LSTMCell`` (a subclass); keyword-only ``impl`` ("auto", "op", "torch")."""
+    """One LSTM step: ``torch.nn.LSTMCell`` on mirrorgrad's op where that is faster.
+
+    A subclass of ``torch.nn.LSTMCell`` (same arguments, parameters, checks,
+    ``state_dict``). Use it for loops that feed each step's output back in (decoders
+    with attention); for a whole sequence, :class:`mirrorgrad.nn.LSTM` is faster.
+
+    Args:
+        input_size, hidden_size, bias, device, dtype: as for ``torch.nn.LSTMCell``.
+        impl: keyword-only. ``"auto"`` (default: on CUDA, times the op's one-step
+            kernels against torch's cell once per shape and keeps the faster; off
+            CUDA, torch's cell), ``"op"`` (always mirrorgrad's op) or ``"torch"``
+            (always torch's cell, differentiable at every order).
+
+    Shapes (N = batch):
+        - input: ``(N, input_size)`` or ``(input_size,)`` unbatched.
+        - hx: a tuple ``(h_0, c_0)``, each ``(N, hidden_size)``; zeros if not given.
+        - output: ``(h_1, c_1)``, each ``(N, hidden_size)``.
+
+    Example::
+
+        >>> cell = mirrorgrad.nn.LSTMCell(10, 20)
+        >>> h, c = cell(torch.randn(3, 10))
+        >>> h, c = cell(torch.randn(3, 10), (h, c))
+        >>> h.shape
+        torch.Size([3, 20])
+    """
 
     _op_mode = "lstm"
     _n_states = 2
 
 
 class GRUCell(_FusedCell, torch.nn.GRUCell):
-    """``torch.nn.GRUCell`` (a subclass); keyword-only ``impl`` ("auto", "op", "torch")."""
+    """One GRU step: ``torch.nn.GRUCell`` on mirrorgrad's op where that is faster.
+
+    A subclass of ``torch.nn.GRUCell``; see :class:`LSTMCell`.
+
+    Args:
+        input_size, hidden_size, bias, device, dtype: as for ``torch.nn.GRUCell``.
+        impl: keyword-only ``"auto"`` (default), ``"op"`` or ``"torch"``, as for
+            :class:`LSTMCell`.
+
+    Shapes (N = batch): input ``(N, input_size)`` or ``(input_size,)``; hx and the
+    output ``(N, hidden_size)`` (hx zeros if not given).
+
+    Example::
+
+        >>> cell = mirrorgrad.nn.GRUCell(10, 20)
+        >>> cell(torch.randn(3, 10)).shape
+        torch.Size([3, 20])
+    """
 
     _op_mode = "gru"
     _n_states = 1
 
 
 class RNNCell(_FusedCell, torch.nn.RNNCell):
-    """``torch.nn.RNNCell`` (a subclass; "tanh" or "relu"); keyword-only ``impl``."""
+    """One Elman RNN step (``tanh`` or ``relu``): ``torch.nn.RNNCell`` on mirrorgrad's op.
+
+    A subclass of ``torch.nn.RNNCell``; see :class:`LSTMCell`.
+
+    Args:
+        input_size, hidden_size, bias, nonlinearity, device, dtype: as for
+            ``torch.nn.RNNCell``.
+        impl: keyword-only ``"auto"`` (default), ``"op"`` or ``"torch"``, as for
+            :class:`LSTMCell`.
+
+    Shapes: as for :class:`GRUCell`.
+
+    Example::
+
+        >>> cell = mirrorgrad.nn.RNNCell(10, 20, nonlinearity="relu")
+        >>> cell(torch.randn(3, 10), torch.zeros(3, 20)).shape
+        torch.Size([3, 20])
+    """
 
     _n_states = 1
 

@@ -197,10 +197,49 @@ def _repack(y: Tensor, h_n: Tensor, c_n, rows, like: PackedSequence, is_lstm: bo
 
 
 class LSTM(_FusedRNN, torch.nn.LSTM):
-    """``torch.nn.LSTM`` (a subclass: same arguments, parameters and checks) on
-    mirrorgrad's op. Keyword-only extras: ``memory``, ``impl`` (see
-    ``mirrorgrad.ops.rnn.rnn``) and ``state_clip=(lo, hi)``, which clamps the cell state
-    every step (its gradient is zero where clamped), as MXNet's lstm_state_clip_min/max."""
+    """A multi-layer LSTM: ``torch.nn.LSTM`` running as one mirrorgrad op.
+
+    A subclass of ``torch.nn.LSTM``: the same arguments, parameters (names, shapes,
+    initialisation), ``state_dict``, checks and outputs, so a ``torch.nn.LSTM``'s
+    weights load into it and back. The whole stack is one ``torch.library`` op, so
+    ``torch.compile(fullgraph=True)`` captures it as one graph node and
+    ``mirrorgrad.compile`` can choose its memory mode. On CUDA it runs fused Triton
+    kernels (or cuDNN, where measured faster); elsewhere a plain-PyTorch reference.
+
+    Args:
+        input_size, hidden_size, num_layers, bias, batch_first, dropout,
+        bidirectional, proj_size, device, dtype: as for ``torch.nn.LSTM``.
+        memory: keyword-only. What the backward keeps: ``"stash"`` (the gates and
+            cells of every step, as cuDNN), ``"recompute"`` (the cells only, about a
+            third of the stash; the backward rebuilds all gates with one batched
+            GEMM) or ``"auto"`` (default: recompute in eager mode; under
+            ``mirrorgrad.compile`` the plan chooses).
+        impl: keyword-only. ``"auto"`` (default: on CUDA, time the persistent kernel
+            where it covers the shape, the split Triton kernels and cuDNN once per
+            shape and keep the fastest), ``"triton"``, ``"persistent"``, ``"cudnn"``
+            or ``"reference"`` (plain PyTorch; what runs on the CPU).
+        state_clip: keyword-only ``(lo, hi)`` or None. Clamps the cell state every
+            step (zero gradient where clamped), as MXNet's ``lstm_state_clip_min/max``.
+
+    Shapes (L = sequence length, N = batch, D = 2 if bidirectional else 1,
+    H_out = ``proj_size`` if > 0 else ``hidden_size``):
+        - input: ``(L, N, input_size)``, ``(N, L, input_size)`` with
+          ``batch_first=True``, ``(L, input_size)`` unbatched, or a ``PackedSequence``.
+        - h_0: ``(D * num_layers, N, H_out)``; c_0: ``(D * num_layers, N,
+          hidden_size)``; both zeros if not given.
+        - output: ``(L, N, D * H_out)`` (batch first likewise, or packed as the input).
+        - h_n, c_n: shaped as h_0 and c_0.
+
+    Example::
+
+        >>> lstm = mirrorgrad.nn.LSTM(10, 20, num_layers=2, memory="recompute")
+        >>> x = torch.randn(5, 3, 10)
+        >>> output, (h_n, c_n) = lstm(x)
+        >>> output.shape, h_n.shape, c_n.shape
+        (torch.Size([5, 3, 20]), torch.Size([2, 3, 20]), torch.Size([2, 3, 20]))
+        >>> lstm.load_state_dict(torch.nn.LSTM(10, 20, num_layers=2).state_dict())
+        <All keys matched successfully>
+    """
 
     def __init__(
         self,
@@ -215,8 +254,33 @@ class LSTM(_FusedRNN, torch.nn.LSTM):
 
 
 class GRU(_FusedRNN, torch.nn.GRU):
-    """``torch.nn.GRU`` (a subclass) on mirrorgrad's op (PyTorch's formula: r multiplies
-    W_hn h + b_hn). Keyword-only extras: ``memory``, ``impl``."""
+    """A multi-layer GRU: ``torch.nn.GRU`` running as one mirrorgrad op.
+
+    A subclass of ``torch.nn.GRU`` with PyTorch's formula (the reset gate multiplies
+    ``W_hn h + b_hn``): the same arguments, parameters, ``state_dict`` and outputs.
+    See :class:`LSTM` for what the op brings.
+
+    Args:
+        input_size, hidden_size, num_layers, bias, batch_first, dropout,
+        bidirectional, device, dtype: as for ``torch.nn.GRU``.
+        memory: keyword-only ``"auto"`` (default; stash in eager mode, the plan's
+            choice under ``mirrorgrad.compile``), ``"stash"`` or ``"recompute"``.
+        impl: keyword-only ``"auto"``, ``"triton"``, ``"persistent"``, ``"cudnn"`` or
+            ``"reference"``, as for :class:`LSTM`.
+
+    Shapes (L = sequence length, N = batch, D = 2 if bidirectional else 1):
+        - input: ``(L, N, input_size)`` (``(N, L, input_size)`` with
+          ``batch_first=True``), ``(L, input_size)`` unbatched, or a ``PackedSequence``.
+        - h_0: ``(D * num_layers, N, hidden_size)``, zeros if not given.
+        - output: ``(L, N, D * hidden_size)``; h_n: shaped as h_0.
+
+    Example::
+
+        >>> gru = mirrorgrad.nn.GRU(10, 20, num_layers=2, batch_first=True)
+        >>> output, h_n = gru(torch.randn(3, 5, 10))
+        >>> output.shape, h_n.shape
+        (torch.Size([3, 5, 20]), torch.Size([2, 3, 20]))
+    """
 
     def __init__(self, *args, memory: str = "auto", impl: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -224,8 +288,29 @@ class GRU(_FusedRNN, torch.nn.GRU):
 
 
 class RNN(_FusedRNN, torch.nn.RNN):
-    """``torch.nn.RNN`` (a subclass; nonlinearity "tanh" or "relu") on mirrorgrad's op.
-    Keyword-only extras: ``memory``, ``impl``."""
+    """A multi-layer Elman RNN (``tanh`` or ``relu``): ``torch.nn.RNN`` as one mirrorgrad op.
+
+    A subclass of ``torch.nn.RNN``: the same arguments (``nonlinearity`` included),
+    parameters, ``state_dict`` and outputs. See :class:`LSTM` for what the op brings;
+    there is no persistent kernel for this cell, so ``impl="auto"`` chooses between
+    the split Triton kernels and cuDNN.
+
+    Args:
+        input_size, hidden_size, num_layers, nonlinearity, bias, batch_first,
+        dropout, bidirectional, device, dtype: as for ``torch.nn.RNN``.
+        memory: keyword-only ``"auto"`` (default), ``"stash"`` or ``"recompute"``,
+            as for :class:`GRU`.
+        impl: keyword-only ``"auto"``, ``"triton"``, ``"cudnn"`` or ``"reference"``.
+
+    Shapes: as for :class:`GRU`.
+
+    Example::
+
+        >>> rnn = mirrorgrad.nn.RNN(10, 20, nonlinearity="relu")
+        >>> output, h_n = rnn(torch.randn(5, 3, 10), torch.zeros(1, 3, 20))
+        >>> output.shape, h_n.shape
+        (torch.Size([5, 3, 20]), torch.Size([1, 3, 20]))
+    """
 
     def __init__(self, *args, memory: str = "auto", impl: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -265,11 +350,27 @@ def _with_weights(new: torch.nn.Module, module: torch.nn.Module) -> torch.nn.Mod
 
 
 def convert(model: torch.nn.Module, **options) -> torch.nn.Module:
-    """Swap every ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` and ``LSTMCell`` / ``GRUCell`` /
-    ``RNNCell`` in ``model`` (in place) for mirrorgrad's module with the same weights;
-    ``options`` (memory, impl, state_clip for LSTMs) go to the new sequence modules, the
-    cells take their defaults. Returns ``model``, or its replacement if ``model`` is
-    itself one of those modules."""
+    """Swap every torch.nn recurrent module in ``model`` for mirrorgrad's, in place.
+
+    Each ``torch.nn.LSTM`` / ``GRU`` / ``RNN`` and ``LSTMCell`` / ``GRUCell`` /
+    ``RNNCell`` becomes its mirrorgrad twin on the same device and dtype, with the same
+    weights and training mode.
+
+    Args:
+        model: the module to convert (it may itself be one of those modules).
+        **options: ``memory``, ``impl`` and (for LSTMs only) ``state_clip``, given to
+            each new sequence module; the cells take their defaults.
+
+    Returns:
+        ``model``, or its replacement if ``model`` is itself a recurrent module.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.LSTM(10, 20))
+        >>> model = mirrorgrad.nn.convert(model, memory="stash")
+        >>> type(model[0]).__module__, model[0].memory
+        ('mirrorgrad.nn.rnn', 'stash')
+    """
 
     def twin(module: torch.nn.Module) -> torch.nn.Module | None:
         return _replacement(module, **options) or cell_replacement(module)

@@ -3,7 +3,7 @@
 While a CUDA Graph is captured, or torch.compile traces with symbolic sizes, nothing may
 be timed, so ``dispatch`` ranks the implementations by this rule. Every implementation's time is
 modelled as a sum of per-step and per-layer terms, the step loop being what bounds it
-on a GPU (docs/notes/rnn-gpu.md):
+on a GPU (docs/rnn-op.md):
 
     ms = us_step * S / 1e3 + w * S * G*H*H / 1e9 + s * S * B*G*H / 1e9 + layer * L*D
 
@@ -69,7 +69,7 @@ def memory_class(impl: str, memory: str) -> str:
 # (impl, memory class, dtype class) -> (us per step, per 1e9 step x W_hh elements, per
 # 1e9 step x state elements, ms per layer-direction). Fitted on one H200 (torch 2.11,
 # TF32 in fp32) to docs/results/rnn-kernels-h200/rnn_kernels_{fp32,bf16}.json, the
-# kernels driven per layer (the module adds little: docs/notes/rnn-op.md).
+# kernels driven per layer (the module adds little: docs/rnn-op.md).
 COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
     ("cudnn", "-", "fp32"): (28.282, 0.0, 20.258, 1.131),
     ("triton", "stash", "fp32"): (12.028, 1.686, 50.326, 0.524),
@@ -82,7 +82,7 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 
 # dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
 # or GRU's step (fit_extra: absolute least squares, >= 0). fp32: fitted to
-# docs/results/h100-2026-11-23-s3/compiled-w2/op_memory_timing.json (H100, TF32, 11 LSTM and
+# docs/results/rnn-memory-mode-timing-h100.json (H100, TF32, 11 LSTM and
 # GRU stacks, forward and backward timed inside one step, the modes in alternating rounds);
 # half: to the H200 bf16 table (docs/results/rnn-kernels-h200/), older kernels.
 RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {

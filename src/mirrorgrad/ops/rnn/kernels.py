@@ -12,7 +12,7 @@ Per layer and direction (time-major, x [T, B, I]):
   reused buffer; dW_ih, dW_hh, db and dx are GEMMs / reductions over the steps of a
   chunk (at most BWD_CHUNK_ROWS rows), so backward's extra memory is flat in T.
 * ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
-  slower than cuBLAS on an H200 so far (docs/notes/rnn-gpu.md), hence off by default.
+  slower than cuBLAS on an H200 so far (docs/rnn-op.md), hence off by default.
 
 On CUDA the step loops are captured in CUDA Graphs and replayed (``graphs.py``).
 

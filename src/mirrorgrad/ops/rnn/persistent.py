@@ -96,7 +96,7 @@ RESIDENT_BYTES = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_RESIDENT_BYTES", 
 # Hidden units per program (all gates of them); doubled until the grid fits the SMs.
 BLOCK_N = int(os.environ.get("MIRRORGRAD_RNN_PERSISTENT_BN", 16))
 MAX_BN = 64
-# Defaults from the H100 windows (docs/notes/rnn-persistent.md, "Where a step's time
+# Defaults from the H100 windows (docs/rnn-op.md, "Where a persistent step's time
 # goes"): the probe (15:41 UTC window) put the hidden GEMM's phase at 60-75% of every
 # step, the backward's worst (10-18 us of 14-22); the backward's knobs below (K slices,
 # deeper chunks, gathered loads, 8 warps) took its step from 14.4-21.8 us to 7.8-13.6
