@@ -87,3 +87,20 @@ def test_default_corpus_downloads_splits_and_caches(tmp_path, monkeypatch):
     # Cached: a second call does not download.
     monkeypatch.setattr(corpus_module, "_download", lambda into: pytest.fail("downloaded again"))
     assert corpus_module.default_corpus(tmp_path) == folder
+
+
+def test_precision_and_step_graph_options_reach_the_config(corpus, tmp_path, capsys):
+    import argparse
+
+    from mirrorgrad.train import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["lm", f"--data={corpus}", "--precision=bf16", "--no-step-graph"])
+    config = command.config_from_args(args)
+    assert (config.precision, config.step_graph) == ("bf16", False)
+    defaults = command.config_from_args(parser.parse_args(["lm", f"--data={corpus}"]))
+    assert (defaults.precision, defaults.step_graph) == ("fp32", True)
+    with pytest.raises(SystemExit):  # argparse: exit status 2, the choices named
+        parser.parse_args(["lm", "--precision=fp16"])
+    assert "bf16" in capsys.readouterr().err

@@ -105,7 +105,9 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
     with stop.installed():
         world, device = distributed.init(config.device)
         try:
+            started = time.perf_counter()
             run = _Run(config, world, device, list(callbacks))
+            run.setup_seconds = time.perf_counter() - started
             try:
                 stop.check()  # a signal in setup whose exception was swallowed
                 return run.run(stop)
@@ -145,6 +147,7 @@ class _Run:
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
         self.saved_step: int | None = None
         self.eval_seconds = 0.0  # kept out of the throughput
+        self.setup_seconds: float | None = None  # set by train(): data, plan, compile
         if resume is not None:
             self._restore(resume)
         if world.is_main and config.logdir is not None:
@@ -643,6 +646,7 @@ class _Run:
             plan=None if self.plan is None else self.plan.summary_line(),
             precision=cfg.precision,
             step=self._step_description(),
+            setup_seconds=self.setup_seconds,
         )
 
     def _step_description(self) -> str:

@@ -39,7 +39,8 @@ class Summary:
     checkpoint: str | None = None
     plan: str | None = None  # Plan.summary_line(): the op choices, and a budget not met
     precision: str = "fp32"
-    step: str | None = None  # how each training step ran (STEP_DESCRIPTIONS)
+    step: str | None = None  # how each training step ran
+    setup_seconds: float | None = None  # before the first step: data, plan, compiles
 
     def __str__(self) -> str:
         def ppl(x: float | None) -> str:
@@ -47,7 +48,9 @@ class Summary:
 
         first_step = ""
         if self.first_step_seconds is not None:
-            first_step = f" (the first, which compiles, {self.first_step_seconds:.1f} s)"
+            first_step = f" (the first {self.first_step_seconds:.1f} s)"
+        if self.setup_seconds is not None:
+            first_step += f", after {self.setup_seconds:.1f} s of setup (data, plan, compile)"
         status = "done"
         if self.interrupted:
             status = f"interrupted by {self.signal}" if self.signal else "interrupted"
