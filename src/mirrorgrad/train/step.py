@@ -137,15 +137,17 @@ def whole_step_graph_supported(optimizer: torch.optim.Optimizer) -> str | None:
 class GraphedStep:
     """`sgd_step` as one CUDA Graph: forward, backward, gradient clip and SGD update.
 
-    The first call warms the step up uncaptured (it compiles; the weights and RNG are
-    left as they were), then captures it; every call replays it. The inputs are copied
-    into the graph's own buffers, the next state is written back into them inside the
-    graph, and the learning rate is read from the optimizer before each replay (a
-    scheduler may change it). Returns the loss, the gradient norm before clipping and
-    the next state; they are the graph's buffers, overwritten by the next call.
+    ``reduce_gradients`` runs between the backward and the clip, inside the graph (data
+    parallelism: NCCL collectives can be captured). The first call warms the step up
+    uncaptured (it compiles; the weights and RNG are left as they were), then captures
+    it; every call replays it. The inputs are copied into the graph's own buffers, the
+    next state is written back into them inside the graph, and the learning rate is read
+    from the optimizer before each replay (a scheduler may change it). Returns the loss,
+    the gradient norm before clipping and the next state; they are the graph's buffers,
+    overwritten by the next call.
 
-    With ``capture=False`` the same step runs eagerly, call by call: what the CPU, a
-    test or a failed capture runs, with the same arithmetic.
+    With ``capture=False`` the same step runs eagerly, call by call, with the same
+    arithmetic (what the tests on a CPU check).
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class GraphedStep:
         optimizer: torch.optim.Optimizer,
         *,
         clip: float,
+        reduce_gradients: Callable[[], None] | None = None,
         capture: bool = True,
         warmup: int = 3,
     ) -> None:
@@ -163,6 +166,7 @@ class GraphedStep:
             raise ValueError(f"GraphedStep runs plain SGD in the graph; {reason}")
         self.step_model, self.model, self.optimizer = step_model, model, optimizer
         self.clip, self.capture, self.warmup = clip, capture, warmup
+        self.reduce_gradients = reduce_gradients
         self.graph: torch.cuda.CUDAGraph | None = None
         # Per param group: the lr on the device (read by the SGD kernel), and its value.
         self._lrs: list[Tensor] = []
@@ -190,6 +194,8 @@ class GraphedStep:
     def _body(self, tokens: Tensor, targets: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
         loss, next_state = self.step_model(tokens, targets, state)
         loss.backward()
+        if self.reduce_gradients is not None:  # data parallel: captured collectives
+            self.reduce_gradients()
         groups = [
             [p for p in group["params"] if p.grad is not None]
             for group in self.optimizer.param_groups
@@ -223,6 +229,8 @@ class GraphedStep:
             for _ in range(self.warmup):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step_model(tokens, targets, (h, c))[0].backward()
+                if self.reduce_gradients is not None:  # NCCL warms up before a capture
+                    self.reduce_gradients()
         side.synchronize()
         # Gradients made in the capture live in the graph's memory and are rewritten,
         # not accumulated, by each replay.
