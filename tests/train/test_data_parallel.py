@@ -27,7 +27,9 @@ def _tokens(device: torch.device) -> torch.Tensor:
     return torch.randint(0, _VOCAB, (_STEPS * _T + 1, _B), generator=g).to(device)
 
 
-def _train(world: World, columns: slice, device: torch.device) -> dict[str, list[torch.Tensor]]:
+def _train(
+    world: World, columns: slice, device: torch.device, graphed: bool = False
+) -> dict[str, list[torch.Tensor]]:
     torch.manual_seed(1 + world.rank)  # different initial weights: rank 0's must win
     model = LanguageModel(_VOCAB, _PRESET).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -38,11 +40,20 @@ def _train(world: World, columns: slice, device: torch.device) -> dict[str, list
     tokens = _tokens(device)
     rows = distributed.window_rows(tokens.cpu(), _T).to(device)  # as the loop gives them
     sparse = world.distributed and distributed.data_parallel_mode() == "allreduce-rows"
+    if graphed:  # as the loop runs it: the all-reduce captured in the whole-step graph
+        distributed.broadcast_parameters(world, model)
+        plain = step.compile_for_training(
+            model, MirrorOptions.from_cli("balance"), device, cuda_graphs=False
+        )
+        run_step = step.GraphedStep(plain, model, optimizer, clip=1e3, reduce_gradients=average)
     for w in range(_STEPS):  # on a GPU: CUDA Graphs record, then replay
         x, y = tokens[w * _T : (w + 1) * _T], tokens[w * _T + 1 : (w + 1) * _T + 1]
         reduce = average
         if sparse:
             reduce = functools.partial(average, rows=(model.encoder.weight, rows[w]))
+        if graphed:
+            _, _, state = run_step(x[:, columns], y[:, columns], state)
+            continue
         # A clip above the gradient norm: the averaged gradient itself is compared.
         _, _, state = step.sgd_step(
             step_model, model, optimizer, x[:, columns], y[:, columns], state,
@@ -54,7 +65,7 @@ def _train(world: World, columns: slice, device: torch.device) -> dict[str, list
     }
 
 
-def _worker(rank: int, port: int, mode: str, device_type: str, results) -> None:
+def _worker(rank: int, port: int, mode: str, device_type: str, results, graphed=False) -> None:
     os.environ[distributed.DATA_PARALLEL_ENV] = mode
     torch.set_num_threads(1)
     device = torch.device(device_type, rank if device_type == "cuda" else None)
@@ -66,7 +77,7 @@ def _worker(rank: int, port: int, mode: str, device_type: str, results) -> None:
     try:
         half = _B // 2
         columns = slice(rank * half, (rank + 1) * half)
-        results[rank] = _train(World(rank=rank, world_size=2), columns, device)
+        results[rank] = _train(World(rank=rank, world_size=2), columns, device, graphed)
     finally:
         dist.destroy_process_group()
 
@@ -77,11 +88,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_two_processes_match_one(mode: str, device_type: str, rtol: float, atol: float):
+def _check_two_processes_match_one(
+    mode: str, device_type: str, rtol: float, atol: float, graphed: bool = False
+):
     single = _train(World(), slice(None), torch.device(device_type))
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), mode, device_type, results), nprocs=2)
+        args = (_free_port(), mode, device_type, results, graphed)
+        mp.spawn(_worker, args=args, nprocs=2)
         ranks = [results[0], results[1]]
     for key in ("grads", "weights"):
         for rank in ranks:
@@ -111,3 +125,9 @@ def test_window_rows_are_the_tokens_each_window_reads():
     tokens = torch.tensor([[3, 1], [1, 4], [5, 9], [2, 6], [5, 3]])  # 2 windows of 2 rows
     rows = distributed.window_rows(tokens, 2)
     assert rows.tolist() == [[1, 3, 4, 1], [2, 5, 6, 9]]  # padded with the first id
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_whole_step_graph_with_the_all_reduce_captured():
+    _check_two_processes_match_one("allreduce", "cuda", rtol=1e-3, atol=1e-5, graphed=True)
