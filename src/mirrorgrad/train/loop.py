@@ -278,24 +278,18 @@ class _Run:
         # On every GPU, before any wrapper: the plain model's step is each rank's.
         self.step_peaks = self._measure_step_peaks(plain) if plain is not None else None
         if plain is not None and cfg.step_graph and self._graphable_world():
-            distributed.broadcast_parameters(self.world, self.model)
             self.step_model = plain
             self.reduce_gradients = None
-            average = None
-            if self.world.distributed:
-                params = list(self.model.parameters())
-                average = functools.partial(distributed.average_gradients, self.world, params)
-            self.graphed = step.GraphedStep(
-                plain, self.model, self.optimizer, clip=cfg.clip, reduce_gradients=average
-            )
+            self.graphed = step.GraphedStep(plain, self.model, self.optimizer, clip=cfg.clip)
         else:
             self.step_model = self._wrap(self.model)
 
     def _graphable_world(self) -> bool:
-        """One GPU, or data parallel with the plain all-reduce (its NCCL collective is
-        captured with the step; the other modes are DDP's wrapper or send per-window
-        rows)."""
-        return not self.world.distributed or distributed.data_parallel_mode() == "allreduce"
+        """One GPU. NOTE: under torchrun the step with its all-reduce captured trained at
+        the uncaptured path's speed on two H100s, then hung in the collectives after the
+        last step (docs/training.md), so data parallelism keeps the forward and backward
+        graphs with the all-reduce, clip and SGD eager."""
+        return not self.world.distributed
 
     def _shard(self, batches: Tensor) -> Tensor:
         return data.shard_columns(batches, self.world.rank, self.world.world_size).to(self.device)
@@ -663,8 +657,6 @@ class _Run:
         )
 
     def _step_description(self) -> str:
-        if self.graphed is not None and self.world.distributed:
-            return "one CUDA Graph (forward, backward, gradient all-reduce, clip, SGD)"
         if self.graphed is not None:
             return "one CUDA Graph (forward, backward, gradient clip, SGD)"
         if self.device.type == "cuda":
