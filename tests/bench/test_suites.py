@@ -1,43 +1,62 @@
-"""The rnn-kernels and word-lm suites on the CPU: their methods run and agree where they must."""
+"""The rnn-modules and word-lm suites on the CPU: their methods run and agree where they must;
+the module table from a hand-written results document."""
 
 import pytest
 import torch
 
-from mirrorgrad.bench import rnn_kernels, word_lm
+from benchmarks import rnn_kernels
+from mirrorgrad.bench import report, rnn_modules, word_lm
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.runner import RunOptions, measure
-from mirrorgrad.bench.suite_tables import rnn_table
-from mirrorgrad.bench.suites import get_method
+from mirrorgrad.bench.suite_tables import module_rows, module_table
+from mirrorgrad.bench.suites import SUITES, get_method
 
 OPTS = RunOptions(quick=True, steps=1, warmup=1, backend="eager")
 
 
 def test_rnn_flops_count_the_gate_gemms():
-    cfg = rnn_kernels.Config(layers=2, input=3, hidden=5, batch=7, T=11)
+    cfg = rnn_modules.Config(layers=2, input=3, hidden=5, batch=7, T=11)
     forward = 2 * 11 * 7 * 4 * 5 * ((3 + 5) + (5 + 5))
-    assert rnn_kernels.step_flops("lstm", cfg) == 3 * forward
-    bi = rnn_kernels.Config(layers=1, input=3, hidden=5, batch=7, T=11, bidirectional=True)
-    assert rnn_kernels.step_flops("gru", bi) == 3 * 2 * (2 * 11 * 7 * 3 * 5 * (3 + 5))
+    assert rnn_modules.step_flops("lstm", cfg) == 3 * forward
+    bi = rnn_modules.Config(layers=1, input=3, hidden=5, batch=7, T=11, bidirectional=True)
+    assert rnn_modules.step_flops("gru", bi) == 3 * 2 * (2 * 11 * 7 * 3 * 5 * (3 + 5))
 
 
-@pytest.mark.parametrize("mode", rnn_kernels.SUITE_MODES)
+def test_the_module_suite_has_seven_shapes_per_mode_and_every_graphed_impl():
+    names = [c.name for c in rnn_modules.CONFIGS]
+    assert names == ["L2-I650-H650-B20-T35", "L2-I1500-H1500-B20-T35", "L2-I1024-H1024-B64-T35",
+                     "L4-I1024-H1024-B128-T35", "L1-I512-H512-B16-T100", "L2-I512-H512-B256-T35",
+                     "L2-I1024-H1024-B64-T35-bi"]  # fmt: skip
+    assert len(rnn_modules.WORKLOADS) == 7 * 3
+    methods = SUITES["rnn-modules"].methods
+    assert {"eager", "cuda-graph", "cuda-graph+mgnn"} <= set(methods)
+    for impl in rnn_modules.IMPLS:
+        assert f"cuda-graph+mgnn-{impl}" in methods
+        assert get_method(f"cuda-graph+mgnn-{impl}").cuda_graph
+        assert not get_method(f"mgnn-{impl}").cuda_graph
+
+
+@pytest.mark.parametrize("mode", rnn_modules.SUITE_MODES)
 def test_rnn_module_and_kernels_match_cudnns_gradients(mode, tmp_path):
-    workload = rnn_kernels.WORKLOADS[f"rnn-{mode}-{rnn_kernels.CONFIGS[0].name}"]
+    workload = rnn_modules.WORKLOADS[f"rnn-{mode}-{rnn_modules.CONFIGS[0].name}"]
     grads = GradCheck("eager", tmp_path / "grads.pt", "fp32")
-    methods = ("eager", "eager+mgnn", *rnn_kernels.MODULE_IMPLS, "kernel-auto", "kernel-recompute")
-    for name in methods:
-        result = measure(workload, get_method(name), OPTS, grads)
-        assert result.status == "ok", (name, result.error)
+    kernels = {m.name: m for m in rnn_kernels.kernel_methods()}
+    methods = [get_method(n) for n in ("eager", "eager+mgnn", "mgnn-triton", "mgnn-cudnn")]
+    methods += [kernels[n] for n in ("mgnn-triton-stash", "kernel-auto", "kernel-recompute")]
+    for method in methods:
+        result = measure(workload, method, OPTS, grads)
+        assert result.status == "ok", (method.name, result.error)
         assert result.tflops is not None and result.tflops > 0
-        if name != "eager":
-            assert result.grads_ok and result.grad_error < 1e-5, (name, result.grad_error)
+        if method.name != "eager":
+            assert result.grads_ok and result.grad_error < 1e-5, (method.name, result.grad_error)
 
 
-def test_cuda_graph_needs_a_gpu():
-    workload = next(iter(rnn_kernels.WORKLOADS.values()))
-    result = measure(workload, get_method("cuda-graph"), OPTS)
-    assert result.status == "failed"
-    assert result.error == "RuntimeError: CUDA Graphs need a CUDA device"
+def test_a_cuda_graph_needs_cuda():
+    workload = next(iter(rnn_modules.WORKLOADS.values()))
+    for name in ("cuda-graph", "cuda-graph+mgnn", "cuda-graph+mgnn-triton"):
+        result = measure(workload, get_method(name), OPTS)
+        assert result.status == "skipped"
+        assert result.error == "needs CUDA (the step is captured in a CUDA Graph)"
 
 
 def test_word_lm_runs_the_example_and_the_train_step():
@@ -55,57 +74,81 @@ def test_word_lm_runs_the_example_and_the_train_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_rnn_suite_on_the_gpu_module_graphs_and_kernels_agree(mode, tmp_path):
+def test_rnn_module_suite_on_the_gpu_every_method_agrees_with_cudnn(mode, tmp_path):
     import dataclasses
 
     opts = dataclasses.replace(OPTS, device="cuda", steps=3)
-    workload = rnn_kernels.WORKLOADS[f"rnn-{mode}-{rnn_kernels.CONFIGS[0].name}"]
+    workload = rnn_modules.WORKLOADS[f"rnn-{mode}-{rnn_modules.CONFIGS[0].name}"]
     grads = GradCheck("eager", tmp_path / "grads.pt", "fp32")
-    for name in ("eager", "cuda-graph", "eager+mgnn", "cuda-graph+mgnn", "kernel-auto"):
+    peaks = {}
+    for name in ("eager", *SUITES["rnn-modules"].methods):
         result = measure(workload, get_method(name), opts, grads)
         assert result.status == "ok", (name, result.error)
+        peaks[name] = result.peak_bytes
         if name != "eager":
             assert result.grads_ok, (name, result.grad_error)
+    # A graph's peak is its recording's: at least the parameters, gradients and what the
+    # step saves, as the plain step's is (not the ~0 its replays allocate).
+    assert peaks["cuda-graph"] >= 0.5 * peaks["eager"]
 
 
-def test_rnn_table_leads_with_the_module_and_says_what_it_adds_to_the_kernels():
-    def method(name, ms, **extra):
-        return {"method": name, "status": "ok", "median_ms": ms, **extra}
+def _result(name, ms, peak, **extra):
+    return {"method": name, "status": "ok", "median_ms": ms, "peak_bytes": peak, **extra}
 
-    doc = {
-        "env": {"peak_tflops": {"fp32": 100.0}},
-        "options": {"dtype": "fp32"},
+
+def _module_doc():
+    mib = 2**20
+    return {
+        "env": {"gpu": "test GPU"},
+        "options": {"dtype": "bf16"},
         "workloads": {
-            "rnn-lstm-L2-I8-H8-B20-T3": {"methods": [
-                method("eager", 4.0), method("cuda-graph", 2.0),
-                method("eager+mgnn", 2.5, tflops=10.0), method("mgnn-triton", 2.2),
-                method("mgnn-cudnn", 4.1), method("mgnn-triton-stash", 1.98),
-                method("kernel-recompute", 2.0), method("kernel-auto", 1.8, grads_ok=False),
+            "rnn-lstm-L2-I8-H8-B20-T35": {"methods": [
+                _result("eager", 4.0, 10 * mib), _result("cuda-graph", 2.0, 20 * mib),
+                _result("eager+mgnn", 2.5, 8 * mib),
+                _result("cuda-graph+mgnn", 1.6, 10 * mib, grads_ok=False),
+                _result("cuda-graph+mgnn-triton", 1.0, 5 * mib),
+                _result("cuda-graph+mgnn-persistent", 1.25, 4 * mib),
+                {"method": "cuda-graph+mgnn-cudnn", "status": "failed", "error": "OOM"},
+            ]},
+            "rnn-gru-L2-I8-H8-B20-T35": {"methods": [
+                _result("eager", 3.0, mib), _result("cuda-graph", 3.0, mib),
+                {"method": "cuda-graph+mgnn", "status": "skipped", "error": "needs CUDA"},
             ]},
         },
     }  # fmt: skip
-    table = rnn_table(doc)
-    head, _, row, *_ = table.splitlines()
-    assert head.split(" | ")[1:4] == ["cuDNN ms", "cuDNN graphed ms", "mirrorgrad.nn ms"]
-    cells = dict(zip(head.split(" | "), row.split(" | ")))
-    assert cells["vs cuDNN"] == "1.60x" and cells["vs graphed"] == "0.80x"
-    assert cells["of peak"] == "10.0%" and cells["mgnn-cudnn ms"] == "4.10"
-    assert cells["module / kernels"] == "1.10x"  # mgnn-triton-stash over kernel-auto
-    assert cells["best kernel ms"] == "1.80 (kernel-auto)"
-    assert cells["auto / best"] == "1.26x"  # 2.5 against mgnn-triton-stash 1.98
-    assert "WRONG: kernel-auto" in row
-    assert "lstm: mirrorgrad.nn geomean 1.60x of cuDNN, 0.80x of cuDNN in a CUDA Graph" in table
-    doc["workloads"]["rnn-lstm-L1-I8-H8-B4-T3"] = doc["workloads"]["rnn-lstm-L2-I8-H8-B20-T3"]
-    assert "- lstm, batch 1-4: mirrorgrad.nn geomean 1.60x" in rnn_table(doc)
 
 
-def test_the_subset_flag_names_workloads_and_methods_that_exist(monkeypatch):
-    from mirrorgrad import cli
+def test_module_rows_set_each_method_against_graphed_cudnn():
+    lstm, gru = module_rows(_module_doc())
+    assert lstm["mgnn auto graphed speedup"] == pytest.approx(2.0 / 1.6)
+    assert lstm["mgnn auto graphed peak ratio"] == pytest.approx(0.5)
+    # The fastest graphed fixed implementation, not the one with the least memory.
+    assert lstm["best fixed impl"] == "triton" and lstm["best fixed graphed ms"] == 1.0
+    assert lstm["best fixed graphed speedup"] == pytest.approx(2.0)
+    assert lstm["cuDNN speedup"] == pytest.approx(0.5)
+    assert lstm["wrong gradients"] == ["cuda-graph+mgnn"]
+    assert lstm["not measured"] == {"cuda-graph+mgnn-cudnn": "OOM"}
+    assert gru["mgnn auto graphed ms"] is None and gru["best fixed impl"] is None
 
-    seen = []
-    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)
-    rnn_kernels.main(["--subset", "--dtype", "bf16"])
-    (argv,) = seen
-    assert argv[:3] == ["bench", "--suite", "rnn-kernels"] and argv[-2:] == ["--dtype", "bf16"]
-    assert set(rnn_kernels.SUBSET["workloads"]) <= set(rnn_kernels.WORKLOADS)
-    assert set(rnn_kernels.SUBSET["methods"]) <= set(rnn_kernels.METHODS)
+
+def test_module_table_rows_geomeans_and_what_was_not_measured():
+    table = module_table(_module_doc())
+    head, _, lstm, gru, *rest = table.splitlines()
+    cells = dict(zip(head.split(" | "), lstm.split(" | ")))
+    assert cells["mgnn auto graphed: ms (x) / peak MiB (x)"] == "1.60 (1.25x) / 10.0 (0.50x)"
+    assert cells["best fixed graphed: ms (x) / peak MiB (x)"] == "1.00 (2.00x) / 5.00 (0.25x) triton"
+    assert lstm.endswith("| WRONG: cuda-graph+mgnn |") and gru.endswith("| ok |")
+    assert "- lstm, geomean speedup over graphed cuDNN: cuDNN 0.50x (1)" in table
+    assert "- needs CUDA: cuda-graph+mgnn (1 workloads)" in table
+    assert "- OOM: cuda-graph+mgnn-cudnn (1 workloads)" in table
+
+
+def test_module_files_write_the_csv_and_the_plot(tmp_path):
+    import csv
+
+    paths = report.module_files(_module_doc(), tmp_path)
+    assert [p.name for p in paths] == ["module_table.csv", "module_speedups.png"]
+    rows = list(csv.DictReader(open(paths[0])))
+    assert [r["workload"] for r in rows] == ["rnn-lstm-L2-I8-H8-B20-T35", "rnn-gru-L2-I8-H8-B20-T35"]
+    assert float(rows[0]["best fixed graphed speedup"]) == 2.0
+    assert paths[1].stat().st_size > 1000

@@ -37,12 +37,13 @@ from typing import Any, ClassVar, TextIO
 
 from tqdm import tqdm
 
-from mirrorgrad.bench import report
+from mirrorgrad._folders import FolderNotWritable, probe_writable
+from mirrorgrad.bench import report, runner
+from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER, check_device
 from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
-from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, suite_of
-from mirrorgrad.train.preflight import FolderNotWritable, probe_writable
+from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, register, suite_of
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
@@ -242,7 +243,9 @@ class _Bench:
         self, workload: str, methods: list[str], settings: _WorkerSettings, **extra: Any
     ) -> list[str]:
         a = self.args
-        cmd = [sys.executable, "-m", "mirrorgrad.bench.runner", "--workload", workload]
+        # The chosen suite's worker: a script's registers its methods first.
+        worker = SUITES[a.suite].worker_command()
+        cmd = [sys.executable, *worker, "--workload", workload]
         cmd += ["--methods", ",".join(methods), "--dtype", a.dtype, "--backend", self.backend]
         options = {
             "steps": settings.steps,
@@ -443,8 +446,9 @@ class _Bench:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    parts = ["mirrorgrad", "bench"]
-    if args.suite != "planner":
+    script = SUITES[args.suite].script
+    parts = ["mirrorgrad", "bench"] if script is None else ["python", f"{script.parent.name}/{script.name}"]
+    if args.suite != "planner" and script is None:
         parts += ["--suite", args.suite]
     for key in ("workloads", "methods", "search_methods"):
         if getattr(args, key):
@@ -477,20 +481,31 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _suite_of_doc(doc: dict[str, Any]) -> Suite | None:
+    """The registered suite that wrote ``doc`` (None: one this process does not know)."""
+    return SUITES.get(doc.get("suite", "planner"))
+
+
 def _write_results(doc: dict[str, Any], out: Path) -> str:
     """results.json and results.md (no plots: those take seconds); returns the markdown."""
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / "results.json", json.dumps(doc, indent=1, allow_nan=False))
-    table = report.markdown(doc)
+    suite = _suite_of_doc(doc)
+    lead = suite.table(doc) if suite is not None and suite.table is not None else ""
+    table = report.markdown(doc, lead, lead_only=bool(suite and suite.table_only))
     _write_atomic(out / "results.md", table)
     return table
 
 
 def _write_report(doc: dict[str, Any], out: Path) -> None:
     table = _write_results(doc, out)
-    pngs = report.plots(doc, out)
+    files = report.plots(doc, out)
+    suite = _suite_of_doc(doc)
+    if suite is not None and suite.files is not None:
+        files += suite.files(doc, out)
     print(report.summary(doc))
-    print(f"\nwrote {out / 'results.json'}, results.md and {len(pngs)} plot(s)\n")
+    names = ", ".join(p.name for p in files)
+    print(f"\nwrote {out / 'results.json'}, results.md" + (f", {names}" if names else "") + "\n")
     print(table)
 
 
@@ -570,7 +585,8 @@ def _select(args: argparse.Namespace) -> tuple[Suite, dict[str, list[str]]]:
     plan = {}
     for name in names:
         workload = WORKLOADS[name]
-        methods = requested or suite_of(name).methods_for(workload)
+        owner = suite if name in suite.workloads else suite_of(name)
+        methods = requested or owner.methods_for(workload)
         plan[name] = [m for m in methods if workload.recurrent or not METHODS[m].swap_rnn]
     return suite, plan
 
@@ -580,7 +596,7 @@ def _document(args: argparse.Namespace, bench: _Bench, suite: Suite) -> dict[str
     return {
         "schema": 1,
         "suite": suite.name,
-        "baselines": list(report.SUITE_BASELINES.get(suite.name, report.BASELINES)),
+        "baselines": list(suite.baselines),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": _command_line(args),
         "git_commit": commit,
@@ -803,6 +819,20 @@ def _check_arguments(args: argparse.Namespace) -> None:
             probe_writable(args.out, "--out")
         except FolderNotWritable as e:
             raise _Fail(str(e)) from None
+
+
+def run_script_suite(suite: Suite, methods: list[Method], argv: list[str] | None = None) -> int:
+    """The entry of a ``benchmarks/`` script with a suite of its own: registers it, then
+    is one of its workers (``--worker ARGS``: `runner.main`) or runs `mirrorgrad bench`
+    on it with ``argv``."""
+    register(suite, methods)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return runner.main(argv[1:])
+    parser = argparse.ArgumentParser(prog=suite.script.name, description=suite.description)
+    add_arguments(parser)
+    parser.set_defaults(suite=suite.name)
+    return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

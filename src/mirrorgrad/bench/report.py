@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from mirrorgrad._units import format_bytes
+from mirrorgrad.bench import suite_tables
 
 MIB = 2**20
-# Ratios are taken against these methods, measured in the same process run.
+# Ratios are taken against these methods, measured in the same process run (a suite
+# may name its own).
 BASELINES = ("eager", "compile")
-SUITE_BASELINES = {
-    "rnn-kernels": ("eager", "cuda-graph"),
-    "word-lm": ("pytorch-example",),
-}
 
 
 def baselines_of(doc: dict[str, Any]) -> tuple[str, ...]:
@@ -163,7 +161,9 @@ def workload_table(name: str, workload: dict[str, Any], doc: dict[str, Any]) -> 
     return "\n".join(lines)
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def markdown(doc: dict[str, Any], lead: str = "", lead_only: bool = False) -> str:
+    """The header, the suite's ``lead`` table, and (unless ``lead_only``) a table per
+    workload."""
     env, options = doc["env"], doc["options"]
     device = env.get("gpu") or "CPU"
     header = [
@@ -185,12 +185,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Command: `{doc['command']}`",
         *_incomplete(doc),
     ]
-    from mirrorgrad.bench import suite_tables
-
-    lead = suite_tables.lead_table(doc)
-    if doc.get("suite") == "zoo-sweep":  # one line per model; the JSON has every number
-        return "\n\n".join(["\n".join(header), lead]) + "\n"
-    tables = [workload_table(name, w, doc) for name, w in doc["workloads"].items()]
+    tables = [] if lead_only else [workload_table(n, w, doc) for n, w in doc["workloads"].items()]
     return "\n\n".join(t for t in ["\n".join(header), lead, *tables] if t) + "\n"
 
 
@@ -345,3 +340,54 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     if searched:
         written.append(_max_batch_plot(doc, searched, out_dir, plt))
     return written
+
+
+def module_files(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """The RNN module suite's ``module_table.csv`` (its table's numbers, one row per
+    workload) and ``module_speedups.png`` (speedup over graphed cuDNN per shape, a
+    panel per mode)."""
+    import csv
+
+    rows = suite_tables.module_rows(doc)
+    if not rows:
+        return []
+    path = out_dir / "module_table.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: " ".join(v) if isinstance(v, list | dict) else v
+                             for k, v in row.items()})  # fmt: skip
+    return [path, _module_plot(doc, rows, out_dir)]
+
+
+def _module_plot(doc: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [h for h, _ in suite_tables.MODULE_COLUMNS if h != "cuDNN graphed"]
+    series.append("best fixed graphed")
+    modes = list(dict.fromkeys(r["workload"].split("-")[1] for r in rows))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.2 * len(modes)), squeeze=False)
+    width = 0.8 / len(series)
+    for ax, mode in zip(axes[:, 0], modes):
+        mine = [r for r in rows if r["workload"].split("-")[1] == mode]
+        for i, name in enumerate(series):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(mine))]
+            ax.bar(xs, [r[f"{name} speedup"] or 0.0 for r in mine], width, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([r["workload"].split("-", 2)[2] for r in mine], fontsize=7)
+        ax.set_ylabel("speedup over\ngraphed cuDNN")
+        ax.set_title(mode, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=len(series))
+    device = doc["env"].get("gpu") or "CPU"
+    fig.suptitle(f"RNN modules on {device}, {doc['options']['dtype']} (above 1: faster)")
+    fig.tight_layout()
+    path = out_dir / "module_speedups.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -205,10 +205,8 @@ def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple, workload: 
     return step
 
 
-def _graphed(step: Any, device: str) -> Any:
+def _graphed(step: Any) -> Any:
     """``step`` captured whole in one CUDA Graph on its first call, replayed after."""
-    if not device.startswith("cuda"):
-        raise RuntimeError("CUDA Graphs need a CUDA device")
     captured: list[Any] = []
 
     def capture() -> torch.Tensor:
@@ -281,6 +279,8 @@ def _is_fatal(e: BaseException) -> bool:
 def _skip_reason(workload: Workload, method: Method, opts: RunOptions) -> str | None:
     if method.swap_rnn and not workload.recurrent:
         return "no torch.nn RNN modules to swap"
+    if method.cuda_graph and not opts.device.startswith("cuda"):
+        return "needs CUDA (the step is captured in a CUDA Graph)"
     if opts.deadline is not None and time.time() > opts.deadline:
         return "time limit reached before this method"
     missing = workload.missing_packages()
@@ -308,35 +308,44 @@ def _prepare(
         step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
         step = _make_step(step_fn, built.model, batch, workload)
     if method.cuda_graph:
-        step = _graphed(step, opts.device)
+        step = _graphed(step)
     return built, batch, step_fn, step
 
 
-def _first_steps(step: Any, opts: RunOptions, result: MethodResult, after_first: Any) -> None:
-    """The first call (timed alone: it compiles), ``after_first()``, the other warm-ups."""
+def _first_steps(step: Any, opts: RunOptions, result: MethodResult, after_first: Any) -> int:
+    """The first call (timed alone: it compiles, or captures a CUDA Graph),
+    ``after_first()``, the other warm-ups; returns the first call's peak (CUDA, else 0)."""
+    cuda = opts.device.startswith("cuda")
     synchronize(opts.device)
     t0 = time.perf_counter()
     result.first_loss = step().detach().item()
     synchronize(opts.device)
     result.first_step_s = time.perf_counter() - t0
+    first_peak = torch.cuda.max_memory_allocated(opts.device) if cuda else 0
     after_first()
     # The peak counts from here: the warm-ups after the compiling call and the timed
-    # steps. A CUDA Graph method allocates while it records (the second call) and never
-    # in its replays, so a peak taken over the timed steps alone would read ~0.
-    if opts.device.startswith("cuda"):
+    # steps (the gradient check's copies and a compiler's autotuning are left out).
+    if cuda:
         torch.cuda.reset_peak_memory_stats(opts.device)
     for _ in range(opts.warmup - 1):
         step()
     synchronize(opts.device)
+    return first_peak
 
 
 def _timed_steps(
-    step: Any, workload: Workload, built: Built, opts: RunOptions, result: MethodResult
+    step: Any,
+    workload: Workload,
+    built: Built,
+    opts: RunOptions,
+    result: MethodResult,
+    floor_bytes: int = 0,
 ) -> None:
+    """Time ``opts.steps`` steps; the peak is theirs, or ``floor_bytes`` if larger."""
     device = opts.device
     timing = time_calls(step, repeats=opts.steps, device=device)
     if device.startswith("cuda"):
-        result.peak_bytes = torch.cuda.max_memory_allocated(device)
+        result.peak_bytes = max(floor_bytes, torch.cuda.max_memory_allocated(device))
         result.peak_source = "cuda"
     else:
         result.peak_bytes = _cpu_peak(step, built.model)
@@ -387,8 +396,11 @@ def measure(
                     for key, value in grads.check(method.name, built.model).items():
                         setattr(result, key, value)
 
-            _first_steps(step, opts, result, check_gradients)
-            _timed_steps(step, workload, built, opts, result)
+            first_peak = _first_steps(step, opts, result, check_gradients)
+            # A CUDA Graph allocates while it records (the first call) and never in its
+            # replays: its peak is the recording's, in the graph's own memory pool.
+            floor = first_peak if method.cuda_graph else 0
+            _timed_steps(step, workload, built, opts, result, floor)
             if opts.profile_dir is not None:
                 _profile(step, opts, opts.profile_dir / f"{workload.name}.{method.name}.txt")
             if method.compiles:

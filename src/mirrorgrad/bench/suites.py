@@ -1,18 +1,26 @@
 """Named suites of `mirrorgrad bench`: which workloads, which methods; the one registry.
 
 Every suite runs through the same harness (runner, command, report): ``planner`` is the
-recompute planner against PyTorch's options; ``rnn-kernels`` the recurrent layers alone,
-module and kernel level; ``zoo-sweep`` public model families through every planner mode;
-``word-lm`` PyTorch's word_language_model step against `mirrorgrad train lm`'s.
+recompute planner against PyTorch's options; ``rnn-modules`` the recurrent layers alone,
+cuDNN against mirrorgrad.nn, plain and in one CUDA Graph; ``word-lm`` PyTorch's
+word_language_model step against `mirrorgrad train lm`'s. The planner frontier (our plans
+against min-cut's on the joint graph, no training step) is ``python -m
+mirrorgrad.bench.frontier``. Studies in the repository's ``benchmarks/`` folder add their
+own suites with `register` and run them through the same harness.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from mirrorgrad.bench import rnn_kernels, word_lm, workloads, zoo
+from mirrorgrad.bench import report, rnn_modules, suite_tables, word_lm, workloads
 from mirrorgrad.bench.methods import BASE_METHODS, Method, default_methods
 from mirrorgrad.bench.workloads import Workload
+
+Doc = dict[str, Any]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -22,6 +30,16 @@ class Suite:
     workloads: dict[str, Workload]
     # None: the planner's methods for each workload (recurrent ones get `+mgnn` twins).
     methods: tuple[str, ...] | None = None
+    # Ratios are taken against these methods (the last one in plots and CSV).
+    baselines: tuple[str, ...] = report.BASELINES
+    # The table the report leads with; with ``table_only`` the only one (no table per
+    # workload: results.json has every number).
+    table: Callable[[Doc], str] | None = None
+    table_only: bool = False
+    # (results document, folder) -> the suite's own files beside results.json (CSV, plots).
+    files: Callable[[Doc, Path], list[Path]] | None = None
+    # The script that registered the suite: its workers run it with `--worker` first.
+    script: Path | None = None
 
     def methods_for(self, workload: Workload) -> list[str]:
         if self.methods is None:
@@ -32,42 +50,62 @@ class Suite:
         """All of the suite's workloads; with ``quick`` its CPU slice."""
         return [name for name, w in self.workloads.items() if w.cpu_slice or not quick]
 
+    def worker_command(self) -> list[str]:
+        """The worker process's command line before its arguments (`runner.main`'s)."""
+        if self.script is None:
+            return ["-m", "mirrorgrad.bench.runner"]
+        return [str(self.script), "--worker"]
 
-SUITES: dict[str, Suite] = {
-    s.name: s
-    for s in (
-        Suite(
-            name="planner",
-            description="the recompute planner against torch.compile, its budgets, checkpoint",
-            workloads=workloads.WORKLOADS,
-        ),
-        Suite(
-            name="rnn-kernels",
-            description="LSTM/GRU/RNN stacks: torch.nn (cuDNN), graphed, mirrorgrad.nn, kernels",
-            workloads=rnn_kernels.WORKLOADS,
-            methods=rnn_kernels.METHODS,
-        ),
-        Suite(
-            name="zoo-sweep",
-            description="public model families: eager, torch.compile and every planner mode",
-            workloads=zoo.WORKLOADS,
-            methods=zoo.METHODS,
-        ),
-        Suite(
-            name="word-lm",
-            description="PyTorch's word_language_model step against mirrorgrad train lm's",
-            workloads=word_lm.WORKLOADS,
-            methods=word_lm.METHODS,
-        ),
+
+SUITES: dict[str, Suite] = {}
+WORKLOADS: dict[str, Workload] = {}
+METHODS: dict[str, Method] = dict(BASE_METHODS)
+
+
+def register(suite: Suite, methods: list[Method] = ()) -> None:
+    """Add ``suite`` and the methods only it uses to the registry: names must be new,
+    but a suite may share workloads with another (the same objects)."""
+    taken = [suite.name] if suite.name in SUITES else []
+    taken += [n for n, w in suite.workloads.items() if WORKLOADS.get(n, w) is not w]
+    taken += [m.name for m in methods if m.name in METHODS]
+    if taken:
+        raise ValueError(f"suite {suite.name!r}: names already registered: {', '.join(taken)}")
+    SUITES[suite.name] = suite
+    WORKLOADS.update(suite.workloads)
+    METHODS.update({m.name: m for m in methods})
+
+
+register(
+    Suite(
+        name="planner",
+        description="the recompute planner against torch.compile, its budgets, checkpoint",
+        workloads=workloads.WORKLOADS,
     )
-}
-WORKLOADS: dict[str, Workload] = {n: w for s in SUITES.values() for n, w in s.workloads.items()}
-
-
-METHODS: dict[str, Method] = {
-    **BASE_METHODS,
-    **{m.name: m for m in (*rnn_kernels.kernel_methods(), *word_lm.methods())},
-}
+)
+register(
+    Suite(
+        name="rnn-modules",
+        description="LSTM/GRU/RNN stacks: torch.nn (cuDNN) and mirrorgrad.nn, plain and graphed",
+        workloads=rnn_modules.WORKLOADS,
+        methods=rnn_modules.METHODS,
+        baselines=("eager", "cuda-graph"),
+        table=suite_tables.module_table,
+        table_only=True,
+        files=report.module_files,
+    ),
+    rnn_modules.module_methods(),
+)
+register(
+    Suite(
+        name="word-lm",
+        description="PyTorch's word_language_model step against mirrorgrad train lm's",
+        workloads=word_lm.WORKLOADS,
+        methods=word_lm.METHODS,
+        baselines=("pytorch-example",),
+        table=suite_tables.word_lm_table,
+    ),
+    word_lm.methods(),
+)
 
 
 def get_method(name: str) -> Method:

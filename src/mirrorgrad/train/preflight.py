@@ -13,32 +13,11 @@ import struct
 import sys
 from pathlib import Path
 
+from mirrorgrad._folders import FolderNotWritable, probe_writable  # noqa: F401 (loop, command)
+
 # Linux's FS_IOC_GETFLAGS (_IOR('f', 1, long)) and the flags lsattr shows as i and a.
 _FS_IOC_GETFLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
 _IMMUTABLE_OR_APPEND_ONLY = 0x10 | 0x20
-
-
-class FolderNotWritable(Exception):
-    """A folder the run writes to cannot be created or written; the message names it."""
-
-
-def probe_writable(folder: Path, option: str) -> None:
-    """Creates ``folder`` if needed and writes (then removes) a probe file in it."""
-    probe = folder / f".mirrorgrad-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"probe")
-            f.flush()
-            os.fsync(f.fileno())
-        probe.unlink()
-    except OSError as e:
-        is_file = folder.exists() and not folder.is_dir()
-        reason = "a file has that name" if is_file else e.strerror or type(e).__name__
-        raise FolderNotWritable(
-            f"{option} {folder}: cannot create or write there ({reason}); "
-            f"pass a writable folder with {option}"
-        ) from None
 
 
 def probe_replaceable(path: Path, option: str) -> None:

@@ -1,4 +1,7 @@
-"""The zoo sweep's workloads: public model families as installed, plus small models of ours.
+"""The zoo sweep: public model families as installed, plus small models of ours, through
+every planner mode (a study of where the planner falls back, crashes or is wrong).
+
+    python benchmarks/zoo_sweep.py --out DIR [mirrorgrad bench's options, e.g. --jobs 12]
 
 torchvision (classification, detection, segmentation, video), Hugging Face
 ``transformers`` (encoders, decoders, encoder-decoders, vision and speech, each built
@@ -14,12 +17,18 @@ models and a few ``transformers`` architectures, at tiny sizes.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from mirrorgrad.bench.command import run_script_suite
+from mirrorgrad.bench.suite_tables import x_ratio
+from mirrorgrad.bench.suites import Suite
 from mirrorgrad.bench.workloads import Workload
 
 Sample = Callable[[torch.Generator], tuple[Tensor, ...]]
@@ -555,3 +564,83 @@ def _all() -> list[Workload]:
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in _all()}
 METHODS = ("eager", "compile", "mirror-balance", "mirror-budget-0.5", "mirror-budget-0.3")
+
+
+# ---- the report's table: ok / fallback / failed per model and mode --------------------
+
+
+def _methods(doc: dict[str, Any]) -> list[str]:
+    """Every method of the document, in the order first seen."""
+    return list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
+                              for m in w["methods"]))  # fmt: skip
+
+
+def _zoo_cell(m: dict[str, Any]) -> str:
+    if m["status"] == "skipped":
+        return "skipped"
+    if m["status"] != "ok":
+        return "CRASH"
+    if m.get("grads_ok") is False:
+        return "WRONG"
+    return "fallback" if m.get("fallback") else "ok"
+
+
+def zoo_table(doc: dict[str, Any]) -> str:
+    methods = _methods(doc)
+    mirror = [m for m in methods if m.startswith("mirror-")]
+    head = ["model", *methods]
+    for m in mirror:
+        head += [f"{m} peak / eager", "peak / compile", "time / compile"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * len(methods)
+             + "---:|" * (3 * len(mirror))]  # fmt: skip
+    counts: dict[str, int] = {}
+    notes, skipped = [], {}
+    for name, w in doc["workloads"].items():
+        by = {m["method"]: m for m in w["methods"]}
+        if all(m["status"] == "skipped" for m in by.values()):
+            reason = next(iter(by.values()))["error"]
+            skipped.setdefault(reason, []).append(name)
+            continue
+        eager = by.get("eager")
+        if eager is not None and eager["status"] == "failed":
+            # The model did not train even without compiling: a build problem, not a plan's.
+            counts["model failed eagerly"] = counts.get("model failed eagerly", 0) + 1
+            notes.append(f"- {name}: fails eagerly, not counted: {eager['error']}")
+            continue
+        cells = [name]
+        for method in methods:
+            cell = _zoo_cell(by[method]) if method in by else "—"
+            counts[cell] = counts.get(cell, 0) + 1
+            cells.append(cell)
+            m = by.get(method)
+            if m and (m.get("fallback") or m["status"] == "failed"):
+                notes.append(f"- {name} / {method}: {m.get('fallback') or m.get('error')}")
+            if m and m.get("grads_ok") is False:
+                notes.append(f"- {name} / {method}: gradients off by {m['grad_error']:.1e} "
+                             f"(worst {m['grad_worst']})")  # fmt: skip
+        for method in mirror:
+            m = by.get(method, {})
+            cells += [x_ratio(m.get("peak_vs_eager")), x_ratio(m.get("peak_vs_compile")),
+                      x_ratio(m.get("time_vs_compile"))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    total = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    lines = [f"Model x mode results: {total}.", "", *lines]
+    if notes:
+        lines += ["", "Fallbacks, crashes and wrong gradients:", "", *notes]
+    for reason, names in skipped.items():
+        lines += ["", f"Skipped ({reason}): {len(names)} models ({', '.join(names[:6])}...)"]
+    return "\n".join(lines)
+
+
+SUITE = Suite(
+    name="zoo-sweep",
+    description="public model families: eager, torch.compile and every planner mode",
+    workloads=WORKLOADS,
+    methods=METHODS,
+    table=zoo_table,
+    table_only=True,
+    script=Path(__file__).resolve(),
+)
+
+if __name__ == "__main__":
+    sys.exit(run_script_suite(SUITE, []))
