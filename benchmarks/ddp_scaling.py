@@ -1,6 +1,6 @@
 """Data-parallel scaling of `mirrorgrad train lm`: one GPU against two, per gradient exchange.
 
-    PYTHONPATH=src python -m mirrorgrad.bench.ddp_scaling OUT [--steps 400] [--modes ...]
+    python benchmarks/ddp_scaling.py OUT [--steps 400] [--modes ...]
 
 On a machine with 2 GPUs. Each run is the users' command, ``train lm --model medium
 --device cuda``, under ``torchrun`` (batch 20 on one GPU, 40 on two: the same per-GPU
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mirrorgrad.bench.ddp_scaling")
+    p = argparse.ArgumentParser(prog="python benchmarks/ddp_scaling.py")
     p.add_argument("out", type=Path, help="folder for the JSON and the logs")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps per run")
     p.add_argument("--log-freq", type=int, default=20, help="steps per timed window")
@@ -102,7 +102,7 @@ def _launch(
         env["MIRRORGRAD_DATA_PARALLEL"] = mode
     command = [c.replace("{json}", str(out_json)) for c in command]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    full = [*launcher, f"--nproc_per_node={gpus}", "-m", "mirrorgrad.bench.ddp_scaling", *command]
+    full = [*launcher, f"--nproc_per_node={gpus}", str(Path(__file__).resolve()), *command]
     row: dict[str, Any] = {"run": name, "gpus": gpus, "mode": mode or "one process"}
     started = time.monotonic()
     with subprocess.Popen(

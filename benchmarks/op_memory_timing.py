@@ -1,6 +1,6 @@
 """What the RNN op's memory mode costs on this GPU: forward and backward time, stash vs recompute.
 
-``python -m mirrorgrad.bench.op_memory_timing --out DIR``: per size (mode, layers x hidden,
+``python benchmarks/op_memory_timing.py --out DIR``: per size (mode, layers x hidden,
 batch, steps, directions) a ``mirrorgrad.nn`` RNN with ``memory="stash"`` and one with
 ``"recompute"`` (same weights), timed in alternating rounds (the order flips each round,
 so drift of clocks and host load hits both modes alike). Each step is timed by three

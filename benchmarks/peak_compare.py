@@ -1,6 +1,6 @@
 """What is alive at the measured peak of one training step, against the planner's estimate.
 
-``python -m mirrorgrad.bench.peak_compare --out DIR`` runs, per workload and plan, one
+``python benchmarks/peak_compare.py --out DIR`` runs, per workload and plan, one
 step under ``mirrorgrad.compile`` with the CUDA allocator's history recorded from
 before the model is built, replays that history to the moment of the step's peak, and
 sorts the blocks alive then by kind (parameters, gradients, optimizer state, inputs,
@@ -368,7 +368,7 @@ def table(result: dict[str, Any]) -> str:
     m = f"{meas['peak'] / mib:,.0f} ({meas['phase']})" if meas else "-"
     lines.append(f"{'peak':22}{m:>14}{est['peak'] / mib:>9,.0f} ({est['phase']}, {est['node']})")
     lines += [f"op memory: {c}" for c in est["op_memory"]]
-    if est["budget_bytes"] is not None:  # issue 14's "within 5% of the budget, or a warning"
+    if est["budget_bytes"] is not None:  # within 5% of the budget, or a warning
         met = {True: "met", False: "declared unmet (warned)", None: "-"}[est["budget_met"]]
         # A budget bounds the graph's peak (README): what the step holds outside it is not asked.
         ratio = ""

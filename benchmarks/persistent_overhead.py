@@ -1,15 +1,15 @@
-"""Where the persistent module's time beyond its layer functions goes (issue 16 item 3).
+"""Where the persistent module's time beyond its layer functions goes.
 
-    python -m mirrorgrad.bench.persistent_overhead --out DIR [--cases lstm:bf16:0,...]
+    python benchmarks/persistent_overhead.py --out DIR [--cases lstm:bf16:0,...]
         [--rounds 4] [--reps 5] [--time-limit S]
 
-Per case (``bench.rnn_kernels.CONFIGS``; TF32 on), forward+backward of one input and one
+Per case (``persistent_rnn.CONFIGS``; TF32 on), forward+backward of one input and one
 set of weights, in four ways:
 
-* ``module``: ``mirrorgrad.nn.LSTM/GRU(impl="persistent")`` as ``bench.persistent_rnn``
+* ``module``: ``mirrorgrad.nn.LSTM/GRU(impl="persistent")`` as ``persistent_rnn.py``
   times it (``.grad`` accumulates: one add per parameter per call);
 * ``fresh``: the same with every ``.grad`` set to None first (``zero_grad()``'s default);
-* ``layer``: the layer functions alone (``bench.persistent_rnn``'s ``layer-persistent``);
+* ``layer``: the layer functions alone (``persistent_rnn.py``'s ``layer-persistent``);
 * ``thread``: the same with the backward in a worker thread, as autograd runs the module's;
 * ``onethread``: ``fresh`` with autograd's backward on the calling thread
   (``torch.autograd.set_multithreading_enabled(False)``, no hand-off to its device thread);
@@ -43,8 +43,17 @@ import numpy as np
 import torch
 
 from mirrorgrad._timing import host_ms, time_calls
-from mirrorgrad.bench.persistent_rnn import DTYPES, _graphed, _layer_passes, _modules
-from mirrorgrad.bench.rnn_kernels import CONFIGS, Config
+from mirrorgrad.bench.rnn_modules import Config
+
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.persistent_rnn import (
+    CONFIGS,
+    DTYPES,
+    _graphed,
+    _layer_passes,
+    _modules,
+)
 
 WAYS = ("module", "fresh", "onethread", "layer", "thread", "graph")
 # CUDA calls after which the host may wait for the device (or for the driver's lock).

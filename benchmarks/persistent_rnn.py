@@ -1,11 +1,11 @@
 """Kernel-level benchmark of the persistent RNN layer (ops/rnn/persistent.py) on one GPU.
 
-    python -m mirrorgrad.bench.persistent_rnn --out DIR [--dtypes fp32,bf16]
+    python benchmarks/persistent_rnn.py --out DIR [--dtypes fp32,bf16]
         [--modes lstm,gru] [--configs 0,4,7] | [--cases lstm:fp32:0,gru:bf16:7]
         [--methods ...] [--reps 10] [--profile] [--sweep] [--knobs best_knobs.json]
 
 Forward + backward median ms (``mirrorgrad._timing``) of one stack at the shapes of
-issue 16 (``bench.rnn_kernels.CONFIGS``: the seven LSTM shapes, then batch 1-4), TF32 on
+``CONFIGS`` (the rnn-modules suite's seven shapes, then batch 1-4), TF32 on
 both sides in fp32 (``matmul.allow_tf32 = cudnn.allow_tf32 = True``). Methods:
 
 * ``cudnn``: ``torch.nn.LSTM/GRU``; ``cudnn-graph``: its forward+backward captured in
@@ -43,10 +43,20 @@ import triton.language as tl
 from torch import Tensor
 
 from mirrorgrad._timing import time_calls
-from mirrorgrad.bench.rnn_kernels import CONFIGS, Config, step_flops
+from mirrorgrad.bench import rnn_modules
+from mirrorgrad.bench.rnn_modules import Config, step_flops
 from mirrorgrad.bench.runner import dense_peak_tflops
 from mirrorgrad.ops.rnn.persistent import grid_barrier
 
+# The module suite's shapes, then small batches: where a persistent kernel, which keeps
+# the weights on chip across steps, pays most.
+CONFIGS = (
+    *rnn_modules.CONFIGS,
+    Config(layers=1, input=1024, hidden=1024, batch=4, T=100),
+    Config(layers=1, input=2048, hidden=2048, batch=4, T=100),
+    Config(layers=2, input=1152, hidden=1152, batch=4, T=100),
+    Config(layers=2, input=1024, hidden=1024, batch=1, T=100),
+)
 METHODS = ("cudnn", "cudnn-graph", "triton", "persistent", "auto", "layer-triton",
            "layer-persistent")  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -51,9 +51,7 @@ class _KernelStack(torch.autograd.Function):
                 xin = inp.flip(0) if d else inp
                 c = c0[k] if c0 is not None else None
                 weights = _layer_params(rnn, layer, d)
-                y, _, _, saved = kernels.layer_forward(
-                    mode, xin, h0[k], c, *weights, None, **opts
-                )
+                y, _, _, saved = kernels.layer_forward(mode, xin, h0[k], c, *weights, None, **opts)
                 record.append((xin, c, weights, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]

@@ -1,11 +1,10 @@
-"""bench/ddp_scaling.py's own logic (the GPU runs themselves need 2 GPUs)."""
+"""benchmarks/ddp_scaling.py's own logic (the GPU runs themselves need 2 GPUs)."""
 
 import subprocess
 import sys
 
+from benchmarks import ddp_scaling
 from tests.child import read_line
-
-from mirrorgrad.bench import ddp_scaling
 
 
 def _run(name, gpus, first, tokens, peak):

@@ -3,7 +3,7 @@ history (a hand-written snapshot, as torch.cuda.memory._snapshot returns it)."""
 
 import json
 
-from mirrorgrad.bench import peak_compare
+from benchmarks import peak_compare
 
 P, W, G, A1, A2, A3 = 0, 1024, 1536, 2560, 4608, 8704
 
@@ -91,7 +91,7 @@ def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
 
 
 def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypatch):
-    from mirrorgrad.bench import op_memory_timing
+    from benchmarks import op_memory_timing
 
     sizes = (("lstm", 1, 8, 2, 3, 1), ("gru", 1, 8, 2, 3, 2))
     monkeypatch.setattr(op_memory_timing, "SIZES", sizes)

@@ -1,8 +1,8 @@
-"""The persistent RNN benchmarks' summaries (bench/persistent_rnn.py, persistent_overhead.py)."""
+"""The persistent RNN studies' summaries (benchmarks/persistent_rnn.py, persistent_overhead.py)."""
 
 import math
 
-from mirrorgrad.bench import persistent_overhead, persistent_rnn
+from benchmarks import persistent_overhead, persistent_rnn
 
 
 def _row(mode, dtype, ms):

@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from benchmarks import rnn_kernels, zoo_sweep
 
-from mirrorgrad.bench import rnn_kernels, word_lm, zoo
+from mirrorgrad.bench import rnn_modules, word_lm
 from mirrorgrad.bench.methods import MGNN_BASES, default_methods
-from mirrorgrad.bench.suites import METHODS, get_method, get_workload
+from mirrorgrad.bench.suites import METHODS, SUITES, Suite, get_method, get_workload, register
+from mirrorgrad.bench.suites import WORKLOADS as suites_workloads
 from mirrorgrad.bench.workloads import WORKLOADS
 
 ALL_WORKLOADS = (
@@ -42,7 +44,8 @@ def test_workload_names():
 
 
 def test_method_names():
-    suites = set(rnn_kernels.METHODS) | set(word_lm.METHODS) | set(zoo.METHODS)
+    suites = set(rnn_modules.METHODS) | {m.name for m in rnn_modules.module_methods()}
+    suites |= set(word_lm.METHODS)
     mgnn = {f"{m}+mgnn" for m in BASE_METHODS}
     assert set(METHODS) == set(BASE_METHODS) | mgnn | suites
     assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
@@ -130,6 +133,27 @@ def test_quick_workload_trains(name):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     has_rnn = any(isinstance(m, torch.nn.RNNBase) for m in built.model.modules())
     assert workload.recurrent == has_rnn
+
+
+def test_a_script_registers_its_suite_and_methods_once(monkeypatch):
+    monkeypatch.setattr("mirrorgrad.bench.suites.SUITES", dict(SUITES))
+    monkeypatch.setattr("mirrorgrad.bench.suites.METHODS", dict(METHODS))
+    monkeypatch.setattr("mirrorgrad.bench.suites.WORKLOADS", dict(suites_workloads))
+    from mirrorgrad.bench import suites
+
+    methods = rnn_kernels.kernel_methods()
+    # The kernel suite shares the module suite's workloads (the same objects).
+    register(rnn_kernels.SUITE, methods)
+    assert suites.SUITES["rnn-kernels"] is rnn_kernels.SUITE
+    assert suites.METHODS["kernel-auto"] is methods[1]
+    assert rnn_kernels.SUITE.worker_command() == [str(rnn_kernels.SUITE.script), "--worker"]
+    assert SUITES["planner"].worker_command() == ["-m", "mirrorgrad.bench.runner"]
+    with pytest.raises(ValueError, match="already registered: rnn-kernels, mgnn-triton-stash"):
+        register(rnn_kernels.SUITE, methods[:1])
+    # Another workload under a name taken.
+    clash = Suite(name="clash", description="", workloads={"mlp": zoo_sweep.WORKLOADS["ours-mlp"]})
+    with pytest.raises(ValueError, match="already registered: mlp"):
+        register(clash)
 
 
 def test_build_rejects_bad_batch():

@@ -1,14 +1,15 @@
-"""The zoo sweep's CPU slice: every small model trains in every mode with compile's gradients."""
+"""The zoo sweep's CPU slice (benchmarks/zoo_sweep.py): every small model trains in every
+mode with compile's gradients."""
 
 import pytest
+from benchmarks import zoo_sweep as zoo
 
-from mirrorgrad.bench import zoo
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.runner import RunOptions, measure
-from mirrorgrad.bench.suites import SUITES, get_method
+from mirrorgrad.bench.suites import get_method
 
 OPTS = RunOptions(quick=True, steps=1, warmup=1, backend="eager")
-CPU_SLICE = SUITES["zoo-sweep"].workload_names(quick=True)
+CPU_SLICE = zoo.SUITE.workload_names(quick=True)
 
 
 def test_the_cpu_slice_is_about_a_dozen_models():

@@ -1,12 +1,12 @@
 """GPU measurement (run as a script): what mirrorgrad.nn adds to the op's kernels, and
 its peak memory against cuDNN (issue 16 item 3, issue 14 item 3).
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python tests/nn/gpu_module_overhead.py OUT_DIR \
+    TRITON_INTERPRET=0 PYTHONPATH=src:. python tests/nn/gpu_module_overhead.py OUT_DIR \
         [--quick] [--modes lstm,gru] [--no-memory]
 
 1. Time, forward+backward (CUDA events, median): ``torch.nn.LSTM`` (cuDNN), the
-   per-layer kernels driven directly (``bench.rnn_kernels._kernel_forward``, what the
-   bench's ``kernel-*`` methods run) and ``mirrorgrad.nn.LSTM(impl="triton")`` with the
+   per-layer kernels driven directly (``_kernel_forward`` of benchmarks/rnn_kernels.py,
+   what its ``kernel-*`` methods run) and ``mirrorgrad.nn.LSTM(impl="triton")`` with the
    same memory mode, plus the module with its defaults (``impl="auto"``). Also the host's
    own time per step (launching 20 steps, no sync inside, over 20) and a cProfile of the
    module's steps (OUT_DIR/cprofile_<config>.txt: where the host time goes).
@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 
 import torch
+from benchmarks import rnn_kernels
+from benchmarks.persistent_overhead import write_cprofile
 from torch import nn
 
 import mirrorgrad.nn as mnn
 from mirrorgrad._timing import host_ms, time_calls
-from mirrorgrad.bench import rnn_kernels
-from mirrorgrad.bench.persistent_overhead import write_cprofile
 from mirrorgrad.ops.rnn import dispatch, graphs
 
 # One memory measurement for both GPU scripts: tests/ops/gpu_rnn_memory.py's.

@@ -1,6 +1,6 @@
 """GPU measurement (run as a script): the RNN op's memory against cuDNN.
 
-    TRITON_INTERPRET=0 PYTHONPATH=src python tests/ops/gpu_rnn_memory.py OUT_DIR
+    TRITON_INTERPRET=0 PYTHONPATH=src:. python tests/ops/gpu_rnn_memory.py OUT_DIR
 
 1. Forward+backward of a 2-layer LSTM 650 (T35, batch 20 and 128, fp32): peak bytes
    above the inputs and parameters, and bytes still allocated after the outputs and
@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import torch
+from benchmarks.peak_compare import _replay, _source
 from torch import nn
 
 import mirrorgrad.nn as mnn
 from mirrorgrad import _compat
-from mirrorgrad.bench.peak_compare import _replay, _source
 from mirrorgrad.ops.rnn import graphs
 
 MiB = 2**20

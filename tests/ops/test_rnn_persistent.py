@@ -351,7 +351,7 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
 )
 def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch):
     # The "new" variant of bench.persistent_rnn: K in slices, the backward's loads gathered.
-    from mirrorgrad.bench.persistent_rnn import VARIANTS
+    from benchmarks.persistent_rnn import VARIANTS
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     for name, value in VARIANTS["new"].items():
@@ -515,7 +515,7 @@ def test_kernels_compile_for_sm90(mode, resident, probe, split):
 def test_bench_new_variant_is_the_default():
     # bench.persistent_rnn's "new" knob set is what persistent.py runs by default (the
     # env overrides unset), so the measured "new" is what users get.
-    from mirrorgrad.bench.persistent_rnn import VARIANTS
+    from benchmarks.persistent_rnn import VARIANTS
 
     assert VARIANTS["old"].keys() == VARIANTS["new"].keys()
     for name, value in VARIANTS["new"].items():
@@ -525,7 +525,7 @@ def test_bench_new_variant_is_the_default():
 def test_phase_split_reads_the_probe_stamps():
     # Two programs, 6 steps of 2 us at 1.5 GHz: dot 1, gates 0.2, arrive 0.3, wait 0.5 us;
     # program 1 starts 0.1 us later and waits 0.1 us less.
-    from mirrorgrad.bench.persistent_rnn import phase_split
+    from benchmarks.persistent_rnn import phase_split
 
     ns = torch.zeros(1, 2, 6, persistent.STAMPS.value, dtype=torch.float64)
     start = 1000.0 + torch.arange(6) * 2000.0

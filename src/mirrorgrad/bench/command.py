@@ -447,7 +447,9 @@ class _Bench:
 
 def _command_line(args: argparse.Namespace) -> str:
     script = SUITES[args.suite].script
-    parts = ["mirrorgrad", "bench"] if script is None else ["python", f"{script.parent.name}/{script.name}"]
+    parts = ["mirrorgrad", "bench"]
+    if script is not None:
+        parts = ["python", f"{script.parent.name}/{script.name}"]
     if args.suite != "planner" and script is None:
         parts += ["--suite", args.suite]
     for key in ("workloads", "methods", "search_methods"):

@@ -54,7 +54,8 @@ def module_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{header} ms"] = None if m is None else m["median_ms"]
             row[f"{header} peak bytes"] = None if m is None else m["peak_bytes"]
             row[f"{header} speedup"] = _speedup(base, m)
-            row[f"{header} peak ratio"] = m["peak_bytes"] / base["peak_bytes"] if m and base else None
+            peak_ratio = m["peak_bytes"] / base["peak_bytes"] if m and base else None
+            row[f"{header} peak ratio"] = peak_ratio
         row["best fixed impl"] = None if best is None else best["method"][len(_GRAPHED_IMPL) :]
         row["wrong gradients"] = [n for n, m in ok.items() if m.get("grads_ok") is False]
         row["not measured"] = {m["method"]: m["error"] for m in w["methods"] if m["status"] != "ok"}
@@ -85,8 +86,11 @@ def module_table(doc: dict[str, Any]) -> str:
         cells.append("WRONG: " + ", ".join(wrong) if wrong else "ok")
         lines.append("| " + " | ".join(cells) + " |")
     dtype = doc["options"]["dtype"]
-    lines += ["", f"{dtype}. ms (x): graphed cuDNN's ms over the method's (above 1: faster); "
-              "peak MiB (x): the method's peak over graphed cuDNN's (below 1: less memory)."]
+    lines += [
+        "",
+        f"{dtype}. ms (x): graphed cuDNN's ms over the method's (above 1: faster); "
+        "peak MiB (x): the method's peak over graphed cuDNN's (below 1: less memory).",
+    ]
     for mode, by in speedups.items():
         parts = [f"{h} {x_ratio(_geomean(v))} ({len(v)})" for h, v in by.items() if h != heads[1]]
         lines.append(f"- {mode}, geomean speedup over graphed cuDNN: " + "; ".join(parts))
