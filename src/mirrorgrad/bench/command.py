@@ -4,8 +4,7 @@ Each workload runs in a fresh ``python -m mirrorgrad.bench.runner`` process (cle
 allocator and compile caches); its methods run there in sequence, so ratios compare
 methods measured side by side. A method that fails, hangs past ``--method-timeout``
 or kills its worker is recorded with the reason and the rest go on in a new worker.
-With ``--cap-gb``, the largest batch under the cap is searched per method, each probe
-in its own process.
+The largest batch under a memory cap is a study of its own: benchmarks/max_batch.py.
 
 results.json and results.md are rewritten (atomically) after every finished method, so a
 run stopped at any moment (SIGTERM, Ctrl-C, a machine taken back) leaves what it measured.
@@ -42,15 +41,11 @@ from mirrorgrad.bench import report, runner
 from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.runner import DTYPES, FATAL_EXIT, MARKER, check_device
-from mirrorgrad.bench.search import BatchSearch, guess_batch, search_max_batch
 from mirrorgrad.bench.suites import METHODS, SUITES, WORKLOADS, Suite, register, suite_of
 
 _QUICK_DEFAULTS = {"steps": 3, "warmup": 2, "backend": "eager"}
 _FULL_DEFAULTS = {"steps": 20, "warmup": 3, "backend": "inductor"}
-# A probe answers "does it fit?": one compiling step and one measured step.
-_PROBE_STEPS = {"steps": 1, "warmup": 1}
-# Shares of --time-limit: the batch search's default, and pre-compiling's of the rest.
-_SEARCH_SHARE = 0.25
+# Pre-compiling's share of --time-limit.
 _PRECOMPILE_SHARE = 0.4
 NOT_RUN = ("not run", "stopped before this method")
 
@@ -58,7 +53,6 @@ NOT_RUN = ("not run", "stopped before this method")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _selection_arguments(parser)
     _measurement_arguments(parser)
-    _batch_search_arguments(parser)
     _time_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -94,21 +88,6 @@ def _selection_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _batch_search_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--cap-gb", type=float, help="search the largest batch whose step fits in this many GB"
-    )
-    parser.add_argument(
-        "--search-methods", nargs="+", metavar="NAME", help="methods to search (default: all run)"
-    )
-    parser.add_argument("--max-probes", type=int, default=6, help="probes per batch search")
-    parser.add_argument(
-        "--search-time",
-        type=float,
-        help="seconds of --time-limit kept for the batch search (default: a quarter)",
-    )
-
-
 def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument(
@@ -134,7 +113,7 @@ def _time_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-limit", type=float, help="seconds; methods not started by then are skipped"
     )
     parser.add_argument(
-        "--method-timeout", type=float, help="seconds one method (or probe) may take"
+        "--method-timeout", type=float, help="seconds one method may take"
     )
     parser.add_argument(
         "--workload-time",
@@ -208,7 +187,7 @@ def _not_run(workload: str, method: str, status: str, error: str) -> dict[str, A
 
 @dataclass(kw_only=True, slots=True)
 class _WorkerSettings:
-    """How the workers of one phase (precompile, timed run, probes) run."""
+    """How the workers of one phase (precompile, timed run) run."""
 
     steps: int
     warmup: int
@@ -391,59 +370,6 @@ class _Bench:
             }
             return {futures[f]: f.result()[0] for f in concurrent.futures.as_completed(futures)}
 
-    def probe(
-        self, workload: str, method: str, batch: int, cap_bytes: int, settings: _WorkerSettings
-    ) -> dict[str, Any]:
-        with open(self.logs / f"{workload}.{settings.name}.log", "a") as log:
-            cmd = self.worker_cmd(
-                workload, [method], settings, batch=batch, probe_cap_bytes=cap_bytes
-            )
-            worker = _Worker(cmd, log, settings.env)
-            try:
-                while (record := worker.next(self._timeout(settings))) is not None:
-                    if record.pop("kind") == "probe":
-                        return record
-            except queue.Empty:
-                if settings.kill_at is not None and time.time() >= settings.kill_at:
-                    raise TimeoutError from None  # unknown, not "does not fit"
-                return {"batch": batch, "fits": False, "error": "probe timed out"}
-            finally:
-                worker.stop()
-        return {"batch": batch, "fits": False, "error": "probe worker exited"}
-
-    def search(
-        self, workload: str, result: dict[str, Any], cap_bytes: int, deadline: float | None
-    ) -> dict[str, Any]:
-        """The largest batch of ``result``'s method under ``cap_bytes``, from a guess
-        extrapolated from its measured peak (parameters and gradients held fixed)."""
-        settings = _WorkerSettings(name="probes", deadline=None, kill_at=deadline, **_PROBE_STEPS)
-        found = BatchSearch()
-        records: list[dict[str, Any]] = []
-
-        def fits(batch: int) -> tuple[bool, int | None]:
-            if deadline is not None and time.time() > deadline:
-                raise TimeoutError
-            records.append(self.probe(workload, result["method"], batch, cap_bytes, settings))
-            return bool(records[-1]["fits"]), records[-1].get("peak_bytes")
-
-        guess = guess_batch(
-            batch=result["batch"],
-            peak_bytes=result["peak_bytes"],
-            fixed_bytes=2 * result["param_bytes"],
-            cap_bytes=cap_bytes,
-        )
-        note = None
-        try:
-            found = search_max_batch(
-                fits, guess=guess, max_probes=self.args.max_probes, cap_bytes=cap_bytes
-            )
-        except TimeoutError:
-            # What the probes so far showed still stands.
-            for record in records:
-                found.record(record["batch"], bool(record["fits"]), record.get("peak_bytes"))
-            note = "time limit reached"
-        return found.to_dict() | {"guess": guess, "probe_records": records, "note": note}
-
 
 def _command_line(args: argparse.Namespace) -> str:
     script = SUITES[args.suite].script
@@ -452,12 +378,10 @@ def _command_line(args: argparse.Namespace) -> str:
         parts = ["python", f"{script.parent.name}/{script.name}"]
     if args.suite != "planner" and script is None:
         parts += ["--suite", args.suite]
-    for key in ("workloads", "methods", "search_methods"):
+    for key in ("workloads", "methods"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", *getattr(args, key)]
-    keys = ("limit", "dtype", "cap_gb", "steps", "warmup", "backend", "device", "time_limit")
-    if args.cap_gb:
-        keys += ("max_probes", "search_time")
+    keys = ("limit", "dtype", "steps", "warmup", "backend", "device", "time_limit")
     for key in (*keys, "method_timeout", "workload_time", "jobs", "precompile_jobs"):
         if getattr(args, key):
             parts += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -583,7 +507,6 @@ def _select(args: argparse.Namespace) -> tuple[Suite, dict[str, list[str]]]:
         names = names[: args.limit]
     requested = _names(args.methods)
     _check(requested, METHODS, "method")
-    _check(_names(args.search_methods), METHODS, "method")
     plan = {}
     for name in names:
         workload = WORKLOADS[name]
@@ -609,7 +532,6 @@ def _document(args: argparse.Namespace, bench: _Bench, suite: Suite) -> dict[str
             "warmup": bench.warmup,
             "backend": bench.backend,
             "quick": args.quick,
-            "cap_gb": args.cap_gb,
             "jobs": args.jobs,
             "precompile_jobs": args.precompile_jobs,
         },
@@ -680,25 +602,6 @@ def _timed_runs(bench: _Bench, progress: _Progress, timed_end: float | None) -> 
     with bar, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for future in [pool.submit(one, name, methods) for name, methods in plan.items()]:
             future.result()
-
-
-def _batch_searches(bench: _Bench, progress: _Progress, end: float | None) -> None:
-    args, doc = bench.args, progress.doc
-    cap_bytes = int(args.cap_gb * 1e9)
-    search_methods = _names(args.search_methods)
-    targets = [
-        (name, m)
-        for name, w in doc["workloads"].items()
-        for m in w["methods"]
-        if m["status"] == "ok" and (search_methods is None or m["method"] in search_methods)
-    ]
-    with tqdm(targets, unit="search", disable=args.no_progress, file=sys.stderr) as bar:
-        for name, m in bar:
-            bar.set_description(f"max batch {name} / {m['method']}")
-            found = bench.search(name, m, cap_bytes, end)
-            with progress.lock:
-                m["max_batch"] = found
-                progress.save()
 
 
 def _list_suites() -> int:
@@ -779,26 +682,21 @@ def _stop_on_signals(bench: _Bench) -> Iterator[None]:
 
 
 def _phases(bench: _Bench, progress: _Progress, start: float) -> None:
-    """Pre-compiling, the timed runs, the batch searches."""
+    """Pre-compiling, then the timed runs."""
     args = bench.args
-    # With --time-limit: the batch search keeps --search-time, pre-compiling may
-    # take up to 40% of the rest, and each workload a fair share of what is left.
+    # With --time-limit: pre-compiling may take up to 40% of it, and each workload a
+    # fair share of what is left.
     end = start + args.time_limit if args.time_limit else None
-    timed_end = end
-    if end is not None and args.cap_gb:
-        timed_end = end - (args.search_time or _SEARCH_SHARE * args.time_limit)
     if args.precompile_jobs:
-        warm_end = None if timed_end is None else start + _PRECOMPILE_SHARE * (timed_end - start)
+        warm_end = None if end is None else start + _PRECOMPILE_SHARE * (end - start)
         progress.cold = bench.precompile(progress.plan, args.precompile_jobs, warm_end)
-    _timed_runs(bench, progress, timed_end)
-    if args.cap_gb:
-        _batch_searches(bench, progress, end)
+    _timed_runs(bench, progress, end)
     progress.doc["env"] = bench.env
 
 
 # The smallest value of each count option, and the options that must be finite and > 0.
-_COUNTS = {"steps": 1, "warmup": 1, "jobs": 1, "limit": 1, "max_probes": 1, "precompile_jobs": 0}
-_POSITIVE = ("cap_gb", "time_limit", "method_timeout", "workload_time", "search_time")
+_COUNTS = {"steps": 1, "warmup": 1, "jobs": 1, "limit": 1, "precompile_jobs": 0}
+_POSITIVE = ("time_limit", "method_timeout", "workload_time")
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

@@ -55,15 +55,6 @@ def _mib(value: int | None) -> str:
     return format_bytes(value, "MiB")
 
 
-def _max_batch(m: dict[str, Any]) -> str:
-    search = m.get("max_batch")
-    if not search:
-        return "—"
-    if search["largest_fit"] is None:
-        return "none"
-    return f"{search['largest_fit']}" if search["exact"] else f"≥{search['largest_fit']}"
-
-
 def _compile_time(m: dict[str, Any]) -> str:
     """Seconds of the first call beyond a step; "warm / cold" after --precompile-jobs."""
     if m.get("compile_s") is None:
@@ -114,8 +105,6 @@ def _columns(methods: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[s
         cols.append(("grad error", _grads))
     if any(m.get("compile_s") is not None for m in methods):
         cols.append(("compile s", _compile_time))
-    if any(m.get("max_batch") for m in methods):
-        cols.append(("max batch", _max_batch))
     return cols
 
 
@@ -173,7 +162,6 @@ def markdown(doc: dict[str, Any], lead: str = "", lead_only: bool = False) -> st
         f"Triton {env.get('triton')}; commit {doc.get('git_commit')}.",
         f"dtype {options['dtype']}, {options['warmup']} warm-up + {options['steps']} timed "
         f"steps per method, backend {options['backend']}"
-        + (f", batch cap {options['cap_gb']} GB" if options.get("cap_gb") else "")
         + f". Peak memory: {_peak_source(doc)}."
         + (
             f" compile s: warm / cold; the cold compiles ran {options['precompile_jobs']} at a "
@@ -271,29 +259,9 @@ def _ratio_plot(doc: dict[str, Any], measured: dict[str, list], out_dir: Path, p
     return path
 
 
-def _max_batch_plot(
-    doc: dict[str, Any], searched: dict[str, list], out_dir: Path, plt: Any
-) -> Path:
-    """``max_batch.png``: the largest batch under the cap, per method."""
-    fig, axes = plt.subplots(len(searched), 1, figsize=(8, 3 * len(searched)), squeeze=False)
-    for ax, (name, ms) in zip(axes[:, 0], searched.items()):
-        labels = [m["method"] for m in ms]
-        values = [m["max_batch"]["largest_fit"] for m in ms]
-        ax.bar(labels, values)
-        ax.set_title(f"{name}: largest batch under {doc['options']['cap_gb']} GB", fontsize=10)
-        ax.set_ylabel("batch")
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.tight_layout()
-    path = out_dir / "max_batch.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
-    labelled point per method (``ratios.png`` with more than a dozen workloads);
-    ``max_batch.png``: the largest batch per method."""
+    labelled point per method (``ratios.png`` with more than a dozen workloads)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -331,14 +299,6 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
-
-    searched = {
-        name: [m for m in w["methods"] if (m.get("max_batch") or {}).get("largest_fit")]
-        for name, w in doc["workloads"].items()
-    }
-    searched = {name: ms for name, ms in searched.items() if ms}
-    if searched:
-        written.append(_max_batch_plot(doc, searched, out_dir, plt))
     return written
 
 

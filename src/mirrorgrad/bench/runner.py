@@ -1,7 +1,7 @@
 """Measure methods on one workload, in this process: the worker behind `mirrorgrad bench`.
 
-`mirrorgrad bench` starts ``python -m mirrorgrad.bench.runner`` once per workload (and
-once per batch-size probe) so every workload starts with fresh allocator state.
+`mirrorgrad bench` starts ``python -m mirrorgrad.bench.runner`` once per workload, so
+every workload starts with fresh allocator state.
 Inside, methods run one after another on a freshly built, identically seeded model,
 with the allocator emptied and its peak reset between them. Each result is printed
 as one ``@@mirrorgrad {json}`` line on stdout as soon as it is known.
@@ -454,40 +454,6 @@ class _MirrorgradWarnings:
                 setattr(self.result, field_name, _short_error(w.message).split(": ", 1)[1])
 
 
-@dataclass(kw_only=True, slots=True)
-class ProbeResult:
-    batch: int
-    fits: bool
-    peak_bytes: int | None = None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def probe(workload: Workload, method: Method, opts: RunOptions, cap_bytes: int) -> ProbeResult:
-    """Does one step of ``method`` at ``opts.batch`` fit under ``cap_bytes``?
-
-    On a GPU the allocator itself is capped, so the probe fails the way training
-    would; on the CPU the estimated peak stands in for a memory limit.
-    """
-    assert opts.batch is not None
-    device = opts.device
-    if device.startswith("cuda"):
-        # The memory-fraction call wants an index: "cuda" alone is rejected.
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
-    result = measure(workload, method, dataclasses.replace(opts, deadline=None))
-    if result.status != "ok":
-        return ProbeResult(batch=opts.batch, fits=False, error=result.error)
-    assert result.peak_bytes is not None
-    return ProbeResult(
-        batch=opts.batch, fits=result.peak_bytes <= cap_bytes, peak_bytes=result.peak_bytes
-    )
-
-
 def _emit(record: dict[str, Any]) -> None:
     print(MARKER + json.dumps(_finite(record), allow_nan=False), flush=True)
 
@@ -537,9 +503,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--deadline", type=float, default=None)
-    parser.add_argument("--probe-cap-bytes", type=int, default=None)
     parser.add_argument(
         "--grads-file", type=Path, default=None, help="compare gradients with the reference's"
     )
@@ -554,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda"):
         # Same for every method; TF32 GEMMs are what anyone training in fp32 would use.
         torch.set_float32_matmul_precision("high")
-    given = ("dtype", "steps", "warmup", "quick", "backend", "batch", "deadline", "profile_dir")
+    given = ("dtype", "steps", "warmup", "quick", "backend", "deadline", "profile_dir")
     opts = RunOptions(device=device, **{name: getattr(args, name) for name in given})
     workload = get_workload(args.workload)
     methods = [get_method(name) for name in args.methods.split(",") if name]
@@ -570,12 +534,6 @@ def main(argv: list[str] | None = None) -> int:
             # with warm Inductor caches every method's compile time counts the same
             # stages: mirrorgrad.compile turns this cache off for its own compiles.
             stack.enter_context(_compat.without_autograd_cache())
-        if args.probe_cap_bytes is not None:
-            if len(methods) != 1 or args.batch is None:
-                parser.error("a probe takes exactly one method and --batch")
-            found = probe(workload, methods[0], opts, args.probe_cap_bytes)
-            _emit({"kind": "probe", **found.to_dict()})
-            return 0
         for method in methods:
             _emit({"kind": "result", **measure(workload, method, opts, grads).to_dict()})
     return 0

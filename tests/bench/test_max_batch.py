@@ -1,8 +1,14 @@
-"""The batch-size search against a fake memory limit (a pure function)."""
+"""benchmarks/max_batch.py: the search against a fake memory limit (a pure function), and
+the script end to end on the CPU (the estimated peak held against the cap)."""
+
+import json
+import subprocess
+import sys
 
 import pytest
-
-from mirrorgrad.bench.search import guess_batch, search_max_batch
+import torch
+from benchmarks import max_batch
+from benchmarks.max_batch import guess_batch, search_max_batch
 
 
 def _fake_limit(largest: int, calls: list[int]):
@@ -106,3 +112,46 @@ def test_a_bad_prediction_still_converges():
 
     found = search_max_batch(fits, guess=3, max_probes=64, cap_bytes=cap)
     assert found.exact and found.largest_fit == 100
+
+
+def test_the_script_probes_in_processes_and_finds_the_largest_batch(tmp_path):
+    cap_gb = 0.00005
+    argv = [sys.executable, max_batch.__file__, "--quick", "--backend", "eager", "--cap-gb"]
+    argv += [str(cap_gb), "--workloads", "mlp", "--methods", "eager", "--max-probes", "3"]
+    done = subprocess.run([*argv, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "max_batch.json").read_text())["results"]
+    records = row["probe_records"]
+    assert len(records) == 1 + len(row["probes"]) - 1  # the first probe is recorded too
+    for record in records:
+        # A batch fits exactly when its estimated peak is under the cap.
+        assert record["fits"] == (record["peak_bytes"] <= cap_gb * 1e9)
+    fits = [b for b, ok in row["probes"] if ok]
+    assert row["largest_fit"] == max(fits) and row["largest_fit"] > records[0]["batch"]
+    assert "| mlp | eager | " in done.stdout
+
+
+@pytest.mark.parametrize(
+    "argument, says",
+    [
+        (["--cap-gb", "nan"], "--cap-gb must be a finite number > 0, got nan"),
+        (["--cap-gb", "1", "--max-probes", "0"], "--max-probes must be >= 1, got 0"),
+        (["--cap-gb", "1", "--workloads", "nope"], "unknown workload nope"),
+        (["--cap-gb", "1"], "name at least one workload"),
+    ],
+)
+def test_the_script_refuses_bad_input(argument, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        max_batch.main(argument)
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_probe_fits_under_a_large_cap():
+    from mirrorgrad.bench.runner import RunOptions
+
+    opts = RunOptions(quick=True, steps=1, warmup=1, backend="eager", device="cuda", batch=4)
+    assert max_batch.probe("mlp", "eager", opts, cap_bytes=10**9)["fits"]
+    torch.cuda.set_per_process_memory_fraction(1.0)
