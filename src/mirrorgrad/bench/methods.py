@@ -166,8 +166,14 @@ def _registry() -> dict[str, Method]:
     methods = {m.name: m for m in bases}
     for m in bases:
         name = f"{m.name}+mgnn"
+        # mirrorgrad.nn's Triton kernels compile at the first call: --precompile-jobs
+        # warms their cache too.
         methods[name] = dataclasses.replace(
-            m, name=name, description=m.description + ", mirrorgrad.nn RNNs", swap_rnn=True
+            m,
+            name=name,
+            description=m.description + ", mirrorgrad.nn RNNs",
+            swap_rnn=True,
+            compiles=True,
         )
     return methods
 

@@ -155,7 +155,7 @@ def module_methods() -> list[Method]:
                     description=f"mirrorgrad.nn RNNs with impl={impl!r}"
                     + (", the whole step in one CUDA Graph" if graphed else ""),
                     wrap=use_module({"impl": impl}),
-                    compiles=False,
+                    compiles=True,  # Triton kernels at the first call
                     cuda_graph=graphed,
                 )
             )
