@@ -3,10 +3,12 @@
 Every suite runs through the same harness (runner, command, report): ``planner`` is the
 recompute planner against PyTorch's options; ``rnn-modules`` the recurrent layers alone,
 cuDNN against mirrorgrad.nn, plain and in one CUDA Graph; ``word-lm`` PyTorch's
-word_language_model step against `mirrorgrad train lm`'s. The planner frontier (our plans
-against min-cut's on the joint graph, no training step) is ``python -m
-mirrorgrad.bench.frontier``. Studies in the repository's ``benchmarks/`` folder add their
-own suites with `register` and run them through the same harness.
+word_language_model step against `mirrorgrad train lm`'s. Two tables are scripts of
+their own, not harness suites: the LM-step table (the step as users run each option,
+``python -m mirrorgrad.bench.lm_step``) and the planner frontier (our plans against
+min-cut's on the joint graph, no training step: ``python -m mirrorgrad.bench.frontier``).
+Studies in the repository's ``benchmarks/`` folder add their own suites with `register`
+and run them through the same harness.
 """
 
 from __future__ import annotations

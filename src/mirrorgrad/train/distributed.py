@@ -4,7 +4,7 @@ A single process (no ``WORLD_SIZE`` in the environment) takes the same code path
 every collective here is the identity when the world has one rank.
 
 How the gradients meet (``MIRRORGRAD_DATA_PARALLEL``, an internal switch for the
-benchmark ``mirrorgrad.bench.ddp_scaling``; the default is the one measured fastest):
+benchmark ``benchmarks/ddp_scaling.py``; the default is the one measured fastest):
 
 - ``allreduce`` (default): the plain model is compiled exactly as on one GPU (whole-step
   CUDA Graphs), and after the backward each gradient is averaged in place by
