@@ -205,8 +205,12 @@ def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple, workload: 
     return step
 
 
-def _graphed(step: Any) -> Any:
-    """``step`` captured whole in one CUDA Graph on its first call, replayed after."""
+def _graphed(step: Any, device: str) -> Any:
+    """``step`` captured whole in one CUDA Graph on its first call, replayed after.
+
+    The peak is reset between the eager warm-ups and the recording, so the first call's
+    peak is the graph's (what its replays use), not the warm-ups' (``impl="auto"`` times
+    its candidates in the first one)."""
     captured: list[Any] = []
 
     def capture() -> torch.Tensor:
@@ -216,6 +220,8 @@ def _graphed(step: Any) -> Any:
             for _ in range(3):  # warm-up outside the graph: kernels built, caches filled
                 step()
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = step()
@@ -308,7 +314,7 @@ def _prepare(
         step_fn = method.prepare(built.model, blocks=built.blocks, backend=opts.backend)
         step = _make_step(step_fn, built.model, batch, workload)
     if method.cuda_graph:
-        step = _graphed(step)
+        step = _graphed(step, opts.device)
     return built, batch, step_fn, step
 
 
