@@ -3,20 +3,20 @@
 # 10-minute device command (each part stops itself by ~9 minutes; what did not fit is
 # recorded as skipped, never silently dropped):
 #
-#   bash src/mirrorgrad/bench/gpu_suite.sh 1   # planner zoo: transformer
-#   bash src/mirrorgrad/bench/gpu_suite.sh 2   # planner zoo: mlp, resnet50, nmt-attention
-#   bash src/mirrorgrad/bench/gpu_suite.sh 3   # recurrent workloads (lstm-lm-medium,
-#                                              # deepspeech2, nmt-attention, lstm-lm-large)
-#                                              # with torch.nn vs mirrorgrad.nn RNNs
-#   bash src/mirrorgrad/bench/gpu_suite.sh 4   # largest batch under 4 GB
-#   bash src/mirrorgrad/bench/gpu_suite.sh 5   # rnn-kernels suite, LSTM + GRU fp32 (issue 16)
-#   bash src/mirrorgrad/bench/gpu_suite.sh 6   # rnn-kernels suite, LSTM + GRU bf16 (issue 16)
-#   bash src/mirrorgrad/bench/gpu_suite.sh 7   # zoo sweep of public models (issue 18)
-#   bash src/mirrorgrad/bench/gpu_suite.sh 8   # word-lm: PyTorch's example vs train lm (issue 14)
-#   bash src/mirrorgrad/bench/gpu_suite.sh 9   # rnn-kernels suite, RNN-tanh fp32 and bf16
+#   bash benchmarks/gpu_suite.sh 1   # planner suite: transformer
+#   bash benchmarks/gpu_suite.sh 2   # planner suite: mlp, resnet50, nmt-attention
+#   bash benchmarks/gpu_suite.sh 3   # recurrent workloads (lstm-lm-medium, deepspeech2,
+#                                    # nmt-attention, lstm-lm-large) with torch.nn vs
+#                                    # mirrorgrad.nn RNNs
+#   bash benchmarks/gpu_suite.sh 4   # largest batch under 4 GB (benchmarks/max_batch.py)
+#   bash benchmarks/gpu_suite.sh 5   # rnn-modules suite (the module table), fp32
+#   bash benchmarks/gpu_suite.sh 6   # rnn-modules suite (the module table), bf16
+#   bash benchmarks/gpu_suite.sh 7   # zoo sweep of public models (benchmarks/zoo_sweep.py)
+#   bash benchmarks/gpu_suite.sh 8   # word-lm: PyTorch's example vs train lm
+#   bash benchmarks/gpu_suite.sh 9   # the op's kernels without the module, fp32 and bf16
 #
-# Results go to $OUT/partN (results.json, results.md, peak_vs_time.png, max_batch.png,
-# logs.tar.gz); the markdown tables are printed last. Redraw a report elsewhere with
+# Results go to $OUT/partN (results.json, results.md, the plots, logs.tar.gz); the
+# markdown tables are printed last. Redraw a report elsewhere with
 # `mirrorgrad bench --from-json results.json --out DIR`.
 #
 # Time budget per part: every compiling method is first compiled 8 processes at a
@@ -25,7 +25,7 @@
 # per workload, with the caches warm. Each workload gets a fair share of the time left.
 set -euo pipefail
 part=${1:?usage: gpu_suite.sh 1|2|3|4|5|6|7|8|9}
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 out=${OUT:-bench-results}/part$part
@@ -37,19 +37,15 @@ common=(--no-progress --precompile-jobs 8 --method-timeout 300 --steps 40 --warm
 zoo_methods=(eager compile mirror-balance compile-budget-0.5 mirror-budget-0.5
     compile-budget-0.1 mirror-budget-0.3 checkpoint)
 bench() { "$py" -m mirrorgrad bench "${common[@]}" "$@"; }
-# rnn_suite DTYPE OUT PATTERN... [--time-limit S]: the rnn-kernels suite, one process per shape.
-rnn_suite() {
-    local dtype=$1 dest=$2
-    shift 2
-    "$py" -m mirrorgrad bench --suite rnn-kernels --dtype "$dtype" --no-progress --steps 20 \
-        --warmup 3 --time-limit 540 --workload-time 30 --method-timeout 60 --out "$dest" \
-        --methods eager cuda-graph eager+mgnn cuda-graph+mgnn kernel-auto --workloads "$@"
+# kernels DTYPE OUT: the op's kernels without the module, one process per shape.
+kernels() {
+    "$py" benchmarks/rnn_kernels.py --dtype "$1" --no-progress --steps 20 --warmup 3 \
+        --time-limit 260 --workload-time 20 --method-timeout 60 --out "$2"
 }
 
 case "$part" in
 1)
-    # Issue 2's measurement: every torch.compile budget and every mirror mode. The
-    # Transformer alone: its cold compiles (the budgets' knapsack) take minutes.
+    # Every torch.compile budget and every mirror mode. The Transformer alone: its cold compiles (the budgets' knapsack) take minutes.
     bench --time-limit 530 --out "$work/zoo-transformer" --workloads transformer \
         --methods "${zoo_methods[@]}"
     runs=(zoo-transformer)
@@ -74,30 +70,33 @@ case "$part" in
     runs=(rnn)
     ;;
 4)
-    # The largest batch under 4 GB for the methods that do not compile (each probe
+    # The largest batch under 4 GB for methods without an Inductor compile (each probe
     # is a fresh process; a compiling probe would be a cold compile at a new shape).
-    bench --time-limit 380 --out "$work/batch" --workloads lstm-lm-large deepspeech2 \
-        --methods eager eager+mgnn checkpoint --steps 5 \
-        --cap-gb 4 --search-time 300 --max-probes 3 --search-methods eager eager+mgnn checkpoint
+    # max_batch.json is rewritten after each search: what finished stands at a timeout.
+    timeout 540 "$py" benchmarks/max_batch.py --cap-gb 4 --max-probes 3 \
+        --workloads lstm-lm-large deepspeech2 --methods eager eager+mgnn checkpoint \
+        --probe-timeout 120 --out "$work/batch" || true
     runs=(batch)
     ;;
 5 | 6)
-    # Module level first (torch.nn = cuDNN, cuDNN in one CUDA Graph, mirrorgrad.nn), the
-    # op's kernels beside: LSTM and GRU at every shape of issues 3 and 16.
+    # torch.nn (cuDNN) and mirrorgrad.nn, plain and in one CUDA Graph, LSTM, GRU and
+    # RNN-tanh at seven shapes; Triton kernels compiled first, 8 processes at a time.
     dtype=$([ "$part" = 5 ] && echo fp32 || echo bf16)
-    rnn_suite "$dtype" "$work/rnn-kernels-$dtype" 'rnn-lstm-*' 'rnn-gru-*'
-    runs=("rnn-kernels-$dtype")
+    "$py" -m mirrorgrad bench --suite rnn-modules --dtype "$dtype" --no-progress --steps 20 \
+        --warmup 3 --precompile-jobs 8 --time-limit 540 --method-timeout 90 \
+        --out "$work/rnn-modules-$dtype"
+    runs=("rnn-modules-$dtype")
     ;;
 9)
-    # RNN-tanh, fp32 then bf16 (half the time each).
-    rnn_suite fp32 "$work/rnn-tanh-fp32" 'rnn-rnn_tanh-*' --time-limit 260
-    rnn_suite bf16 "$work/rnn-tanh-bf16" 'rnn-rnn_tanh-*' --time-limit 260
-    runs=(rnn-tanh-fp32 rnn-tanh-bf16)
+    # fp32 then bf16 (half the time each).
+    kernels fp32 "$work/rnn-kernels-fp32"
+    kernels bf16 "$work/rnn-kernels-bf16"
+    runs=(rnn-kernels-fp32 rnn-kernels-bf16)
     ;;
 7)
     # Every installed model family through eager, torch.compile and the planner's modes,
     # 12 models at a time (peaks and gradients exact; times share the GPU: indicative).
-    "$py" -m mirrorgrad bench --suite zoo-sweep --no-progress --jobs 12 --steps 3 \
+    "$py" benchmarks/zoo_sweep.py --no-progress --jobs 12 --steps 3 \
         --warmup 1 --time-limit 500 --workload-time 150 --method-timeout 120 \
         --out "$work/zoo-sweep"
     runs=(zoo-sweep)
@@ -114,14 +113,15 @@ case "$part" in
     ;;
 esac
 
-# At most 8 files come back from a device command: results, one figure each, logs.
+# Results, the figures and the logs come back from a device command.
 for run in "${runs[@]}"; do
-    for f in results.json results.md peak_vs_time.png max_batch.png ratios.png; do
+    for f in results.json results.md peak_vs_time.png ratios.png module_table.csv \
+        module_speedups.png max_batch.json; do
         if [ -f "$work/$run/$f" ]; then cp "$work/$run/$f" "$out/$run.$f"; fi
     done
 done
 tar -czf "$out/logs.tar.gz" -C "$work" .
 for run in "${runs[@]}"; do
     echo
-    cat "$work/$run/results.md"
+    if [ -f "$work/$run/results.md" ]; then cat "$work/$run/results.md"; fi
 done
