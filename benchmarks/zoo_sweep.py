@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mirrorgrad.bench.command import run_script_suite
-from mirrorgrad.bench.suite_tables import x_ratio
+from mirrorgrad.bench.suite_tables import methods_of, x_ratio
 from mirrorgrad.bench.suites import Suite
 from mirrorgrad.bench.workloads import Workload
 
@@ -569,12 +569,6 @@ METHODS = ("eager", "compile", "mirror-balance", "mirror-budget-0.5", "mirror-bu
 # ---- the report's table: ok / fallback / failed per model and mode --------------------
 
 
-def _methods(doc: dict[str, Any]) -> list[str]:
-    """Every method of the document, in the order first seen."""
-    return list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
-                              for m in w["methods"]))  # fmt: skip
-
-
 def _zoo_cell(m: dict[str, Any]) -> str:
     if m["status"] == "skipped":
         return "skipped"
@@ -586,7 +580,7 @@ def _zoo_cell(m: dict[str, Any]) -> str:
 
 
 def zoo_table(doc: dict[str, Any]) -> str:
-    methods = _methods(doc)
+    methods = methods_of(doc)
     mirror = [m for m in methods if m.startswith("mirror-")]
     head = ["model", *methods]
     for m in mirror:

@@ -129,6 +129,9 @@ def test_module_rows_set_each_method_against_graphed_cudnn():
     assert lstm["wrong gradients"] == ["cuda-graph+mgnn"]
     assert lstm["not measured"] == {"cuda-graph+mgnn-cudnn": "OOM"}
     assert gru["mgnn auto graphed ms"] is None and gru["best fixed impl"] is None
+    # Every graphed implementation's numbers, the same keys in every row (the CSV's columns).
+    assert lstm["graphed persistent ms"] == 1.25 and lstm["graphed cudnn ms"] is None
+    assert lstm.keys() == gru.keys()
 
 
 def test_module_table_rows_geomeans_and_what_was_not_measured():

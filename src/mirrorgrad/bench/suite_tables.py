@@ -28,6 +28,12 @@ def _speedup(base: dict | None, m: dict | None) -> float | None:
     return base["median_ms"] / m["median_ms"] if base and m else None
 
 
+def methods_of(doc: dict[str, Any]) -> list[str]:
+    """Every method of the document, in the order first seen."""
+    return list(dict.fromkeys(m["method"] for w in doc["workloads"].values()
+                              for m in w["methods"]))  # fmt: skip
+
+
 # The module table's columns: (header, method); the best fixed implementation is added.
 MODULE_COLUMNS = (
     ("cuDNN", "eager"),
@@ -41,7 +47,9 @@ _GRAPHED_IMPL = "cuda-graph+mgnn-"
 def module_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per workload: each column's ms and peak bytes (None where not measured),
     the fastest graphed fixed implementation, and speedups and peaks over graphed cuDNN
-    (speedup = graphed cuDNN's ms / the method's: above 1 is faster)."""
+    (speedup = graphed cuDNN's ms / the method's: above 1 is faster); then each graphed
+    fixed implementation's ms and peak."""
+    impl_names = [n for n in methods_of(doc) if n.startswith(_GRAPHED_IMPL)]
     rows = []
     for name, w in doc["workloads"].items():
         ok = _ok(w)
@@ -58,6 +66,10 @@ def module_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{header} peak ratio"] = peak_ratio
         row["best fixed impl"] = None if best is None else best["method"][len(_GRAPHED_IMPL) :]
         row["wrong gradients"] = [n for n, m in ok.items() if m.get("grads_ok") is False]
+        for n in impl_names:
+            impl = n[len(_GRAPHED_IMPL) :]
+            row[f"graphed {impl} ms"] = ok[n]["median_ms"] if n in ok else None
+            row[f"graphed {impl} peak bytes"] = ok[n]["peak_bytes"] if n in ok else None
         row["not measured"] = {m["method"]: m["error"] for m in w["methods"] if m["status"] != "ok"}
         rows.append(row)
     return rows
