@@ -36,6 +36,7 @@ from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.methods import Backend, Method, StepFn
 from mirrorgrad.bench.suites import get_method, get_workload
 from mirrorgrad.bench.workloads import Built, Workload
+from mirrorgrad.nn import dispatch_as_captured
 
 MARKER = "@@mirrorgrad "
 # Exit code after a method left the CUDA context unusable (its result was reported).
@@ -216,15 +217,17 @@ def _graphed(step: Any, device: str) -> Any:
     def capture() -> torch.Tensor:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm-up outside the graph: kernels built, caches filled
+        # Warm-up outside the graph (kernels built, caches filled; impl="auto" times its
+        # candidates captured, as this step runs), on the stream the capture uses.
+        with torch.cuda.stream(stream), dispatch_as_captured():
+            for _ in range(3):
                 step()
-        torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             loss = step()
+        torch.cuda.current_stream().wait_stream(stream)
         captured.append((graph, loss))
         return loss
 
