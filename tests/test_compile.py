@@ -15,7 +15,7 @@ from tests.zoo import ZOO, build, loss_of
 
 import mirrorgrad
 from mirrorgrad import _compat
-from mirrorgrad.mirror import budget_search as budget_search_module
+from mirrorgrad.mirror import planner as planner_module
 from mirrorgrad.mirror.partition import MirrorgradFallbackWarning
 
 MODES = [
@@ -196,7 +196,7 @@ def test_planner_failure_warns_once_and_falls_back(monkeypatch):
     def broken_plan(joint, options, **kwargs):
         raise RuntimeError("injected planner failure")
 
-    monkeypatch.setattr(budget_search_module, "plan", broken_plan)
+    monkeypatch.setattr(planner_module, "plan", broken_plan)
     reference, model, compiled, inputs = compiled_twin("mlp", mode="balance")
     with pytest.warns(MirrorgradFallbackWarning) as record:
         step(compiled, inputs)

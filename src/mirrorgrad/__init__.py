@@ -30,7 +30,7 @@ _LAZY = {
     "mark": ("mirrorgrad.mirror.policy", "mark"),
     "MirrorOptions": ("mirrorgrad.options", "MirrorOptions"),
     "MirrorgradFallbackWarning": ("mirrorgrad.mirror.partition", "MirrorgradFallbackWarning"),
-    "MirrorgradBudgetWarning": ("mirrorgrad.mirror.budget_search", "MirrorgradBudgetWarning"),
+    "MirrorgradBudgetWarning": ("mirrorgrad.mirror.plan", "MirrorgradBudgetWarning"),
     "nn": ("mirrorgrad.nn", None),
     "callbacks": ("mirrorgrad.callbacks", None),
 }

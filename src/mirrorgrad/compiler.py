@@ -24,7 +24,6 @@ from torch import nn
 from torch.fx import GraphModule
 
 from mirrorgrad import _compat
-from mirrorgrad.mirror.budget_search import Plan, PlanOptions
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
@@ -32,6 +31,7 @@ from mirrorgrad.mirror.partition import (
     PlannedGraphPass,
     partition,
 )
+from mirrorgrad.mirror.plan import Plan, PlanOptions
 from mirrorgrad.mirror.policy import policy_for
 from mirrorgrad.options import DEFAULT_MAX_OVERHEAD, MirrorOptions, Mode
 

@@ -13,7 +13,7 @@ from mirrorgrad import _compat
 from mirrorgrad.formulas import register_memory_formula
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import JointGraph
-from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, plan
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import LayerNormGeluLinear, joint_of

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mirrorgrad.graph import liveness
-from mirrorgrad.mirror.budget_search import partition_for
+from mirrorgrad.mirror.candidates import partition_for
 from mirrorgrad.mirror.policy import MirrorPolicy
 from mirrorgrad.mirror.storage_balance import UnitGraph
 

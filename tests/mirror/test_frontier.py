@@ -21,7 +21,7 @@ from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.graph.repeats import repeated_classes
-from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, plan
 from mirrorgrad.mirror.policy import MirrorPolicy
 from mirrorgrad.mirror.storage_balance import UnitGraph
 

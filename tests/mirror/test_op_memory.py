@@ -227,8 +227,7 @@ def test_the_ops_time_formula_lets_balance_recompute_what_the_measured_cost_allo
     (the op's time formula) says as much. Under a 15% cap balance now recomputes, as the
     measurement allows; by the roofline it kept stash."""
     from mirrorgrad import formulas
-    from mirrorgrad.mirror import op_memory
-    from mirrorgrad.mirror.budget_search import PlanOptions
+    from mirrorgrad.mirror import PlanOptions, op_memory
 
     timing = RESULTS / "h100-2026-11-23-s3" / "compiled-w2" / "op_memory_timing.json"
     medium = ("lstm", 2, 650, 20)

@@ -14,9 +14,9 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mirrorgrad import _compat
-from mirrorgrad.mirror import budget_search as budget_search_module
+from mirrorgrad.mirror import PlanOptions
 from mirrorgrad.mirror import partition as partition_module
-from mirrorgrad.mirror.budget_search import PlanOptions
+from mirrorgrad.mirror import planner as planner_module
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
@@ -115,14 +115,14 @@ def test_budget_mode_recomputes_the_cheap_chain_in_backward():
 
 def test_a_plan_that_recomputes_dropout_is_refused(monkeypatch):
     """A buggy plan leaving the dropout mask out of the stash must not reach training."""
-    real_plan = budget_search_module.plan
+    real_plan = planner_module.plan
 
     def forgetful_plan(joint, options, **kwargs):
         good = real_plan(joint, options, **kwargs)
         saved = [n for n in good.saved if not _reads_dropout(n)]
         return dataclasses.replace(good, saved=saved)
 
-    monkeypatch.setattr(budget_search_module, "plan", forgetful_plan)
+    monkeypatch.setattr(planner_module, "plan", forgetful_plan)
     fn, plans = ours(mode="off")
     with pytest.warns(MirrorgradFallbackWarning, match="random op"):
         out, grads, _ = run(fn)
@@ -143,7 +143,7 @@ def test_strict_raises_instead_of_falling_back(monkeypatch):
     def broken(joint, options, **kwargs):
         raise KeyError("no such node")
 
-    monkeypatch.setattr(budget_search_module, "plan", broken)
+    monkeypatch.setattr(planner_module, "plan", broken)
     fn = functools.partial(partition, options=PlanOptions(mode="balance"), strict=True)
     with pytest.raises(KeyError, match="no such node"):
         run(fn)
@@ -153,7 +153,7 @@ def test_fallback_warning_names_cause_and_dump(monkeypatch):
     def broken(joint, options, **kwargs):
         raise ValueError("unsupported op foo")
 
-    monkeypatch.setattr(budget_search_module, "plan", broken)
+    monkeypatch.setattr(planner_module, "plan", broken)
     fn = functools.partial(partition, options=PlanOptions(mode="balance"))
     with pytest.warns(MirrorgradFallbackWarning) as record:
         _, grads, _ = run(fn)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import fx
 
-from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, plan
 from mirrorgrad.mirror.policy import MirrorPolicy, mark, module_path, policy_for
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from mirrorgrad.graph.joint import op_name
-from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, plan
 from mirrorgrad.mirror.policy import MirrorPolicy
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 

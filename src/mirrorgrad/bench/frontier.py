@@ -35,7 +35,7 @@ from mirrorgrad import _compat
 from mirrorgrad.graph import fusion, liveness
 from mirrorgrad.graph.cost import H100, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
-from mirrorgrad.mirror.budget_search import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, plan
 from mirrorgrad.mirror.partition import remove_detaches
 from mirrorgrad.mirror.policy import is_random, op_name
 

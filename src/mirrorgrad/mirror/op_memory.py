@@ -2,7 +2,7 @@
 
 Inside a compiled graph, an RNN op built with ``memory="auto"`` reaches the joint graph
 with ``"auto"`` (``ops/rnn/dispatch.py``). ``plan_joint`` decides each such op together
-with the value plan (``budget_search.plan``), rewriting the joint graph for each
+with the value plan (``planner.plan``), rewriting the joint graph for each
 candidate: the forward and backward nodes' ``memory`` argument and the forward's
 ``saved`` outputs (their number and sizes change with the mode), so the value planner
 sees the saved values and the op's declared temporaries of that mode. An explicit
@@ -42,8 +42,15 @@ from mirrorgrad.formulas import time_formula
 from mirrorgrad.graph.cost import DeviceRates, op_cost, rates_for
 from mirrorgrad.graph.held import held_bytes
 from mirrorgrad.graph.joint import JointGraph, fake_value
-from mirrorgrad.mirror import budget_search
-from mirrorgrad.mirror.budget_search import Plan, PlanOptions
+from mirrorgrad.mirror import budget_search, planner
+from mirrorgrad.mirror.plan import (
+    BUDGET_TOLERANCE,
+    BudgetScale,
+    MirrorgradBudgetWarning,
+    Plan,
+    PlanOptions,
+    budget_message,
+)
 from mirrorgrad.mirror.policy import MirrorPolicy, module_path
 from mirrorgrad.ops.rnn import op as rnn_op
 from mirrorgrad.ops.rnn.cells import GATES
@@ -134,7 +141,7 @@ def plan_joint(
 
     def planned(k: int, inner: PlanOptions) -> tuple[JointGraph, Plan]:
         graph = planned_graph(k)
-        return graph, budget_search.plan(graph, inner, warn=False)
+        return graph, planner.plan(graph, inner, warn=False)
 
     scale = None
     if options.mode == "budget" and isinstance(options.budget, float) and free:
@@ -159,7 +166,7 @@ def plan_joint(
     result.held = held_bytes(joint)
     if result.budget_met is False:
         warnings.warn(
-            budget_search.budget_message(result), budget_search.MirrorgradBudgetWarning,
+            budget_message(result), MirrorgradBudgetWarning,
             stacklevel=3,
         )  # fmt: skip
     return joint, result
@@ -167,7 +174,7 @@ def plan_joint(
 
 def _scale_over_op_choices(
     options: PlanOptions, free: list[_Candidate], planned_graph
-) -> budget_search.BudgetScale:
+) -> BudgetScale:
     """A fraction's scale (``BudgetScale``) over the value plans of every op choice
     (k = 0, 1, ... ops recomputing, their time added): recomputing an op drops its
     stash, so the smallest stash, and what a fraction asks for, counts it."""
@@ -176,7 +183,7 @@ def _scale_over_op_choices(
         found, default = budget_search.budget_points(planned_graph(k), options)
         points += [(stash, peak, t + _op_seconds(free[:k])) for stash, peak, t in found]
         default_stash = default if default_stash is None else default_stash
-    return budget_search.BudgetScale.of(options.budget, points, default_stash)
+    return BudgetScale.of(options.budget, points, default_stash)
 
 
 def _op_seconds(recomputed: list[_Candidate]) -> float:
@@ -213,7 +220,7 @@ def _combined(chosen: Plan, base: Plan, recomputed: list[_Candidate], choices) -
     stashing, nothing mirrored), with the ops' recompute time and choices added."""
     met = None
     if base.budget_bytes is not None:
-        met = chosen.peak_after <= base.budget_bytes * (1 + budget_search.BUDGET_TOLERANCE)
+        met = chosen.peak_after <= base.budget_bytes * (1 + BUDGET_TOLERANCE)
     return dataclasses.replace(
         chosen,
         peak_before=base.peak_before,

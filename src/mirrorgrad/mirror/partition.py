@@ -25,9 +25,9 @@ from torch.fx import GraphModule, Node
 
 from mirrorgrad import _compat
 from mirrorgrad.graph.joint import is_getitem, is_view
-from mirrorgrad.mirror.budget_search import Plan, PlanOptions
 from mirrorgrad.mirror.late_gemm import PLANNED_BACKWARD, split_late_addmms
 from mirrorgrad.mirror.op_memory import plan_joint
+from mirrorgrad.mirror.plan import Plan, PlanOptions
 from mirrorgrad.mirror.policy import is_random, policy_for
 
 Partitioner = Callable[..., tuple[GraphModule, GraphModule]]
