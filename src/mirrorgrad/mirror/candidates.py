@@ -94,25 +94,40 @@ def partition_for(joint: JointGraph, graph: UnitGraph, mirror_units: set[Node]) 
     Walks back from what the backward nodes read: a value of a mirrored unit is
     recomputed (and what it reads is needed in turn); any other forward value, and
     every primal, is saved. Forward outputs are always saved: they are alive anyway.
+    Values the backward reads of units not mirrored are saved whatever the plan
+    (``_PartitionFacts.read_saved``): the walk starts at the mirrored units' only.
     """
     facts = _partition_facts(joint, graph)
-    saved, saved_sym, mirrored = set(), set(), set()
-    stack = list(facts.backward_reads)
+    kind, reads = facts.kind, facts.reads
+
+    def kept(v: Node) -> bool:
+        k = kind[v]
+        return k is _ALIVE or k not in mirror_units
+
+    for v in facts.read_tuples:
+        if kept(v):
+            raise PlanError(f"cannot save the tuple-valued node {v.name}")
+    stack = [v for u in mirror_units for v in facts.read_of_unit.get(u, ())]
+    saved = set(facts.read_saved)
+    saved.difference_update(stack)
+    saved_sym = set(facts.read_sym)
+    mirrored: set[Node] = set()
     while stack:
         v = stack.pop()
-        if v in saved or v in saved_sym or v in mirrored:
-            continue
-        kind = facts.kind[v]
-        if kind is _SYM:
-            saved_sym.add(v)
-            continue
-        if kind is _ALIVE or kind not in mirror_units:
-            if facts.tuple_valued[v]:
-                raise PlanError(f"cannot save the tuple-valued node {v.name}")
-            saved.add(v)
+        if v in mirrored:
             continue
         mirrored.add(v)
-        stack.extend(facts.reads[v])
+        for a in reads[v]:
+            if a in mirrored:
+                continue
+            if kind[a] is _SYM:
+                saved_sym.add(a)
+            elif kept(a):
+                if facts.tuple_valued[a]:
+                    raise PlanError(f"cannot save the tuple-valued node {a.name}")
+                saved.add(a)
+            else:
+                stack.append(a)
     return Partition(
         saved=joint.sorted(saved),
         saved_sym=joint.sorted(saved_sym),
@@ -127,10 +142,15 @@ _SYM, _ALIVE = object(), object()
 class _PartitionFacts:
     """What ``partition_for`` asks of every forward value, computed once per graph."""
 
-    backward_reads: list[Node]  # forward values the backward nodes read
     kind: dict[Node, object]  # _SYM, _ALIVE (primal, forward output) or its unit
     tuple_valued: dict[Node, bool]
     reads: dict[Node, list[Node]]  # what recomputing the value reads
+    # The forward values the backward nodes read: by unit (recomputed when it is
+    # mirrored), the tensors among them (saved when it is not) and the symbols.
+    read_of_unit: dict[Node, list[Node]]
+    read_saved: frozenset[Node]
+    read_sym: frozenset[Node]
+    read_tuples: list[Node]  # tuple-valued: a plan must recompute them
 
 
 def _partition_facts(joint: JointGraph, graph: UnitGraph) -> _PartitionFacts:
@@ -151,13 +171,23 @@ def _partition_facts(joint: JointGraph, graph: UnitGraph) -> _PartitionFacts:
         v: [v.args[0], *v.all_input_nodes] if is_getitem(v) else list(v.all_input_nodes)
         for v in values
     }
+    tuple_valued = {v: isinstance(v.meta.get("val"), (tuple, list)) for v in values}
+    backward_reads = dict.fromkeys(
+        a for n in joint.backward for a in n.all_input_nodes if _is_fwd_value(joint, a)
+    )
+    read_of_unit: dict[Node, list[Node]] = {}
+    for v in backward_reads:
+        if kind[v] is not _SYM and kind[v] is not _ALIVE:
+            read_of_unit.setdefault(kind[v], []).append(v)
+    tensors = [v for v in backward_reads if kind[v] is not _SYM]
     facts = _PartitionFacts(
-        backward_reads=[
-            a for n in joint.backward for a in n.all_input_nodes if _is_fwd_value(joint, a)
-        ],
         kind=kind,
-        tuple_valued={v: isinstance(v.meta.get("val"), (tuple, list)) for v in values},
+        tuple_valued=tuple_valued,
         reads=reads,
+        read_of_unit=read_of_unit,
+        read_saved=frozenset(tensors),
+        read_sym=frozenset(v for v in backward_reads if kind[v] is _SYM),
+        read_tuples=[v for v in tensors if tuple_valued[v]],
     )
     graph.__dict__["_partition_facts"] = facts
     return facts
@@ -208,7 +238,11 @@ class Planner:
         self.inlined = costs.inlined  # values computed in their readers' kernels
         self.recompute = {n: costs.recomputed(n) for n in joint.forward}
         self._evaluated: dict[tuple[frozenset[Node], bool], Candidate] = {}
-        self._chain_cache: dict[Node, tuple[str, list, int]] = {}
+        self._chain_cache: dict[Node, tuple[str, list, int, frozenset]] = {}
+
+    def evaluated(self) -> list[Candidate]:
+        """Every candidate simulated so far, once each."""
+        return list({id(c): c for c in self._evaluated.values()}.values())
 
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
@@ -308,25 +342,24 @@ class Planner:
         the recomputed nodes in order, where a chain would read more, its recomputed
         input reading the most is stashed. Stashing only shortens chains: one walk
         suffices."""
-        in_plan, stashed = set(recomputed), set()
+        stashed: set[Node] = set()
+        # Value -> what its chain reads; set in graph order, so a recomputed input's
+        # entry is there before its readers' (only recomputed values have one).
         reads: dict[Node, frozenset[Node]] = {}
         empty: frozenset[Node] = frozenset()
+        known = self._chain_cache
 
         def chained(a: Node, unit: Node) -> bool:  # computed in a chain's kernel
-            return a in in_plan and bool(reads[a]) and unit not in stashed
+            return bool(reads.get(a)) and unit not in stashed
 
         for n in recomputed:
-            role, inputs, floor = self._chain_facts(n)
+            role, inputs, floor, own = known.get(n) or self._chain_facts(n)
             if role == "end":
                 reads[n] = empty
                 continue
             links = [(a, unit) for a, unit, _, _ in inputs if chained(a, unit)]
             if not links:  # reads only stored values: an op inlined starts a chain
-                reads[n] = (
-                    frozenset(root for _, _, root, size in inputs if size >= floor)
-                    if role == "inlined"
-                    else empty
-                )
+                reads[n] = own if role == "inlined" else empty
                 continue
             while True:
                 read: set[Node] = set()
@@ -344,10 +377,13 @@ class Planner:
             reads[n] = frozenset(read) if role != "written" else empty
         return units - stashed if stashed else units
 
-    def _chain_facts(self, n: Node) -> tuple[str, list[tuple[Node, Node, Node, int]], int]:
+    def _chain_facts(
+        self, n: Node
+    ) -> tuple[str, list[tuple[Node, Node, Node, int]], int, frozenset]:
         """Per node, once: its role in a chain ("end": an extern kernel or a reduction;
         "view": a view or getitem, part of its input's chain; "inlined"; "written"), its
-        inputs as (value, unit, root, root bytes), and the smallest read that counts."""
+        inputs as (value, unit, root, root bytes), the smallest read that counts, and
+        what it reads where no input is computed in its kernel."""
         facts = self._chain_cache.get(n)
         if facts is None:
             g = self.graph
@@ -362,7 +398,8 @@ class Planner:
                 ends = ends or op_name(n).split("::")[-1] in _CHAIN_ENDS
                 role = "end" if ends else "inlined" if n in self.inlined else "written"
                 floor = self.joint.nbytes(n) // 4
-            facts = self._chain_cache[n] = (role, inputs, floor)
+            own = frozenset(root for _, _, root, size in inputs if size >= floor)
+            facts = self._chain_cache[n] = (role, inputs, floor, own)
         return facts
 
     def _evaluate(self, units: frozenset[Node], partition: Partition | None) -> Candidate:

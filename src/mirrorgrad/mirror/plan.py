@@ -150,6 +150,9 @@ class Plan:
     op_memory: list = field(default_factory=list, repr=False)
     # What the step holds outside the graph, by holder (graph/held.py: BLAS workspaces).
     held: dict[str, int] = field(default_factory=dict, repr=False)
+    # Balance mode, a plan above 0.8x the unmirrored peak or +3% time: what keeps it
+    # there (balance.limits).
+    limits: list[str] = field(default_factory=list)
 
     @property
     def step_peak(self) -> int:
@@ -183,6 +186,7 @@ class Plan:
             "op_memory": [c.to_dict() for c in self.op_memory],
             "held": dict(self.held),
             "step_peak": self.step_peak,
+            "limits": list(self.limits),
         }
 
     def floor_summary(self) -> str:
@@ -261,6 +265,7 @@ class Plan:
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
+        lines += [f"held up by:     {why}" for why in self.limits]
         return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import warnings
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import rates_for
 from mirrorgrad.graph.joint import JointGraph, is_view
-from mirrorgrad.mirror.balance import plan_balance
+from mirrorgrad.mirror.balance import limits, plan_balance
 from mirrorgrad.mirror.budget_search import plan_budget
 from mirrorgrad.mirror.candidates import Partition, Planner, stash_sizes
 from mirrorgrad.mirror.plan import (
@@ -49,7 +49,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         chosen = plan_balance(planner, options.max_overhead, before)
     else:
         chosen, budget_bytes, scale = plan_budget(planner, options.budget, before)
-    _check(joint, chosen.partition)
+    _check(joint, chosen.partition, planner.index)
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
     sizes |= stash_sizes(joint, graph, chosen.partition.saved)
@@ -81,15 +81,20 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         floor=floor,
         sizes=sizes,
     )
+    if options.mode == "balance" and policy.enabled:
+        result.limits = limits(planner, chosen, before, options.max_overhead, floor)
     if met is False and warn:
         warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
     return result
 
 
-def _check(joint: JointGraph, partition: Partition) -> None:
+def _check(joint: JointGraph, partition: Partition, index: liveness.GraphIndex) -> None:
     for n in partition.mirrored:
         if is_random(n):
             raise PlanError(f"random op {n.name} would be recomputed with a fresh draw")
         if n not in joint.forward_set:
             raise PlanError(f"mirrored node {n.name} is not a forward node")
-    liveness.backward_schedule(joint, partition.saved + partition.saved_sym, partition.mirrored)
+    # Raises where a backward read is neither saved nor recomputed.
+    index.backward_schedule(
+        index.ids(partition.saved + partition.saved_sym), index.ids(partition.mirrored)
+    )
