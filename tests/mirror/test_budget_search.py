@@ -262,8 +262,8 @@ def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
         sims.clear(), indexes.clear()
         p = plan(joint, options)
         assert p.peak_after < p.peak_before
-        # the planner's index, and the final check's backward schedule
-        assert len(indexes) == 2
+        # one index: the final check's backward schedule uses the planner's too
+        assert len(indexes) == 1
         # 20 (balance) and 113 (budget) when written, 154 with the budget scale's
         # breakdown and the second adding path, 168 with the chunk prefixes
         # (REFINE_DROP); a search that re-simulates per unit would need thousands

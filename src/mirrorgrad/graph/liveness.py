@@ -207,6 +207,11 @@ class GraphIndex:
                     raise self._unavailable(n, a)
         return base.order_with(self, ids, recomputed)
 
+    @cached_property
+    def fused_forward(self) -> _FusedForward:
+        """The forward phase's inlined chains of the base schedule."""
+        return _FusedForward(self)
+
     def fused_backward(self, candidates: np.ndarray) -> _FusedBackward:
         """The backward nodes' inlined chains (``candidates``: the backward nodes that
         may be inlined, the same for every plan), computed on the first call."""
@@ -659,6 +664,20 @@ def _fused_away(
     the lifetimes of the buffers it read (a gradient summed over many steps).
     ``readers``/``inputs``: the schedule's (position, input) pairs; ``backward``: the
     schedule is a backward schedule (its backward nodes' chains are cached)."""
+    candidates = _candidates(ix, sched, readers, inputs, keep_ids)
+    if not backward:
+        return ix.fused_forward.inlined(ix, sched, candidates)
+    # Recomputed forward values read forward values only: their chains come first.
+    recomputed = ix.np_is_forward[candidates]
+    reads = _inline_chains(ix, candidates[recomputed].tolist(), {})
+    return ix.fused_backward(candidates[~recomputed]).inlined_with(ix, reads)
+
+
+def _candidates(
+    ix: GraphIndex, sched: np.ndarray, readers: np.ndarray, inputs: np.ndarray, keep_ids
+) -> np.ndarray:
+    """The pointwise nodes of ``sched`` that may be inlined (``_fused_away``): not kept,
+    read directly by at most ``INLINE_READERS`` ops of the phase, all fusible."""
     size = len(ix.nodes)
     reader_nodes = sched[readers]
     direct_reads = ~ix.np_view[reader_nodes]  # views read nothing
@@ -674,13 +693,7 @@ def _fused_away(
         & (direct[sched] <= INLINE_READERS)
         & ~unfusible[sched]
     )
-    candidates = sched[candidate]
-    if not backward:
-        return list(_inline_chains(ix, candidates.tolist(), {}))
-    # Recomputed forward values read forward values only: their chains come first.
-    recomputed = ix.np_is_forward[candidates]
-    reads = _inline_chains(ix, candidates[recomputed].tolist(), {})
-    return ix.fused_backward(candidates[~recomputed]).inlined_with(ix, reads)
+    return sched[candidate]
 
 
 def _inline_chains(
@@ -700,6 +713,58 @@ def _inline_chains(
         if len(buffers) <= REALIZE_ACC_READS:
             reads[n] = buffers
     return reads
+
+
+class _FusedForward:
+    """The forward phase's inlined chains for the schedule every plan runs (what the
+    forward outputs need), worked out once per graph.
+
+    A plan's forward schedule adds nodes only its saved values need (nothing in the
+    base reads them: the base is closed under inputs) and keeps more values, so some
+    base nodes stop being candidates: only the chains reading those are redone, then
+    the added nodes' chains (after the base's, as nothing in the base reads them).
+    """
+
+    def __init__(self, ix: GraphIndex) -> None:
+        base = np.asarray(ix._forward_base_order, dtype=np.int64)
+        slots = _edge_slots(ix, base)
+        readers = np.repeat(np.arange(len(base)), ix.in_count[base])
+        keep = [*ix.fwd_outputs, *ix.primals]
+        inputs = ix.in_idx[slots]
+        self.in_base = np.zeros(len(ix.nodes), dtype=bool)
+        self.in_base[base] = True
+        self.size = len(base)
+        mask = np.zeros(len(ix.nodes), dtype=bool)
+        mask[_candidates(ix, base, readers, inputs, keep)] = True
+        self.candidate = mask
+        candidates = np.flatnonzero(mask)  # node ids are in graph order
+        self.position = {n: i for i, n in enumerate(candidates.tolist())}
+        self.reads = _inline_chains(ix, candidates.tolist(), {})
+        self.readers: dict[int, list[int]] = {}  # storage -> candidates reading it
+        for n in candidates.tolist():
+            for s in dict.fromkeys(ix.input_storages[n]):
+                self.readers.setdefault(s, []).append(n)
+
+    def inlined(self, ix: GraphIndex, sched: np.ndarray, candidates: np.ndarray) -> list[int]:
+        """The inlined values of a forward phase over ``sched`` with ``candidates``."""
+        in_base = self.in_base[sched]
+        if int(in_base.sum()) != self.size:  # not a forward schedule of this graph
+            return list(_inline_chains(ix, candidates.tolist(), {}))
+        now = np.zeros(len(ix.nodes), dtype=bool)
+        now[candidates] = True
+        changed = np.flatnonzero(self.in_base & (now != self.candidate)).tolist()
+        dirty = set(changed)
+        stack = [m for s in changed for m in self.readers.get(s, ())]
+        while stack:
+            n = stack.pop()
+            if n not in dirty:
+                dirty.add(n)
+                stack.extend(self.readers.get(n, ()))
+        reads = {n: r for n, r in self.reads.items() if n not in dirty}
+        redo = sorted(n for n in dirty if now[n])
+        added = candidates[~self.in_base[candidates]].tolist()
+        _inline_chains(ix, [*redo, *added], reads)
+        return list(reads)
 
 
 class _FusedBackward:
