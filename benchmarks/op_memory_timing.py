@@ -9,9 +9,9 @@ the two phases are parts of one step, as in training (a forward timed on its own
 before, ran without its backward's allocations and gave forward times apart by 2x
 between modes). Medians over all rounds. Also the planner's estimates of the same: the
 op's forward and backward calls as the cost model prices them (the op's time formula,
-ops/rnn/cost.py's rule for the split Triton kernels: ``priced``) and the GEMMs alone at
+ops/rnn/time_model.py's rule for the split Triton kernels: ``priced``) and the GEMMs alone at
 this GPU's rates (``gemm_ms_est``), so the cost model that balance mode's cap reads can
-be checked; ``ops/rnn/cost.py`` refits ``RECOMPUTE_EXTRA`` and ``FORWARD_SHARE`` from it.
+be checked; ``ops/rnn/time_model.py`` refits ``RECOMPUTE_EXTRA`` and ``FORWARD_SHARE`` from it.
 Writes ``op_memory_timing.json``; prints a table.
 """
 
@@ -107,15 +107,15 @@ def _estimate(size: tuple, device: str) -> dict:
     """The cost model's price of the op's calls (ms per memory mode and phase), and of its
     forward GEMMs at this GPU's rates."""
     from mirrorgrad.graph.cost import rates_for
-    from mirrorgrad.ops.rnn import cost
-    from mirrorgrad.ops.rnn.cells import GATES
+    from mirrorgrad.ops.rnn import time_model
+    from mirrorgrad.ops.rnn.cell_modes import GATES
     from mirrorgrad.ops.rnn.op import _stack_flops
 
     mode, layers, hidden, batch, steps, directions = size
-    shape = cost.Shape(mode=mode, T=steps, B=batch, H=hidden, layers=layers,
+    shape = time_model.Shape(mode=mode, T=steps, B=batch, H=hidden, layers=layers,
                        directions=directions)  # fmt: skip
     priced = {
-        memory: {f"{phase}_ms": cost.phase_ms("triton", memory, torch.float32, shape,
+        memory: {f"{phase}_ms": time_model.phase_ms("triton", memory, torch.float32, shape,
                                               backward=phase == "backward")
                  for phase in ("forward", "backward")}
         for memory in MEMORY

@@ -126,7 +126,7 @@ def inductor_seeded_random_ops() -> tuple[OpOverload, ...]:
     return (torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default)
 
 
-# --- storage references (used by ops/rnn/graphs.py) -------------------------------------
+# --- storage references (used by ops/rnn/cuda_graphs.py) -------------------------------------
 def storage_use_count(t: torch.Tensor) -> int:
     """How many references (tensors, views, storage objects) hold ``t``'s storage; the
     same private counter cudagraph_trees reads to know whether an output is still alive."""
@@ -140,7 +140,7 @@ def without_autograd_cache():
     return functorch_config.patch(enable_autograd_cache=False)
 
 
-# --- Inductor's CUDA Graph trees (used by ops/rnn/graphs.py) ----------------------------
+# --- Inductor's CUDA Graph trees (used by ops/rnn/cuda_graphs.py) ----------------------------
 def cudagraph_trees_warming_up(device: torch.device) -> bool:
     """Whether Inductor's CUDA Graph trees are warming up a graph on ``device`` (in this
     thread): that eager run allocates from the trees' private memory pool, where a kernel
@@ -325,7 +325,7 @@ def dispatches_plainly(tensors) -> bool:
     return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 
 
-# --- fake tensors (used by ops/rnn/graphs.py) -------------------------------------------
+# --- fake tensors (used by ops/rnn/cuda_graphs.py) -------------------------------------------
 def fake_tensors():
     """Context manager: factory calls inside make fake tensors (shape, dtype, device; no
     memory); real tensors may be passed in (``empty_like`` of one)."""

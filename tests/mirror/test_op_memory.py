@@ -12,7 +12,7 @@ from torch import nn
 
 import mirrorgrad
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import joint_of

@@ -12,7 +12,7 @@ its peak memory against cuDNN (issue 16 item 3, issue 14 item 3).
    module's steps (OUT_DIR/cprofile_<config>.txt: where the host time goes).
 2. Memory, 2x650 LSTM at T 35 (lstm-lm-medium's stack), batch 20 and 128, fp32: peak
    above the inputs and parameters, what stays allocated after the step (the CUDA Graph
-   cache) and the cache's own account (``graphs.held``, by arena and entry).
+   cache) and the cache's own account (``cuda_graphs.held``, by arena and entry).
 
 Writes OUT_DIR/module_overhead.json; prints the tables last.
 """
@@ -30,7 +30,7 @@ from torch import nn
 
 import mirrorgrad.nn as mnn
 from mirrorgrad._timing import host_ms, time_calls
-from mirrorgrad.ops.rnn import dispatch, graphs
+from mirrorgrad.ops.rnn import cuda_graphs, dispatch
 
 # One memory measurement for both GPU scripts: tests/ops/gpu_rnn_memory.py's.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
@@ -101,7 +101,7 @@ def overhead_rows(out: Path, reps: int, modes: list[str]) -> list[dict]:
             row[method] = timing.median_ms
             row[f"{method} host"] = host_ms(step, n=20)
         write_cprofile(steps["module-recompute"], out / f"cprofile_{name}.txt", calls=20)
-        graphs.clear_graphs()
+        cuda_graphs.clear_graphs()
         rows.append(row)
         print(name, {k: round(v, 3) for k, v in row.items() if k != "config"}, flush=True)
         (out / "overhead_rows.json").write_text(json.dumps(rows, indent=2))  # if cut short

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import dispatch, graphs
+from mirrorgrad.ops.rnn import cuda_graphs, dispatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,9 +22,9 @@ def _step(model, x):
 def fresh(monkeypatch):
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     yield
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
 
 
 def test_auto_times_every_candidate_and_runs_the_fastest(fresh):
@@ -53,7 +53,7 @@ def test_a_shape_cudnn_wins_keeps_no_graph_buffers(fresh, monkeypatch):
     model = mnn.LSTM(64, 96, num_layers=2).cuda()
     _step(model, torch.randn(12, 8, 64, device="cuda", requires_grad=True))
     assert set(dispatch._AUTO_CHOICE.values()) == {"cudnn"}
-    assert graphs.held_bytes() == 0
+    assert cuda_graphs.held_bytes() == 0
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

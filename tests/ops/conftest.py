@@ -51,7 +51,7 @@ def nan_fill(monkeypatch):
 @pytest.fixture
 def cpu_graphs(monkeypatch):
     """The graph path on CPU; yields the list of stand-in graphs captured."""
-    from mirrorgrad.ops.rnn import graphs
+    from mirrorgrad.ops.rnn import cuda_graphs
 
     from .graph_stand_in import ReplayedLoop
 
@@ -61,15 +61,15 @@ def cpu_graphs(monkeypatch):
         captured.append(ReplayedLoop(buffers, loop))
         return captured[-1]
 
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     def use_graph(device, elements, requested):
         return requested is not False
 
-    monkeypatch.setattr(graphs, "use_graph", use_graph)
-    monkeypatch.setattr(graphs, "_record", record)
-    monkeypatch.setattr(graphs, "_replay", lambda graph, buffers: graph.replay(buffers))
+    monkeypatch.setattr(cuda_graphs, "use_graph", use_graph)
+    monkeypatch.setattr(cuda_graphs, "_record", record)
+    monkeypatch.setattr(cuda_graphs, "_replay", lambda graph, buffers: graph.replay(buffers))
     yield captured
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
 
 
 @pytest.fixture

@@ -228,14 +228,14 @@ def _cold(workload: str, variant: str) -> dict:
 def _child(workload: str, out: Path, lock: Path, rounds: int, per_round: int) -> dict:
     import torch
 
-    from mirrorgrad.ops.rnn import dispatch, graphs
+    from mirrorgrad.ops.rnn import cuda_graphs, dispatch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Three variants' captured loops in one process: room for all of them (each alone
     # fits the defaults), so that no variant evicts another's (deepspeech2: 20 keys each).
     result = {"workload": workload, "variants": {}, "device": device,
-              "cache_size_raised": hasattr(graphs, "_GRAPH_CACHE_SIZE")}  # fmt: skip
-    graphs._GRAPH_CACHE_SIZE = 256
+              "cache_size_raised": hasattr(cuda_graphs, "_GRAPH_CACHE_SIZE")}  # fmt: skip
+    cuda_graphs._GRAPH_CACHE_SIZE = 256
     steps = _variant_steps(workload, device)
     with _gpu_turn(lock):
         # impl="auto" times its candidates here, alone on the GPU; the compiled variants'

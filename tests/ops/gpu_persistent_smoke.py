@@ -12,7 +12,7 @@ import time
 import torch
 
 from mirrorgrad.ops.rnn import kernels, persistent
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 
 def _layer(mode: str, dtype: torch.dtype, T: int, B: int, H: int) -> float:

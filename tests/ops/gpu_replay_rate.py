@@ -1,5 +1,5 @@
 """GPU measurement (run as a script): how often the RNN op's loop calls find a captured
-entry (graphs.py replays an entry only where this call's fresh outputs and inputs lie at
+entry (cuda_graphs.py replays an entry only where this call's fresh outputs and inputs lie at
 the addresses it was captured with), by the shape of the training loop.
 
     TRITON_INTERPRET=0 PYTHONPATH=src python tests/ops/gpu_replay_rate.py OUT_DIR
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import graphs
+from mirrorgrad.ops.rnn import cuda_graphs
 
 
 def _misses() -> int:
-    counts = graphs.counts()
+    counts = cuda_graphs.counts()
     return counts["captures"] + counts["uncaptured"]
 
 
@@ -37,7 +37,7 @@ def run(shape: str, steps: int = 12) -> dict:
     model = mnn.LSTM(650, 650, 2, impl="triton", memory="stash").cuda()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [torch.randn(35, 20, 650, device="cuda") for _ in range(4)]
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     kept, per_step, times, before = [], [], [], 0
 
     def step(x):
@@ -65,9 +65,9 @@ def run(shape: str, steps: int = 12) -> dict:
         per_step.append(_misses() - before)
         before = _misses()
     del out, loss, kept
-    result = {"shape": shape, "misses_per_step": per_step, "counts": graphs.counts(),
+    result = {"shape": shape, "misses_per_step": per_step, "counts": cuda_graphs.counts(),
               "ms_last6": sorted(times[-6:])[3]}  # fmt: skip
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     return result
 
 

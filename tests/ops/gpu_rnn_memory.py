@@ -25,7 +25,7 @@ from torch import nn
 
 import mirrorgrad.nn as mnn
 from mirrorgrad import _compat
-from mirrorgrad.ops.rnn import graphs
+from mirrorgrad.ops.rnn import cuda_graphs
 
 MiB = 2**20
 
@@ -48,7 +48,7 @@ def memory_row(kind: str, batch: int) -> dict:
         x.grad = None
 
     step()  # warm: kernels, cuBLAS workspaces, graph capture
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     step()  # captures again, from a clean cache
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -60,22 +60,22 @@ def memory_row(kind: str, batch: int) -> dict:
         at_peak = _alive_at_peak(_compat.memory_snapshot())
     finally:
         _compat.record_memory_history(False)
-    before_timing = graphs.counts()
+    before_timing = cuda_graphs.counts()
     row = {
         "kind": kind,
         "batch": batch,
         "peak_MiB": (torch.cuda.max_memory_allocated() - start) / MiB,
         "retained_MiB": (torch.cuda.memory_allocated() - start) / MiB,
-        "graph_cache_MiB": graphs.held_bytes() / MiB,
-        "arenas_MiB": {name: a.numel() / MiB for (_, name), a in graphs._ARENAS.items()},
+        "graph_cache_MiB": cuda_graphs.held_bytes() / MiB,
+        "arenas_MiB": {name: a.numel() / MiB for (_, name), a in cuda_graphs._ARENAS.items()},
         "step_ms": _median_ms(step),
         "alive_at_peak_MiB": at_peak,
     }
     # Calls of the timed steps that captured or ran uncaptured: 0 once the loop's
-    # allocations repeat (graphs.py finds its entries by the outputs' addresses).
-    after = graphs.counts()
+    # allocations repeat (cuda_graphs.py finds its entries by the outputs' addresses).
+    after = cuda_graphs.counts()
     row["timed_misses"] = {k: after[k] - before_timing[k] for k in ("captures", "uncaptured")}
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     return row
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn.cells import MODES
+from mirrorgrad.ops.rnn.cell_modes import MODES
 
 from .test_rnn_op import forward_args, stack_inputs
 

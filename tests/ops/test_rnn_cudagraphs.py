@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import mirrorgrad
-from mirrorgrad.ops.rnn import graphs, rnn
+from mirrorgrad.ops.rnn import cuda_graphs, rnn
 from mirrorgrad.train.config import PRESETS
 from mirrorgrad.train.model import LanguageModel
 
@@ -62,12 +62,12 @@ def test_lm_step_under_cudagraph_trees_matches_eager(how):
         step = mirrorgrad.compile(compiled_model, mode="balance", options=options)
     torch._dynamo.reset()
     counters.clear()
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     expected_losses, expected_grads = _train(eager, eager)
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     losses, grads = _train(step, compiled_model)
     assert counters["inductor"]["cudagraph_skips"] == 0
-    assert not graphs.held(), "the op captured a graph of its own inside the trees"
+    assert not cuda_graphs.held(), "the op captured a graph of its own inside the trees"
     torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-4)
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
@@ -91,11 +91,11 @@ def _captured_step(dropout):
     with torch.cuda.stream(side):
         step()  # warm-up: compiles the kernels
     torch.cuda.current_stream().wait_stream(side)
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, dx = step()
-    assert not graphs.held(), "the op captured a graph of its own inside a capture"
+    assert not cuda_graphs.held(), "the op captured a graph of its own inside a capture"
     return graph, x, y, dx, step
 
 

@@ -1,4 +1,4 @@
-"""The CUDA Graph cache of the RNN step loops (graphs.py), run on CPU with a stand-in
+"""The CUDA Graph cache of the RNN step loops (cuda_graphs.py), run on CPU with a stand-in
 graph that replays the captured loop on its captured buffers (graph_stand_in.py)."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mirrorgrad import _compat
-from mirrorgrad.ops.rnn import graphs, kernels
+from mirrorgrad.ops.rnn import cuda_graphs, kernels
 
 from .test_rnn_kernels import B, H, T, _check_layer, _inputs
 
@@ -67,7 +67,7 @@ def test_a_replay_never_writes_into_an_earlier_calls_outputs(
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         for held, value in zip(kept, expected):
             torch.testing.assert_close(held, value, rtol=0, atol=0)
-    counts = graphs.counts()
+    counts = cuda_graphs.counts()
     assert counts["replays"] > 0 and counts["captures"] > 0, counts
 
 
@@ -80,11 +80,11 @@ def test_outputs_are_fresh_tensors_the_cache_does_not_hold(cpu_graphs):
         alone = _compat.storage_use_count(torch.empty(0))
         for t in (y, h_n, c_n, *saved):
             assert _compat.storage_use_count(t) == alone
-        workspace = {t.untyped_storage().data_ptr() for t in graphs.held()}
+        workspace = {t.untyped_storage().data_ptr() for t in cuda_graphs.held()}
         assert not workspace & {t.untyped_storage().data_ptr() for t in (y, *saved)}
         del y, h_n, c_n, saved
-    assert cpu_graphs and all(isinstance(e, graphs.Entry) for k in graphs._ENTRIES.values()
-                              for e in k.entries)  # fmt: skip
+    entries = [e for k in cuda_graphs._ENTRIES.values() for e in k.entries]
+    assert cpu_graphs and all(isinstance(e, cuda_graphs.Entry) for e in entries)
 
 
 def test_a_key_keeps_its_most_recent_entries_and_backs_off_when_it_keeps_missing(
@@ -94,13 +94,13 @@ def test_a_key_keeps_its_most_recent_entries_and_backs_off_when_it_keeps_missing
     (ENTRIES_PER_KEY = 1), captured at the 1st, 2nd, 4th and 8th miss in a row; the
     calls between run uncaptured, on the same shared workspace. Forward and backward
     (which reads each call's stash in place, so misses too) equal the uncaptured loop."""
-    monkeypatch.setattr(graphs, "ENTRIES_PER_KEY", 1)
+    monkeypatch.setattr(cuda_graphs, "ENTRIES_PER_KEY", 1)
     inp = _inputs("lstm")
     expected = _uncaptured(inp)
     held = [_step_with_outputs(inp) for _ in range(9)]
     assert len(cpu_graphs) == 8  # 4 forward, 4 backward
-    assert graphs.counts() == {"captures": 8, "replays": 0, "uncaptured": 10}
-    assert all(len(k.entries) == 1 for k in graphs._ENTRIES.values())
+    assert cuda_graphs.counts() == {"captures": 8, "replays": 0, "uncaptured": 10}
+    assert all(len(k.entries) == 1 for k in cuda_graphs._ENTRIES.values())
     for outputs in held:
         for got, want in zip(outputs, expected):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -120,13 +120,13 @@ def test_an_address_set_that_comes_back_is_captured_between_one_off_misses(cpu_g
     outcome = []
 
     def call(buffer):
-        before = graphs.counts()
-        entry = graphs.acquire(key, device, _OneBuffer(buffer), lambda b: b.out.add_(1))
-        outcome.append(next(k for k, n in graphs.counts().items() if n > before[k]))
+        before = cuda_graphs.counts()
+        entry = cuda_graphs.acquire(key, device, _OneBuffer(buffer), lambda b: b.out.add_(1))
+        outcome.append(next(k for k, n in cuda_graphs.counts().items() if n > before[k]))
         if entry is not None:
             entry.replay(_OneBuffer(buffer))
 
-    warm_ups = [torch.zeros(4) for _ in range(graphs.ENTRIES_PER_KEY)]
+    warm_ups = [torch.zeros(4) for _ in range(cuda_graphs.ENTRIES_PER_KEY)]
     recurring, one_offs = torch.zeros(4), [torch.zeros(4) for _ in range(6)]
     for buffer in warm_ups:
         call(buffer)
@@ -142,13 +142,13 @@ def test_an_address_set_that_comes_back_is_captured_between_one_off_misses(cpu_g
 def test_weights_are_read_in_place_not_copied(cpu_graphs):
     inp = _inputs("lstm")
     _forward(inp)
-    (key,) = graphs._ENTRIES
+    (key,) = cuda_graphs._ENTRIES
     assert inp["w_hh"].data_ptr() in key
     inp["w_hh"].mul_(0.5)  # an optimizer step: same address, new values
     y = _forward(inp)[0]
     reference = kernels.layer_forward("lstm", *inp.values(), None, use_graph=False)[0]
     torch.testing.assert_close(y, reference)
-    assert list(graphs._ENTRIES) == [key]
+    assert list(cuda_graphs._ENTRIES) == [key]
 
 
 def test_backward_reads_its_large_inputs_in_place_and_copies_the_small_ones(cpu_graphs):
@@ -162,7 +162,7 @@ def test_backward_reads_its_large_inputs_in_place_and_copies_the_small_ones(cpu_
     fields = dict(pre=torch.randn(T_, B_, 4 * H_), cells=None, h0=torch.randn(B_, H_),
                   y=torch.randn(T_, B_, H_), dy=torch.randn(B_, T_, H_).transpose(0, 1),
                   w_hh=torch.randn(3 * H_, H_), lengths=lengths)  # fmt: skip
-    buf, copied = kernels._bwd_entry_buffers(config, fields, graphs.workspace)
+    buf, copied = kernels._bwd_entry_buffers(config, fields, cuda_graphs.workspace)
     assert copied == ["h0", "dy", "lengths"]
     assert buf.pre is fields["pre"] and buf.y is fields["y"] and buf.w_hh is fields["w_hh"]
     assert buf.dy.is_contiguous() and buf.dy.data_ptr() != fields["dy"].data_ptr()
@@ -181,7 +181,7 @@ def test_the_cache_holds_only_workspace(cpu_graphs):
     f32 = 4
     forward_workspace = 2 * B * H * f32  # h ping-pong
     backward_workspace = B * H * f32 * 2 + T * B * 4 * H * f32  # dh dc dg
-    assert graphs.held_bytes() == forward_workspace + backward_workspace
+    assert cuda_graphs.held_bytes() == forward_workspace + backward_workspace
     assert 2 <= len(cpu_graphs) <= 4  # a forward and a backward entry (the second step's
     # addresses may differ from the first's: the first allocated the workspace between)
 
@@ -204,10 +204,10 @@ def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
     gates = T * B * 4 * H * f32  # forward pre = backward pre = backward dG
     forward_workspace = 2 * B * H * f32  # h ping-pong
     backward_workspace = 2 * B * H * f32  # dh dc
-    assert graphs.held_bytes() == gates + forward_workspace + backward_workspace
-    names = {name for _, name in graphs._WORKSPACE}
+    assert cuda_graphs.held_bytes() == gates + forward_workspace + backward_workspace
+    names = {name for _, name in cuda_graphs._WORKSPACE}
     assert {"pre", "bwd.pre_dg"} <= names and "bwd.dg" not in names
-    pre, dg = (next(v for (_, n), v in graphs._WORKSPACE.items() if n == name)
+    pre, dg = (next(v for (_, n), v in cuda_graphs._WORKSPACE.items() if n == name)
                for name in ("pre", "bwd.pre_dg"))  # fmt: skip
     assert pre.untyped_storage().data_ptr() == dg.untyped_storage().data_ptr()
 
@@ -220,9 +220,9 @@ def test_a_grus_recomputing_backward_writes_its_gate_gradients_over_the_pre_acti
     side's), and the recomputed rows live in the forward's "gates" arena."""
     for _ in range(2):  # each call checks the gradients against the oracle
         _check_layer("gru", memory="recompute", use_graph=True)
-    names = {name for _, name in graphs._WORKSPACE}
+    names = {name for _, name in cuda_graphs._WORKSPACE}
     assert {"pre", "bwd.pre_dg", "bwd.dgh"} <= names and not {"bwd.dg", "bwd.pre"} & names
-    assert {name for _, name in graphs._ARENAS} >= {"gates"}
+    assert {name for _, name in cuda_graphs._ARENAS} >= {"gates"}
 
 
 @pytest.mark.parametrize(("mode", "memory"), CASES)
@@ -232,8 +232,8 @@ def test_every_workspace_view_lies_in_a_live_arena(cpu_graphs, mode, memory):
     its successor in the views taken of it, for the whole run."""
     for _ in range(2):
         _check_layer(mode, memory=memory, use_graph=True)
-    arenas = {a.untyped_storage().data_ptr() for a in graphs._ARENAS.values()}
-    views = {v.untyped_storage().data_ptr() for v in graphs._WORKSPACE.values()}
+    arenas = {a.untyped_storage().data_ptr() for a in cuda_graphs._ARENAS.values()}
+    views = {v.untyped_storage().data_ptr() for v in cuda_graphs._WORKSPACE.values()}
     assert views <= arenas
 
 
@@ -243,10 +243,10 @@ def test_configs_of_several_lengths_share_the_workspace_of_the_longest(cpu_graph
     long, short = _inputs("lstm"), _inputs("lstm", t=T - 2)
     short.update({k: long[k] for k in ("w_ih", "w_hh", "b_ih", "b_hh")})
     _step(long, "stash")
-    arenas = graphs.held_bytes()
+    arenas = cuda_graphs.held_bytes()
     _step(short, "stash")
-    assert graphs.held_bytes() == arenas
-    assert {config.T for config, _ in graphs._WORKSPACE} == {T, T - 2}
+    assert cuda_graphs.held_bytes() == arenas
+    assert {config.T for config, _ in cuda_graphs._WORKSPACE} == {T, T - 2}
 
 
 def test_past_the_byte_bound_outgrown_arenas_go_with_the_keys_that_used_them(
@@ -257,36 +257,36 @@ def test_past_the_byte_bound_outgrown_arenas_go_with_the_keys_that_used_them(
     keys (the shorter's) are dropped, and the old arenas with them."""
     long, short = _inputs("lstm"), _inputs("lstm", t=T - 2)
     _step(long, "stash")
-    one_shape = graphs.held_bytes()
-    graphs.clear_graphs()
+    one_shape = cuda_graphs.held_bytes()
+    cuda_graphs.clear_graphs()
     _step(short, "stash")
-    monkeypatch.setattr(graphs, "GRAPH_CACHE_BYTES", one_shape)
+    monkeypatch.setattr(cuda_graphs, "GRAPH_CACHE_BYTES", one_shape)
     _step(long, "stash")
-    assert graphs.held_bytes() <= one_shape
-    assert all(key[0].T == T for key in graphs._ENTRIES)
-    assert all(config.T == T for config, _ in graphs._WORKSPACE)
+    assert cuda_graphs.held_bytes() <= one_shape
+    assert all(key[0].T == T for key in cuda_graphs._ENTRIES)
+    assert all(config.T == T for config, _ in cuda_graphs._WORKSPACE)
 
 
 def test_released_keys_leave_nothing_held(cpu_graphs):
     """What impl="auto" does with the loops of an implementation it timed and dropped."""
     inp = _inputs("lstm")
-    with graphs.recording() as keys:
+    with cuda_graphs.recording() as keys:
         _step(inp, "recompute")
-    assert {key[1] for key in keys} == {"fwd", "bwd"} and graphs.held_bytes() > 0
-    graphs.release(keys)
-    assert graphs.held_bytes() == 0 and not graphs._WORKSPACE and not graphs._ARENAS
+    assert {key[1] for key in keys} == {"fwd", "bwd"} and cuda_graphs.held_bytes() > 0
+    cuda_graphs.release(keys)
+    assert cuda_graphs.held_bytes() == 0 and not cuda_graphs._WORKSPACE and not cuda_graphs._ARENAS
 
 
 def test_nested_recording_blocks_each_keep_their_own_keys(cpu_graphs):
     """impl="auto" can time a candidate whose call picks again inside; an inner block
     ending first (its set equal to the outer's then) must not end the outer one."""
     inp = _inputs("lstm")
-    with graphs.recording() as outer:
-        with graphs.recording() as inner:
+    with cuda_graphs.recording() as outer:
+        with cuda_graphs.recording() as inner:
             _step(inp, "recompute")
         assert inner == outer
         _step(_inputs("lstm", t=T + 1), "recompute")
-    assert inner < outer and graphs._RECORDING == []
+    assert inner < outer and cuda_graphs._RECORDING == []
 
 
 def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monkeypatch):
@@ -296,14 +296,14 @@ def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monk
     import threading
 
     threads = []
-    stand_in = graphs._record
+    stand_in = cuda_graphs._record
 
     def record(device, buffers, loop):
         threads.append(threading.get_ident())
         assert not torch.is_grad_enabled()  # the loops write into buffers in place
         return stand_in(device, buffers, loop)
 
-    monkeypatch.setattr(graphs, "_record", record)
+    monkeypatch.setattr(cuda_graphs, "_record", record)
     inp = _inputs("lstm")
     y, _, _, saved = _forward(inp)
     backward = threading.Thread(target=kernels.layer_backward, args=(

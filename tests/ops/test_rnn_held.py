@@ -1,5 +1,5 @@
 """The RNN op's held formulas (op.py): the CUDA Graph arenas its captured loops keep
-between calls (graphs.py), as the cache allocates them on CPU (conftest's stand-in
+between calls (cuda_graphs.py), as the cache allocates them on CPU (conftest's stand-in
 graphs) and as the H100 measured them (docs/results/peak-compare-rnn-arenas-h100/)."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 
 from mirrorgrad import _compat
 from mirrorgrad.formulas import held_formula, memory_formula
-from mirrorgrad.ops.rnn import graphs, kernels
+from mirrorgrad.ops.rnn import cuda_graphs, kernels
 
 from .test_rnn_kernels import _inputs
 
@@ -46,7 +46,7 @@ def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, mode, memory
     y, _, _, saved = kernels.layer_forward(mode, x, h0, c0, *w, memory=memory)
     kernels.layer_backward(mode, saved, x, h0, c0, *w, y, torch.ones_like(y), None, None,
                            memory=memory)  # fmt: skip
-    allocated = {name: a.numel() for (_, name), a in graphs._ARENAS.items()}
+    allocated = {name: a.numel() for (_, name), a in cuda_graphs._ARENAS.items()}
     T, B, _ = x.shape
     shape = (mode, memory, T, B, h0.shape[-1], x.dtype, torch.device("cuda"))
     declared = _merged(
@@ -149,13 +149,13 @@ def test_op_held_formula_is_what_a_step_leaves_in_the_arenas_on_cuda(mode):
     its forward and backward declare, as the planner sums them."""
     import mirrorgrad.nn
 
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     module = getattr(mirrorgrad.nn, mode.upper())
     rnn = module(64, 96, 2, bidirectional=True, memory="stash", impl="triton").cuda()
     x = torch.randn(12, 8, 64, device="cuda", requires_grad=True)
     rnn(x)[0].square().mean().backward()
-    allocated = {(str(d), name): a.numel() for (d, name), a in graphs._ARENAS.items()}
+    allocated = {(str(d), name): a.numel() for (d, name), a in cuda_graphs._ARENAS.items()}
     fwd, bwd = _op_args(mode, 2, True, 12, 8, 96, "stash", device="cuda")
     declared = _merged([held_formula(FORWARD)(*fwd), held_formula(BACKWARD)(*bwd)])
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     assert {key[1:]: n for key, n in declared.items()} == allocated

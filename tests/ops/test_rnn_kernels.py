@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mirrorgrad.ops.rnn import kernels
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 T, B, IN, H = 4, 3, 5, 6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

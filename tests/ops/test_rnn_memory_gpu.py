@@ -1,11 +1,11 @@
 """On a GPU: the CUDA Graph cache of the RNN step loops holds no second copy of anything
-(graphs.py). Run with ``TRITON_INTERPRET=0 python -m pytest -m gpu tests/ops``."""
+(cuda_graphs.py). Run with ``TRITON_INTERPRET=0 python -m pytest -m gpu tests/ops``."""
 
 import pytest
 import torch
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import graphs
+from mirrorgrad.ops.rnn import cuda_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,7 +87,7 @@ def test_what_stays_after_a_step_is_the_cache_and_it_does_not_grow(memory):
     x = torch.randn(12, 8, 64, device="cuda")
     _step(model, x)  # warm: kernels compiled, cuBLAS workspaces of both streams made
     model.zero_grad(set_to_none=True)
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     torch.cuda.synchronize()
     torchs_own = _bytes_the_first_capture_allocates()
     baseline = _requested()
@@ -97,14 +97,14 @@ def test_what_stays_after_a_step_is_the_cache_and_it_does_not_grow(memory):
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    held = sorted(t.untyped_storage().nbytes() for t in graphs.held())
+    held = sorted(t.untyped_storage().nbytes() for t in cuda_graphs.held())
     # Nothing else is kept: no output, no stash, no clone, no W_hh copy.
     assert retained == sum(held) + torchs_own, (
         retained, sum(held), torchs_own, _small_blocks(snapshot, held)
     )
     again = _retained_after_step(model, x)
-    assert again == 0, (again, graphs.held_bytes())  # steady state
-    graphs.clear_graphs()
+    assert again == 0, (again, cuda_graphs.held_bytes())  # steady state
+    cuda_graphs.clear_graphs()
     torch.cuda.synchronize()
     assert _requested() == baseline
 
@@ -115,10 +115,10 @@ def test_held_bytes_are_the_workspace_alone():
     and the "gates" arena of its gate gradients (dy is read in place)."""
     T, B, H = 12, 8, 96
     model = mnn.LSTM(H, H, num_layers=2, impl="triton", memory="stash").cuda()
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     _step(model, torch.randn(T, B, H, device="cuda"))
     workspace = 2 * B * H * 4 + 2 * B * H * 4 + T * B * 4 * H * 4
-    assert graphs.held_bytes() == workspace
+    assert cuda_graphs.held_bytes() == workspace
 
 
 MODELS = {
@@ -143,7 +143,7 @@ def test_kept_outputs_survive_later_steps_and_every_step_equals_float64(name):
     oracle = MODELS[name]("reference").cuda().double()
     oracle.load_state_dict(model.state_dict())
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     kept = None
     for _ in range(6):
         x = torch.randn(12, 8, 64, device="cuda")
@@ -164,8 +164,8 @@ def test_kept_outputs_survive_later_steps_and_every_step_equals_float64(name):
         oracle.zero_grad(set_to_none=True)
     for held, value in zip(kept, expected):
         torch.testing.assert_close(held, value, rtol=0, atol=0)
-    assert graphs.counts()["captures"] > 0, graphs.counts()
-    graphs.clear_graphs()
+    assert cuda_graphs.counts()["captures"] > 0, cuda_graphs.counts()
+    cuda_graphs.clear_graphs()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -183,14 +183,14 @@ def test_a_training_loop_replays_once_its_allocations_repeat(name):
         sgd.step()
         sgd.zero_grad(set_to_none=True)
 
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     misses = []
     for x in batches:
         step(x)
-        counts = graphs.counts()
+        counts = cuda_graphs.counts()
         misses.append(counts["captures"] + counts["uncaptured"])
-    assert misses[3:] == [misses[2]] * 5, (misses, graphs.counts())
-    graphs.clear_graphs()
+    assert misses[3:] == [misses[2]] * 5, (misses, cuda_graphs.counts())
+    cuda_graphs.clear_graphs()
 
 
 def test_graphs_raise_the_peak_by_their_workspace_at_most(monkeypatch):
@@ -209,11 +209,11 @@ def test_graphs_raise_the_peak_by_their_workspace_at_most(monkeypatch):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
 
-    graphs.clear_graphs()
-    monkeypatch.setattr(graphs, "GRAPH_MAX_ELEMENTS", 0)
+    cuda_graphs.clear_graphs()
+    monkeypatch.setattr(cuda_graphs, "GRAPH_MAX_ELEMENTS", 0)
     uncaptured = peak()
-    monkeypatch.setattr(graphs, "GRAPH_MAX_ELEMENTS", 1 << 27)
+    monkeypatch.setattr(cuda_graphs, "GRAPH_MAX_ELEMENTS", 1 << 27)
     captured = peak()
-    workspace = sum(a.untyped_storage().nbytes() for a in graphs._ARENAS.values())
+    workspace = sum(a.untyped_storage().nbytes() for a in cuda_graphs._ARENAS.values())
     assert captured <= uncaptured + workspace
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mirrorgrad.nn as mnn
 from mirrorgrad.ops.rnn import dispatch, op, reference, reverse_within_lengths, rnn
-from mirrorgrad.ops.rnn.cells import GATES, MODES
+from mirrorgrad.ops.rnn.cell_modes import GATES, MODES
 
 DT = torch.float64
 

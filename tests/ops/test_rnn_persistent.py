@@ -8,7 +8,7 @@ import torch
 
 import mirrorgrad.nn
 from mirrorgrad.ops.rnn import kernels, persistent
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 from .test_rnn_kernels import _oracle
 

@@ -1,5 +1,5 @@
 """The persistent layers captured in CUDA Graphs (persistent.py's bodies through
-graphs.py): on CPU with the stand-in graphs of conftest (the captured path run by the
+cuda_graphs.py): on CPU with the stand-in graphs of conftest (the captured path run by the
 interpreter, replayed on the captured addresses), on the GPU for real, the module's
 forward and backward with capture on against capture off."""
 
@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirrorgrad.nn
-from mirrorgrad.ops.rnn import graphs, kernels, persistent
+from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent
 
 from .test_rnn_persistent import _inputs
 
@@ -79,7 +79,7 @@ def test_captured_layer_equals_the_plain_call_and_keeps_earlier_outputs(
         del got, want
     for held, value in zip(kept, expected):
         torch.testing.assert_close(held, value, rtol=0, atol=0)
-    counts = graphs.counts()
+    counts = cuda_graphs.counts()
     assert counts["replays"] > 0 and counts["captures"] > 0, counts
     assert cpu_graphs and all(g.replays >= 0 for g in cpu_graphs)
 
@@ -92,9 +92,9 @@ def test_weights_are_read_in_place(cpu_graphs, reused_blocks):
         _step("lstm", "stash", inp, grads, lengths, True)
     inp["w_hh"].mul_(0.5)
     inp["b_ih"].add_(0.1)
-    before = graphs.counts()["replays"]
+    before = cuda_graphs.counts()["replays"]
     got = _step("lstm", "stash", inp, grads, lengths, True)
-    assert graphs.counts()["replays"] > before
+    assert cuda_graphs.counts()["replays"] > before
     for a, b in zip(got, _step("lstm", "stash", inp, grads, lengths, False)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -161,7 +161,7 @@ def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, monkeypatch,
     monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 6)  # chunks: their lengths too
     inp, grads, lengths = _case(mode, lengths=lengths)
     _step(mode, memory, inp, grads, lengths, True)
-    allocated = {name: a.numel() for (_, name), a in graphs._ARENAS.items()}
+    allocated = {name: a.numel() for (_, name), a in cuda_graphs._ARENAS.items()}
     T, B, _ = inp["x"].shape
     shape = (mode, memory, T, B, inp["h0"].shape[-1], inp["x"].dtype, torch.device("cuda"))
     declared = _merged([persistent.held_arenas(*shape, has_lengths=lengths is not None,
@@ -174,7 +174,7 @@ def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, monkeypatch,
 @on_cpu
 def test_the_op_declares_the_persistent_arenas_as_held():
     """impl="persistent" on CUDA: the op's held formula is the layers' arenas, and its
-    per-call temporaries leave them out (graphs.py keeps them between calls)."""
+    per-call temporaries leave them out (cuda_graphs.py keeps them between calls)."""
     from mirrorgrad.formulas import held_formula, memory_formula
 
     from .test_rnn_held import BACKWARD, FORWARD, _op_args
@@ -199,20 +199,20 @@ def test_the_op_declares_the_persistent_arenas_as_held():
 
 @contextlib.contextmanager
 def _capture(on: bool):
-    """The layers captured as graphs.py decides (on CUDA: by size) or never."""
-    before = graphs.use_graph
+    """The layers captured as cuda_graphs.py decides (on CUDA: by size) or never."""
+    before = cuda_graphs.use_graph
     if not on:
-        graphs.use_graph = lambda device, elements, requested: False
+        cuda_graphs.use_graph = lambda device, elements, requested: False
     try:
         yield
     finally:
-        graphs.use_graph = before
+        cuda_graphs.use_graph = before
 
 
 def _train_steps(module, xs, lengths, seeds):
     """A training loop's steps on one static input buffer: every step's output, input
     gradient and parameter gradients (copied to the CPU, stacked per tensor: nothing the
-    loop keeps moves the GPU allocations of the next steps), and graphs.py's counts after
+    loop keeps moves the GPU allocations of the next steps), and cuda_graphs.py's counts after
     each step."""
     x = torch.zeros_like(xs[0]).requires_grad_()
     store, counts, weight = [], [], None
@@ -232,7 +232,7 @@ def _train_steps(module, xs, lengths, seeds):
         (y.float() * weight).sum().backward()
         grads = (x.grad, *(p.grad for p in module.parameters()))
         store.append([t.cpu() for t in (y.detach(), *grads)])
-        counts.append(graphs.counts())
+        counts.append(cuda_graphs.counts())
     return [torch.stack(per_tensor) for per_tensor in zip(*store)], counts
 
 
@@ -246,7 +246,7 @@ def _module_pair(mode, dtype, dropout, hidden=40):
 
 
 def _compare_captured(mode, dtype, packed, dropout, *, steps, T, B, hidden=40):
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     captured, plain = _module_pair(mode, dtype, dropout, hidden)
     xs = [torch.randn(T, B, 24, device=DEVICE, dtype=dtype) for _ in range(steps)]
     lengths = torch.tensor([T - (b % T) for b in range(B)]) if packed else None
@@ -285,7 +285,7 @@ def test_gpu_module_captured_equals_uncaptured_call_after_call(mode, dtype, pack
     uncaptured (this loop's allocations drift: the H100 showed all three, the next
     test the loop that settles)."""
     counts = _compare_captured(mode, dtype, packed, 0.3, steps=12, T=35, B=20, hidden=650)
-    print(f"{mode} {dtype} packed={packed}: graphs.counts() per step {counts}")
+    print(f"{mode} {dtype} packed={packed}: cuda_graphs.counts() per step {counts}")
     assert counts[-1]["captures"] > 0, counts
 
 
@@ -297,25 +297,25 @@ def test_gpu_training_loop_replays_every_layer_once_settled(mode):
     through a 2-layer module of the medium LM's shape with dropout: in its last three of
     12 steps every layer's forward and backward replays (on the H100 the LSTM's from its
     5th step, the allocator repeating its addresses with period 2; the GRU's from its
-    9th, once graphs.py captured the address sets that came back). Not every loop
+    9th, once cuda_graphs.py captured the address sets that came back). Not every loop
     settles: at 40 wide, batch 5 (the allocator's pool of blocks under 1 MiB) no address
     set came back in 16 steps on the H100, and such a loop runs its layers uncaptured
-    (graphs.misses() names the buffers that moved)."""
-    graphs.clear_graphs()
+    (cuda_graphs.misses() names the buffers that moved)."""
+    cuda_graphs.clear_graphs()
     module, _ = _module_pair(mode, torch.float32, 0.3, hidden=650)
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     xs = [torch.randn(35, 20, 24, device=DEVICE) for _ in range(4)]
     x = torch.empty_like(xs[0])
     per_step = []
     for step in range(12):
-        before = graphs.counts()
+        before = cuda_graphs.counts()
         x.copy_(xs[step % 4])
         y, _ = module(x)
         y.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        per_step.append({k: n - before[k] for k, n in graphs.counts().items()})
-    print(f"{mode}: per step {per_step}; misses {graphs.misses()}")
+        per_step.append({k: n - before[k] for k, n in cuda_graphs.counts().items()})
+    print(f"{mode}: per step {per_step}; misses {cuda_graphs.misses()}")
     # 2 layers: 2 forward and 2 backward replays per step
     assert per_step[-3:] == [{"captures": 0, "replays": 4, "uncaptured": 0}] * 3, per_step
 
@@ -329,7 +329,7 @@ def test_gpu_layer_in_chunks_captured_equals_plain(monkeypatch):
     LM's shape: at 40 wide, batch 5 the allocator's pool of blocks under 1 MiB gave
     every call new addresses on the H100 (no replay in 4 calls)."""
     monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 8 * 20)
-    graphs.clear_graphs()
+    cuda_graphs.clear_graphs()
     inp, grads, lengths = _case("lstm", T=35, B=20, n_in=24, H=650, lengths=None)
     base = {k: v.clone() if v is not None else None for k, v in inp.items()}
     for scale in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
@@ -339,4 +339,4 @@ def test_gpu_layer_in_chunks_captured_equals_plain(monkeypatch):
         for a, b in zip(got, want):
             assert torch.equal(a, b), f"scale {scale}: max diff {(a - b).abs().max()}"
         del got, want
-    assert graphs.counts()["replays"] >= 2, graphs.counts()
+    assert cuda_graphs.counts()["replays"] >= 2, cuda_graphs.counts()

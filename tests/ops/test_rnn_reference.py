@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mirrorgrad.ops.rnn import reference
-from mirrorgrad.ops.rnn.cells import GATES, MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
 
 DT = torch.float64
 

@@ -156,7 +156,7 @@ def dense_peak_tflops(gpu_name: str) -> dict[str, float] | None:
 
 def _fresh_allocator(device: str) -> None:
     torch.compiler.reset()
-    graphs = sys.modules.get("mirrorgrad.ops.rnn.graphs")
+    graphs = sys.modules.get("mirrorgrad.ops.rnn.cuda_graphs")
     if graphs is not None:  # captured RNN step loops hold static buffers
         graphs.clear_graphs()
     gc.collect()

@@ -21,7 +21,7 @@ best saved bytes per added second first; each gets its own value plan.
 - off: stash (no recomputation of any kind).
 
 What recompute adds is the difference of the op's priced time in the two modes: its time
-formula (``formulas.register_time_formula``; for the RNN op ops/rnn/cost.py's fitted
+formula (``formulas.register_time_formula``; for the RNN op ops/rnn/time_model.py's fitted
 per-step rule), else one forward's GEMMs again in backward (the op's FLOP formula).
 """
 
@@ -53,7 +53,7 @@ from mirrorgrad.mirror.plan import (
 )
 from mirrorgrad.mirror.policy import MirrorPolicy, module_path
 from mirrorgrad.ops.rnn import op as rnn_op
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 _FORWARD = torch.ops.mirrorgrad.rnn_forward.default
 _BACKWARD = torch.ops.mirrorgrad.rnn_backward.default

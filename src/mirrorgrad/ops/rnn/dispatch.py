@@ -4,7 +4,7 @@
 covers the shape, the split Triton kernels) and torch's own RNN (cuDNN on CUDA) once per
 shape, forward and backward as the call runs them, and keeps the fastest; where it may
 not time (a CUDA Graph capture) it ranks the custom op's implementations by
-``cost.py``'s rule. Inside ``dispatch_as_captured()`` the candidates are timed captured
+``time_model.py``'s rule. Inside ``dispatch_as_captured()`` the candidates are timed captured
 in a CUDA Graph and replayed, the way a caller that captures its step runs them (host
 launch costs gone), and that choice is cached apart from the uncaptured one.
 ``impl="cudnn"`` runs torch's RNN outside the custom ops, since cuDNN's backward needs
@@ -23,8 +23,8 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from mirrorgrad import _compat
 from mirrorgrad._timing import time_calls
-from mirrorgrad.ops.rnn import cost, graphs
-from mirrorgrad.ops.rnn.cells import MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn import cuda_graphs, time_model
+from mirrorgrad.ops.rnn.cell_modes import MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.op import (
     EagerStack,
     _kernels,
@@ -142,12 +142,12 @@ def _time_and_cache(key: tuple, candidates: dict[str, Callable[[], None]],
     else:
         times, used = {}, {}
         for name, step in candidates.items():
-            with graphs.recording() as keys:
+            with cuda_graphs.recording() as keys:
                 times[name] = timer(step)
             used[name] = keys
         choice = min(times, key=times.__getitem__)
         AUTO_TIMES[key] = times
-        graphs.release(set().union(*used.values()) - used[choice])
+        cuda_graphs.release(set().union(*used.values()) - used[choice])
     _AUTO_CHOICE[key] = choice
     return choice
 
@@ -170,17 +170,17 @@ def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            with graphs.recording() as used:
+            with cuda_graphs.recording() as used:
                 steps = _synthetic_steps(key, candidates, call)
                 # Its own entry: eager's (cuDNN among its candidates) is eager's to time.
                 choice = _time_and_cache((*_choice_key(key), "compiled"), steps, _time_ms)
                 del steps
-            graphs.release(used)
+            cuda_graphs.release(used)
     except Exception as exc:  # timing is an optimisation: the rule can still rank them
         mode, _, dtype, T, B, _, _, _, layers, bidirectional = key[:10]
-        shape = cost.Shape(mode=mode, T=T, B=B, H=call[1], layers=layers,
-                           directions=2 if bidirectional else 1)  # fmt: skip
-        choice = cost.pick(list(candidates), resolve_memory(key[11], mode), dtype, shape)
+        shape = time_model.Shape(mode=mode, T=T, B=B, H=call[1], layers=layers,
+                                 directions=2 if bidirectional else 1)  # fmt: skip
+        choice = time_model.pick(list(candidates), resolve_memory(key[11], mode), dtype, shape)
         warnings.warn(f"mirrorgrad: impl='auto' could not time {', '.join(candidates)} while "
                       f"torch.compile traced ({type(exc).__name__}: {exc}); the cost rule "
                       f"picked {choice!r}", RuntimeWarning, stacklevel=2)  # fmt: skip
@@ -319,8 +319,9 @@ def rnn(
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises).
             cudnn_ok = state_clip is None and (training or not grad_inputs)
-            shape = cost.Shape(mode=mode, T=x.shape[0], B=x.shape[1], H=weights[1].shape[1],
-                               layers=num_layers, directions=2 if bidirectional else 1)  # fmt: skip
+            shape = time_model.Shape(mode=mode, T=x.shape[0], B=x.shape[1],
+                                     H=weights[1].shape[1], layers=num_layers,
+                                     directions=2 if bidirectional else 1)  # fmt: skip
             call = (x.shape[2], shape.H, has_biases, p,
                     None if state_clip is None else tuple(state_clip))  # fmt: skip
             impl = _auto_impl(x, proj_size > 0, shape, key, custom,
@@ -339,7 +340,7 @@ def _auto_key(x: Tensor, weights: Sequence[Tensor], hx: Tensor, lengths: Tensor 
             bidirectional, lengths is not None, memory, p > 0, need_saved)  # fmt: skip
 
 
-def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Callable,
+def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custom: Callable,
                cudnn: Callable | None, grad_inputs: list[Tensor], memory: str,
                call: tuple = ()) -> str:  # fmt: skip
     """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
@@ -357,14 +358,14 @@ def _auto_impl(x: Tensor, proj: bool, shape: cost.Shape, key: tuple, custom: Cal
     # A symbolic batch cannot reach an assume_constant_result function: with dynamic
     # shapes the persistent kernel is asked only where the rule could pick it (it has
     # constants); int() then specialises the batch.
-    ask = (not compiling or static
-           or cost.predicted_ms("persistent", memory, x.dtype, shape) is not None)  # fmt: skip
+    predicted = time_model.predicted_ms("persistent", memory, x.dtype, shape)
+    ask = not compiling or static or predicted is not None
     if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
 
     def rule() -> str:
-        return cost.pick(fused, memory, x.dtype, shape)
+        return time_model.pick(fused, memory, x.dtype, shape)
 
     if compiling:
         if static and call and len(fused) > 1:

@@ -14,7 +14,7 @@ Per layer and direction (time-major, x [T, B, I]):
 * ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
   slower than cuBLAS on an H200 so far (docs/rnn-op.md), hence off by default.
 
-On CUDA the step loops are captured in CUDA Graphs and replayed (``graphs.py``).
+On CUDA the step loops are captured in CUDA Graphs and replayed (``cuda_graphs.py``).
 
 Stash layout (``saved``), pre-activations P per step (biases folded):
   lstm:     stash (P [T,B,4H], cells [T+1,B,H] fp32)  recompute (cells,)
@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import graphs
-from mirrorgrad.ops.rnn.cells import GATES, MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn import cuda_graphs
+from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
 
 _MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -376,7 +376,8 @@ def loop_captured(
     caller asks nothing (``use_graph=None``), outside another capture."""
     steps = _chunk_steps(T, B) if backward else T
     stash_width = 4 * H if mode == "gru" else GATES[mode] * H
-    return torch.device(device).type == "cuda" and graphs.captures_by_size(steps * B * stash_width)
+    on_cuda = torch.device(device).type == "cuda"
+    return on_cuda and cuda_graphs.captures_by_size(steps * B * stash_width)
 
 
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -661,7 +662,7 @@ def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -
 
 def _graphed(config: LoopConfig, use_graph: bool | None) -> bool:
     """Whether this loop runs as a captured CUDA Graph (sized by its stash)."""
-    return graphs.use_graph(config.device, config.T * config.B * config.stash_width, use_graph)
+    return cuda_graphs.use_graph(config.device, config.T * config.B * config.stash_width, use_graph)
 
 
 def _default_fused(B: int) -> bool:
@@ -739,10 +740,10 @@ def layer_forward(
     graphed = _graphed(config, use_graph)
     if graphed:
         # Fresh outputs (y, cells, stash) and the shared workspace: the entry captured
-        # with these addresses replays, else one is captured on them (graphs.py). The
+        # with these addresses replays, else one is captured on them (cuda_graphs.py). The
         # "gates" arena is made large enough for the backward before views are taken.
-        graphs.reserve(config.device, "pre", _gates_bytes(config))
-        buf = _fwd_entry_buffers(config, w, b_hh, lengths, graphs.workspace)
+        cuda_graphs.reserve(config.device, "pre", _gates_bytes(config))
+        buf = _fwd_entry_buffers(config, w, b_hh, lengths, cuda_graphs.workspace)
         entry = _forward_entry(config, buf)
     else:
         buf, entry = _fwd_buffers(config, w, b_hh, lengths), None
@@ -772,7 +773,7 @@ def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
     return (buf.stash,) if buf.stash is not None else ()
 
 
-def _forward_entry(config: LoopConfig, buf: _FwdBuffers) -> graphs.Entry | None:
+def _forward_entry(config: LoopConfig, buf: _FwdBuffers) -> cuda_graphs.Entry | None:
     """The captured forward loop for these buffers (None: run it uncaptured).
 
     W_hh and b_hh are read in place (their addresses are in the key); the transposed
@@ -781,7 +782,7 @@ def _forward_entry(config: LoopConfig, buf: _FwdBuffers) -> graphs.Entry | None:
 
     in_place = None if config.fused else buf.w.data_ptr()
     key = (config, "fwd", in_place, buf.b_hh.data_ptr() if buf.b_hh is not None else None)
-    return graphs.acquire(key, config.device, buf, lambda b: _fwd_loop(config, b))
+    return cuda_graphs.acquire(key, config.device, buf, lambda b: _fwd_loop(config, b))
 
 
 def _gates_bytes(config: LoopConfig) -> int:
@@ -905,7 +906,7 @@ def _bwd_chunk(
     pre_width = config.stash_width
     if graphed:
         if recompute is not None:
-            fields = {**fields, "pre": _recomputed_pre(config, graphs.workspace)}
+            fields = {**fields, "pre": _recomputed_pre(config, cuda_graphs.workspace)}
         state = {"dh": dh, "dc": dc}
 
         def keep_state() -> None:
@@ -914,7 +915,7 @@ def _bwd_chunk(
             if carried:
                 state.update({k: v.clone() for k, v in state.items() if v is not None})
 
-        buf, copied = _bwd_entry_buffers(config, fields, graphs.workspace)
+        buf, copied = _bwd_entry_buffers(config, fields, cuda_graphs.workspace)
         entry = _backward_entry(config, buf, copied, t0, keep_state)
         dh, dc = state["dh"], state["dc"]
         if recompute is not None:
@@ -958,14 +959,14 @@ def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
 
 def _backward_entry(
     config: LoopConfig, buf: _BwdBuffers, copied: list[str], t0: int, before_capture=None
-) -> graphs.Entry | None:
+) -> cuda_graphs.Entry | None:
     """The captured backward loop for these buffers (None: run it uncaptured).
 
     W_hh's address is in the key, with the chunk's first step and the names of the
     inputs copied into workspace; the inputs read in place (stash, cells, y, dy) are
     found by their addresses, as the workspace is."""
     key = (config, "bwd", t0, buf.w_hh.data_ptr(), tuple(copied))
-    return graphs.acquire(
+    return cuda_graphs.acquire(
         key, config.device, buf, lambda b: _bwd_loop(config, b), before_capture=before_capture
     )
 
@@ -1146,7 +1147,7 @@ def held_arenas(
     backward: bool,
     has_grad_y: bool = True,
 ) -> dict[tuple, int]:
-    """Bytes of each shared arena (graphs.py) that one layer-direction's captured forward
+    """Bytes of each shared arena (cuda_graphs.py) that one layer-direction's captured forward
     (or backward) loop asks for and the cache keeps between calls, keyed
     ``("mirrorgrad.rnn arena", device, arena name)`` as the cache shares them (an arena
     is as large as the largest request): the same buffer builders as the capture, run
@@ -1155,15 +1156,15 @@ def held_arenas(
     call's own tensors (READ_IN_PLACE)."""
     config = _config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None, memory,
                      has_bias, _default_fused(B), "ieee")  # fmt: skip
-    forward_captured = graphs.captures_by_size(T * B * config.stash_width)
+    forward_captured = cuda_graphs.captures_by_size(T * B * config.stash_width)
     if torch.device(device).type != "cuda":
         return {}
     sizes: dict[str, int] = {}
 
     def record(_config: LoopConfig, name: str, make) -> Tensor:
         like = make()
-        arena = graphs.arena_name(name)
-        sizes[arena] = max(sizes.get(arena, 0), graphs.arena_bytes(like))
+        arena = cuda_graphs.arena_name(name)
+        sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
         return like
 
     if not backward and forward_captured:
@@ -1171,7 +1172,7 @@ def held_arenas(
         w = config.empty(H, config.gh) if config.fused else config.empty(config.gh, H)
         _fwd_entry_buffers(config, w, config.empty(config.gh), lengths, record)
     chunk = _with_steps(config, _chunk_steps(T, B))
-    if backward and graphs.captures_by_size(chunk.T * B * config.stash_width):
+    if backward and cuda_graphs.captures_by_size(chunk.T * B * config.stash_width):
         fields = _bwd_fields_like(chunk, has_lengths, has_grad_y)
         if memory == "recompute" and not mode.startswith("rnn"):
             fields["pre"] = _recomputed_pre(chunk, record)

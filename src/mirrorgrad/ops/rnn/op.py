@@ -24,8 +24,8 @@ from mirrorgrad.formulas import (
     register_memory_formula,
     register_time_formula,
 )
-from mirrorgrad.ops.rnn import cost, reference
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn import reference, time_model
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 
 @functools.cache
@@ -553,14 +553,14 @@ def _rnn_backward_flops(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, s
 
 def _call_seconds(impl, mode, memory, x, weights, hx, num_layers, bidirectional, proj_size,
                   *, backward: bool) -> float | None:  # fmt: skip
-    """One call's seconds by ops/rnn/cost.py's fitted rule (per-step latency x steps plus
+    """One call's seconds by ops/rnn/time_model.py's fitted rule (per-step latency x steps plus
     the GEMMs), or None where it has no constants for ``impl`` (the roofline prices it)."""
     if proj_size:
         return None  # no implementation with constants runs a projection
     T, B, _, H, _, _ = map(_hint, _stack_shape(x, weights, hx, mode))
-    shape = cost.Shape(mode=mode, T=T, B=B, H=H, layers=num_layers,
+    shape = time_model.Shape(mode=mode, T=T, B=B, H=H, layers=num_layers,
                        directions=2 if bidirectional else 1)  # fmt: skip
-    ms = cost.phase_ms(impl, resolve_memory(memory, mode), x.dtype, shape, backward=backward)
+    ms = time_model.phase_ms(impl, resolve_memory(memory, mode), x.dtype, shape, backward=backward)
     return None if ms is None else ms / 1e3
 
 
@@ -702,7 +702,7 @@ def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_s
 def _rnn_forward_held(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
                       has_biases, proj_size, dropout, memory, state_clip, impl,
                       need_saved) -> dict:  # fmt: skip
-    """What the forward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
+    """What the forward's CUDA Graph cache keeps between calls (cuda_graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
                         backward=False)  # fmt: skip
 
@@ -711,6 +711,6 @@ def _rnn_forward_held(x, weights, hx, cx, lengths, seed, mode, num_layers, bidir
 def _rnn_backward_held(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, seed, y, saved,
                        mode, num_layers, bidirectional, has_biases, proj_size, dropout, memory,
                        state_clip, impl, needs_input_grad) -> dict:  # fmt: skip
-    """What the backward's CUDA Graph cache keeps between calls (graphs.py's arenas)."""
+    """What the backward's CUDA Graph cache keeps between calls (cuda_graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
                         backward=True, has_grad_y=grad_y is not None)  # fmt: skip

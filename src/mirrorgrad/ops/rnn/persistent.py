@@ -32,7 +32,7 @@ count (one program per SM), else the layer runs kernels.py (``plan`` returns Non
 Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
 program owning all units (same arithmetic, the barrier trivially met).
 On CUDA each layer-direction's forward and backward (fills, GEMMs, the launch) is one
-body captured in a CUDA Graph and replayed through graphs.py, as kernels.py's step
+body captured in a CUDA Graph and replayed through cuda_graphs.py, as kernels.py's step
 loops are: the host work of a call is one replay (the layer functions' section below).
 Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
 empty batch, and hidden sizes whose grid would exceed the SMs at BN <= MAX_BN.
@@ -49,8 +49,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import graphs, kernels
-from mirrorgrad.ops.rnn.cells import GATES, MODES
+from mirrorgrad.ops.rnn import cuda_graphs, kernels
+from mirrorgrad.ops.rnn.cell_modes import GATES, MODES
 from mirrorgrad.ops.rnn.kernels import _sigmoid, _tanh, _tile
 
 # The contract's parts that are kernels.py's own: same saved tensors, same workspace,
@@ -1171,7 +1171,7 @@ def _resident_slices(kind: str, config: kernels.LoopConfig, layout: Plan, fused:
 # ---- The layer functions -------------------------------------------------------------
 # Each phase of a layer-direction is one body (``_fwd_body``, ``_bwd_body``) that reads
 # its inputs in place, writes its outputs and workspace, and allocates nothing: on CUDA
-# it is captured once in a CUDA Graph and replayed (graphs.py), so a call costs one
+# it is captured once in a CUDA Graph and replayed (cuda_graphs.py), so a call costs one
 # replay instead of a dozen torch ops and a Triton launch on the host; elsewhere (CPU,
 # inside another capture, benchmarks' probes) the same body runs plainly on fresh
 # buffers, so captured and plain calls do the same arithmetic.
@@ -1186,21 +1186,21 @@ def _plan_of(config: kernels.LoopConfig, layout: Plan | None) -> Plan | None:
 
 
 def _graphed(config: kernels.LoopConfig, steps: int, use_graph: bool | None) -> bool:
-    """Whether a phase runs as a CUDA Graph: graphs.py's rule (sized as kernels.py's loop
+    """Whether a phase runs as a CUDA Graph: cuda_graphs.py's rule (sized as kernels.py's loop
     of ``steps`` steps), never while probes record the launches (they allocate)."""
     elements = steps * config.B * config.stash_width
-    return PROBES is None and graphs.use_graph(config.device, elements, use_graph)
+    return PROBES is None and cuda_graphs.use_graph(config.device, elements, use_graph)
 
 
 def _run(key: tuple, config: kernels.LoopConfig, buf, body) -> None:
     """``body(buf)`` as the captured entry of ``key`` for ``buf``'s addresses (captured
-    now if there is none), or plainly where graphs.py skips this capture."""
+    now if there is none), or plainly where cuda_graphs.py skips this capture."""
     if config.device.type == "cuda":
         # This thread's cuBLAS handle, made now: its GEMMs all run on the capturing thread
         # here, and an outer capture (a user's torch.cuda.graph) in which they run plainly
         # cannot create one (w A: CUBLAS_STATUS_NOT_INITIALIZED in the bench's capture).
         torch.cuda.current_blas_handle()
-    entry = graphs.acquire(key, config.device, buf, body)
+    entry = cuda_graphs.acquire(key, config.device, buf, body)
     if entry is not None:
         entry.replay(buf)
     else:
@@ -1219,7 +1219,7 @@ def _gates_bytes(config: kernels.LoopConfig) -> int:
 @dataclass(kw_only=True, slots=True)
 class _FwdBuffers:
     """Everything one forward reads and writes: inputs read in place (a captured entry
-    replays on the addresses it was captured with), workspace (graphs.py's arenas where
+    replays on the addresses it was captured with), workspace (cuda_graphs.py's arenas where
     captured, else fresh) and this call's fresh outputs."""
 
     x: Tensor  # [T, B, I] contiguous
@@ -1359,7 +1359,7 @@ def layer_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """One layer, one direction: ``(y [T,B,H], h_n, c_n, saved)`` (kernels.py's
     contract); ``layout`` overrides ``plan``'s (tests, benchmarks); ``use_graph``:
-    capture the layer in a CUDA Graph (None: by size, graphs.py)."""
+    capture the layer in a CUDA Graph (None: by size, cuda_graphs.py)."""
     kernels._check(mode, x, w_hr, memory, state_clip)
     config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
     layout = _plan_of(config, layout)
@@ -1376,9 +1376,9 @@ def layer_forward(
     body = functools.partial(_fwd_body, config, layout)
     if _graphed(config, config.T, use_graph):
         # The "gates" arena large enough for the backward before views of it are taken.
-        graphs.reserve(config.device, "pre", _gates_bytes(config))
-        inputs = _copy_in(config, layout, inputs, graphs.workspace)
-        buf = _fwd_buffers(config, layout, inputs, graphs.workspace)
+        cuda_graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, cuda_graphs.workspace)
+        buf = _fwd_buffers(config, layout, inputs, cuda_graphs.workspace)
         _run(((config, layout), "persistent.fwd", *_addresses(w_ih, w_hh, b_ih, b_hh)),
              config, buf, body)  # fmt: skip
     else:
@@ -1684,9 +1684,9 @@ def layer_backward(
                   lengths=own(lengths))  # fmt: skip
     body = functools.partial(_bwd_body, config, layout)
     if _graphed(config, kernels._chunk_steps(config.T, config.B), use_graph):
-        graphs.reserve(config.device, "pre", _gates_bytes(config))
-        inputs = _copy_in(config, layout, inputs, graphs.workspace)
-        buf = _bwd_buffers(config, layout, inputs, needs, graphs.workspace)
+        cuda_graphs.reserve(config.device, "pre", _gates_bytes(config))
+        inputs = _copy_in(config, layout, inputs, cuda_graphs.workspace)
+        buf = _bwd_buffers(config, layout, inputs, needs, cuda_graphs.workspace)
         key = ((config, layout), "persistent.bwd", *_addresses(w_ih, w_hh, b_ih, b_hh))
         _run(key, config, buf, body)
     else:
@@ -1727,7 +1727,7 @@ def held_arenas(
     backward: bool,
     has_grad_y: bool = True,
 ) -> dict[tuple, int]:
-    """Bytes of each shared arena (graphs.py) that one layer-direction's captured forward
+    """Bytes of each shared arena (cuda_graphs.py) that one layer-direction's captured forward
     (or backward) asks for and the cache keeps between calls, keyed as
     ``kernels.held_arenas`` (whose layers run where the persistent kernel does not): the
     same buffer builders as the capture, on the meta device, and the "gates" arena
@@ -1743,12 +1743,12 @@ def held_arenas(
         return {}
     config = kernels._config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None,
                              memory, has_bias, False, "ieee")  # fmt: skip
-    sizes = {graphs.arena_name("pre"): _gates_bytes(config)}
+    sizes = {cuda_graphs.arena_name("pre"): _gates_bytes(config)}
 
     def record(_key, name: str, make) -> Tensor:
         like = make()
-        arena = graphs.arena_name(name)
-        sizes[arena] = max(sizes.get(arena, 0), graphs.arena_bytes(like))
+        arena = cuda_graphs.arena_name(name)
+        sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
         return like
 
     empty, gh = config.empty, config.gh

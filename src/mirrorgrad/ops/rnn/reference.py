@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mirrorgrad.ops.rnn.cells import GATES, MODES
+from mirrorgrad.ops.rnn.cell_modes import GATES, MODES
 
 # Odd multipliers of the 32-bit integer hash below: under 2**31, so that a 32-bit value
 # times one stays inside int64 (tensors have no unsigned 64-bit arithmetic).

@@ -20,7 +20,7 @@ time formula, ``formulas.register_time_formula``): the rule's stash time split b
 (the difference of the two independent fits is noise at small batches: 0.01 ms
 predicted where 0.23 ms was measured).
 
-    python -m mirrorgrad.ops.rnn.cost RESULTS.json ...
+    python -m mirrorgrad.ops.rnn.time_model RESULTS.json ...
 
 prints the constants fitted to `mirrorgrad bench --suite rnn-kernels` results (the
 module methods ``mgnn-<impl>``), for COSTS.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

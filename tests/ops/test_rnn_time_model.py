@@ -1,4 +1,4 @@
-"""impl="auto"'s cost rule (ops/rnn/cost.py) against the measured tables it was fitted to."""
+"""impl="auto"'s cost rule (ops/rnn/time_model.py) against the measured tables it was fitted to."""
 
 import json
 import math
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn import cost
+from mirrorgrad.ops.rnn import time_model
 
 RESULTS = Path(__file__).parents[2] / "docs" / "results" / "rnn-kernels-h200"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -16,13 +16,13 @@ COLUMNS = {("cudnn", "stash"): "cudnn", ("triton", "stash"): "auto",
            ("triton", "recompute"): "recompute"}  # fmt: skip
 
 
-def _measured(dtype: str) -> list[tuple[cost.Shape, dict[tuple[str, str], float]]]:
+def _measured(dtype: str) -> list[tuple[time_model.Shape, dict[tuple[str, str], float]]]:
     doc = json.loads((RESULTS / f"rnn_kernels_{dtype}.json").read_text())
     rows = []
     for row in doc["rows"]:
         c = row["config"]
         directions = 2 if c["bidirectional"] else 1
-        shape = cost.Shape(mode=row["mode"], T=c["T"], B=c["batch"], H=c["hidden"],
+        shape = time_model.Shape(mode=row["mode"], T=c["T"], B=c["batch"], H=c["hidden"],
                            layers=c["layers"], directions=directions)  # fmt: skip
         rows.append((shape, {key: row["ms"][column] for key, column in COLUMNS.items()}))
     return rows
@@ -32,16 +32,16 @@ def _measured(dtype: str) -> list[tuple[cost.Shape, dict[tuple[str, str], float]
 def test_the_constants_are_the_fit_of_the_committed_tables(dtype):
     rows = _measured(dtype)
     for impl, memory in COLUMNS:
-        fitted = cost.fit((shape, ms[impl, memory]) for shape, ms in rows)
-        key = (impl, cost.memory_class(impl, memory), cost.dtype_class(DTYPES[dtype]))
-        assert fitted == pytest.approx(cost.COSTS[key], abs=2e-3)
+        fitted = time_model.fit((shape, ms[impl, memory]) for shape, ms in rows)
+        key = (impl, time_model.memory_class(impl, memory), time_model.dtype_class(DTYPES[dtype]))
+        assert fitted == pytest.approx(time_model.COSTS[key], abs=2e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_predictions_are_within_a_fifth_of_the_measured_times(dtype):
     for impl, memory in COLUMNS:
         errors = [
-            cost.predicted_ms(impl, memory, DTYPES[dtype], shape) / ms[impl, memory] - 1
+            time_model.predicted_ms(impl, memory, DTYPES[dtype], shape) / ms[impl, memory] - 1
             for shape, ms in _measured(dtype)
         ]
         rms = math.sqrt(sum(e * e for e in errors) / len(errors))
@@ -54,16 +54,16 @@ def test_the_rule_picks_within_ten_percent_of_the_fastest_measured(dtype, memory
     """Between cuDNN and the split kernels, as the rule would rank them: what it picks is
     never more than 10% slower than the faster of the two on the committed tables."""
     for shape, ms in _measured(dtype):
-        picked = cost.pick(["triton", "cudnn"], memory, DTYPES[dtype], shape)
+        picked = time_model.pick(["triton", "cudnn"], memory, DTYPES[dtype], shape)
         fastest = min(ms["triton", memory], ms["cudnn", "stash"])
         assert ms[picked, memory if picked == "triton" else "stash"] <= 1.1 * fastest, shape
 
 
 def test_an_implementation_without_constants_is_never_preferred():
-    shape = cost.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
-    assert cost.predicted_ms("persistent", "recompute", torch.float32, shape) is None
-    assert cost.pick(["persistent", "triton"], "recompute", torch.float32, shape) == "triton"
-    assert cost.pick(["persistent"], "recompute", torch.float32, shape) == "persistent"
+    shape = time_model.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
+    assert time_model.predicted_ms("persistent", "recompute", torch.float32, shape) is None
+    assert time_model.pick(["persistent", "triton"], "recompute", torch.float32, shape) == "triton"
+    assert time_model.pick(["persistent"], "recompute", torch.float32, shape) == "persistent"
 
 
 def test_constants_fitted_to_module_results_recover_the_times_they_came_from():
@@ -74,17 +74,18 @@ def test_constants_fitted_to_module_results_recover_the_times_they_came_from():
     names = ["rnn-lstm-L2-I650-H650-B20-T35", "rnn-lstm-L4-I1024-H1024-B128-T50",
              "rnn-lstm-L1-I512-H512-B16-T100", "rnn-lstm-L2-I1024-H1024-B64-T50-bi",
              "rnn-lstm-L2-I1024-H1024-B1-T100", "rnn-gru-L1-I512-H512-B16-T100"]  # fmt: skip
-    assert cost.shape_of(names[3]) == cost.Shape(mode="lstm", T=50, B=64, H=1024, layers=2,
-                                                 directions=2)  # fmt: skip
+    assert time_model.shape_of(names[3]) == time_model.Shape(
+        mode="lstm", T=50, B=64, H=1024, layers=2, directions=2
+    )
     workloads = {}
     for name in names:
-        ms = sum(c * f for c, f in zip(truth, cost.shape_of(name).features()))
+        ms = sum(c * f for c, f in zip(truth, time_model.shape_of(name).features()))
         workloads[name] = {"methods": [
             {"method": "mgnn-persistent", "status": "ok", "median_ms": ms},
             {"method": "mgnn-triton-stash", "status": "failed", "median_ms": None},
         ]}  # fmt: skip
     doc = {"options": {"dtype": "bf16"}, "workloads": workloads}
-    fitted = cost.fit_results([doc])
+    fitted = time_model.fit_results([doc])
     # The module's LSTM recomputes, its GRU stashes: one GRU sample is too few to fit.
     assert list(fitted) == [("persistent", "recompute", "half")]
     assert fitted["persistent", "recompute", "half"] == pytest.approx(truth, abs=1e-3)
@@ -105,9 +106,9 @@ def test_the_rule_ranks_the_module_level_runs_within_fifteen_percent(path):
         ms = {m["method"]: m["median_ms"] for m in workload["methods"] if m["status"] == "ok"}
         if "mgnn-triton" not in ms or "mgnn-cudnn" not in ms:
             continue
-        shape = cost.shape_of(name)
+        shape = time_model.shape_of(name)
         memory = "recompute" if shape.mode == "lstm" else "stash"  # the module's default
-        picked = cost.pick(["triton", "cudnn"], memory, dtype, shape)
+        picked = time_model.pick(["triton", "cudnn"], memory, dtype, shape)
         assert ms[f"mgnn-{picked}"] <= 1.15 * min(ms["mgnn-triton"], ms["mgnn-cudnn"]), name
         checked += 1
     assert checked > 0
@@ -129,13 +130,13 @@ PRICE_FACTOR, EXTRA_FACTOR = 1.6, 3.5
 PHASE_FACTOR = 1.75
 
 
-def _op_nodes(shape: cost.Shape, dtype: torch.dtype, memory: str, impl: str = "triton"):
+def _op_nodes(shape: time_model.Shape, dtype: torch.dtype, memory: str, impl: str = "triton"):
     """rnn_forward and rnn_backward fx nodes of an LSTM/GRU/RNN stack of ``shape``, with
     meta tensors as their fake values (nothing runs)."""
     from torch.fx import Graph
 
     from mirrorgrad.graph.joint import fake_value
-    from mirrorgrad.ops.rnn.cells import GATES
+    from mirrorgrad.ops.rnn.cell_modes import GATES
     from mirrorgrad.ops.rnn.op import rnn_forward_fake
 
     def value(*size, dt=dtype):
@@ -185,17 +186,17 @@ def test_recompute_extra_is_the_fit_of_the_committed_tables():
     """fp32: the H100 phases file (what recompute added to each step); half: the H200 bf16
     table (recompute minus stash)."""
     rows = json.loads(H100_PHASES.read_text())
-    assert cost.fit_extra(cost.timing_extra_samples(rows)) == pytest.approx(
-        cost.RECOMPUTE_EXTRA["fp32"], abs=2e-3
+    assert time_model.fit_extra(time_model.timing_extra_samples(rows)) == pytest.approx(
+        time_model.RECOMPUTE_EXTRA["fp32"], abs=2e-3
     )
     rows = [(s, ms["triton", "recompute"] - ms["triton", "stash"])
             for s, ms in _measured("bf16") if s.mode in ("lstm", "gru")]  # fmt: skip
-    assert cost.fit_extra(rows) == pytest.approx(cost.RECOMPUTE_EXTRA["half"], abs=2e-3)
+    assert time_model.fit_extra(rows) == pytest.approx(time_model.RECOMPUTE_EXTRA["half"], abs=2e-3)
 
 
 def test_forward_share_is_the_mean_of_the_measured_phases():
     rows = json.loads(H100_PHASES.read_text())
-    assert abs(cost.FORWARD_SHARE - cost.timing_forward_share(rows)) < 0.005
+    assert abs(time_model.FORWARD_SHARE - time_model.timing_forward_share(rows)) < 0.005
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -220,7 +221,7 @@ def test_the_cost_model_prices_each_phase_within_a_factor_of_the_h100_table():
     from mirrorgrad.graph.cost import H100, _flops_and_rate
 
     for row in json.loads(H100_PHASES.read_text()):
-        shape = cost._timing_shape(row)
+        shape = time_model._timing_shape(row)
         priced = {m: _priced_ms(shape, torch.float32, m) for m in ("stash", "recompute")}
         for memory, (forward, backward) in priced.items():
             for price, measured in ((forward, row[memory]["forward_ms"]),
@@ -244,7 +245,7 @@ def test_the_cost_model_prices_the_module_level_runs_within_a_factor(path):
         ms = {m["method"]: m["median_ms"] for m in workload["methods"] if m["status"] == "ok"}
         if "mgnn-triton" not in ms:
             continue
-        shape = cost.shape_of(name)
+        shape = time_model.shape_of(name)
         memory = "recompute" if shape.mode == "lstm" else "stash"
         ratio = sum(_priced_ms(shape, dtype, memory)) / ms["mgnn-triton"]
         assert 1 / PRICE_FACTOR < ratio < PRICE_FACTOR, (name, ratio)
@@ -253,7 +254,7 @@ def test_the_cost_model_prices_the_module_level_runs_within_a_factor(path):
 def test_an_implementation_without_constants_is_priced_by_the_roofline():
     from mirrorgrad.graph.cost import H100, _flops_and_rate, op_cost
 
-    shape = cost.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
+    shape = time_model.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
     forward, _ = _op_nodes(shape, torch.float32, "stash", impl="reference")
     flops, rate = _flops_and_rate(forward, H100)
     assert op_cost(forward).seconds == pytest.approx(max(flops / rate, op_cost(forward).bytes
