@@ -30,6 +30,7 @@ row and method set on an H100 (most of it compiling).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -46,7 +47,8 @@ from mirrorgrad._timing import time_calls
 from mirrorgrad.bench import rnn_modules
 from mirrorgrad.bench.rnn_modules import Config, step_flops
 from mirrorgrad.bench.runner import dense_peak_tflops
-from mirrorgrad.ops.rnn.persistent import grid_barrier
+from mirrorgrad.ops.rnn.persistent_kernels import grid_barrier
+from mirrorgrad.ops.rnn.tuning import PersistentTuning, active, tuned
 
 # The module suite's shapes, then small batches: where a persistent kernel, which keeps
 # the weights on chip across steps, pays most.
@@ -234,16 +236,16 @@ def _measure(mode: str, cfg: Config, dtype_name: str, methods, reps: int) -> dic
 
 
 def _plan_row(mode: str, cfg: Config, dtype: torch.dtype) -> dict | None:
-    from mirrorgrad.ops.rnn import persistent
+    from mirrorgrad.ops.rnn import persistent_plan, persistent_probes
 
-    layout = persistent.plan(mode, cfg.batch, cfg.hidden, dtype, torch.device("cuda"))
+    layout = persistent_plan.plan(mode, cfg.batch, cfg.hidden, dtype, torch.device("cuda"))
     if layout is None:
         return None
     # The layout as planned, or streamed where the resident one did not fit the SM.
     ran = (layout, layout.streamed())
     compiled = {
         f"{kind}{'' if lay.resident else '-streamed'}": info
-        for (kind, m, dt, lay), info in persistent.COMPILED.items()
+        for (kind, m, dt, lay), info in persistent_probes.COMPILED.items()
         if m == mode and dt == dtype and lay in ran
     }
     return {
@@ -277,23 +279,23 @@ def _profile(mode: str, cfg: Config, dtype_name: str, out: Path) -> None:
     print(table)
 
 
-# ---- --phases: where a step's time goes (persistent.PROBES), old against new knobs ----
+# ---- --phases: where a step's time goes (persistent_probes), old against new knobs ----
 
-# The knobs of the variants ``--phases`` compares (persistent.py module globals): "old" is
+# The knobs of the variants ``--phases`` compares (PersistentTuning fields): "old" is
 # the layout measured in windows 1-2; "new" the defaults since the 15:41 UTC window: the
 # backward's hidden GEMM in independent MMA chains (resident: K slices over the warps; streamed: K
 # chunks in slices, 256 deep, 8 warps), its other inputs in one round trip, and the
 # barrier polled with acquiring atomics. (That window's first "new" did the same to the
 # forward, which made it slower: docs/rnn-op.md.)
 VARIANTS: dict[str, dict] = {
-    "old": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 1, "SPLIT_K": 1, "BLOCK_K": 64,
-            "BWD_BLOCK_K": 64, "BWD_SPLIT_K": 1, "GATHER_LOADS": False, "NUM_WARPS": 4,
-            "BWD_NUM_WARPS": 4, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": True},
-    "new": {"RESIDENT_SPLIT": 1, "BWD_RESIDENT_SPLIT": 8, "SPLIT_K": 1, "BLOCK_K": 64,
-            "BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8, "GATHER_LOADS": True, "NUM_WARPS": 4,
-            "BWD_NUM_WARPS": 8, "RESIDENT_WARPS": (16, 8), "SPIN_LOAD": False},
+    "old": {"resident_split": 1, "bwd_resident_split": 1, "split_k": 1, "block_k": 64,
+            "bwd_block_k": 64, "bwd_split_k": 1, "gather_loads": False, "num_warps": 4,
+            "bwd_num_warps": 4, "resident_warps": (16, 8), "spin_load": True},
+    "new": {"resident_split": 1, "bwd_resident_split": 8, "split_k": 1, "block_k": 64,
+            "bwd_block_k": 256, "bwd_split_k": 8, "gather_loads": True, "num_warps": 4,
+            "bwd_num_warps": 8, "resident_warps": (16, 8), "spin_load": False},
 }  # fmt: skip
-# Phases from the stamps (persistent.STAMPS; index of the stamp that ends each, -1: the
+# Phases from the stamps (persistent_kernels.STAMPS; index of the stamp that ends each, -1: the
 # next step's start): PROBE_LEVEL 2 has no "load" stamp, its "dot" runs from the start.
 PHASES = {2: (("dot", 1, 3), ("gates", 3, 4), ("arrive", 4, 5), ("wait", 5, -1)),
           3: (("load", 1, 2), ("dot", 2, 3), ("gates", 3, 4), ("arrive", 4, 5),
@@ -325,16 +327,13 @@ def phase_split(stamps: Tensor, level: int) -> dict:
 def phases(mode: str, cfg: Config, dtype_name: str, level: int, reps: int) -> dict:
     """Layer-level step ms without and with the probe, and the per-phase split of the last
     forward and backward launch (``phase_split``)."""
-    from mirrorgrad.ops.rnn import persistent
+    from mirrorgrad.ops.rnn import persistent_probes
 
     step = _steps(mode, cfg, DTYPES[dtype_name], ["layer-persistent"])["layer-persistent"]()
     plain = time_calls(step, repeats=reps, warmup=2, device="cuda").median_ms
-    persistent.PROBES, persistent.PROBE_LEVEL = {}, level
-    try:
+    with persistent_probes.recording(level) as recorded:
         probed = time_calls(step, repeats=3, warmup=1, device="cuda").median_ms
-        stamps = {kind: t.cpu() for kind, t in persistent.PROBES.items()}
-    finally:
-        persistent.PROBES = None
+        stamps = {kind: t.cpu() for kind, t in recorded.items()}
     split = {kind: phase_split(t, level) for kind, t in stamps.items()}
     return {"layer_ms": plain, "probed_ms": probed, "phases": split}
 
@@ -344,8 +343,6 @@ def _compare(cases: list[tuple[str, str, int]], level: int, reps: int, out: Path
     """Per case and VARIANTS entry: the module's ms (graphed cuDNN beside it, once per
     case) and ``phases``; rows written to phases.json as they come (a crash keeps them);
     no case starts after ``time_limit`` seconds."""
-    from mirrorgrad.ops.rnn import persistent
-
     rows, start = [], time.monotonic()
     for mode, dtype_name, i in cases:
         if time.monotonic() - start > time_limit:
@@ -354,19 +351,17 @@ def _compare(cases: list[tuple[str, str, int]], level: int, reps: int, out: Path
         cfg = CONFIGS[i]
         graphed = _measure(mode, cfg, dtype_name, ["cudnn-graph"], reps)["ms"]["cudnn-graph"]
         for name, knobs in VARIANTS.items():
-            saved = {k: getattr(persistent, k) for k in knobs}
-            apply_knobs(knobs)
             row = {"mode": mode, "config": cfg.name, "dtype": dtype_name, "variant": name,
                    "cudnn_graph_ms": graphed}  # fmt: skip
             try:
-                module = _measure(mode, cfg, dtype_name, ["persistent"], reps)
-                row.update(module_ms=module["ms"], errors=module["errors"], plan=module["plan"])
-                row.update(phases(mode, cfg, dtype_name, level, reps))
+                with tuned(knobs_applied(knobs)):
+                    module = _measure(mode, cfg, dtype_name, ["persistent"], reps)
+                    row.update(module_ms=module["ms"], errors=module["errors"],
+                               plan=module["plan"])  # fmt: skip
+                    row.update(phases(mode, cfg, dtype_name, level, reps))
             except Exception as exc:  # one failing variant must not end the run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 torch.cuda.synchronize()
-            finally:
-                apply_knobs(saved)
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "phases.json").write_text(json.dumps(rows, indent=1))
@@ -394,40 +389,34 @@ def _num(x: float | None, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else "-"
 
 
-# persistent.py's knobs per variant that ``--sweep`` times (the rest as planned).
+# PersistentTuning's knobs per variant that ``--sweep`` times (the rest as planned).
 # 128-deep backward chunks in 8 slices: the backward's K (G*H) is the longest MMA chain.
-_BWD = {"BWD_BLOCK_K": 128, "BWD_SPLIT_K": 8}
+_BWD = {"bwd_block_k": 128, "bwd_split_k": 8}
 SWEEP = (
     {},
-    {"BWD_BLOCK_K": 128, "BWD_SPLIT_K": 8},
-    {"BWD_BLOCK_K": 256, "BWD_SPLIT_K": 8},
-    {**_BWD, "SPLIT_K": 4},
-    {**_BWD, "RESIDENT_BYTES": 0},
-    {**_BWD, "NUM_WARPS": 4},
-    {**_BWD, "NUM_STAGES": 2},
-    {**_BWD, "MAX_BB": 16},
-    {**_BWD, "FUSE_GATES": False},
+    {"bwd_block_k": 128, "bwd_split_k": 8},
+    {"bwd_block_k": 256, "bwd_split_k": 8},
+    {**_BWD, "split_k": 4},
+    {**_BWD, "resident_bytes": 0},
+    {**_BWD, "num_warps": 4},
+    {**_BWD, "num_stages": 2},
+    {**_BWD, "max_bb": 16},
+    {**_BWD, "fuse_gates": False},
 )
 
 
 def _sweep(cases: list[tuple[str, str, int]], reps: int, out: Path) -> list[dict]:
-    """layer-persistent under each SWEEP variant (module globals that ``plan`` reads), every
+    """layer-persistent under each SWEEP variant (the PersistentTuning ``plan`` reads), every
     case per variant; best_knobs.json is rewritten after each variant (a run cut short
     still leaves the best of the variants it finished)."""
-    from mirrorgrad.ops.rnn import persistent
-
     rows = []
     for variant in SWEEP:
-        saved = {name: getattr(persistent, name) for name in variant}
-        apply_knobs(variant)
-        try:
+        with tuned(knobs_applied(variant)):
             for mode, dtype_name, i in cases:
                 row = _measure(mode, CONFIGS[i], dtype_name, ["layer-persistent"], reps)
                 row["variant"] = variant
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        finally:
-            apply_knobs(saved)
         (out / "best_knobs.json").write_text(json.dumps(best_variant(rows)))
     return rows
 
@@ -496,14 +485,15 @@ def best_variant(rows: list[dict]) -> dict:
     return json.loads(best)
 
 
-def apply_knobs(knobs: dict) -> None:
-    """Set persistent.py's module knobs (names as in SWEEP)."""
-    from mirrorgrad.ops.rnn import persistent
-
-    for name, value in knobs.items():
-        if not hasattr(persistent, name):
-            raise ValueError(f"persistent.py has no knob {name!r}")
-        setattr(persistent, name, value)
+def knobs_applied(knobs: dict) -> PersistentTuning:
+    """The active PersistentTuning with ``knobs`` changed (field names, as in SWEEP; JSON
+    lists as tuples: the plans are cached by their tuning)."""
+    fields = {f.name for f in dataclasses.fields(PersistentTuning)}
+    unknown = sorted(set(knobs) - fields)
+    if unknown:
+        raise ValueError(f"PersistentTuning has no knob {unknown}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in knobs.items()}
+    return dataclasses.replace(active(PersistentTuning), **values)
 
 
 def _sweep_table(rows: list[dict]) -> str:
@@ -565,7 +555,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time the SWEEP layouts instead")
-    parser.add_argument("--knobs", type=Path, help="JSON of persistent.py knobs to set first")
+    parser.add_argument("--knobs", type=Path, help="JSON of PersistentTuning knobs to set first")
     parser.add_argument("--cases", help="mode:dtype:config,... (instead of the cross product)")
     parser.add_argument("--phases", action="store_true",
                         help="per-phase us of each step, VARIANTS old against new")
@@ -606,8 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.knobs is not None:
-        apply_knobs(json.loads(args.knobs.read_text()) if args.knobs.exists() else {})
+    knobs = {}
+    if args.knobs is not None and args.knobs.exists():
+        knobs = json.loads(args.knobs.read_text())
+    with tuned(knobs_applied(knobs)):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     if args.phases:
         rows = _compare(_cases(args), args.probe_level, args.reps, args.out, args.time_limit)

@@ -8,6 +8,7 @@ torch itself) are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -49,6 +50,16 @@ def nan_fill(monkeypatch):
 
 
 @pytest.fixture
+def tuning():
+    """Other knobs of a kernel family for the rest of the test:
+    ``tuning(StepTuning(bwd_chunk_rows=6))`` (ops/rnn/tuning.py)."""
+    from mirrorgrad.ops.rnn.tuning import tuned
+
+    with contextlib.ExitStack() as stack:
+        yield lambda knobs: stack.enter_context(tuned(knobs))
+
+
+@pytest.fixture
 def cpu_graphs(monkeypatch):
     """The graph path on CPU; yields the list of stand-in graphs captured."""
     from mirrorgrad.ops.rnn import cuda_graphs
@@ -76,7 +87,7 @@ def cpu_graphs(monkeypatch):
 def reused_blocks(monkeypatch):
     """The kernels' outputs come from freed blocks of their size where there is one, as
     the CUDA caching allocator hands them out (graph_stand_in.ReusedBlocks)."""
-    from mirrorgrad.ops.rnn import kernels
+    from mirrorgrad.ops.rnn import step_loop
 
     from .graph_stand_in import ReusedBlocks
 
@@ -84,5 +95,5 @@ def reused_blocks(monkeypatch):
     def empty(config, *shape, dtype=None):
         return blocks.empty(config, *shape, dtype=dtype)
 
-    monkeypatch.setattr(kernels.LoopConfig, "empty", empty)
+    monkeypatch.setattr(step_loop.LoopConfig, "empty", empty)
     return blocks

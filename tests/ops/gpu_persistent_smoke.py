@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from mirrorgrad.ops.rnn import kernels, persistent
+from mirrorgrad.ops.rnn import kernels, persistent, persistent_plan, persistent_probes
 from mirrorgrad.ops.rnn.cell_modes import GATES
 
 
@@ -50,10 +50,10 @@ CASES = (  # (mode, dtype, (T, B, H))
 )
 
 
-def _compiled(mode: str, dtype: torch.dtype, layout: persistent.Plan) -> dict:
+def _compiled(mode: str, dtype: torch.dtype, layout: persistent_plan.Plan) -> dict:
     return {
         f"{kind}{'' if lay.resident else '-streamed'}": (v["n_regs"], v["n_spills"])
-        for (kind, m, dt, lay), v in persistent.COMPILED.items()
+        for (kind, m, dt, lay), v in persistent_probes.COMPILED.items()
         if m == mode and dt == dtype and lay.bn == layout.bn and lay.ka == layout.ka
     }
 

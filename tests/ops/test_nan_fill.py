@@ -6,14 +6,14 @@ import dataclasses
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn import kernels
+from mirrorgrad.ops.rnn import kernels, step_loop
 
 from .conftest import INT_SENTINEL
 from .test_rnn_kernels import _check_layer
 
 
 def test_buffers_allocated_by_ops_are_poisoned():
-    config = kernels._loop_config(
+    config = step_loop.loop_config(
         "lstm", torch.zeros(3, 2, 4), torch.zeros(8, 2), None, None, None, "stash", None, False
     )
     assert config.empty(3, 2).isnan().all()

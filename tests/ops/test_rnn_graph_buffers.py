@@ -8,16 +8,17 @@ import torch
 from tests.ops.test_rnn_kernels import KERNELS, _check_layer
 
 from mirrorgrad.ops.rnn import cuda_graphs, kernels
+from mirrorgrad.ops.rnn.tuning import StepTuning
 
 
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_replayed_loops_match_the_oracle(mode, memory, fused, cpu_graphs, monkeypatch):
+def test_replayed_loops_match_the_oracle(mode, memory, fused, cpu_graphs, monkeypatch, tuning):
     """Twice (the second call replays with new values), with backward chunks of 2, 2 and
     1 steps: the first two share one config (the state gradient stays in its buffers),
     the last has buffers of its own."""
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
+    tuning(StepTuning(bwd_chunk_rows=2 * 3))
     for _ in range(2):
         _check_layer(mode, memory=memory, lengths=[2, 5, 1], fused=fused, t=5)
     assert cpu_graphs, "the loops ran captured"

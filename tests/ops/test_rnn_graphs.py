@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mirrorgrad import _compat
-from mirrorgrad.ops.rnn import cuda_graphs, kernels
+from mirrorgrad.ops.rnn import cuda_graphs, kernels, step_loop
 
 from .test_rnn_kernels import B, H, T, _check_layer, _inputs
 
@@ -156,8 +156,8 @@ def test_backward_reads_its_large_inputs_in_place_and_copies_the_small_ones(cpu_
     h0 and lengths are copied into workspace, and so is a large input that is not
     contiguous."""
     T_, B_, H_ = 3, 2, 4
-    config = kernels._config("gru", T_, B_, H_, torch.float32, torch.device("cpu"), True, None,
-                             "stash", True, False, "ieee")  # fmt: skip
+    config = step_loop.make_config("gru", T_, B_, H_, torch.float32, torch.device("cpu"), True,
+                                   None, "stash", True, False, "ieee")  # fmt: skip
     lengths = torch.ones(B_, dtype=torch.int64)
     fields = dict(pre=torch.randn(T_, B_, 4 * H_), cells=None, h0=torch.randn(B_, H_),
                   y=torch.randn(T_, B_, H_), dy=torch.randn(B_, T_, H_).transpose(0, 1),

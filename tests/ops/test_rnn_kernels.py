@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn import kernels
+from mirrorgrad.ops.rnn import kernels, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.tuning import StepTuning
 
 T, B, IN, H = 4, 3, 5, 6
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,19 +169,19 @@ def test_lstm_state_clip(memory, fused):
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
-def test_backward_in_chunks(mode, memory, fused, monkeypatch):
+def test_backward_in_chunks(mode, memory, fused, monkeypatch, tuning):
     # Chunks of 2, 2 and 1 steps: state gradients carried across chunk boundaries.
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * B)
-    assert kernels._chunk_steps(5, B) == 2
+    tuning(StepTuning(bwd_chunk_rows=2 * B))
+    assert step_loop.chunk_steps(5, B) == 2
     _check_layer(mode, memory=memory, lengths=[5, 2, 3], fused=fused, t=5)
 
 
 def test_chunk_rows_bounded_whatever_t():
     for batch in (1, 20, 256):
         for steps in (1, 35, 409, 410, 411, 5000):
-            chunk = kernels._chunk_steps(steps, batch)
+            chunk = step_loop.chunk_steps(steps, batch)
             assert 1 <= chunk <= steps
-            assert chunk * batch <= kernels.BWD_CHUNK_ROWS + batch
+            assert chunk * batch <= StepTuning().bwd_chunk_rows + batch
 
 
 @KERNELS

@@ -2,13 +2,21 @@
 small shapes (one program), natively on the GPU (many programs, a real grid barrier)."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 import mirrorgrad.nn
-from mirrorgrad.ops.rnn import kernels, persistent
+from mirrorgrad.ops.rnn import (
+    persistent,
+    persistent_buffers,
+    persistent_kernels,
+    persistent_plan,
+    step_loop,
+)
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.tuning import PersistentTuning, StepTuning
 
 from .test_rnn_kernels import _oracle
 
@@ -95,7 +103,7 @@ def _check(mode, *, memory="stash", T=4, B=3, n_in=5, H=6, lengths=None, clip=No
 
 def _streamed(mode, B, H, dtype=torch.float32, bk=16, split=1):
     layout = persistent.plan(mode, B, H, dtype, torch.device(DEVICE))
-    return persistent.replace(layout, resident=False, bk=bk, split=split, bwd_bk=bk,
+    return replace(layout, resident=False, bk=bk, split=split, bwd_bk=bk,
                               bwd_split=split)  # fmt: skip
 
 
@@ -126,7 +134,7 @@ def test_window2_layout(mode):
     # The defaults before the 15:41 UTC window (bench's "old"): the barrier polled with
     # loads, the resident backward one MMA chain per gate, its inputs loaded tile by tile.
     layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
-    layout = persistent.replace(layout, spin_load=True, rsplit=1, bwd_rsplit=1, gather=False)
+    layout = replace(layout, spin_load=True, rsplit=1, bwd_rsplit=1, gather=False)
     _check(mode, H=20, lengths=[2, 4, 1], layout=layout)
 
 
@@ -134,7 +142,7 @@ def test_window2_layout(mode):
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_forward_gates_in_one_dot(mode, resident):
     layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
-    layout = persistent.replace(layout, fuse_gates=True, resident=resident)
+    layout = replace(layout, fuse_gates=True, resident=resident)
     _check(mode, H=20, lengths=[2, 4, 1], layout=layout)
 
 
@@ -156,7 +164,7 @@ def test_resident_k_in_slices(mode, rsplit):
     # H 40 as 2 slices of 16 + 16 rows (both pieces) or 4 of 16 (one piece, zero tails);
     # the forward's gates in one dot (lstm, gru), the backward a gate at a time.
     layout = persistent.plan(mode, 3, 40, torch.float32, torch.device(DEVICE))
-    layout = persistent.replace(layout, resident=True, rsplit=rsplit, bwd_rsplit=rsplit)
+    layout = replace(layout, resident=True, rsplit=rsplit, bwd_rsplit=rsplit)
     _check(mode, H=40, lengths=[3, 1, 4], layout=layout)
 
 
@@ -165,7 +173,7 @@ def test_resident_k_in_slices(mode, rsplit):
 def test_inputs_gathered_in_one_load(mode, memory):
     # The backward's other inputs in one load per dtype, with K slices (bench's "new").
     layout = persistent.plan(mode, 3, 20, torch.float32, torch.device(DEVICE))
-    layout = persistent.replace(layout, gather=True, rsplit=2, bwd_rsplit=2)
+    layout = replace(layout, gather=True, rsplit=2, bwd_rsplit=2)
     _check(mode, memory=memory, H=20, lengths=[2, 4, 1], layout=layout)
     _check(mode, memory=memory, H=20, layout=layout, dtype=torch.bfloat16, tol=3e-2)
 
@@ -186,9 +194,9 @@ def test_batch_in_several_tiles():
 def test_batch_groups_with_their_own_barriers(mode):
     # 40 rows, tiles of 16 over 2 groups: group 0 runs tiles 0 and 2, group 1 tile 1.
     layout = persistent.plan(mode, 40, 6, torch.float32, torch.device(DEVICE))
-    layout = persistent.replace(layout, groups=2)
+    layout = replace(layout, groups=2)
     if CUDA:
-        layout = persistent.replace(layout, programs=1, bn=16)
+        layout = replace(layout, programs=1, bn=16)
     _check(mode, T=3, B=40, lengths=[3, 1, 2, 3] * 10, layout=layout)
 
 
@@ -199,9 +207,9 @@ def test_lstm_state_clip_and_no_bias():
 
 
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-def test_backward_in_chunks(mode, monkeypatch):
+def test_backward_in_chunks(mode, monkeypatch, tuning):
     # Chunks of 2, 2 and 1 steps: one launch each, state gradients carried between them.
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 2 * 3)
+    tuning(StepTuning(bwd_chunk_rows=2 * 3))
     _check(mode, T=5, lengths=[5, 2, 3], memory="recompute")
 
 
@@ -211,12 +219,12 @@ def test_backward_state_and_counters_are_views_of_one_buffer(dtype):
     # biases'): apart, each 16-byte aligned (the JIT specializes pointers on it), in one
     # allocation that the backward zeroes in one fill.
     B, H = 3, 5
-    config = kernels._config("lstm", 4, B, H, dtype, torch.device(DEVICE), False, None,
-                             "stash", True, False, "ieee")  # fmt: skip
-    layout = persistent.replace(persistent.plan("lstm", B, H, dtype, torch.device(DEVICE)),
-                                groups=3, streamed_groups=5)  # fmt: skip
+    config = step_loop.make_config("lstm", 4, B, H, dtype, torch.device(DEVICE), False, None,
+                                   "stash", True, False, "ieee")  # fmt: skip
+    layout = replace(persistent.plan("lstm", B, H, dtype, torch.device(DEVICE)),
+                     groups=3, streamed_groups=5)  # fmt: skip
     needs = (True,) * 6  # the gradients of x, c0, w_ih, w_hh, b_ih, b_hh all asked
-    block = persistent._state_block(config, layout, launches=3, needs=needs)
+    block = persistent_buffers.state_block(config, layout, launches=3, needs=needs)
     dh, dc, counts = block["dh"], block["dc"], block["count"]
     assert (dh.shape, dh.dtype, dc.shape, dc.dtype) == ((B, H), dtype, (B, H), torch.float32)
     assert counts.shape[0] == 3 and counts.shape[1] >= 5 and counts.dtype == torch.int32
@@ -241,12 +249,13 @@ def test_empty_batch_runs_kernels_py():
 
 
 def test_plan_caps_the_grid_at_the_sm_count(monkeypatch):
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
-    monkeypatch.setattr(persistent, "_programs_at_once", lambda device: 132)
+    monkeypatch.setattr(step_loop, "interpreting", lambda: False)
+    monkeypatch.setattr(persistent_plan, "_programs_at_once", lambda device: 132)
     cuda = torch.device("cuda")
     small = persistent.plan("lstm", 20, 650, torch.float32, cuda)
     assert (small.programs, small.bn, small.ka, small.kb) == (41, 16, 512, 256)
-    assert small.resident == (small.w_bytes("lstm", torch.float32) <= persistent.RESIDENT_BYTES)
+    resident_bytes = PersistentTuning().resident_bytes
+    assert small.resident == (small.w_bytes("lstm", torch.float32) <= resident_bytes)
     # 41 unit blocks leave room for 3 groups: 20 rows in two tiles of 16, one per group.
     assert (small.bb, small.groups) == (16, 2)
     big = persistent.plan("lstm", 256, 512, torch.float32, cuda)  # 32 blocks x 4 groups
@@ -335,7 +344,7 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
     T, B, n_in, H = shape
     layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
-    layout = persistent.replace(layout, resident=resident)
+    layout = replace(layout, resident=resident)
     lengths = [T - (b % T) for b in range(B)]
     _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
            memory="recompute" if mode == "lstm" else "stash")  # fmt: skip
@@ -349,16 +358,15 @@ def test_gpu_many_programs_match_float64(mode, shape, resident, dtype, tf32, tol
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float32, 1e-2), (torch.bfloat16, 3e-2)], ids=["tf32", "bf16"]
 )
-def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch):
+def test_gpu_k_slices_match_float64(mode, shape, resident, dtype, tol, monkeypatch, tuning):
     # The "new" variant of bench.persistent_rnn: K in slices, the backward's loads gathered.
     from benchmarks.persistent_rnn import VARIANTS
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    for name, value in VARIANTS["new"].items():
-        monkeypatch.setattr(persistent, name, value)
+    tuning(PersistentTuning(**VARIANTS["new"]))
     T, B, n_in, H = shape
     layout = persistent.plan(mode, B, H, dtype, torch.device("cuda"))
-    layout = persistent.replace(layout, resident=resident)
+    layout = replace(layout, resident=resident)
     assert layout.gather and layout.bwd_rsplit > 1 and layout.bwd_split > 1
     lengths = [T - (b % T) for b in range(B)]
     _check(mode, T=T, B=B, n_in=n_in, H=H, lengths=lengths, layout=layout, dtype=dtype, tol=tol,
@@ -450,27 +458,30 @@ _COMPILE_FOR_SM90 = """
 import sys, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mirrorgrad.ops.rnn import kernels, persistent
+from dataclasses import replace
+from mirrorgrad.ops.rnn import (persistent_buffers, persistent_kernels, persistent_plan,
+                                persistent_probes, step_loop)
 
 mode, resident, probe, split = sys.argv[1], sys.argv[2] == "resident", *map(int, sys.argv[3:])
-persistent._programs_at_once = lambda device: 132
-layout = persistent.plan(mode, 20, 650, torch.bfloat16, torch.device("cuda"))
+persistent_plan._programs_at_once = lambda device: 132
+layout = persistent_plan.plan(mode, 20, 650, torch.bfloat16, torch.device("cuda"))
 layout = layout if resident else layout.streamed()
 assert layout.resident == resident
 # split: the resident K slices, or the streamed chunks' slices (SPLIT_K, BWD_SPLIT_K).
-layout = persistent.replace(layout, rsplit=split, bwd_rsplit=split, split=split, bwd_bk=128,
-                            bwd_split=split, gather=split > 1)
-persistent.PROBES, persistent.PROBE_LEVEL = ({}, probe) if probe else (None, 1)
-kernels._interpreting = lambda: False
-config = kernels._config(mode, 35, 20, 650, torch.bfloat16, torch.device("cuda"), True, None,
-                         "stash", True, False, "ieee")
+layout = replace(layout, rsplit=split, bwd_rsplit=split, split=split, bwd_bk=128,
+                 bwd_split=split, gather=split > 1)
+persistent_probes.PROBES, persistent_probes.PROBE_LEVEL = ({}, probe) if probe else (None, 1)
+step_loop.interpreting = lambda: False
+config = step_loop.make_config(mode, 35, 20, 650, torch.bfloat16, torch.device("cuda"), True,
+                               None, "stash", True, False, "ieee")
 special = {"cells_ptr": "*fp32", "dc_ptr": "*fp32", "len_ptr": "*i64", "count_ptr": "*i32",
            "probe_ptr": "*i64"}
 for kind, kernel, extra in (
-    ("fwd", persistent._fwd_kernel, {"WRITE_STASH": True, "HAS_HB": mode == "gru",
-                                     "HS": persistent._padded(650, torch.bfloat16)}),
-    ("bwd", persistent._bwd_kernel, {"HAS_DY": True,
-                                     "DS": persistent._padded(config.gh, torch.bfloat16)}),
+    ("fwd", persistent_kernels._fwd_kernel,
+     {"WRITE_STASH": True, "HAS_HB": mode == "gru",
+      "HS": persistent_buffers.padded(650, torch.bfloat16)}),
+    ("bwd", persistent_kernels._bwd_kernel,
+     {"HAS_DY": True, "DS": persistent_buffers.padded(config.gh, torch.bfloat16)}),
 ):
     constants = {**extra, **persistent._tile_constants(kind, config, layout)}
     options = {k: constants.pop(k) for k in ("num_warps", "num_stages")}
@@ -513,13 +524,13 @@ def test_kernels_compile_for_sm90(mode, resident, probe, split):
 
 
 def test_bench_new_variant_is_the_default():
-    # bench.persistent_rnn's "new" knob set is what persistent.py runs by default (the
-    # env overrides unset), so the measured "new" is what users get.
+    # benchmarks/persistent_rnn.py's "new" knob set is PersistentTuning's defaults, so the
+    # measured "new" is what users get.
     from benchmarks.persistent_rnn import VARIANTS
 
     assert VARIANTS["old"].keys() == VARIANTS["new"].keys()
     for name, value in VARIANTS["new"].items():
-        assert getattr(persistent, name) == value, name
+        assert getattr(PersistentTuning(), name) == value, name
 
 
 def test_phase_split_reads_the_probe_stamps():
@@ -527,7 +538,7 @@ def test_phase_split_reads_the_probe_stamps():
     # program 1 starts 0.1 us later and waits 0.1 us less.
     from benchmarks.persistent_rnn import phase_split
 
-    ns = torch.zeros(1, 2, 6, persistent.STAMPS.value, dtype=torch.float64)
+    ns = torch.zeros(1, 2, 6, persistent_kernels.STAMPS.value, dtype=torch.float64)
     start = 1000.0 + torch.arange(6) * 2000.0
     for p, lag in enumerate([0.0, 100.0]):
         for i, end in enumerate([1000.0, 1200.0, 1500.0]):

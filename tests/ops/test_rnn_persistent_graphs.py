@@ -11,7 +11,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirrorgrad.nn
-from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent
+from mirrorgrad.ops.rnn import cuda_graphs, persistent
+from mirrorgrad.ops.rnn.tuning import StepTuning
 
 from .test_rnn_persistent import _inputs
 
@@ -57,14 +58,14 @@ def _scale_inputs(inp, base, scale):
 @pytest.mark.parametrize("chunk_rows", [None, 6], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize(("mode", "memory"), CASES)
 def test_captured_layer_equals_the_plain_call_and_keeps_earlier_outputs(
-    cpu_graphs, reused_blocks, monkeypatch, mode, memory, chunk_rows
+    cpu_graphs, reused_blocks, monkeypatch, tuning, mode, memory, chunk_rows
 ):
     """Step 1's tensors are kept while steps 2-4 run (capturing, then replaying on the
     addresses the allocator repeats): they keep their values, and every step equals the
     plain call bit for bit. ``chunks``: the backward in chunks of 2, 2 and 1 steps, the
     state gradients carried between them inside one captured body."""
     if chunk_rows is not None:
-        monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", chunk_rows)
+        tuning(StepTuning(bwd_chunk_rows=chunk_rows))
     inp, grads, lengths = _case(mode)
     base = {k: v.clone() if v is not None else None for k, v in inp.items()}
     kept = _step(mode, memory, inp, grads, lengths, True)
@@ -120,12 +121,12 @@ class _Allocations(TorchDispatchMode):
 @on_cpu
 @pytest.mark.parametrize("chunk_rows", [None, 6], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize(("mode", "memory"), CASES)
-def test_bodies_allocate_nothing(monkeypatch, mode, memory, chunk_rows):
+def test_bodies_allocate_nothing(monkeypatch, tuning, mode, memory, chunk_rows):
     """What a capture records allocates nothing: an allocation inside a capture would
     come from the graph's private pool and stay there as long as the entry. (The launch
     is left out: the interpreter copies its arguments; a GPU launch allocates nothing.)"""
     if chunk_rows is not None:
-        monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", chunk_rows)
+        tuning(StepTuning(bwd_chunk_rows=chunk_rows))
     monkeypatch.setattr(persistent, "_launch", lambda *args, **kwargs: None)
     bodies = []
     real_fwd, real_bwd = persistent._fwd_body, persistent._bwd_body
@@ -156,9 +157,9 @@ def _merged(held: list[dict]) -> dict:
 @on_cpu
 @pytest.mark.parametrize("lengths", [None, (5, 2, 3)], ids=["full", "lengths"])
 @pytest.mark.parametrize(("mode", "memory"), CASES)
-def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, monkeypatch, mode, memory,
+def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, tuning, mode, memory,
                                                         lengths):  # fmt: skip
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 6)  # chunks: their lengths too
+    tuning(StepTuning(bwd_chunk_rows=6))  # chunks: their lengths too
     inp, grads, lengths = _case(mode, lengths=lengths)
     _step(mode, memory, inp, grads, lengths, True)
     allocated = {name: a.numel() for (_, name), a in cuda_graphs._ARENAS.items()}
@@ -322,13 +323,13 @@ def test_gpu_training_loop_replays_every_layer_once_settled(mode):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_layer_in_chunks_captured_equals_plain(monkeypatch):
+def test_gpu_layer_in_chunks_captured_equals_plain(monkeypatch, tuning):
     """The backward in chunks of 8 steps (5 launches and their GEMMs in one graph, the
     state gradients carried between them), recompute memory: captured against plain,
     bit for bit, call after call on the same inputs' addresses, replaying. At the medium
     LM's shape: at 40 wide, batch 5 the allocator's pool of blocks under 1 MiB gave
     every call new addresses on the H100 (no replay in 4 calls)."""
-    monkeypatch.setattr(kernels, "BWD_CHUNK_ROWS", 8 * 20)
+    tuning(StepTuning(bwd_chunk_rows=8 * 20))
     cuda_graphs.clear_graphs()
     inp, grads, lengths = _case("lstm", T=35, B=20, n_in=24, H=650, lengths=None)
     base = {k: v.clone() if v is not None else None for k, v in inp.items()}

@@ -10,7 +10,7 @@ Per layer and direction (time-major, x [T, B, I]):
 * backward: reverse loop with one fused pointwise kernel (writes the gate gradient
   dG_t and the direct state gradient) and one ``dG_t @ W_hh`` GEMM per step into a
   reused buffer; dW_ih, dW_hh, db and dx are GEMMs / reductions over the steps of a
-  chunk (at most BWD_CHUNK_ROWS rows), so backward's extra memory is flat in T.
+  chunk (at most ``StepTuning.bwd_chunk_rows`` rows), so backward's extra memory is flat in T.
 * ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
   slower than cuBLAS on an H200 so far (docs/rnn-op.md), hence off by default.
 
@@ -26,9 +26,7 @@ from x and h_{t-1} (= h0, then y) with GEMMs over all steps at once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,37 +34,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import cuda_graphs
-from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn import cuda_graphs, step_loop
+from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID, MODES
+from mirrorgrad.ops.rnn.step_loop import (
+    DTYPES,
+    BwdLoopBuffers,
+    LoopConfig,
+    bwd_loop_buffers,
+    check_layer,
+    chunk_steps,
+    clip_args,
+    default_fused,
+    input_bias,
+    input_gemm,
+    loop_config,
+    make_config,
+    with_steps,
+)
+from mirrorgrad.ops.rnn.triton_math import sigmoid, tanh, tile
 
-_MODE_ID = {"lstm": 0, "gru": 1, "rnn_tanh": 2, "rnn_relu": 3}
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 512
-# NOTE: the in-kernel hidden GEMM lost to cuBLAS + pointwise at every size measured
-# (L2 H650 B20 T35 fp32: 3.40 ms against 2.89 ms), so it runs only when asked for.
-FUSED_MAX_BATCH = int(os.environ.get("MIRRORGRAD_RNN_FUSED_MAX_BATCH", 0))
-# Rows (steps x batch) per backward chunk: bounds the dG buffer whatever T is.
-# NOTE: chunks of 8 steps at batch 256 cost 20% (L2 H512 T35 fp32: 3.86 ms against 3.15 ms).
-BWD_CHUNK_ROWS = int(os.environ.get("MIRRORGRAD_RNN_BWD_CHUNK_ROWS", 8192))
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _tanh(x):
-    # tanh via sigmoid: exact enough in fp32 and available in the interpreter too.
-    return 2.0 * _sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
-def _tile(ptr, rows, cols, mask, width, offset):
-    """fp32 tile ``ptr[rows, offset + cols]`` of a row-major matrix ``width`` wide."""
-    return tl.load(ptr + rows[:, None] * width + offset + cols[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
 
 
 # One compile for every step: Triton would specialise t on its divisibility by 16.
@@ -139,10 +126,10 @@ def _rnn_fwd_kernel(
     h_old = tl.load(hin_ptr + idx, mask=mask, other=0.0)
     sty = stash_ptr.dtype.element_ty
     if MODE == 0:
-        p_i = _tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
-        p_f = _tile(pre_ptr, rb, rn, mask, GH, H) + acc1
-        p_g = _tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
-        p_o = _tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
+        p_i = tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
+        p_f = tile(pre_ptr, rb, rn, mask, GH, H) + acc1
+        p_g = tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
+        p_o = tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
         if WRITE_STASH:
             srow = stash_ptr + rb[:, None] * GH + rn[None, :]
             tl.store(srow, p_i.to(sty), mask=mask)
@@ -150,10 +137,10 @@ def _rnn_fwd_kernel(
             tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
             tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = _sigmoid(p_f) * c_old + _sigmoid(p_i) * _tanh(p_g)
+        c = sigmoid(p_f) * c_old + sigmoid(p_i) * tanh(p_g)
         if CLIP:
             c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
-        h = _sigmoid(p_o) * _tanh(c)
+        h = sigmoid(p_o) * tanh(c)
         tl.store(cnext_ptr + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
         if FUSED:
@@ -163,15 +150,15 @@ def _rnn_fwd_kernel(
                 hz += tl.load(bhh_ptr + H + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
                 hn += tl.load(bhh_ptr + 2 * H + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
         else:
-            hr = _tile(hh_ptr, rb, rn, mask, GH, 0)
-            hz = _tile(hh_ptr, rb, rn, mask, GH, H)
-            hn = _tile(hh_ptr, rb, rn, mask, GH, 2 * H)
-        r_pre = _tile(pre_ptr, rb, rn, mask, GH, 0) + hr
-        z_pre = _tile(pre_ptr, rb, rn, mask, GH, H) + hz
-        xn = _tile(pre_ptr, rb, rn, mask, GH, 2 * H)
-        r = _sigmoid(r_pre)
-        z = _sigmoid(z_pre)
-        n = _tanh(xn + r * hn)
+            hr = tile(hh_ptr, rb, rn, mask, GH, 0)
+            hz = tile(hh_ptr, rb, rn, mask, GH, H)
+            hn = tile(hh_ptr, rb, rn, mask, GH, 2 * H)
+        r_pre = tile(pre_ptr, rb, rn, mask, GH, 0) + hr
+        z_pre = tile(pre_ptr, rb, rn, mask, GH, H) + hz
+        xn = tile(pre_ptr, rb, rn, mask, GH, 2 * H)
+        r = sigmoid(r_pre)
+        z = sigmoid(z_pre)
+        n = tanh(xn + r * hn)
         h = (1.0 - z) * n + z * h_old.to(tl.float32)
         if WRITE_STASH:
             srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
@@ -180,9 +167,9 @@ def _rnn_fwd_kernel(
             tl.store(srow + 2 * H, xn.to(sty), mask=mask)
             tl.store(srow + 3 * H, hn.to(sty), mask=mask)
     elif MODE == 2:
-        h = _tanh(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
+        h = tanh(tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
     else:
-        h = tl.maximum(_tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
+        h = tl.maximum(tile(pre_ptr, rb, rn, mask, H, 0) + acc0, 0.0)
     h = h.to(hout_ptr.dtype.element_ty)
     tl.store(hout_ptr + idx, tl.where(valid, h, h_old), mask=mask)
     tl.store(y_ptr + idx, tl.where(valid, h, 0.0), mask=mask)
@@ -254,14 +241,14 @@ def _rnn_bwd_kernel(
         dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     gty = dg_ptr.dtype.element_ty
     if MODE == 0:
-        i = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, 0))
-        f = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, H))
-        g = _tanh(_tile(pre_ptr, rb, rn, mask, GH, 2 * H))
-        o = _sigmoid(_tile(pre_ptr, rb, rn, mask, GH, 3 * H))
+        i = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 0))
+        f = sigmoid(tile(pre_ptr, rb, rn, mask, GH, H))
+        g = tanh(tile(pre_ptr, rb, rn, mask, GH, 2 * H))
+        o = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 3 * H))
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
         c = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
         dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
-        tc = _tanh(c)
+        tc = tanh(c)
         dc = dc_in + dh * o * (1.0 - tc * tc)
         if CLIP:
             c_pre = f * c_old + i * g
@@ -274,11 +261,11 @@ def _rnn_bwd_kernel(
         tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
         dh_direct = tl.zeros_like(dh)
     elif MODE == 1:
-        r = _sigmoid(_tile(pre_ptr, rb, rn, mask, 4 * H, 0))
-        z = _sigmoid(_tile(pre_ptr, rb, rn, mask, 4 * H, H))
-        xn = _tile(pre_ptr, rb, rn, mask, 4 * H, 2 * H)
-        hn = _tile(pre_ptr, rb, rn, mask, 4 * H, 3 * H)
-        n = _tanh(xn + r * hn)
+        r = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, 0))
+        z = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, H))
+        xn = tile(pre_ptr, rb, rn, mask, 4 * H, 2 * H)
+        hn = tile(pre_ptr, rb, rn, mask, 4 * H, 3 * H)
+        n = tanh(xn + r * hn)
         h_old = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         dn = dh * (1.0 - z) * (1.0 - n * n)
         dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
@@ -312,10 +299,6 @@ def _dropout_kernel(x_ptr, out_ptr, n, p, seed_ptr, offset, BLOCK: tl.constexpr)
     keep = tl.rand(tl.load(seed_ptr), offset + idx) >= p
     out = tl.where(keep, x.to(tl.float32) / (1.0 - p), 0.0)
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def saved_layout(
@@ -355,7 +338,7 @@ def workspace_bytes(
         pre_is_saved = mode == "lstm" and memory == "stash"
         per_call = (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
         return 0 if captured else per_call
-    rows = _chunk_steps(T, B) * B
+    rows = chunk_steps(T, B) * B
     dg = rows * gh * d * (2 if mode == "gru" else 1)
     if memory == "stash" or mode.startswith("rnn"):
         return 0 if captured else dg
@@ -374,7 +357,7 @@ def loop_captured(
 ) -> bool:
     """Whether a layer's forward (or backward chunk) loop runs as a CUDA Graph when the
     caller asks nothing (``use_graph=None``), outside another capture."""
-    steps = _chunk_steps(T, B) if backward else T
+    steps = chunk_steps(T, B) if backward else T
     stash_width = 4 * H if mode == "gru" else GATES[mode] * H
     on_cuda = torch.device(device).type == "cuda"
     return on_cuda and cuda_graphs.captures_by_size(steps * B * stash_width)
@@ -383,8 +366,8 @@ def loop_captured(
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this GPU path runs ``mode`` for these tensors (no projection: reference path)."""
     device = torch.device(device)
-    on_device = device.type == "cuda" or (device.type == "cpu" and _interpreting())
-    return mode in MODES and not proj and dtype in _DTYPES and on_device
+    on_device = device.type == "cuda" or (device.type == "cpu" and step_loop.interpreting())
+    return mode in MODES and not proj and dtype in DTYPES and on_device
 
 
 def dropout(x: Tensor, p: float, seed: Tensor | int, offset: int = 0) -> Tensor:
@@ -411,35 +394,6 @@ def dropout(x: Tensor, p: float, seed: Tensor | int, offset: int = 0) -> Tensor:
     return out
 
 
-@dataclass(kw_only=True, slots=True, frozen=True)
-class LoopConfig:
-    """Everything a captured step loop depends on besides tensor values."""
-
-    mode: str
-    T: int
-    B: int
-    H: int
-    dtype: torch.dtype
-    device: torch.device
-    has_lengths: bool
-    clip: tuple[float, float] | None
-    memory: str
-    has_bias: bool
-    fused: bool  # hidden GEMM inside the step kernel (else cuBLAS per step)
-    precision: str  # tl.dot input precision: "tf32" as torch.backends.cuda.matmul allows
-
-    @property
-    def gh(self) -> int:
-        return GATES[self.mode] * self.H
-
-    @property
-    def stash_width(self) -> int:
-        return 4 * self.H if self.mode == "gru" else self.gh
-
-    def empty(self, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
-        return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
-
-
 def _tiles(config: LoopConfig) -> tuple[int, int, int]:
     """(BB, BN, BK): rows of the batch, hidden columns and GEMM depth per program."""
     if config.fused:
@@ -451,10 +405,6 @@ def _tiles(config: LoopConfig) -> tuple[int, int, int]:
 def _grid(config: LoopConfig) -> tuple[int, int]:
     bb, bn, _ = _tiles(config)
     return (triton.cdiv(config.B, bb), triton.cdiv(config.H, bn))
-
-
-def _clip_args(config: LoopConfig) -> tuple[float, float]:
-    return (float(config.clip[0]), float(config.clip[1])) if config.clip is not None else (0.0, 0.0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -510,7 +460,7 @@ def _final_h(config: LoopConfig, buf: _FwdBuffers) -> Tensor:
 
 def _fwd_loop(config: LoopConfig, buf: _FwdBuffers) -> None:
     """The sequential part of the forward: per step one fused kernel (split: plus one GEMM)."""
-    lo, hi = _clip_args(config)
+    lo, hi = clip_args(config)
     bb, bn, bk = _tiles(config)
     dummy = buf.y
     lstm_stash = config.mode == "lstm" and config.memory == "stash"
@@ -550,7 +500,7 @@ def _fwd_loop(config: LoopConfig, buf: _FwdBuffers) -> None:
             config.H,
             lo,
             hi,
-            MODE=_MODE_ID[config.mode],
+            MODE=MODE_ID[config.mode],
             G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
             CLIP=config.clip is not None,
@@ -564,24 +514,9 @@ def _fwd_loop(config: LoopConfig, buf: _FwdBuffers) -> None:
         )
 
 
-@dataclass(kw_only=True, slots=True)
-class _BwdBuffers:
-    pre: Tensor | None  # [T, B, P] stash layout (rnn: None)
-    cells: Tensor | None  # lstm: [T+1, B, H] fp32
-    h0: Tensor | None  # gru: [B, H]
-    y: Tensor | None  # gru, rnn: [T, B, H]
-    dy: Tensor | None  # [T, B, H]
-    dh: Tensor  # [B, H] running grad of h (fused: its direct part)
-    dc: Tensor | None  # lstm: [B, H] fp32 running grad of c
-    dg: Tensor  # [T, B, G*H]
-    dgh: Tensor | None  # gru: [T, B, 3H]
-    lengths: Tensor | None
-    w_hh: Tensor
-
-
-def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
+def _bwd_loop(config: LoopConfig, buf: BwdLoopBuffers) -> None:
     """The sequential part of the backward: per step one fused kernel (split: plus one GEMM)."""
-    lo, hi = _clip_args(config)
+    lo, hi = clip_args(config)
     bb, bn, bk = _tiles(config)
     dummy = buf.dh
     dg_hidden = buf.dgh if buf.dgh is not None else buf.dg  # what flows through W_hh
@@ -610,7 +545,7 @@ def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
             lo,
             hi,
             buf.dg.stride(1),
-            MODE=_MODE_ID[config.mode],
+            MODE=MODE_ID[config.mode],
             G=GATES[config.mode],
             HAS_LENGTHS=buf.lengths is not None,
             HAS_DY=buf.dy is not None,
@@ -626,85 +561,9 @@ def _bwd_loop(config: LoopConfig, buf: _BwdBuffers) -> None:
             buf.dh.addmm_(dg_hidden[t], buf.w_hh)
 
 
-def _input_bias(mode: str, b_ih: Tensor | None, b_hh: Tensor | None) -> Tensor | None:
-    """Bias folded into the input GEMM: gru keeps b_hh on the hidden side."""
-    if mode == "gru" or b_hh is None:
-        return b_ih
-    return b_hh if b_ih is None else b_ih + b_hh
-
-
-def _input_gemm(x2d: Tensor, w_ih: Tensor, bias: Tensor | None, out: Tensor) -> None:
-    if bias is None:
-        torch.mm(x2d, w_ih.t(), out=out)
-    else:
-        torch.addmm(bias, x2d, w_ih.t(), out=out)
-
-
-def _check(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown RNN mode {mode!r}; expected one of {MODES}")
-    if memory not in MEMORY_MODES:
-        raise ValueError(f"memory must be one of {MEMORY_MODES}, got {memory!r}")
-    if w_hr is not None:
-        raise NotImplementedError(
-            "the Triton RNN kernels have no projection (proj_size > 0): use the reference path"
-        )
-    if x.dtype not in _DTYPES:
-        raise TypeError(
-            f"the Triton RNN kernels take {_DTYPES}, got {x.dtype}: cast, or use impl='reference'"
-        )
-    if state_clip is not None and mode != "lstm":
-        raise ValueError("state_clip applies to mode='lstm' only")
-    if x.dim() != 3 or x.shape[0] == 0:
-        # torch.nn's own message and type for an empty sequence.
-        raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
-
-
 def _graphed(config: LoopConfig, use_graph: bool | None) -> bool:
     """Whether this loop runs as a captured CUDA Graph (sized by its stash)."""
     return cuda_graphs.use_graph(config.device, config.T * config.B * config.stash_width, use_graph)
-
-
-def _default_fused(B: int) -> bool:
-    return B <= FUSED_MAX_BATCH
-
-
-def _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> LoopConfig:
-    T, B, _ = x.shape
-    tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return _config(
-        mode,
-        T,
-        B,
-        w_hh.shape[1],
-        x.dtype,
-        x.device,
-        lengths is not None,
-        tuple(float(v) for v in state_clip) if state_clip is not None else None,
-        memory,
-        b_ih is not None or b_hh is not None,
-        _default_fused(B) if fused is None else fused,
-        "tf32" if tf32 else "ieee",
-    )
-
-
-# One object per configuration: building and hashing a frozen dataclass on every call
-# costs host time that a launch-bound loop pays in full.
-@functools.lru_cache(maxsize=1024)
-def _config(mode, T, B, H, dtype, device, has_lengths, clip, memory, has_bias, fused, precision):
-    return LoopConfig(mode=mode, T=T, B=B, H=H, dtype=dtype, device=device,
-                      has_lengths=has_lengths, clip=clip, memory=memory, has_bias=has_bias,
-                      fused=fused, precision=precision)  # fmt: skip
-
-
-def _with_steps(config: LoopConfig, T: int) -> LoopConfig:
-    """``config`` for a chunk of T steps."""
-    if T == config.T:
-        return config
-    return _config(*(T if name == "T" else getattr(config, name) for name in _CONFIG_FIELDS))
-
-
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(LoopConfig))
 
 
 @torch.no_grad()
@@ -730,12 +589,12 @@ def layer_forward(
     ``use_graph``: capture the step loop in a CUDA Graph (None: by size).
     ``fused``: run the hidden GEMM inside the step kernel (None: by batch size).
     """
-    _check(mode, x, w_hr, memory, state_clip)
-    config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    check_layer(mode, x, w_hr, memory, state_clip)
+    config = loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
     w = w_hh.t().contiguous() if config.fused else w_hh
     T, B = config.T, config.B
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
-    bias = _input_bias(mode, b_ih, b_hh)
+    bias = input_bias(mode, b_ih, b_hh)
     x2d = x.reshape(T * B, x.shape[2])
     graphed = _graphed(config, use_graph)
     if graphed:
@@ -747,7 +606,7 @@ def layer_forward(
         entry = _forward_entry(config, buf)
     else:
         buf, entry = _fwd_buffers(config, w, b_hh, lengths), None
-    _input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
+    input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
     buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
@@ -789,9 +648,9 @@ def _gates_bytes(config: LoopConfig) -> int:
     """What this config's loops ask of the "gates" arena, forward and backward: the
     forward's pre-activations where they are not the stash, the backward chunk's gate
     gradients, or its recomputed pre-activations where the gradients overwrite them."""
-    d, rows = config.dtype.itemsize, _chunk_steps(config.T, config.B) * config.B
+    d, rows = config.dtype.itemsize, chunk_steps(config.T, config.B) * config.B
     forward = 0 if config.mode == "lstm" and config.memory == "stash" else config.T * config.B
-    chunk = _with_steps(config, rows // max(config.B, 1))
+    chunk = with_steps(config, rows // max(config.B, 1))
     width = config.stash_width if dg_overwrites_pre(chunk, captured=True) else config.gh
     return max(forward * config.gh, rows * width) * d
 
@@ -822,56 +681,16 @@ def _recompute_pre(
     hprev = torch.cat([h0.unsqueeze(0), y[:-1]]).view(n, H)
     pre = out.view(n, out.shape[-1])
     if config.mode != "gru":
-        _input_gemm(x2d, w_ih, _input_bias(config.mode, b_ih, b_hh), pre)
+        input_gemm(x2d, w_ih, input_bias(config.mode, b_ih, b_hh), pre)
         pre.addmm_(hprev, w_hh.t())
         return
     gi = config.empty(n, 3 * H)
     gh = config.empty(n, 3 * H)
-    _input_gemm(x2d, w_ih, b_ih, gi)
-    _input_gemm(hprev, w_hh, b_hh, gh)
+    input_gemm(x2d, w_ih, b_ih, gi)
+    input_gemm(hprev, w_hh, b_hh, gh)
     torch.add(gi[:, : 2 * H], gh[:, : 2 * H], out=pre[:, : 2 * H])
     pre[:, 2 * H : 3 * H] = gi[:, 2 * H :]
     pre[:, 3 * H :] = gh[:, 2 * H :]
-
-
-def _bwd_buffers(
-    config: LoopConfig, *, pre, cells, h0, y, dy, w_hh, lengths, dh=None, dc=None, workspace=None,
-    dg_over_pre: bool = False,
-) -> _BwdBuffers:
-    """Buffers of one backward loop; ``workspace(config, name, make)``, when given,
-    supplies the gate gradients (shared between captured loops of one config).
-    ``dg_over_pre``: the gate gradients are written over ``pre`` (``dg_overwrites_pre``;
-    this file's step kernel only: persistent.py keeps its own, padded, buffer)."""
-    lstm = config.mode == "lstm"
-
-    def gate_grads(name: str) -> Tensor:
-        def make():
-            return config.empty(config.T, config.B, config.gh)
-
-        return make() if workspace is None else workspace(config, f"bwd.{name}", make)
-
-    return _BwdBuffers(
-        pre=pre,
-        cells=cells,
-        h0=h0,
-        y=y,
-        dy=dy,
-        dh=dh if dh is not None else config.empty(config.B, config.H),
-        dc=(dc if dc is not None else config.empty(config.B, config.H, dtype=torch.float32))
-        if lstm
-        else None,
-        dg=pre[..., : config.gh] if dg_over_pre else gate_grads("dg"),
-        dgh=gate_grads("dgh") if config.mode == "gru" else None,
-        lengths=lengths,
-        w_hh=w_hh,
-    )
-
-
-def _chunk_steps(T: int, B: int) -> int:
-    """Steps per backward chunk: dG is kept for one chunk only, at most BWD_CHUNK_ROWS + B
-    rows whatever T is; chunks of equal size so that no tiny remainder chunk runs."""
-    chunks = max(1, -(-T * B // BWD_CHUNK_ROWS))
-    return -(-T // chunks)
 
 
 def _set_state(buffer: Tensor, value: Tensor | None) -> None:
@@ -892,7 +711,7 @@ def _owned_state(config: LoopConfig, value: Tensor | None, dtype: torch.dtype) -
 
 def _bwd_chunk(
     config: LoopConfig, fields: dict, recompute, dh, dc, carried: bool, graphed: bool, t0: int = 0
-) -> _BwdBuffers:
+) -> BwdLoopBuffers:
     """Runs one chunk's reverse loop; returns its buffers (``dg``, ``dgh``, and ``dh``,
     ``dc``: the state gradients at the chunk's first step). ``recompute(out=...)``, if
     given, writes the pre-activations (else ``fields["pre"]`` holds them) straight into
@@ -937,7 +756,7 @@ def _bwd_chunk(
     dh = dh if carried else _owned_state(config, dh, config.dtype)
     if lstm:
         dc = dc if carried else _owned_state(config, dc, torch.float32)
-    buf = _bwd_buffers(config, **fields, dh=dh, dc=dc if lstm else None,
+    buf = bwd_loop_buffers(config, **fields, dh=dh, dc=dc if lstm else None,
                        dg_over_pre=dg_overwrites_pre(config, captured=False))  # fmt: skip
     _bwd_loop(config, buf)
     return buf
@@ -958,7 +777,7 @@ def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
 
 
 def _backward_entry(
-    config: LoopConfig, buf: _BwdBuffers, copied: list[str], t0: int, before_capture=None
+    config: LoopConfig, buf: BwdLoopBuffers, copied: list[str], t0: int, before_capture=None
 ) -> cuda_graphs.Entry | None:
     """The captured backward loop for these buffers (None: run it uncaptured).
 
@@ -980,7 +799,7 @@ def _read_in_place(name: str, value: Tensor) -> bool:
     return name in READ_IN_PLACE and (name == "w_hh" or value.is_contiguous())
 
 
-def _bwd_entry_buffers(config: LoopConfig, fields: dict, workspace) -> tuple[_BwdBuffers, list]:
+def _bwd_entry_buffers(config: LoopConfig, fields: dict, workspace) -> tuple[BwdLoopBuffers, list]:
     """A captured backward loop's buffers, and the names of the ``fields`` to copy into
     them before each run: the fields read in place as they are, the rest views of
     workspace; ``workspace(config, name, make)`` supplies the workspace."""
@@ -998,7 +817,7 @@ def _bwd_entry_buffers(config: LoopConfig, fields: dict, workspace) -> tuple[_Bw
         dc = workspace(
             config, "bwd.dc", lambda: config.empty(config.B, config.H, dtype=torch.float32)
         )
-    buf = _bwd_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
+    buf = bwd_loop_buffers(config, **inputs, dh=dh, dc=dc, workspace=workspace,
                        dg_over_pre=dg_overwrites_pre(config, captured=True))  # fmt: skip
     return buf, copied
 
@@ -1060,13 +879,13 @@ def layer_backward(
     Runs in chunks of steps from the end; each chunk's weight gradients are GEMMs over
     its steps, so backward's extra memory does not grow with T.
     """
-    _check(mode, x, w_hr, memory, state_clip)
+    check_layer(mode, x, w_hr, memory, state_clip)
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
     need_c0 = need_c0 and c0 is not None
     need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
-    config = _loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    config = loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
     T, B, gh = config.T, config.B, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])
@@ -1077,11 +896,11 @@ def layer_backward(
     grad_wih = grad_whh = grad_bih = grad_bhh = None
     dh, dc = grad_hn, grad_cn if mode == "lstm" else None
     any_graphed = False
-    steps = _chunk_steps(T, B)
+    steps = chunk_steps(T, B)
     for t1 in range(T, 0, -steps):
         t0 = max(0, t1 - steps)
         n, rows = t1 - t0, slice(t0 * B, t1 * B)
-        chunk = _with_steps(config, n)
+        chunk = with_steps(config, n)
         graphed = _graphed(chunk, use_graph)
         any_graphed |= graphed
         h_first = h0 if t0 == 0 else y[t0 - 1]
@@ -1154,14 +973,14 @@ def held_arenas(
     on the meta device. Empty where the loop would not be captured (off CUDA, too large).
     The loops' outputs and the backward's large inputs are not held: they are each
     call's own tensors (READ_IN_PLACE)."""
-    config = _config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None, memory,
-                     has_bias, _default_fused(B), "ieee")  # fmt: skip
+    config = make_config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None, memory,
+                         has_bias, default_fused(B), "ieee")  # fmt: skip
     forward_captured = cuda_graphs.captures_by_size(T * B * config.stash_width)
     if torch.device(device).type != "cuda":
         return {}
     sizes: dict[str, int] = {}
 
-    def record(_config: LoopConfig, name: str, make) -> Tensor:
+    def record(make_config: LoopConfig, name: str, make) -> Tensor:
         like = make()
         arena = cuda_graphs.arena_name(name)
         sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
@@ -1171,7 +990,7 @@ def held_arenas(
         lengths = config.empty(B, dtype=torch.int64) if has_lengths else None
         w = config.empty(H, config.gh) if config.fused else config.empty(config.gh, H)
         _fwd_entry_buffers(config, w, config.empty(config.gh), lengths, record)
-    chunk = _with_steps(config, _chunk_steps(T, B))
+    chunk = with_steps(config, chunk_steps(T, B))
     if backward and cuda_graphs.captures_by_size(chunk.T * B * config.stash_width):
         fields = _bwd_fields_like(chunk, has_lengths, has_grad_y)
         if memory == "recompute" and not mode.startswith("rnn"):
