@@ -47,6 +47,7 @@ from mirrorgrad._timing import time_calls
 from mirrorgrad.bench import rnn_modules
 from mirrorgrad.bench.rnn_modules import Config, step_flops
 from mirrorgrad.bench.runner import dense_peak_tflops
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.persistent_kernels import grid_barrier
 from mirrorgrad.ops.rnn.tuning import PersistentTuning, active, tuned
 
@@ -145,9 +146,9 @@ def _layer_passes(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: 
             outs = []
             for d in range(D):
                 xin = inp.flip(0) if d else inp
-                y, _, _, saved = layer.layer_forward(mode, xin, h0, c0, *weights[k * D + d], None,
-                                                     memory=memory)  # fmt: skip
-                record.append((xin, y, saved))
+                call = LayerCall(mode, xin, h0, c0, *weights[k * D + d], memory=memory)
+                y, _, _, saved = layer.layer_forward(call)
+                record.append((call, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]
         return record
@@ -157,11 +158,9 @@ def _layer_passes(impl: str, mode: str, module: torch.nn.Module, x: Tensor, gy: 
         for k in reversed(range(L)):
             g_in = None
             for d in range(D):
-                xin, y, saved = record[k * D + d]
+                call, y, saved = record[k * D + d]
                 gd = g[..., d * H : (d + 1) * H]
-                out = layer.layer_backward(mode, saved, xin, h0, c0, *weights[k * D + d], None,
-                                           y, gd.flip(0) if d else gd, None, None,
-                                           memory=memory)  # fmt: skip
+                out = layer.layer_backward(call, saved, y, gd.flip(0) if d else gd, None, None)
                 gx = out[0].flip(0) if d else out[0]
                 g_in = gx if g_in is None else g_in + gx
             g = g_in

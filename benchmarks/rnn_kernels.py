@@ -27,6 +27,7 @@ from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.rnn_modules import WORKLOADS, use_module
 from mirrorgrad.bench.suite_tables import x_ratio
 from mirrorgrad.bench.suites import Suite
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 
 def _layer_params(rnn: nn.RNNBase, layer: int, direction: int) -> list[Tensor]:
@@ -50,9 +51,10 @@ class _KernelStack(torch.autograd.Function):
                 k = layer * D + d
                 xin = inp.flip(0) if d else inp
                 c = c0[k] if c0 is not None else None
-                weights = _layer_params(rnn, layer, d)
-                y, _, _, saved = kernels.layer_forward(mode, xin, h0[k], c, *weights, None, **opts)
-                record.append((xin, c, weights, y, saved))
+                call = LayerCall(mode, xin, h0[k], c, *_layer_params(rnn, layer, d),
+                                 memory=opts.get("memory", "stash"))  # fmt: skip
+                y, _, _, saved = kernels.layer_forward(call, **_launch_opts(opts))
+                record.append((call, y, saved))
                 outs.append(y.flip(0) if d else y)
             inp = torch.cat(outs, -1) if D == 2 else outs[0]
         ctx.rnn, ctx.mode, ctx.opts, ctx.record, ctx.h0 = rnn, mode, opts, record, h0
@@ -69,12 +71,10 @@ class _KernelStack(torch.autograd.Function):
             g_in = None
             for d in range(D):
                 k = layer * D + d
-                xin, c, weights, y, saved = ctx.record[k]
+                call, y, saved = ctx.record[k]
                 gy = g[..., d * H : (d + 1) * H]
-                out = kernels.layer_backward(
-                    ctx.mode, saved, xin, ctx.h0[k], c, *weights, None, y,
-                    gy.flip(0) if d else gy, None, None, **ctx.opts,
-                )  # fmt: skip
+                out = kernels.layer_backward(call, saved, y, gy.flip(0) if d else gy, None, None,
+                                             **_launch_opts(ctx.opts))  # fmt: skip
                 gx = out[0].flip(0) if d else out[0]
                 g_in = gx if g_in is None else g_in + gx
                 grads[k] = list(out[3:7])
@@ -82,6 +82,12 @@ class _KernelStack(torch.autograd.Function):
         ctx.record = None
         flat = [t for k in range(rnn.num_layers * D) for t in grads[k]]
         return None, None, None, g, None, None, *flat
+
+
+def _launch_opts(opts: dict[str, Any]) -> dict[str, Any]:
+    """The options of a ``kernel-*`` method that the layer functions take (``memory`` is
+    the layer call's own)."""
+    return {k: v for k, v in opts.items() if k != "memory"}
 
 
 def _kernel_forward(rnn: nn.RNNBase, mode: str, opts: dict[str, Any], x: Tensor, hx: Any):

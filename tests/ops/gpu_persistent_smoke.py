@@ -13,6 +13,7 @@ import torch
 
 from mirrorgrad.ops.rnn import kernels, persistent, persistent_plan, persistent_probes
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 
 def _layer(mode: str, dtype: torch.dtype, T: int, B: int, H: int) -> float:
@@ -31,9 +32,9 @@ def _layer(mode: str, dtype: torch.dtype, T: int, B: int, H: int) -> float:
     worst = 0.0
     outs = []
     for layer in (persistent, kernels):
-        y, hn, cn, saved = layer.layer_forward(mode, x, h0, c0, *w, None, memory="stash")
-        grads = layer.layer_backward(mode, saved, x, h0, c0, *w, None, y, gy, None, None,
-                                     memory="stash")  # fmt: skip
+        call = LayerCall(mode, x, h0, c0, *w, memory="stash")
+        y, hn, cn, saved = layer.layer_forward(call)
+        grads = layer.layer_backward(call, saved, y, gy, None, None)
         present = [t for t in (y, hn, cn, *grads[:7]) if t is not None]
         outs.append(present)
     for a, b in zip(*outs):

@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from mirrorgrad.ops.rnn import kernels, step_loop
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 from .conftest import INT_SENTINEL
 from .test_rnn_kernels import _check_layer
 
 
 def test_buffers_allocated_by_ops_are_poisoned():
-    config = step_loop.loop_config(
-        "lstm", torch.zeros(3, 2, 4), torch.zeros(8, 2), None, None, None, "stash", None, False
-    )
+    call = LayerCall("lstm", torch.zeros(3, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2),
+                     torch.zeros(8, 4), torch.zeros(8, 2))  # fmt: skip
+    config = step_loop.loop_config(call, fused=False)
     assert config.empty(3, 2).isnan().all()
     assert (config.empty(5, dtype=torch.int64) == INT_SENTINEL).all()
     assert (config.empty(5, dtype=torch.int32) == INT_SENTINEL).all()

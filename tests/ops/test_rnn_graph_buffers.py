@@ -8,6 +8,7 @@ import torch
 from tests.ops.test_rnn_kernels import KERNELS, _check_layer
 
 from mirrorgrad.ops.rnn import cuda_graphs, kernels
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import StepTuning
 
 
@@ -31,11 +32,9 @@ def test_results_are_not_static_buffers(cpu_graphs):
     w = (torch.randn(g * 5, 4), torch.randn(g * 5, 5), torch.randn(g * 5), torch.randn(g * 5))
 
     def run(scale):
-        inputs = (x * scale, h0, c0, *w, None)
-        y, h_n, c_n, saved = kernels.layer_forward("lstm", *inputs, memory="recompute")
-        grads = kernels.layer_backward(
-            "lstm", saved, *inputs, y, torch.ones_like(y), h_n, c_n, memory="recompute"
-        )
+        call = LayerCall("lstm", x * scale, h0, c0, *w, memory="recompute")
+        y, h_n, c_n, saved = kernels.layer_forward(call)
+        grads = kernels.layer_backward(call, saved, y, torch.ones_like(y), h_n, c_n)
         return [t.clone() for t in (y, h_n, c_n, *grads[:7])], [y, h_n, c_n, *grads[:7]]
 
     first, kept = run(1.0)

@@ -8,6 +8,7 @@ import torch
 
 from mirrorgrad import _compat
 from mirrorgrad.ops.rnn import cuda_graphs, kernels, step_loop
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 from .test_rnn_kernels import B, H, T, _check_layer, _inputs
 
@@ -28,16 +29,17 @@ def test_replays_match_the_oracle_call_after_call(cpu_graphs, mode, memory):
 
 
 def _forward(inp, memory="stash"):
-    return kernels.layer_forward("lstm", *inp.values(), None, memory=memory, use_graph=True)
+    return kernels.layer_forward(LayerCall("lstm", *inp.values(), memory=memory), use_graph=True)
 
 
 def _step_with_outputs(inp, memory="stash", mode="lstm", use_graph=True):
     """Forward and backward of one layer; every tensor either returns."""
     c0 = inp["c0"] if mode == "lstm" else None
-    args = (inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None)
-    y, h_n, c_n, saved = kernels.layer_forward(mode, *args, memory=memory, use_graph=use_graph)
-    grads = kernels.layer_backward(mode, saved, *args, y, torch.ones_like(y), None, None,
-                                   memory=memory, use_graph=use_graph)  # fmt: skip
+    call = LayerCall(mode, inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"],
+                     inp["b_hh"], memory=memory)  # fmt: skip
+    y, h_n, c_n, saved = kernels.layer_forward(call, use_graph=use_graph)
+    grads = kernels.layer_backward(call, saved, y, torch.ones_like(y), None, None,
+                                   use_graph=use_graph)  # fmt: skip
     return [t for t in (y, h_n, c_n, *saved, *grads) if t is not None]
 
 
@@ -146,7 +148,7 @@ def test_weights_are_read_in_place_not_copied(cpu_graphs):
     assert inp["w_hh"].data_ptr() in key
     inp["w_hh"].mul_(0.5)  # an optimizer step: same address, new values
     y = _forward(inp)[0]
-    reference = kernels.layer_forward("lstm", *inp.values(), None, use_graph=False)[0]
+    reference = kernels.layer_forward(LayerCall("lstm", *inp.values()), use_graph=False)[0]
     torch.testing.assert_close(y, reference)
     assert list(cuda_graphs._ENTRIES) == [key]
 
@@ -175,7 +177,7 @@ def test_the_cache_holds_only_workspace(cpu_graphs):
     inp = _inputs("lstm")
     for _ in range(2):
         y, _, _, saved = _forward(inp)
-        kernels.layer_backward("lstm", saved, *inp.values(), None, y, torch.randn_like(y),
+        kernels.layer_backward(LayerCall("lstm", *inp.values()), saved, y, torch.randn_like(y),
                                None, None, use_graph=True)  # fmt: skip
         del y, saved
     f32 = 4
@@ -188,8 +190,8 @@ def test_the_cache_holds_only_workspace(cpu_graphs):
 
 def _step(inp, memory):
     y, _, _, saved = _forward(inp, memory)
-    kernels.layer_backward("lstm", saved, *inp.values(), None, y, torch.randn_like(y), None,
-                           None, memory=memory, use_graph=True)  # fmt: skip
+    kernels.layer_backward(LayerCall("lstm", *inp.values(), memory=memory), saved, y,
+                           torch.randn_like(y), None, None, use_graph=True)  # fmt: skip
 
 
 def test_forward_pre_activations_and_gate_gradients_share_one_arena(cpu_graphs):
@@ -307,7 +309,7 @@ def test_every_capture_runs_on_one_thread_whichever_thread_asks(cpu_graphs, monk
     inp = _inputs("lstm")
     y, _, _, saved = _forward(inp)
     backward = threading.Thread(target=kernels.layer_backward, args=(
-        "lstm", saved, *inp.values(), None, y, torch.randn_like(y), None, None),
+        LayerCall("lstm", *inp.values()), saved, y, torch.randn_like(y), None, None),
         kwargs={"use_graph": True})  # fmt: skip
     backward.start()
     backward.join()

@@ -11,6 +11,7 @@ import torch
 from mirrorgrad import _compat
 from mirrorgrad.formulas import held_formula, memory_formula
 from mirrorgrad.ops.rnn import cuda_graphs, kernels
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 from .test_rnn_kernels import _inputs
 
@@ -42,10 +43,9 @@ def _merged(held: list[dict]) -> dict:
 def test_held_arenas_are_the_arenas_the_cache_allocates(cpu_graphs, mode, memory):
     t = _inputs(mode)
     x, h0, c0 = t["x"], t["h0"], t["c0"]
-    w = (t["w_ih"], t["w_hh"], t["b_ih"], t["b_hh"], None)
-    y, _, _, saved = kernels.layer_forward(mode, x, h0, c0, *w, memory=memory)
-    kernels.layer_backward(mode, saved, x, h0, c0, *w, y, torch.ones_like(y), None, None,
-                           memory=memory)  # fmt: skip
+    call = LayerCall(mode, x, h0, c0, t["w_ih"], t["w_hh"], t["b_ih"], t["b_hh"], memory=memory)
+    y, _, _, saved = kernels.layer_forward(call)
+    kernels.layer_backward(call, saved, y, torch.ones_like(y), None, None)
     allocated = {name: a.numel() for (_, name), a in cuda_graphs._ARENAS.items()}
     T, B, _ = x.shape
     shape = (mode, memory, T, B, h0.shape[-1], x.dtype, torch.device("cuda"))

@@ -1,10 +1,12 @@
-"""Triton RNN kernels (interpreted on CPU in CI) against a float64 autograd-through-loop oracle."""
+"""Triton RNN kernels (interpreted on CPU in CI) against the reference layer in float64
+(ops/rnn/reference.py, differentiated by autograd)."""
 
 import pytest
 import torch
 
-from mirrorgrad.ops.rnn import kernels, step_loop
+from mirrorgrad.ops.rnn import kernels, reference, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import StepTuning
 
 T, B, IN, H = 4, 3, 5, 6
@@ -12,37 +14,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _oracle(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths, clip):
-    """Plain PyTorch loop; autograd gives the reference gradients."""
-    h, c, ys = h0, c0, []
-    for t in range(x.shape[0]):
-        gi = x[t] @ w_ih.T + (b_ih if b_ih is not None else 0)
-        gh = h @ w_hh.T + (b_hh if b_hh is not None else 0)
-        c_new = c
-        if mode == "lstm":
-            i, f, g, o = (gi + gh).chunk(4, 1)
-            c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            if clip is not None:
-                c_new = c_new.clamp(*clip)
-            h_new = torch.sigmoid(o) * torch.tanh(c_new)
-        elif mode == "gru":
-            ir, iz, in_ = gi.chunk(3, 1)
-            hr, hz, hn = gh.chunk(3, 1)
-            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-            n = torch.tanh(in_ + r * hn)
-            h_new = (1 - z) * n + z * h
-        elif mode == "rnn_tanh":
-            h_new = torch.tanh(gi + gh)
-        else:
-            h_new = torch.relu(gi + gh)
-        if lengths is None:
-            h, c, y = h_new, c_new, h_new
-        else:
-            valid = (t < lengths).unsqueeze(1)
-            h = torch.where(valid, h_new, h)
-            c = torch.where(valid, c_new, c) if c is not None else None
-            y = torch.where(valid, h_new, torch.zeros_like(h_new))
-        ys.append(y)
-    return torch.stack(ys), h, c
+    """(y, h_n, c_n) of ops/rnn/reference.py's layer, whose plain PyTorch ops autograd
+    differentiates: the reference gradients (in the inputs' dtype: float64 here)."""
+    call = LayerCall(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, lengths=lengths, state_clip=clip)
+    return reference.layer_forward(call)[:3]
 
 
 def _inputs(mode, *, bias=True, t=T):
@@ -97,16 +72,8 @@ def _check_layer(
         zip([k for k, v in ref_in.items() if v is not None], torch.autograd.grad(loss, params))
     )
 
-    y, hn, cn, saved = kernels.layer_forward(
-        mode,
-        *inp.values(),
-        None,
-        lengths=lengths,
-        memory=memory,
-        state_clip=clip,
-        use_graph=use_graph,
-        fused=fused,
-    )
+    call = LayerCall(mode, *inp.values(), lengths=lengths, memory=memory, state_clip=clip)
+    y, hn, cn, saved = kernels.layer_forward(call, use_graph=use_graph, fused=fused)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(hn.double(), hn_ref, atol=1e-5, rtol=1e-4)
     if mode == "lstm":
@@ -114,19 +81,7 @@ def _check_layer(
     else:
         assert cn is None
     grads = kernels.layer_backward(
-        mode,
-        saved,
-        *inp.values(),
-        None,
-        y,
-        f32(gy),
-        f32(ghn),
-        f32(gcn),
-        lengths=lengths,
-        memory=memory,
-        state_clip=clip,
-        use_graph=use_graph,
-        fused=fused,
+        call, saved, y, f32(gy), f32(ghn), f32(gcn), use_graph=use_graph, fused=fused
     )
     assert grads[7] is None
     for name, grad in zip(NAMES, grads[:7]):
@@ -193,30 +148,21 @@ def test_no_bias_no_grad_y(mode, fused):
 def test_state_clip_actually_clips():
     inp = _inputs("lstm")
     inp["c0"] = inp["c0"] * 4
-    _, _, cn, _ = kernels.layer_forward("lstm", *inp.values(), None, state_clip=(-0.5, 0.5))
+    _, _, cn, _ = kernels.layer_forward(LayerCall("lstm", *inp.values(), state_clip=(-0.5, 0.5)))
     assert cn.abs().max() <= 0.5 + 1e-6
     assert (cn.abs() > 0.5 - 1e-6).any()
 
 
 def test_needs_input_grad_skips_and_missing_grads():
     inp = _inputs("lstm")
-    y, _, _, saved = kernels.layer_forward("lstm", *inp.values(), None)
+    call = LayerCall("lstm", *inp.values())
+    y, _, _, saved = kernels.layer_forward(call)
     gy = torch.randn_like(y)
     grads = kernels.layer_backward(
-        "lstm",
-        saved,
-        *inp.values(),
-        None,
-        y,
-        gy,
-        None,
-        None,
-        needs_input_grad=(True,) + (False,) * 7,
+        call, saved, y, gy, None, None, needs_input_grad=(True,) + (False,) * 7
     )
     assert grads[0] is not None and all(g is None for g in grads[1:])
-    none = kernels.layer_backward(
-        "lstm", saved, *inp.values(), None, y, gy, None, None, needs_input_grad=(False,) * 8
-    )
+    none = kernels.layer_backward(call, saved, y, gy, None, None, needs_input_grad=(False,) * 8)
     assert none == (None,) * 8
 
 
@@ -224,7 +170,7 @@ def test_needs_input_grad_skips_and_missing_grads():
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
 def test_saved_layout_matches_saved(mode, memory):
     inp = _inputs(mode)
-    saved = kernels.layer_forward(mode, *inp.values(), None, memory=memory)[3]
+    saved = kernels.layer_forward(LayerCall(mode, *inp.values(), memory=memory))[3]
     layout = kernels.saved_layout(mode, memory, T, B, H, torch.float32)
     assert [(tuple(s.shape), s.dtype) for s in saved] == layout
     expected = {("lstm", "stash"): 2, ("lstm", "recompute"): 1, ("gru", "stash"): 1}
@@ -234,28 +180,29 @@ def test_saved_layout_matches_saved(mode, memory):
 def test_bad_arguments():
     inp = _inputs("lstm")
     with pytest.raises(ValueError, match="memory"):
-        kernels.layer_forward("lstm", *inp.values(), None, memory="none")
+        kernels.layer_forward(LayerCall("lstm", *inp.values(), memory="none"))
     with pytest.raises(ValueError, match="mode"):
-        kernels.layer_forward("lstmx", *inp.values(), None)
+        kernels.layer_forward(LayerCall("lstmx", *inp.values()))
     with pytest.raises(NotImplementedError, match="reference"):
-        kernels.layer_forward("lstm", *inp.values(), torch.randn(H, H))
+        kernels.layer_forward(LayerCall("lstm", *inp.values(), torch.randn(H, H)))
     with pytest.raises(ValueError, match="state_clip"):
         inp = _inputs("gru")
-        kernels.layer_forward("gru", *inp.values(), None, state_clip=(-1.0, 1.0))
+        kernels.layer_forward(LayerCall("gru", *inp.values(), state_clip=(-1.0, 1.0)))
 
 
 def test_empty_batch_and_empty_sequence():
     inp = _inputs("lstm")
     inp.update(x=inp["x"][:, :0], h0=inp["h0"][:0], c0=inp["c0"][:0])
-    y, hn, cn, saved = kernels.layer_forward("lstm", *inp.values(), None)
+    call = LayerCall("lstm", *inp.values())
+    y, hn, cn, saved = kernels.layer_forward(call)
     assert y.shape == (T, 0, H) and hn.shape == (0, H) and cn.shape == (0, H)
-    grads = kernels.layer_backward("lstm", saved, *inp.values(), None, y, y, None, None)
+    grads = kernels.layer_backward(call, saved, y, y, None, None)
     assert grads[0].shape == (T, 0, IN)
     assert torch.equal(grads[3], torch.zeros_like(inp["w_ih"]))
     inp = _inputs("gru", t=1)
     inp["x"] = inp["x"][:0]
     with pytest.raises(RuntimeError, match="sequence length"):
-        kernels.layer_forward("gru", *inp.values(), None)
+        kernels.layer_forward(LayerCall("gru", *inp.values()))
 
 
 def test_supports():

@@ -16,6 +16,7 @@ from mirrorgrad.ops.rnn import (
     step_loop,
 )
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import PersistentTuning, StepTuning
 
 from .test_rnn_kernels import _oracle
@@ -78,9 +79,8 @@ def _check(mode, *, memory="stash", T=4, B=3, n_in=5, H=6, lengths=None, clip=No
     (y_ref, hn_ref, cn_ref), (gy, ghn, gcn), ref_grads = _reference(
         mode, inp, lengths, clip, grad_y
     )
-    y, hn, cn, saved = persistent.layer_forward(
-        mode, *inp.values(), None, lengths=lengths, memory=memory, state_clip=clip, layout=layout
-    )
+    call = LayerCall(mode, *inp.values(), lengths=lengths, memory=memory, state_clip=clip)
+    y, hn, cn, saved = persistent.layer_forward(call, layout=layout)
     assert [(tuple(s.shape), s.dtype) for s in saved] == persistent.saved_layout(
         mode, memory, T, B, H, dtype
     )
@@ -89,10 +89,8 @@ def _check(mode, *, memory="stash", T=4, B=3, n_in=5, H=6, lengths=None, clip=No
     if mode == "lstm":
         _close(cn, cn_ref, tol, "c_n")
     cast = lambda t: t.to(dtype) if t is not None else None  # noqa: E731
-    grads = persistent.layer_backward(
-        mode, saved, *inp.values(), None, y, cast(gy), cast(ghn), cast(gcn),
-        lengths=lengths, memory=memory, state_clip=clip, layout=layout,
-    )  # fmt: skip
+    grads = persistent.layer_backward(call, saved, y, cast(gy), cast(ghn), cast(gcn),
+                                      layout=layout)  # fmt: skip
     assert grads[7] is None
     for name, grad in zip(NAMES, grads[:7]):
         if name not in ref_grads:
@@ -244,7 +242,7 @@ def test_backward_state_and_counters_are_views_of_one_buffer(dtype):
 def test_empty_batch_runs_kernels_py():
     assert persistent.plan("lstm", 0, 6, torch.float32, torch.device(DEVICE)) is None
     inp = _inputs("lstm", 2, 0, 5, 6)
-    y, hn, cn, _ = persistent.layer_forward("lstm", *inp.values(), None)
+    y, hn, cn, _ = persistent.layer_forward(LayerCall("lstm", *inp.values()))
     assert y.shape == (2, 0, 6) and hn.shape == (0, 6) and cn.shape == (0, 6)
 
 

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mirrorgrad.nn
 from mirrorgrad.ops.rnn import cuda_graphs, persistent
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import StepTuning
 
 from .test_rnn_persistent import _inputs
@@ -27,12 +28,12 @@ needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def _step(mode, memory, inp, grads, lengths, use_graph):
     """Forward and backward of one layer; every tensor either returns."""
     c0 = inp["c0"] if mode == "lstm" else None
-    args = (inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"], inp["b_hh"], None)
-    kw = dict(lengths=lengths, memory=memory, use_graph=use_graph)
-    y, h_n, c_n, saved = persistent.layer_forward(mode, *args, **kw)
+    call = LayerCall(mode, inp["x"], inp["h0"], c0, inp["w_ih"], inp["w_hh"], inp["b_ih"],
+                     inp["b_hh"], lengths=lengths, memory=memory)  # fmt: skip
+    y, h_n, c_n, saved = persistent.layer_forward(call, use_graph=use_graph)
     gy, ghn, gcn = grads
-    out = persistent.layer_backward(mode, saved, *args, y, gy, ghn,
-                                    gcn if mode == "lstm" else None, **kw)  # fmt: skip
+    out = persistent.layer_backward(call, saved, y, gy, ghn, gcn if mode == "lstm" else None,
+                                    use_graph=use_graph)  # fmt: skip
     return [t for t in (y, h_n, c_n, *saved, *out) if t is not None]
 
 

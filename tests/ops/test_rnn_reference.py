@@ -5,6 +5,7 @@ import torch
 
 from mirrorgrad.ops.rnn import reference
 from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 DT = torch.float64
 
@@ -40,7 +41,7 @@ def test_layer_backward_matches_autograd(mode, memory, varlen, proj, clip):
     leaves = [None if t is None else t.clone().requires_grad_() for t in inputs]
     lengths = torch.tensor([5, 2, 4]) if varlen else None
     kw = {"lengths": lengths, "memory": memory, "state_clip": clip}
-    y, h_n, c_n, saved = reference.layer_forward(mode, *leaves, **kw)
+    y, h_n, c_n, saved = reference.layer_forward(LayerCall(mode, *leaves, **kw))
     grad_y, grad_hn = torch.randn_like(y), torch.randn_like(h_n)
     grad_cn = None if c_n is None else torch.randn_like(c_n)
     loss = (y * grad_y).sum() + (h_n * grad_hn).sum()
@@ -49,8 +50,8 @@ def test_layer_backward_matches_autograd(mode, memory, varlen, proj, clip):
     expected = iter(torch.autograd.grad(loss, present))
     with torch.no_grad():
         got = reference.layer_backward(
-            mode, tuple(s.detach() for s in saved), *inputs, y.detach(), grad_y, grad_hn,
-            grad_cn, **kw,
+            LayerCall(mode, *inputs, **kw), tuple(s.detach() for s in saved), y.detach(),
+            grad_y, grad_hn, grad_cn,
         )  # fmt: skip
     for name, leaf, g in zip(
         ("x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh", "w_hr"), leaves, got
@@ -66,26 +67,27 @@ def test_layer_backward_matches_autograd(mode, memory, varlen, proj, clip):
 def test_saved_layout_describes_saved(mode, memory):
     T, B, H = 4, 2, 6
     inputs = layer_inputs(mode, False, T=T, B=B, H=H)
-    saved = reference.layer_forward(mode, *inputs, memory=memory)[3]
+    saved = reference.layer_forward(LayerCall(mode, *inputs, memory=memory))[3]
     layout = reference.saved_layout(mode, memory, T, B, H, DT)
     assert [(tuple(s.shape), s.dtype) for s in saved] == layout
 
 
 def test_recompute_stashes_a_fifth_of_stash_for_lstm():
     inputs = layer_inputs("lstm", False)
-    stash = reference.layer_forward("lstm", *inputs, memory="stash")[3]
-    recompute = reference.layer_forward("lstm", *inputs, memory="recompute")[3]
+    stash = reference.layer_forward(LayerCall("lstm", *inputs, memory="stash"))[3]
+    recompute = reference.layer_forward(LayerCall("lstm", *inputs, memory="recompute"))[3]
     assert sum(s.numel() for s in recompute) * 5 == sum(s.numel() for s in stash)
 
 
 def test_gradients_not_needed_are_none():
     inputs = layer_inputs("gru", False)
-    y, _, _, saved = reference.layer_forward("gru", *inputs)
+    call = LayerCall("gru", *inputs)
+    y, _, _, saved = reference.layer_forward(call)
     needs = (False, True, False, False, True, False, True, False)
-    got = reference.layer_backward("gru", saved, *inputs, y, torch.randn_like(y), None, None,
+    got = reference.layer_backward(call, saved, y, torch.randn_like(y), None, None,
                                    needs_input_grad=needs)  # fmt: skip
     assert [g is not None for g in got] == list(needs)
-    nothing = reference.layer_backward("gru", saved, *inputs, y, None, None, None,
+    nothing = reference.layer_backward(call, saved, y, None, None, None,
                                        needs_input_grad=(False,) * 8)  # fmt: skip
     assert nothing == (None,) * 8
 
@@ -93,9 +95,9 @@ def test_gradients_not_needed_are_none():
 def test_lengths_keep_state_and_zero_outputs_on_padding():
     inputs = layer_inputs("lstm", False)
     lengths = torch.tensor([5, 2, 4])
-    y, h_n, c_n, _ = reference.layer_forward("lstm", *inputs, lengths=lengths)
-    full = reference.layer_forward("lstm", inputs[0][:2, 1:2], inputs[1][1:2], inputs[2][1:2],
-                                   *inputs[3:])  # fmt: skip
+    y, h_n, c_n, _ = reference.layer_forward(LayerCall("lstm", *inputs, lengths=lengths))
+    full = reference.layer_forward(LayerCall("lstm", inputs[0][:2, 1:2], inputs[1][1:2],
+                                             inputs[2][1:2], *inputs[3:]))  # fmt: skip
     torch.testing.assert_close(h_n[1:2], full[1])
     torch.testing.assert_close(c_n[1:2], full[2])
     assert torch.all(y[2:, 1] == 0)

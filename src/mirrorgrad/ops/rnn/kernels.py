@@ -36,6 +36,7 @@ from torch import Tensor
 
 from mirrorgrad.ops.rnn import cuda_graphs, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID, MODES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.step_loop import (
     DTYPES,
     BwdLoopBuffers,
@@ -568,29 +569,17 @@ def _graphed(config: LoopConfig, use_graph: bool | None) -> bool:
 
 @torch.no_grad()
 def layer_forward(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
-    *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
-    use_graph: bool | None = None,
-    fused: bool | None = None,
+    call: LayerCall, *, use_graph: bool | None = None, fused: bool | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """One layer, one direction: returns ``(y [T,B,H], h_n, c_n, saved)``.
 
     ``use_graph``: capture the step loop in a CUDA Graph (None: by size).
     ``fused``: run the hidden GEMM inside the step kernel (None: by batch size).
     """
-    check_layer(mode, x, w_hr, memory, state_clip)
-    config = loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    check_layer(call)
+    config = loop_config(call, fused)
+    mode, x, h0, c0, lengths = call.mode, call.x, call.h0, call.c0, call.lengths
+    w_ih, w_hh, b_ih, b_hh, _ = call.weights
     w = w_hh.t().contiguous() if config.fused else w_hh
     T, B = config.T, config.B
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
@@ -852,24 +841,13 @@ def _recomputed_pre_name(config: LoopConfig) -> str:
 
 @torch.no_grad()
 def layer_backward(
-    mode: str,
+    call: LayerCall,
     saved: tuple[Tensor, ...],
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
     y: Tensor,
     grad_y: Tensor | None,
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
     use_graph: bool | None = None,
     fused: bool | None = None,
@@ -879,13 +857,16 @@ def layer_backward(
     Runs in chunks of steps from the end; each chunk's weight gradients are GEMMs over
     its steps, so backward's extra memory does not grow with T.
     """
-    check_layer(mode, x, w_hr, memory, state_clip)
+    check_layer(call)
+    mode, x, h0, c0, memory = call.mode, call.x, call.h0, call.c0, call.memory
+    lengths = call.lengths
+    w_ih, w_hh, b_ih, b_hh, _ = call.weights
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
     need_c0 = need_c0 and c0 is not None
     need_bih, need_bhh = need_bih and b_ih is not None, need_bhh and b_hh is not None
     if not any((need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh)):
         return (None,) * 8
-    config = loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused)
+    config = loop_config(call, fused)
     T, B, gh = config.T, config.B, config.gh
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     x2d = x.reshape(T * B, x.shape[2])

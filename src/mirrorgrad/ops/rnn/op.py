@@ -26,6 +26,7 @@ from mirrorgrad.formulas import (
 )
 from mirrorgrad.ops.rnn import reference, time_model
 from mirrorgrad.ops.rnn.cell_modes import GATES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 
 @functools.cache
@@ -160,11 +161,11 @@ def _stack(layer_forward: Callable, drop: Callable[[Tensor, int], Tensor], x, we
             index = layer * num_dirs + direction
             w = _layer_weights(weights, index, has_biases, proj_size)
             xin = layer_in if direction == 0 else reverse_within_lengths(layer_in, lengths)
-            y, h, c, layer_saved = layer_forward(
+            y, h, c, layer_saved = layer_forward(LayerCall(
                 mode, xin.contiguous(), hx[index].contiguous(),
                 None if cx is None else cx[index].contiguous(), *w,
                 lengths=lengths, memory=memory, state_clip=_clip(state_clip),
-            )  # fmt: skip
+            ))  # fmt: skip
             outs.append(y if direction == 0 else reverse_within_lengths(y, lengths))
             h_n.append(h)
             c_n.append(c)
@@ -278,11 +279,11 @@ def _backward_impl(
                 (layer_in, layer_outputs[layer], grad_out), direction, Hr, lengths
             )
             w_needs = _weight_needs(need_w[index * n_w : (index + 1) * n_w], has_biases, proj_size)
+            call = LayerCall(mode, xin.contiguous(), hx[index].contiguous(), _row(cx, index), *w,
+                             lengths=lengths, memory=memory, state_clip=_clip(state_clip))
             grads = kernels.layer_backward(
-                mode, layer_saved[index], xin.contiguous(), hx[index].contiguous(),
-                _row(cx, index), *w, y_d.contiguous(), _row(g_d, None),
+                call, layer_saved[index], y_d.contiguous(), _row(g_d, None),
                 _row(grad_hn, index), _row(grad_cn, index),
-                lengths=lengths, memory=memory, state_clip=_clip(state_clip),
                 needs_input_grad=(below if layer > 0 else need_x, need_hx, need_cx, *w_needs),
             )  # fmt: skip
             gx, grad_hx[index], grad_cx[index] = grads[:3]

@@ -53,6 +53,7 @@ from torch import Tensor
 
 from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent_probes, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.persistent_buffers import (
     BwdBuffers,
     FwdBuffers,
@@ -214,10 +215,6 @@ def _resident_slices(kind: str, config: LoopConfig, layout: Plan, fused: bool) -
 # buffers, so captured and plain calls do the same arithmetic.
 
 
-def _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip) -> LoopConfig:
-    return loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, False)
-
-
 def _plan_of(config: LoopConfig, layout: Plan | None) -> Plan | None:
     return layout or plan(config.mode, config.B, config.H, config.dtype, config.device)
 
@@ -288,33 +285,18 @@ def _saved(config: LoopConfig, buf: FwdBuffers) -> tuple[Tensor, ...]:
 
 @torch.no_grad()
 def layer_forward(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
-    *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
-    layout: Plan | None = None,
-    use_graph: bool | None = None,
+    call: LayerCall, *, layout: Plan | None = None, use_graph: bool | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
     """One layer, one direction: ``(y [T,B,H], h_n, c_n, saved)`` (kernels.py's
     contract); ``layout`` overrides ``plan``'s (tests, benchmarks); ``use_graph``:
     capture the layer in a CUDA Graph (None: by size, cuda_graphs.py)."""
-    check_layer(mode, x, w_hr, memory, state_clip)
-    config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    check_layer(call)
+    config = loop_config(call, fused=False)
     layout = _plan_of(config, layout)
     if layout is None:
-        return kernels.layer_forward(
-            mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr,
-            lengths=lengths, memory=memory, state_clip=state_clip, use_graph=use_graph,
-        )  # fmt: skip
+        return kernels.layer_forward(call, use_graph=use_graph)
+    x, h0, c0, lengths = call.x, call.h0, call.c0, call.lengths
+    w_ih, w_hh, b_ih, b_hh, _ = call.weights
     lengths = lengths.to(device=x.device, dtype=torch.int64) if lengths is not None else None
     inputs = dict(x=x.contiguous(), h0=h0.contiguous(),
                   c0=c0.contiguous() if c0 is not None else None, w_ih=w_ih, w_hh=w_hh,
@@ -470,24 +452,13 @@ def _bwd_launch(config: LoopConfig, layout: Plan, buf, count: Tensor) -> None:
 
 @torch.no_grad()
 def layer_backward(
-    mode: str,
+    call: LayerCall,
     saved: tuple[Tensor, ...],
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
     y: Tensor,
     grad_y: Tensor | None,
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
     layout: Plan | None = None,
     use_graph: bool | None = None,
@@ -495,15 +466,15 @@ def layer_backward(
     """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (kernels.py's contract and
     chunks of steps: one persistent launch per chunk, the weight gradients as GEMMs over
     its stored gate gradients); ``use_graph`` as ``layer_forward``'s."""
-    check_layer(mode, x, w_hr, memory, state_clip)
-    config = _config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip)
+    check_layer(call)
+    config = loop_config(call, fused=False)
     layout = _plan_of(config, layout)
     if layout is None:
-        return kernels.layer_backward(
-            mode, saved, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, y, grad_y, grad_hn, grad_cn,
-            lengths=lengths, memory=memory, state_clip=state_clip,
-            needs_input_grad=needs_input_grad, use_graph=use_graph,
-        )  # fmt: skip
+        return kernels.layer_backward(call, saved, y, grad_y, grad_hn, grad_cn,
+                                      needs_input_grad=needs_input_grad, use_graph=use_graph)
+    mode, x, h0, c0, memory = call.mode, call.x, call.h0, call.c0, call.memory
+    lengths = call.lengths
+    w_ih, w_hh, b_ih, b_hh, _ = call.weights
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
     needs = (need_x, need_c0 and c0 is not None, need_wih, need_whh,
              need_bih and b_ih is not None, need_bhh and b_hh is not None)  # fmt: skip

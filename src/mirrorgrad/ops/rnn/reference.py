@@ -1,25 +1,20 @@
 """Plain-PyTorch RNN layer with an explicit backward: the CPU path and the test oracle.
 
-Per-layer contract, shared with ``kernels.py`` (same names, same meaning). One
-layer, one direction, time-major::
+Per-layer contract, shared with ``kernels.py`` and ``persistent.py`` (same names, same
+meaning). One layer, one direction, time-major; ``call`` a ``LayerCall``
+(layer_call.py: the mode, the tensors, lengths, memory mode and state clip)::
 
-    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = cells.GATES[mode] = 4, 3, 1, 1
+    mode in {"lstm", "gru", "rnn_tanh", "rnn_relu"};  G = cell_modes.GATES[mode] = 4, 3, 1, 1
 
-    layer_forward(mode, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr, *,
-                  lengths=None, memory="stash", state_clip=None)
-        -> (y, h_n, c_n, saved)
-      x [T,B,I]; h0 [B,Hr] (Hr = proj_size or H); c0 [B,H] for lstm, else None
-      w_ih [G*H,I]; w_hh [G*H,Hr]; b_ih, b_hh [G*H] or None; w_hr [Hr,H] or None (lstm)
-      lengths: int64 [B] on x.device, or None. Steps t >= lengths[b] leave row b's
+    layer_forward(call) -> (y, h_n, c_n, saved)
+      call.lengths: int64 [B] on x.device, or None. Steps t >= lengths[b] leave row b's
         (h, c) unchanged and write y = 0 there.
-      memory: "stash" or "recompute" (see SAVED LAYOUT).
-      state_clip: (lo, hi) or None: c_t is clamped each step (lstm); its gradient is
-        zero where the clamp was active (torch.clamp's rule: bounds count as inside).
+      call.memory: "stash" or "recompute" (see SAVED LAYOUT).
+      call.state_clip: (lo, hi) or None: c_t is clamped each step (lstm); its gradient
+        is zero where the clamp was active (torch.clamp's rule: bounds count as inside).
       y [T,B,Hr]; h_n [B,Hr]; c_n [B,H] or None; saved: tuple laid out as saved_layout says.
 
-    layer_backward(mode, saved, x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr,
-                   y, grad_y, grad_hn, grad_cn, *, lengths=None, memory="stash",
-                   state_clip=None, needs_input_grad=(8 bools))
+    layer_backward(call, saved, y, grad_y, grad_hn, grad_cn, *, needs_input_grad=(8 bools))
         -> (grad_x, grad_h0, grad_c0, grad_w_ih, grad_w_hh, grad_b_ih, grad_b_hh, grad_w_hr)
       needs_input_grad follows the order of the outputs; a gradient not needed is None
       (and its GEMM is skipped). grad_y, grad_hn, grad_cn may be None (= zeros).
@@ -58,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 # Odd multipliers of the 32-bit integer hash below: under 2**31, so that a 32-bit value
 # times one stays inside int64 (tensors have no unsigned 64-bit arithmetic).
@@ -175,21 +171,10 @@ def _gru_pre(gi: Tensor, gh: Tensor) -> Tensor:
     return torch.cat([gi[..., : 2 * H] + gh[..., : 2 * H], gi[..., 2 * H :], gh[..., 2 * H :]], -1)
 
 
-def layer_forward(
-    mode: str,
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
-    *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
-) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, ...]]:
+    mode, x, h0, c0 = call.mode, call.x, call.h0, call.c0
+    w_ih, w_hh, b_ih, b_hh, w_hr = call.weights
+    lengths, memory, state_clip = call.lengths, call.memory, call.state_clip
     T, B, _ = x.shape
     H = w_hh.shape[0] // GATES[mode]
     active = _active_steps(T, lengths)
@@ -328,26 +313,18 @@ def _outer_sum(a: Tensor, b: Tensor) -> Tensor:
 
 
 def layer_backward(
-    mode: str,
+    call: LayerCall,
     saved: tuple[Tensor, ...],
-    x: Tensor,
-    h0: Tensor,
-    c0: Tensor | None,
-    w_ih: Tensor,
-    w_hh: Tensor,
-    b_ih: Tensor | None,
-    b_hh: Tensor | None,
-    w_hr: Tensor | None,
     y: Tensor,
     grad_y: Tensor | None,
     grad_hn: Tensor | None,
     grad_cn: Tensor | None,
     *,
-    lengths: Tensor | None = None,
-    memory: str = "stash",
-    state_clip: tuple[float, float] | None = None,
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
 ) -> tuple[Tensor | None, ...]:
+    mode, x, h0, c0 = call.mode, call.x, call.h0, call.c0
+    w_ih, w_hh, b_ih, b_hh, w_hr = call.weights
+    lengths, memory, state_clip = call.lengths, call.memory, call.state_clip
     need_x, need_h0, need_c0, need_w_ih, need_w_hh, need_b_ih, need_b_hh, need_w_hr = (
         needs_input_grad
     )

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
+from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import StepTuning, active
 
 # The dtypes the Triton kernels take.
@@ -58,8 +59,9 @@ def clip_args(config: LoopConfig) -> tuple[float, float]:
     return (float(config.clip[0]), float(config.clip[1])) if config.clip is not None else (0.0, 0.0)
 
 
-def check_layer(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_clip) -> None:
+def check_layer(call: LayerCall) -> None:
     """The errors torch.nn would raise, and what the Triton layers do not run."""
+    mode, x, w_hr, memory, state_clip = call.mode, call.x, call.w_hr, call.memory, call.state_clip
     if mode not in MODES:
         raise ValueError(f"unknown RNN mode {mode!r}; expected one of {MODES}")
     if memory not in MEMORY_MODES:
@@ -79,22 +81,22 @@ def check_layer(mode: str, x: Tensor, w_hr: Tensor | None, memory: str, state_cl
         raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
 
 
-def loop_config(mode, x, w_hh, b_ih, b_hh, lengths, memory, state_clip, fused) -> LoopConfig:
-    """The loop of a layer call on these tensors; ``fused`` None: by batch size
-    (``StepTuning.fused_max_batch``)."""
+def loop_config(call: LayerCall, fused: bool | None) -> LoopConfig:
+    """The loop of ``call``; ``fused`` None: by batch size (``StepTuning.fused_max_batch``)."""
+    x, clip = call.x, call.state_clip
     T, B, _ = x.shape
     tf32 = x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     return make_config(
-        mode,
+        call.mode,
         T,
         B,
-        w_hh.shape[1],
+        call.w_hh.shape[1],
         x.dtype,
         x.device,
-        lengths is not None,
-        tuple(float(v) for v in state_clip) if state_clip is not None else None,
-        memory,
-        b_ih is not None or b_hh is not None,
+        call.lengths is not None,
+        tuple(float(v) for v in clip) if clip is not None else None,
+        call.memory,
+        call.b_ih is not None or call.b_hh is not None,
         default_fused(B) if fused is None else fused,
         "tf32" if tf32 else "ieee",
     )
