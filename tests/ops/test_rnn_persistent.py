@@ -457,8 +457,8 @@ import sys, torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from dataclasses import replace
-from mirrorgrad.ops.rnn import (persistent_buffers, persistent_kernels, persistent_plan,
-                                persistent_probes, step_loop)
+from mirrorgrad.ops.rnn import (persistent, persistent_buffers, persistent_kernels,
+                                persistent_plan, persistent_probes, step_loop)
 
 mode, resident, probe, split = sys.argv[1], sys.argv[2] == "resident", *map(int, sys.argv[3:])
 persistent_plan._programs_at_once = lambda device: 132
@@ -475,10 +475,10 @@ config = step_loop.make_config(mode, 35, 20, 650, torch.bfloat16, torch.device("
 special = {"cells_ptr": "*fp32", "dc_ptr": "*fp32", "len_ptr": "*i64", "count_ptr": "*i32",
            "probe_ptr": "*i64"}
 for kind, kernel, extra in (
-    ("fwd", persistent_kernels._fwd_kernel,
+    ("fwd", persistent_kernels.persistent_fwd_kernel,
      {"WRITE_STASH": True, "HAS_HB": mode == "gru",
       "HS": persistent_buffers.padded(650, torch.bfloat16)}),
-    ("bwd", persistent_kernels._bwd_kernel,
+    ("bwd", persistent_kernels.persistent_bwd_kernel,
      {"HAS_DY": True, "DS": persistent_buffers.padded(config.gh, torch.bfloat16)}),
 ):
     constants = {**extra, **persistent._tile_constants(kind, config, layout)}

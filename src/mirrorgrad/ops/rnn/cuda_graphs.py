@@ -21,7 +21,7 @@ holds those addresses, never the tensors that lived there:
   so configs of several sizes (another T, another layer width) add no workspace of
   their own; a forward's pre-activations and a backward's gate gradients, never live
   at once, share one arena. The arenas are all the cache holds between calls;
-- **bounded**: past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys are
+- **bounded**: past ``GRAPH_CACHE_BYTES`` (1 GiB) of arenas the least recently used keys are
   dropped (and workspace nobody reads any more); a key whose calls keep missing (the
   allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
   miss in a row, or when a call brings addresses one of its last ``RECENT_MISSES``
@@ -35,6 +35,11 @@ holds those addresses, never the tensors that lived there:
   instead (the caller waits): one.
 
 Inside an outer capture the loops run plainly and become part of it.
+
+Two environment variables, read at each call, override the bounds:
+``MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS`` (the largest loop buffer captured, in elements;
+0 captures nothing: a debug switch) and ``MIRRORGRAD_RNN_GRAPH_CACHE_MB`` (the arenas
+kept, in MiB).
 """
 
 from __future__ import annotations
@@ -54,9 +59,10 @@ from torch import Tensor
 
 from mirrorgrad import _compat
 
-# NOTE: on an H200 the captured step loop beat host launches at every size of issue 3's
-# table (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it.
-GRAPH_MAX_ELEMENTS = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS", 1 << 27))
+# NOTE: on an H200 the captured step loop beat host launches at every size measured
+# (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it. Where
+# MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS is unset.
+GRAPH_MAX_ELEMENTS = 1 << 27
 # Keys are per layer-direction and phase (backward: per chunk); weights in the key. An
 # entry holds a graph, no buffer, so the bound is generous: a step that cycles through
 # more keys than this evicts each before its next use, and captures on every call.
@@ -67,8 +73,8 @@ ENTRIES_PER_KEY = 4
 # Address sets of a key's latest uncaptured calls: one that comes back is captured.
 RECENT_MISSES = 8
 # Bytes of arenas past which the least recently used keys are dropped, with the
-# workspace only they used.
-GRAPH_CACHE_BYTES = int(os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB", 1024)) << 20
+# workspace only they used (where MIRRORGRAD_RNN_GRAPH_CACHE_MB is unset).
+GRAPH_CACHE_BYTES = 1024 << 20
 # Workspace names whose buffers are never live at once share an arena: a forward's
 # pre-activations are dead when its loop ends, a backward's gate gradients once the
 # chunk's GEMMs have read them (an LSTM's, written over its recomputed pre-activations:
@@ -119,7 +125,14 @@ _MISSES: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=64)
 def captures_by_size(elements: int) -> bool:
     """Whether a loop whose largest buffer has ``elements`` elements is captured when
     nothing asks otherwise."""
-    return elements <= GRAPH_MAX_ELEMENTS
+    bound = os.environ.get("MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS")
+    return elements <= (GRAPH_MAX_ELEMENTS if bound is None else int(bound))
+
+
+def _cache_bytes() -> int:
+    """The bytes of arenas the cache keeps at most."""
+    mib = os.environ.get("MIRRORGRAD_RNN_GRAPH_CACHE_MB")
+    return GRAPH_CACHE_BYTES if mib is None else int(mib) << 20
 
 
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
@@ -248,7 +261,7 @@ def acquire(
         while len(_ENTRIES) > _GRAPH_CACHE_SIZE:
             _ENTRIES.popitem(last=False)
         _drop_unused_workspace()
-    if held_bytes() > GRAPH_CACHE_BYTES:
+    if held_bytes() > _cache_bytes():
         _drop_least_recent(keep=key)
     return entry
 
@@ -279,9 +292,10 @@ def counts() -> dict[str, int]:
 
 def _drop_least_recent(keep: tuple) -> None:
     """Drop keys, least recently used first, until the arenas left hold at most
-    GRAPH_CACHE_BYTES (or only ``keep`` is left), with the workspace only they used."""
+    ``_cache_bytes()`` (or only ``keep`` is left), with the workspace only they used."""
+    limit = _cache_bytes()
     for key in list(_ENTRIES):
-        if held_bytes() <= GRAPH_CACHE_BYTES:
+        if held_bytes() <= limit:
             break
         if key != keep:
             del _ENTRIES[key]

@@ -760,7 +760,7 @@ def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
     """total + a.sum(0), as a GEMV (a^T @ ones). NOTE: CUDA's reduction over dim 0 of a
     tall [rows, G*H] matrix stages partial sums in a buffer from the caching allocator
     (ATen's Reduce.cuh, global reduce): 44 MiB per bias at deepspeech2's [4800, 2400]
-    (window 1), at the backward's peak; a GEMV allocates nothing beyond its output."""
+    at the backward's peak; a GEMV allocates nothing beyond its output."""
     ones = a.new_ones(a.shape[0])
     return torch.mv(a.t(), ones) if total is None else total.addmv_(a.t(), ones)
 

@@ -5,14 +5,15 @@ saved layout, dropout and workspace, so the op can run ``impl="persistent"`` whe
 runs ``"triton"``. Per layer and direction:
 
 * forward: the input GEMM ``X @ W_ih^T + b`` over all steps (cuBLAS, as kernels.py),
-  then ONE launch of ``_fwd_kernel`` (persistent_kernels.py): program p owns hidden
-  units [p*BN, (p+1)*BN) (all G gates of them), computes ``h_{t-1} @ W_hh[its
-  rows]^T`` and the fused cell update for every batch row, writes its slice of h_t,
-  then waits at a grid-wide barrier before step t+1 reads the whole h_t.
-* backward: chunks of steps as kernels.py; per chunk ONE launch of ``_bwd_kernel``:
-  program p owns the columns [p*BN, (p+1)*BN) of dh, computes ``dG_{t+1} @ W_hh[:, its
-  columns]`` and the gate gradients of its units, barrier per step; dW_ih, dW_hh, db
-  and dx are GEMMs over the stored dG after the launch (kernels.py's helpers).
+  then ONE launch of ``persistent_fwd_kernel`` (persistent_kernels.py): program p owns
+  hidden units [p*BN, (p+1)*BN) (all G gates of them), computes ``h_{t-1} @ W_hh[its
+  rows]^T`` and the fused cell update for every batch row, writes its slice of h_t, then
+  waits at a grid-wide barrier before step t+1 reads the whole h_t.
+* backward: chunks of steps as kernels.py; per chunk ONE launch of
+  ``persistent_bwd_kernel``: program p owns the columns [p*BN, (p+1)*BN) of dh, computes
+  ``dG_{t+1} @ W_hh[:, its columns]`` and the gate gradients of its units, barrier per
+  step; dW_ih, dW_hh, db and dx are GEMMs over the stored dG after the launch
+  (step_loop.py's helpers).
 
 W_hh's slice per program is **resident** (loaded once before the time loop; Triton keeps
 it in shared memory and loads MMA operands from there each step) where it is at most
@@ -63,7 +64,11 @@ from mirrorgrad.ops.rnn.persistent_buffers import (
     fwd_buffers,
     gates_bytes,
 )
-from mirrorgrad.ops.rnn.persistent_kernels import STAMPS, _bwd_kernel, _fwd_kernel
+from mirrorgrad.ops.rnn.persistent_kernels import (
+    STAMPS,
+    persistent_bwd_kernel,
+    persistent_fwd_kernel,
+)
 from mirrorgrad.ops.rnn.persistent_memory import held_arenas, loop_captured, workspace_bytes
 from mirrorgrad.ops.rnn.persistent_plan import Plan, k_pieces, plan, supports_persistent
 from mirrorgrad.ops.rnn.step_loop import (
@@ -91,8 +96,8 @@ __all__ = ["dropout", "held_arenas", "layer_backward", "layer_forward", "loop_ca
 # ---- launches --------------------------------------------------------------------
 
 
-# Resident layouts compiled on this GPU: "fits", "spills" (run streamed unless
-# the plan allows spills) or "too big" (more shared memory or registers than an SM has: streamed).
+# Resident layouts compiled on this GPU: "fits", "spills" (run streamed unless the plan
+# allows spills) or "too big" (more shared memory or registers than an SM has: streamed).
 _RESIDENT: dict[tuple, str] = {}
 
 
@@ -233,7 +238,7 @@ def _run(key: tuple, config: LoopConfig, buf, body) -> None:
     if config.device.type == "cuda":
         # This thread's cuBLAS handle, made now: its GEMMs all run on the capturing thread
         # here, and an outer capture (a user's torch.cuda.graph) in which they run plainly
-        # cannot create one (w A: CUBLAS_STATUS_NOT_INITIALIZED in the bench's capture).
+        # cannot create one (CUBLAS_STATUS_NOT_INITIALIZED in the bench's capture).
         torch.cuda.current_blas_handle()
     entry = cuda_graphs.acquire(key, config.device, buf, body)
     if entry is not None:
@@ -270,7 +275,7 @@ def _fwd_body(config: LoopConfig, layout: Plan, buf: FwdBuffers) -> None:
         buf.lengths if buf.lengths is not None else dummy,
     )  # fmt: skip
     constants = dict(WRITE_STASH=stash is not None, HAS_HB=has_hb, HS=buf.h.shape[-1])
-    _launch("fwd", _fwd_kernel, config, layout, args, constants, buf.count)
+    _launch("fwd", persistent_fwd_kernel, config, layout, args, constants, buf.count)
     buf.h_n.copy_(buf.h[T, :, :H])
     if buf.c_n is not None:
         buf.c_n.copy_(buf.cells[T])
@@ -446,7 +451,7 @@ def _bwd_launch(config: LoopConfig, layout: Plan, buf, count: Tensor) -> None:
         buf.lengths if buf.lengths is not None else dummy,
     )
     constants = dict(HAS_DY=buf.dy is not None, DS=buf.dg.stride(1))
-    _launch("bwd", _bwd_kernel, config, layout, args, constants, count)
+    _launch("bwd", persistent_bwd_kernel, config, layout, args, constants, count)
     buf.dh.addmm_((buf.dgh if buf.dgh is not None else buf.dg)[0], buf.w_hh)
 
 

@@ -1,8 +1,8 @@
 """The persistent kernels' device code (persistent.py launches them; its docstring
-describes the layout): ``_fwd_kernel`` and ``_bwd_kernel`` run all steps of a layer's
-chunk in one launch, program p owning hidden units [p*BN, (p+1)*BN), a grid-wide
-barrier (``grid_barrier``) between steps; PROBE stamps each step's phases (benchmarks,
-persistent_probes.py)."""
+describes the layout): ``persistent_fwd_kernel`` and ``persistent_bwd_kernel`` run all
+steps of a layer's chunk in one launch, program p owning hidden units [p*BN, (p+1)*BN),
+a grid-wide barrier (``grid_barrier``) between steps; PROBE stamps each step's phases
+(benchmarks, persistent_probes.py)."""
 
 import triton
 import triton.language as tl
@@ -227,7 +227,7 @@ def _split_gates(acc, BB: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(
+def persistent_fwd_kernel(
     pre_ptr,  # [T, B, G*H] input side (biases folded; gru: b_ih only)
     stash_ptr,  # [T, B, P] stash out (lstm stash: pre_ptr itself; gru: 4H)
     h_ptr,  # [T+1, B, HS]: h_{t-1} in h[t], h_t out to h[t+1] (rows padded: module doc)
@@ -460,7 +460,7 @@ def _fwd_update(stash_ptr, h_out, cell_ptr, y_ptr, x0, x1, x2, x3, acc0, acc1, a
 
 
 @triton.jit
-def _bwd_kernel(
+def persistent_bwd_kernel(
     pre_ptr,  # [T, B, P] pre-activations (stash layout; rnn: unused)
     cells_ptr,  # lstm: [T+1, B, H] fp32
     h0_ptr,  # gru: [B, H] h_{-1}
