@@ -358,8 +358,8 @@ def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custo
     # A symbolic batch cannot reach an assume_constant_result function: with dynamic
     # shapes the persistent kernel is asked only where the rule could pick it (it has
     # constants); int() then specialises the batch.
-    predicted = time_model.predicted_ms("persistent", memory, x.dtype, shape)
-    ask = not compiling or static or predicted is not None
+    ask = (not compiling or static
+           or time_model.predicted_ms("persistent", memory, x.dtype, shape) is not None)
     if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
