@@ -231,7 +231,7 @@ def test_memory_auto_recomputes_lstm_only_when_training(monkeypatch):
     original = reference.layer_forward
 
     def spy(*args, **kwargs):
-        memories.append(kwargs["memory"])
+        memories.append(args[0].memory)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(op.reference, "layer_forward", spy)
@@ -386,11 +386,11 @@ def test_auto_keeps_only_the_graphs_of_the_implementation_it_picked(monkeypatch)
     released (a shape cuDNN wins keeps no CUDA Graph buffers)."""
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     released = []
-    monkeypatch.setattr(dispatch.graphs, "release", released.append)
+    monkeypatch.setattr(dispatch.cuda_graphs, "release", released.append)
 
     def step(name, keys):
         def run():
-            for recording in dispatch.graphs._RECORDING:
+            for recording in dispatch.cuda_graphs._RECORDING:
                 recording.update(keys)
             return name
 
@@ -434,7 +434,7 @@ def test_auto_offers_the_persistent_kernel_where_it_covers_the_shape(monkeypatch
 
     monkeypatch.setattr(dispatch, "_choose_auto", choose)
     monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
-    shape = dispatch.cost.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
+    shape = dispatch.time_model.Shape(mode="lstm", T=35, B=20, H=650, layers=2, directions=1)
     for covered in (True, False):
         monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args, c=covered: c)
         impl = dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
@@ -629,8 +629,9 @@ def test_auto_under_compile_traces_the_gpu_choice_in_one_graph(monkeypatch, pers
     monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
     monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: persistent)
     picked = []
-    real_pick = dispatch.cost.pick
-    monkeypatch.setattr(dispatch.cost, "pick", lambda *a: picked.append(real_pick(*a)) or picked[0])
+    real_pick = dispatch.time_model.pick
+    monkeypatch.setattr(dispatch.time_model, "pick",
+                        lambda *a: picked.append(real_pick(*a)) or picked[0])  # fmt: skip
 
     # With static shapes and two candidates the choice is timed (the test below): here a
     # stand-in that picks the split kernels, traced as a constant as the real one is.
