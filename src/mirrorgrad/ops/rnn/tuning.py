@@ -1,5 +1,5 @@
 """The tuning knobs of the RNN op's Triton kernels: one frozen dataclass per kernel family,
-its defaults the ones measured best (docs/notes/rnn-gpu.md, docs/notes/rnn-persistent.md).
+its defaults the ones measured best (docs/rnn-op.md).
 
 The code that launches reads its family's active knobs (``active(StepTuning)``); tests
 and benchmarks run others for a block::
@@ -37,7 +37,7 @@ class StepTuning:
 @dataclass(frozen=True, kw_only=True)
 class PersistentTuning:
     """The persistent kernel (persistent.py: one launch per layer-direction). Defaults
-    from the H100 windows (docs/notes/rnn-persistent.md, "Where a step's time goes"): the
+    from the H100 runs (docs/rnn-op.md, "Where a persistent step's time goes"): the
     probe put the hidden GEMM's phase at 60-75% of every step, the backward's worst
     (10-18 us of 14-22); the backward's knobs below (K slices, deeper chunks, gathered
     loads, 8 warps) took its step from 14.4-21.8 us to 7.8-13.6 us, while the same for
