@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from mirrorgrad.bench.methods import Method
 from mirrorgrad.bench.workloads import Workload
-from mirrorgrad.ops.rnn.cells import GATES
+from mirrorgrad.ops.rnn.cell_modes import GATES
 
 TORCH_MODULES = {"lstm": nn.LSTM, "gru": nn.GRU, "rnn_tanh": nn.RNN, "rnn_relu": nn.RNN}
 
