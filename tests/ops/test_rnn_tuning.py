@@ -67,7 +67,7 @@ def test_probes_record_inside_the_block_only():
 
 
 def test_bench_knob_sets_are_tuning_fields():
-    from mirrorgrad.bench.persistent_rnn import SWEEP, VARIANTS, knobs_applied
+    from benchmarks.persistent_rnn import SWEEP, VARIANTS, knobs_applied
 
     for knobs in (*VARIANTS.values(), *SWEEP):
         assert isinstance(knobs_applied(knobs), PersistentTuning)
