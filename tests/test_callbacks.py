@@ -4,7 +4,14 @@ import math
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mirrorgrad.callbacks import Callback, TensorBoardLogger
+from mirrorgrad.callbacks import Callback, TensorBoardLogger, perplexity
+
+
+def test_perplexity_is_exp_of_the_loss_and_never_overflows():
+    assert perplexity(0.0) == 1.0
+    assert perplexity(math.log(42.0)) == pytest.approx(42.0, rel=1e-15)
+    assert math.isfinite(perplexity(1e6))  # a diverged loss still prints
+    assert math.isnan(perplexity(float("nan")))
 
 
 def _scalars(logdir) -> dict[str, dict[int, float]]:

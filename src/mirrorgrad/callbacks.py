@@ -1,4 +1,4 @@
-"""Training-loop callbacks: a no-op base class and a TensorBoard logger.
+"""Training-loop callbacks: a no-op base class, a TensorBoard logger, and `perplexity`.
 
 Usable from any training loop::
 
@@ -15,6 +15,7 @@ With PyTorch Lightning installed, ``logger.as_lightning_callback()`` returns a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,9 +23,12 @@ from typing import Any
 
 import torch
 
-from mirrorgrad.train.metrics import perplexity
+__all__ = ["Callback", "TensorBoardLogger", "perplexity"]
 
-__all__ = ["Callback", "TensorBoardLogger"]
+
+def perplexity(loss: float) -> float:
+    """exp(mean cross-entropy per token), capped where a float would overflow."""
+    return math.exp(min(float(loss), 700.0))  # exp(710) overflows a float
 
 
 class Callback:

@@ -1,19 +1,9 @@
-"""Perplexity and the running loss sums that a checkpoint carries."""
+"""The running loss sums that a checkpoint carries."""
 
-import math
-
-import pytest
 import torch
 
 from mirrorgrad.train.distributed import World
-from mirrorgrad.train.metrics import RunningLosses, perplexity
-
-
-def test_perplexity_is_exp_of_the_loss_and_never_overflows():
-    assert perplexity(0.0) == 1.0
-    assert perplexity(math.log(42.0)) == pytest.approx(42.0, rel=1e-15)
-    assert math.isfinite(perplexity(1e6))  # a diverged loss still prints
-    assert math.isnan(perplexity(float("nan")))
+from mirrorgrad.train.metrics import RunningLosses
 
 
 def test_running_losses_survive_a_round_trip_through_their_state():

@@ -24,14 +24,14 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 import mirrorgrad
-from mirrorgrad.callbacks import Callback, TensorBoardLogger
+from mirrorgrad.callbacks import Callback, TensorBoardLogger, perplexity
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint, data, distributed, preflight, step
 from mirrorgrad.train.checkpoint import CheckpointError
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.corpus import default_corpus
 from mirrorgrad.train.distributed import World
-from mirrorgrad.train.metrics import RunningLosses, perplexity
+from mirrorgrad.train.metrics import RunningLosses
 from mirrorgrad.train.model import LanguageModel, State
 from mirrorgrad.train.stop import StopRequest
 from mirrorgrad.train.summary import Summary

@@ -1,9 +1,8 @@
-"""Training metrics: perplexity, and the running loss sums a run carries across a resume."""
+"""Training metrics: the running loss sums a run carries across a resume."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -11,11 +10,6 @@ from torch import Tensor
 
 from mirrorgrad.train import distributed
 from mirrorgrad.train.distributed import World
-
-
-def perplexity(loss: float) -> float:
-    """exp(mean cross-entropy per token), capped where a float would overflow."""
-    return math.exp(min(float(loss), 700.0))  # exp(710) overflows a float
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
