@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from mirrorgrad.bench import frontier
 from mirrorgrad.bench.workloads import WORKLOADS
 
 
+@pytest.mark.slow
 def test_capture_is_inductors_joint_graph_and_runs_nothing():
     built = WORKLOADS["transformer"].build(quick=True)
     before = [p.detach().clone() for p in built.model.parameters()]
@@ -20,6 +22,7 @@ def test_capture_is_inductors_joint_graph_and_runs_nothing():
     assert all(torch.equal(a, p) for a, p in zip(before, built.model.parameters()))
 
 
+@pytest.mark.slow
 def test_rows_compare_at_min_cuts_peak(tmp_path, capsys):
     assert frontier.main(["--out", str(tmp_path), "--quick", "--workloads", "mlp"]) == 0
     rows = json.loads((tmp_path / "frontier.json").read_text())["results"]["mlp"]["rows"]
@@ -32,6 +35,7 @@ def test_rows_compare_at_min_cuts_peak(tmp_path, capsys):
     assert "| mlp |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_layout_pads_an_unaligned_vocabulary_as_a_gpu_does(tmp_path):
     # A tied-head LM with a vocabulary of 2049: on a GPU Inductor's pad_mm pads it for
     # the logits matmul; a plain CPU capture never does, --gpu-layout does.

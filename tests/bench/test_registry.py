@@ -115,6 +115,7 @@ def test_lstm_lm_large_sizes():
     assert model.embed.num_embeddings == 10_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ALL_WORKLOADS)
 def test_quick_workload_trains(name):
     workload = WORKLOADS[name]

@@ -26,6 +26,7 @@ def _raising(exc: BaseException) -> Method:
     return Method(name="broken", description="raises", wrap=wrap, compiles=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "exc",
     [RuntimeError("compile failed\nlong traceback"), torch.OutOfMemoryError("CUDA out of memory")],
@@ -40,6 +41,7 @@ def test_failing_method_is_recorded(exc):
     assert measure(WORKLOADS["mlp"], get_method("eager"), OPTS).status == "ok"
 
 
+@pytest.mark.slow
 def test_failing_prepare_is_recorded():
     def wrap(model, blocks, backend):
         raise ValueError("bad options")
@@ -54,6 +56,7 @@ def test_mgnn_method_skips_a_workload_without_rnns():
     assert result.status == "skipped"
 
 
+@pytest.mark.slow
 def test_mgnn_method_swaps_the_rnn_keeping_weights():
     import mirrorgrad.nn
 
@@ -73,6 +76,7 @@ def test_time_limit_skips_methods_not_started():
     assert (result.status, result.error) == ("skipped", "time limit reached before this method")
 
 
+@pytest.mark.slow
 def test_eager_and_checkpoint_measured_alike():
     eager = measure(WORKLOADS["transformer"], get_method("eager"), OPTS)
     ckpt = measure(WORKLOADS["transformer"], get_method("checkpoint"), OPTS)
@@ -138,6 +142,7 @@ def test_cuda_peak():
     assert result.peak_bytes >= 2 * result.param_bytes
 
 
+@pytest.mark.slow
 def test_cuda_error_reports_then_exits_the_worker():
     # A broken CUDA context poisons later methods: the worker reports and exits (3).
     code = """
@@ -173,12 +178,14 @@ def _warning_eager(model, blocks, backend):
     return model
 
 
+@pytest.mark.slow
 def test_fallback_warning_is_recorded_with_its_cause():
     method = Method(name="warns", description="", wrap=_warning_eager, compiles=False)
     result = measure(WORKLOADS["mlp"], method, OPTS)
     assert result.status == "ok" and result.fallback == "planner failed: cause"
 
 
+@pytest.mark.slow
 def test_wrong_gradients_are_caught(tmp_path):
     from mirrorgrad.bench.gradients import GradCheck
 
@@ -208,6 +215,7 @@ def test_cuda_graph_replays_the_eager_step():
     assert graphed.first_loss == pytest.approx(eager.first_loss, rel=0.05)
 
 
+@pytest.mark.slow
 def test_profile_writes_a_kernel_table(tmp_path):
     opts = dataclasses.replace(OPTS, profile_dir=tmp_path)
     assert measure(WORKLOADS["mlp"], get_method("eager"), opts).status == "ok"

@@ -61,6 +61,7 @@ def _eager_reported(out):
     return doc["workloads"]["mlp"]["methods"][0]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_first_method_keeps_its_results(tmp_path):
     out = tmp_path / "out"
     argv = [sys.executable, "-c", _BENCH, _WORKER_HOLDING_THE_LAST_METHOD, "bench", "--quick"]

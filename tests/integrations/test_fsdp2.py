@@ -16,6 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# Two processes each: under pytest-xdist, one such test at a time (a 2-core machine).
+pytestmark = pytest.mark.xdist_group("two-processes")
+
 SCRIPT = Path(__file__).with_name("fsdp2_check.py")
 SRC = Path(__file__).parents[2] / "src"
 

@@ -19,6 +19,7 @@ import mirrorgrad
 import mirrorgrad.nn as mnn
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.slow  # each case compiles (Dynamo, AOTAutograd, Inductor) on CPU
 
 IMPLS = ("reference", "triton", "persistent", "cudnn", "auto")
 SAME_RNG = {"fallback_random": True}

@@ -68,11 +68,13 @@ def _opcheck(args):
                           test_utils=UTILS)  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("impl", "mode", "variant"), list(_cases()))
 def test_rnn_forward_and_backward_pass_opcheck(impl, mode, variant):
     _opcheck(_args(impl, mode, variant))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("impl", "mode"), [("persistent", "lstm"), ("triton", "gru")])
 def test_captured_layers_pass_opcheck(impl, mode, cpu_graphs):
     """The CUDA Graph path (CPU stand-in): workspace, copied-in states, one state block."""
@@ -80,6 +82,7 @@ def test_captured_layers_pass_opcheck(impl, mode, cpu_graphs):
     assert cpu_graphs, "nothing was captured: the test checks the uncaptured path"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_recompute_memory_passes_opcheck(impl, mode):
@@ -92,6 +95,7 @@ def _no_shared_storage(tensors):
     return len(storages) == len(set(storages))
 
 
+@pytest.mark.slow
 def test_no_output_shares_storage_with_another_or_an_input(cpu_graphs):
     """The check torch.library makes, spelled out, for the outputs that once shared the
     persistent backward's state block (grad_c0, the biases') and the forward's final

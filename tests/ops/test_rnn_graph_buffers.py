@@ -11,6 +11,8 @@ from mirrorgrad.ops.rnn import cuda_graphs, kernels
 from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.tuning import StepTuning
 
+pytestmark = pytest.mark.slow  # every test runs the loops in Triton's interpreter, several times
+
 
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])

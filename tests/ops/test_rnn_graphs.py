@@ -12,10 +12,13 @@ from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 from .test_rnn_kernels import B, H, T, _check_layer, _inputs
 
-pytestmark = pytest.mark.skipif(
-    not kernels.supports("lstm", proj=False, dtype=torch.float32, device=torch.device("cpu")),
-    reason="Triton kernels need TRITON_INTERPRET=1 on CPU",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not kernels.supports("lstm", proj=False, dtype=torch.float32, device=torch.device("cpu")),
+        reason="Triton kernels need TRITON_INTERPRET=1 on CPU",
+    ),
+    pytest.mark.slow,  # every test runs the loops in Triton's interpreter, several times
+]
 
 CASES = [("lstm", "stash"), ("lstm", "recompute"), ("gru", "stash"), ("gru", "recompute"),
          ("rnn_tanh", "stash")]  # fmt: skip

@@ -17,6 +17,9 @@ from mirrorgrad.train.config import PRESETS
 from mirrorgrad.train.distributed import World
 from mirrorgrad.train.model import LanguageModel
 
+# Two processes each: under pytest-xdist, one such test at a time (a 2-core machine).
+pytestmark = pytest.mark.xdist_group("two-processes")
+
 _VOCAB, _T, _B, _STEPS = 50, 6, 4, 3
 # Dropout off: the masks of two half batches cannot equal those of the whole batch.
 _PRESET = dataclasses.replace(PRESETS["tiny"], dropout=0.0, layers=2, embedding=16, hidden=16)

@@ -14,6 +14,9 @@ from mirrorgrad.train import distributed
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
+# Two processes each: under pytest-xdist, one such test at a time (a 2-core machine).
+pytestmark = pytest.mark.xdist_group("two-processes")
+
 # Dropout off: masks cannot match between a 1- and a 2-process run.
 _OPTIONS = dict(batch_size=8, bptt=20, epochs=2, log_freq=1, dropout=0.0, device="cpu", seed=5)
 
