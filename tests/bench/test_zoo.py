@@ -17,6 +17,7 @@ def test_the_cpu_slice_is_about_a_dozen_models():
     assert len(zoo.WORKLOADS) >= 60  # the GPU sweep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CPU_SLICE)
 def test_every_mode_trains_with_compiles_gradients(name, tmp_path):
     workload = zoo.WORKLOADS[name]

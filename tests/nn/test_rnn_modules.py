@@ -101,6 +101,7 @@ def all_cases():
                 yield pytest.param(kind, config, memory, id=f"{kind[0]}-{config[0]}-{memory}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "config", "memory"), list(all_cases()))
 def test_matches_torch_nn(kind, config, memory):
     _, kwargs, T, B, input_size, hidden_size = config
@@ -128,6 +129,7 @@ def test_unbatched_input(kind, batch_first):
 PACKED = [(kind, bidir) for kind in KINDS for bidir in (False, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "bidirectional"),
     PACKED,
@@ -172,6 +174,7 @@ def plain_clipped_lstm(x, h0, c0, layers, clip):
     return x, (torch.stack(hs), torch.stack(cs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 def test_state_clip_matches_plain_loop(memory):
     clip = (-0.4, 0.5)
@@ -384,6 +387,7 @@ def test_chunked_run_with_carried_state_equals_whole_run(kind):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS[:2], ids=[k[0] for k in KINDS[:2]])
 def test_inductor_with_permuted_input_matches_eager_and_torch_nn(kind):
     """DeepSpeech2 feeds its GRUs conv features .permute(2, 0, 1): a non-contiguous x.
@@ -527,6 +531,7 @@ PARITY_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", PARITY_CONFIGS, ids=[c[0] for c in PARITY_CONFIGS])
 @pytest.mark.parametrize("kind", KINDS, ids=[k[0] for k in KINDS])
 def test_gradgradcheck(kind, config):
@@ -551,6 +556,7 @@ def test_gradgradcheck(kind, config):
     assert gradgradcheck(lambda *a: flat_outputs(run(*a)), inputs)
 
 
+@pytest.mark.slow
 def test_gradgradcheck_of_packed_lstm_with_projection():
     _, mod = make_pair(KINDS[0], {"proj_size": 2, "bidirectional": True}, 2, 3)
     x = torch.randn(4, 3, 2, dtype=DT, requires_grad=True)
@@ -603,6 +609,7 @@ def test_vmap_over_a_batch_of_sequences_matches_a_loop():
     torch.testing.assert_close(out, torch.stack([mod(x)[0] for x in xs]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["reference", "triton", "persistent"])
 def test_batched_gradients_equal_a_loop_of_gradients(impl):
     """``torch.autograd.grad(..., is_grads_batched=True)`` (what jacobians and gradcheck's
@@ -685,6 +692,7 @@ def test_hidden_state_of_another_dtype_raises_runtime_error_like_torch_nn():
             module(x, hx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("enforce_sorted", [False, True], ids=["unsorted", "sorted"])
 def test_packed_sequence_under_fullgraph_compile(enforce_sorted):
     """PackedSequence in, our LSTM, PackedSequence out, in one Dynamo graph (the module
@@ -745,6 +753,7 @@ DEVICES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["LSTM", "GRU"])
 def test_create_graph_backward_with_fused_dropout_equals_the_plain_backward(mode, device, tf32_off):

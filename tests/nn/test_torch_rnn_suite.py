@@ -538,6 +538,7 @@ def _noncontig(tensor):
     return torch.stack([tensor.clone().zero_(), tensor], ndim).select(ndim, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "combo", CPU_VS_DEVICE_COMBOS, ids=lambda c: "".join("TF"[not b] for b in c)
 )

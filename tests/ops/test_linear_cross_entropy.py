@@ -138,6 +138,7 @@ def test_saves_no_logits_for_backward():
     assert hidden.grad.shape == (n, h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "mirrorgrad-eager"])
 def test_compiled_gradients_equal_eager(backend):
     # Regression: as an autograd.Function, torch 2.11's Dynamo traced the backward
@@ -159,6 +160,7 @@ def test_compiled_gradients_equal_eager(backend):
                     (hidden, weight, b))  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_ops_pass_opcheck(bias):
     hidden, weight, b, target = _inputs(9, 4, 6, bias=bias)

@@ -34,6 +34,7 @@ def _merged(held: list[dict]) -> dict:
     return out
 
 
+@pytest.mark.slow
 @ON_CPU
 @pytest.mark.parametrize(
     ("mode", "memory"),

@@ -107,6 +107,7 @@ def test_layer_matches_oracle(mode, memory, fused):
     _check_layer(mode, memory=memory, fused=fused)
 
 
+@pytest.mark.slow
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh", "rnn_relu"])
@@ -114,6 +115,7 @@ def test_layer_with_unsorted_lengths(mode, memory, fused):
     _check_layer(mode, memory=memory, lengths=[2, 4, 1], fused=fused)
 
 
+@pytest.mark.slow
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 def test_lstm_state_clip(memory, fused):
@@ -121,6 +123,7 @@ def test_lstm_state_clip(memory, fused):
     _check_layer("lstm", memory=memory, clip=(-0.3, 0.4), lengths=[4, 3, 2], fused=fused)
 
 
+@pytest.mark.slow
 @KERNELS
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize("mode", ["lstm", "gru", "rnn_tanh"])
@@ -139,6 +142,7 @@ def test_chunk_rows_bounded_whatever_t():
             assert chunk * batch <= StepTuning().bwd_chunk_rows + batch
 
 
+@pytest.mark.slow
 @KERNELS
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
 def test_no_bias_no_grad_y(mode, fused):
@@ -212,6 +216,7 @@ def test_supports():
     assert not kernels.supports("rnn_gelu", proj=False, dtype=torch.float32, device="cuda")
 
 
+@pytest.mark.slow
 def test_dropout_mask_deterministic_and_scaled():
     x = torch.randn(64, 257, device=DEVICE)
     a = kernels.dropout(x, 0.3, seed=7, offset=11)

@@ -50,6 +50,7 @@ GRADCHECK = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "memory"), GRADCHECK)
 def test_gradcheck_bidir_varlen_dropout(mode, memory):
     """Finite differences through the whole op: 2 layers, both directions, unsorted
@@ -70,6 +71,7 @@ def test_gradcheck_bidir_varlen_dropout(mode, memory):
         assert torch.autograd.gradcheck(f, (x, hx, cx, *weights))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_opcheck_forward(mode):
     """torch.library.opcheck: schema, fake kernel, autograd registration agree with eager."""
@@ -265,6 +267,7 @@ class _Tagger(torch.nn.Module):
         return self.head(self.rnn(x)[0]).square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode_cls", [mnn.LSTM, mnn.GRU, mnn.RNN], ids=["lstm", "gru", "rnn"])
 def test_compile_fullgraph_captures_one_node(mode_cls):
     """No graph break and no per-step ops: one rnn_forward, one rnn_backward node."""
@@ -328,6 +331,7 @@ def test_cudnn_impl_is_torch_own_rnn():
     torch.testing.assert_close(mod(x)[0], ref(x)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_impl_through_the_op_matches_reference(mode):

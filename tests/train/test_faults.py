@@ -143,6 +143,7 @@ def _write(path: Path, raw: bytes) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_weights_of_another_shape_are_one_line(saved, tmp_path, capsys):
     corpus, good = saved
     state = checkpoint.load(good)
@@ -153,6 +154,7 @@ def test_weights_of_another_shape_are_one_line(saved, tmp_path, capsys):
     assert rc == 2 and "odd.pt: its weights do not fit this model" in line, line
 
 
+@pytest.mark.slow
 def test_training_state_of_another_shape_is_one_line(saved, tmp_path, capsys):
     corpus, good = saved
     state = checkpoint.load(good)
@@ -170,6 +172,7 @@ def test_resume_with_another_model_names_it(saved, tmp_path, capsys):
     assert rc == 2 and "--model is 'medium'" in line and "trained with 'tiny'" in line, line
 
 
+@pytest.mark.slow
 def test_resume_compares_values_not_flags(saved, tmp_path, capsys):
     corpus, good = saved  # saved with the tiny model's default dropout, 0.1
     rc, out, err = cli(
@@ -275,6 +278,7 @@ def test_checkpoint_that_cannot_be_replaced_fails_before_training(
     assert last.is_dir() if kind == "folder" else last.read_bytes() == b"someone's checkpoint"
 
 
+@pytest.mark.slow
 def test_missing_folders_are_created(saved, tmp_path, capsys):
     deep = tmp_path / "a" / "b"
     rc, _, err = cli(capsys, saved[0], deep / "log", f"--ckpt-dir={deep / 'ckpt'}", "--max-steps=1")
@@ -309,6 +313,7 @@ def test_data_that_is_a_device_reads_as_a_file(tmp_path, capsys):
     assert rc == 2 and "/dev/null is empty" in the_error(err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("full_from_save", [1, 2])
 def test_disk_failure_while_saving_is_one_line(
     saved, tmp_path, capsys, monkeypatch, full_from_save
@@ -336,6 +341,7 @@ def test_disk_failure_while_saving_is_one_line(
         assert checkpoint.load(ckpt_dir)["position"]["step"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("log_freq", "kept_step"),
     [(1, None), (100, 2)],  # found at the log of step 3 / at the save after step 3
@@ -367,6 +373,7 @@ def test_non_finite_step_stops_and_keeps_the_last_good_checkpoint(
         assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+@pytest.mark.slow
 def test_stale_temporaries_are_removed_at_start(saved, tmp_path, capsys):
     ckpt_dir = tmp_path / "run" / "checkpoints"
     ckpt_dir.mkdir(parents=True)
@@ -417,6 +424,7 @@ _MOMENTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("moment", "signum"),
     [(moment, signal.SIGTERM) for moment in _MOMENTS]
@@ -441,6 +449,7 @@ def test_a_signal_at_any_moment_ends_the_run(saved, tmp_path, capsys, monkeypatc
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_steps_saves_and_resumes(saved, tmp_path, capsys, monkeypatch):
     real_step, calls = loop._Run._step, itertools.count(1)
 
@@ -463,6 +472,7 @@ def _lr_of(path: Path) -> float:
     return checkpoint.load(path)["optimizer"]["param_groups"][0]["lr"]
 
 
+@pytest.mark.slow
 def test_resume_goes_on_at_the_checkpoints_lr_unless_lr_is_given(saved, tmp_path, capsys):
     corpus, good = saved
     assert _lr_of(good) == 20.0  # the tiny model's default
@@ -480,6 +490,7 @@ def test_resume_goes_on_at_the_checkpoints_lr_unless_lr_is_given(saved, tmp_path
     assert _lr_of(ckpt / "last.pt") == 0.5
 
 
+@pytest.mark.slow
 def test_resume_with_a_huge_lr_trains_at_it_and_keeps_the_checkpoint(saved, tmp_path, capsys):
     corpus, good = saved
     ckpt = tmp_path / "ckpt"
@@ -522,6 +533,7 @@ sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_setup_of_a_real_process(saved, tmp_path, signum):
     run = tmp_path / "run"
@@ -544,6 +556,7 @@ sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_training_then_resume_equals_uninterrupted(saved, tmp_path):
     corpus, run = saved[0], tmp_path / "killed"
     # --epochs: still training when killed, however long the test took to look.
@@ -614,6 +627,7 @@ for i in range(2):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pause_after", "survivor"), [("fsync", 0), ("rename", 1)])
 def test_kill_9_during_a_save_leaves_the_old_or_the_new_checkpoint(tmp_path, pause_after, survivor):
     path = tmp_path / "last.pt"
