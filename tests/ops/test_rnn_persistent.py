@@ -21,6 +21,8 @@ from mirrorgrad.ops.rnn.tuning import PersistentTuning, StepTuning
 
 from .test_rnn_kernels import _oracle
 
+pytestmark = pytest.mark.slow  # the persistent kernel runs in Triton's interpreter on CPU
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 NAMES = ("x", "h0", "c0", "w_ih", "w_hh", "b_ih", "b_hh")

@@ -22,6 +22,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 CASES = [("lstm", "stash"), ("lstm", "recompute"), ("gru", "stash"), ("gru", "recompute"),
          ("rnn_tanh", "stash")]  # fmt: skip
 on_cpu = pytest.mark.skipif(CUDA, reason="the stand-in graphs run the interpreter on CPU")
+pytestmark = pytest.mark.slow  # captured persistent loops, replayed in the interpreter
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
