@@ -115,6 +115,7 @@ def test_time_limit_stops_a_busy_worker(tmp_path):
     assert (result["status"], result["error"]) == ("skipped", "stopped at the time limit")
 
 
+@pytest.mark.slow
 def test_explain_prints_json(capsys):
     assert cli.main(["explain", "mlp", "--quick", "--json", "--mode", "budget:0.5"]) == 0
     plan = json.loads(capsys.readouterr().out)

@@ -338,6 +338,7 @@ def as_on_a_gpu():
         yield
 
 
+@pytest.mark.slow
 def test_the_logits_gradient_is_one_buffer_with_pad_mms_padding(as_on_a_gpu):
     # H100, GPT-2 budget 0.5 (logits recomputed in the backward): one (8192, 50260)
     # buffer at stride 50272 holds the recomputed logits, the gradient written over them

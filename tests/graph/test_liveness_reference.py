@@ -36,6 +36,7 @@ def _same(new: liveness.Liveness, old: liveness.Liveness) -> None:
     assert new.live_storages == old.live_storages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(zoo.ZOO))
 def test_simulation_equals_the_reference_on_random_plans(name):
     model, inputs = zoo.build(name, torch.float32)

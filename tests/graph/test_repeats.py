@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mirrorgrad.graph.repeats import repeated_classes
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
 from joint_graphs import Bottleneck, joint_of
 
 
+@pytest.mark.slow
 def test_each_convolution_of_a_bottleneck_has_one_class_across_the_middle_copies():
     blocks = 8
     model = torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(blocks)))

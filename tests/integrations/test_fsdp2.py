@@ -42,6 +42,7 @@ def _check(result: dict, tolerance: float, recomputes: bool = False) -> None:
         assert row["recomputed"] > 0 or not recomputes, row
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 def test_fsdp2_on_cpu_same_gradients(tmp_path):
     # Budget 0.5, so that the plan recomputes something at these tiny sizes.

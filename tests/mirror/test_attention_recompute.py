@@ -55,6 +55,7 @@ def _attention_ops(plan) -> list[str]:
     return [n.name for n in plan.mirrored if "attention" in str(n.target)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_budget_mode_recomputes_attention_with_eagers_gradients(dropout):
     torch.manual_seed(0)

@@ -45,6 +45,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["off", "balance", "budget"])
 def test_plan_saved_values_suffice_for_the_real_extraction(mode, case):
@@ -90,6 +91,8 @@ def resnet152_joint():
     return joint_of(resnet152_shaped(width=4), torch.randn(16, 3, 32, 32), decompose=True)
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resnet152_joint")  # one worker traces the fixture once
 def test_resnet152_shaped_peak_with_balance(resnet152_joint):
     p = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.05))
     assert p.peak_after <= 0.6 * p.peak_before
@@ -97,6 +100,8 @@ def test_resnet152_shaped_peak_with_balance(resnet152_joint):
     assert "convolution" not in {op_name(n).split("::")[-1] for n in p.mirrored}
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("resnet152_joint")  # one worker traces the fixture once
 def test_balance_respects_the_overhead_cap(resnet152_joint):
     capped = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.02))
     assert 0 < capped.added_time_s <= 0.02 * capped.step_time_s
@@ -105,6 +110,7 @@ def test_balance_respects_the_overhead_cap(resnet152_joint):
     assert nothing.mirrored == [] and nothing.peak_after == nothing.peak_before
 
 
+@pytest.mark.slow
 def test_budget_mode_is_monotone():
     model = torch.nn.Sequential(*(Bottleneck(16, 4) for _ in range(6)))
     joint = joint_of(model, torch.randn(8, 16, 16, 16))
@@ -124,6 +130,7 @@ def test_budget_mode_is_monotone():
     assert in_bytes.peak_after == fraction.peak_after and in_bytes.budget_scale is None
 
 
+@pytest.mark.slow
 def test_a_fraction_is_on_activation_memory_budgets_scale():
     # PyTorch's rule on our candidates: the stash bounded to F of the way from the
     # smallest to the default plan's; the least-time plan within it sets the peak.
@@ -181,6 +188,7 @@ def test_bad_options(kwargs, match):
         PlanOptions(**kwargs)
 
 
+@pytest.mark.slow
 def test_lifetime_repair_cuts_the_residual_stream():
     # Storage balance mirrors every block output; the backward then recomputes the
     # whole residual stream at its start (block k's output needs block k-1's) and
@@ -203,6 +211,7 @@ def _three_bottlenecks():
     return joint_of(model, torch.randn(8, 16, 16, 16), decompose=True)
 
 
+@pytest.mark.slow
 def test_an_unreachable_budget_is_declared_once_with_its_floor():
     # (A fraction asks for a peak some candidate reaches: bytes can ask for less.)
     joint = _three_bottlenecks()
@@ -229,6 +238,7 @@ def test_an_unreachable_budget_is_declared_once_with_its_floor():
     assert p.to_dict()["budget_met"] is False and "floor:" in str(p)
 
 
+@pytest.mark.slow
 def test_a_reachable_budget_gives_no_warning():
     joint = _three_bottlenecks()
     with warnings.catch_warnings():
@@ -242,6 +252,7 @@ def test_a_reachable_budget_gives_no_warning():
     )
 
 
+@pytest.mark.slow
 def test_planning_simulates_a_bounded_number_of_plans_on_one_index(monkeypatch):
     # Planning cost is (simulations) x (one simulation, linear in the graph): the
     # graph is indexed once per plan, and the simulations stay few (chunks of the
@@ -293,6 +304,7 @@ def _widest_recompute_chain(p, graph: UnitGraph) -> int:
     return max(map(len, reads.values()), default=0)
 
 
+@pytest.mark.slow
 def test_no_plan_recomputes_a_chain_reading_many_values():
     # A Transformer's residual stream is elementwise from block to block: recomputed,
     # block k's backward kernels re-read every earlier block's values (and differ per

@@ -104,6 +104,7 @@ def _joint(name: str) -> JointGraph:
     return GRAPHS[name]()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 @pytest.mark.parametrize("name", list(GRAPHS))
 def test_budget_plan_dominates_min_cut(name, fraction):
