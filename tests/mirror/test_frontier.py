@@ -120,6 +120,7 @@ def test_budget_plan_dominates_min_cut(name, fraction):
     assert ours.added_time_s <= their_seconds * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 @pytest.mark.parametrize("name", ["transformer", "resnet50-ish", "bottlenecks"])
 def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fraction):
@@ -153,6 +154,7 @@ def _full_size_transformer() -> JointGraph:
     return capture_joint(built.model, *built.make_batch())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "options"),
     [
