@@ -74,6 +74,7 @@ def test_backend_by_name_validates_its_options():
     assert "only used by mode='budget'" in done.stdout
 
 
+@pytest.mark.slow
 def test_registered_backend_plans_and_passes_inductor_settings(monkeypatch):
     seen = []
     monkeypatch.setattr(compiler.MirrorBackend, "_record", lambda self, p: seen.append((self, p)))

@@ -66,6 +66,7 @@ def compiled_twin(name: str, dtype=None, **options):
     return reference, model, mirrorgrad.compile(model, backend="eager", **options), inputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", MODES)
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_gradients_equal_eager(name, options):

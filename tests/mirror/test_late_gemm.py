@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 from torch._inductor.utils import run_and_get_code
@@ -102,6 +103,7 @@ def _late_addmms(code: str) -> list[str]:
     return re.findall(r"extern_kernels\.addmm\(buf\d+,[^\n]*", code)
 
 
+@pytest.mark.slow
 def test_the_tied_lm_heads_weight_gradient_runs_before_the_embeddings():
     # torch.compile fuses it into an addmm at the end of the backward, keeping the
     # logits gradient alive throughout (1,000 MiB on the suite's transformer).

@@ -65,6 +65,7 @@ def _gates_stashed(plan) -> bool:
     return [T, B, GATES["lstm"] * H] in [row["shape"] for row in plan.to_dict()["stashed"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "choice"),
     [
@@ -105,6 +106,7 @@ def test_mark_mirror_false_pins_stash():
     assert _gates_stashed(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
 def test_an_explicit_memory_is_respected(memory):
     model, x = _model(memory)
@@ -122,6 +124,7 @@ def _unreachable(model, x) -> int:
     return int(0.05 * off.peak_before)
 
 
+@pytest.mark.slow
 def test_an_unmet_budget_warns_once_for_the_plan_kept():
     """Each candidate op choice gets its own value plan: one warning, the final one's."""
     model, x = _model()
@@ -139,6 +142,7 @@ def test_an_unmet_budget_warns_once_for_the_plan_kept():
     assert f"parameters and gradients {mirrorgrad._units.format_bytes(fixed)}" in message
 
 
+@pytest.mark.slow
 def test_balance_takes_the_peak_lowering_op_within_the_cap_and_charges_its_time():
     model, x = _model()
     _, _, off = _run(model, x, mode="off")
@@ -149,6 +153,7 @@ def test_balance_takes_the_peak_lowering_op_within_the_cap_and_charges_its_time(
     assert plan.added_time_s <= plan.step_time_s  # within the cap
 
 
+@pytest.mark.slow
 def test_summary_line_names_peaks_op_choices_and_an_unmet_budget():
     model, x = _model()
     with warnings.catch_warnings():
@@ -161,6 +166,7 @@ def test_summary_line_names_peaks_op_choices_and_an_unmet_budget():
     assert met.summary_line().endswith("met") and "rnn stash" in met.summary_line()
 
 
+@pytest.mark.slow
 def test_symbolic_sizes_are_decided_by_their_example_values():
     """Dynamic shapes (the last, shorter BPTT window): sizes and FLOPs are SymInts."""
     model, x = _model()
@@ -170,6 +176,7 @@ def test_symbolic_sizes_are_decided_by_their_example_values():
     assert decided.choice == "recompute" and "rnn_forward (rnn)" in str(plan)
 
 
+@pytest.mark.slow
 def test_budget_mode_stays_monotone_with_the_op_choice():
     """A lower budget never gets a higher peak, the op's mode being one more choice."""
     peaks = []
@@ -182,6 +189,7 @@ def test_budget_mode_stays_monotone_with_the_op_choice():
     assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("options", "choice"), [({"mode": "off"}, "stash"),
                                                  ({"mode": "budget", "budget": 0.5}, "recompute")])
 def test_inductor_runs_the_rewritten_op(options, choice):

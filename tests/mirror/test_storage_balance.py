@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mirrorgrad.graph.joint import op_name
@@ -42,6 +43,7 @@ def test_lstm_cell_step_is_left_alone():
     assert p.peak_after == p.peak_before and p.stash_bytes_after == p.stash_bytes_before
 
 
+@pytest.mark.slow
 def test_mlp_attention_tanh_is_mirrored():
     # B=8, S=128, A=128: each decoder step's tanh(W q + U k) is [8, 128, 128] fp32 = 0.5 MiB,
     # 8 steps. U k is computed once and shared: recomputing the 8 tanh from it and

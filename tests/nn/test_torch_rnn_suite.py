@@ -690,6 +690,7 @@ def test_RNN_dropout_state(nn, device, p, train):
         assert_not_equal(hy1, hy3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_RNN_change_dropout(nn, device, train):
     rnn = nn.RNN(100, 100, 2, dropout=0, nonlinearity="relu", device=device, dtype=torch.double)
@@ -778,6 +779,7 @@ def test_rnn_double_backward_cudnn_error(nn, mode):
             grad0.sum().backward()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_LSTM_differentiable_backward_using_oneDNN(nn, dtype):
     net = nn.LSTM(3, 3, 20, batch_first=True)
@@ -856,6 +858,7 @@ VARIABLE_SEQUENCE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proj_size", [0, 2])
 @pytest.mark.parametrize("use_default_hiddens", [True, False], ids=["zero_h0", "given_h0"])
 @pytest.mark.parametrize(
@@ -942,6 +945,7 @@ def _module_inputs(name):
         yield kwargs, (h0, (2 * D, 3)) if name == "LSTM" else h0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training", [True, False], ids=["train_mode", "eval_mode"])
 @pytest.mark.parametrize("name", ["LSTM", "GRU", "RNN"])
 def test_grad_nn(nn, name, training):

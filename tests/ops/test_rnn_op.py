@@ -619,6 +619,7 @@ def _same_grads_with_the_same_seed(compiled, model, ref, x) -> None:
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(op.triton_module() is None, reason="triton not installed")
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -671,6 +672,7 @@ def gpu_auto_dispatch(monkeypatch):
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
 
 
+@pytest.mark.slow
 def test_auto_under_compile_times_the_op_implementations_as_eager_does(
     monkeypatch, gpu_auto_dispatch
 ):
@@ -722,6 +724,7 @@ def test_auto_under_compile_times_the_op_implementations_as_eager_does(
     assert asked == [(key[:-1], ["persistent", "triton", "cudnn"])]
 
 
+@pytest.mark.slow
 def test_auto_under_compile_falls_back_to_the_rule_with_a_warning_where_timing_fails(
     monkeypatch, gpu_auto_dispatch
 ):

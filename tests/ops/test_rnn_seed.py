@@ -81,6 +81,7 @@ def test_dispatch_draws_the_seed_from_the_input_device_generator():
     assert not torch.equal(run(1), run(2))
 
 
+@pytest.mark.slow
 @triton_only
 def test_triton_path_reads_the_seed_on_the_device(monkeypatch):
     """Forward and backward with dropout through the Triton layer never call .item(), and
