@@ -30,6 +30,8 @@ def bench_out(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_bench_writes_json_with_every_method(bench_out):
     doc = json.loads((bench_out / "results.json").read_text())
     assert doc["env"]["torch"] and doc["env"]["device"] == "cpu"
@@ -47,6 +49,8 @@ def test_bench_writes_json_with_every_method(bench_out):
     assert mirror["cold_compile_s"] > 0 and mirror["precompile_error"] is None
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_bench_writes_markdown_and_plots(bench_out):
     table = (bench_out / "results.md").read_text()
     for method in METHODS:
@@ -54,6 +58,8 @@ def test_bench_writes_markdown_and_plots(bench_out):
     assert (bench_out / "peak_vs_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_report_redrawn_from_json(bench_out, tmp_path):
     argv = ["bench", "--from-json", str(bench_out / "results.json"), "--out", str(tmp_path)]
     assert cli.main(argv) == 0
@@ -122,11 +128,13 @@ def test_explain_prints_json(capsys):
     assert isinstance(plan, dict) and plan
 
 
+@pytest.mark.slow
 def test_explain_prints_a_table(capsys):
     assert cli.main(["explain", "nmt-attention", "--quick"]) == 0
     assert capsys.readouterr().out.startswith("nmt-attention: ")
 
 
+@pytest.mark.slow
 def test_explain_lists_the_op_memory_of_swapped_rnns(capsys):
     assert cli.main(["explain", "lstm-lm-medium", "--quick", "--mgnn", "--mode", "off"]) == 0
     out = capsys.readouterr().out
@@ -269,6 +277,7 @@ def test_explain_refuses_bad_input_before_any_work(capsys, monkeypatch, argument
     assert err.startswith(f"mirrorgrad explain: error: {says}") and "\n" not in err, err
 
 
+@pytest.mark.slow
 def test_a_scripts_suite_runs_through_the_harness(tmp_path):
     # benchmarks/zoo_sweep.py registers its suite; its workers run the script again.
     out = tmp_path / "zoo"

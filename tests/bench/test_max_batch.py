@@ -114,6 +114,7 @@ def test_a_bad_prediction_still_converges():
     assert found.exact and found.largest_fit == 100
 
 
+@pytest.mark.slow
 def test_the_script_probes_in_processes_and_finds_the_largest_batch(tmp_path):
     cap_gb = 0.00005
     argv = [sys.executable, max_batch.__file__, "--quick", "--backend", "eager", "--cap-gb"]

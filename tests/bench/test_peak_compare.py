@@ -3,6 +3,7 @@ history (a hand-written snapshot, as torch.cuda.memory._snapshot returns it)."""
 
 import json
 
+import pytest
 from benchmarks import peak_compare
 
 P, W, G, A1, A2, A3 = 0, 1024, 1536, 2560, 4608, 8704
@@ -67,6 +68,7 @@ def test_match_pairs_blocks_with_values_of_the_same_rounded_size():
     assert missed == [measured[1]] and [v["name"] for v in extra] == ["tiny"]
 
 
+@pytest.mark.slow
 def test_cpu_mode_reports_the_estimate(tmp_path, capsys):
     argv = ["--quick", "--workloads", "mlp", "--plans", "balance", "--out", str(tmp_path)]
     assert peak_compare.main(argv) == 0
@@ -78,6 +80,7 @@ def test_cpu_mode_reports_the_estimate(tmp_path, capsys):
     assert "mlp / balance on cpu" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
     workloads = "word-lm-medium-b20,lstm-lm-medium+mgnn"
     argv = ["--quick", "--workloads", workloads, "--plans", "off", "--out", str(tmp_path)]
@@ -90,6 +93,7 @@ def test_cpu_mode_plans_the_train_step_and_swapped_rnns(tmp_path, capsys):
     assert "word-lm-medium-b20 / off on cpu" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_op_memory_timing_writes_both_modes_and_the_estimate(tmp_path, monkeypatch):
     from benchmarks import op_memory_timing
 

@@ -36,6 +36,7 @@ def test_the_module_suite_has_seven_shapes_per_mode_and_every_graphed_impl():
         assert not get_method(f"mgnn-{impl}").cuda_graph
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", rnn_modules.SUITE_MODES)
 def test_rnn_module_and_kernels_match_cudnns_gradients(mode, tmp_path):
     workload = rnn_modules.WORKLOADS[f"rnn-{mode}-{rnn_modules.CONFIGS[0].name}"]
@@ -59,6 +60,7 @@ def test_a_cuda_graph_needs_cuda():
         assert result.error == "needs CUDA (the step is captured in a CUDA Graph)"
 
 
+@pytest.mark.slow
 def test_word_lm_runs_the_example_and_the_train_step():
     workload = word_lm.WORKLOADS["word-lm-medium-b20"]
     for name in ("pytorch-example", "train-lm"):

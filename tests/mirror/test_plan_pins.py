@@ -25,6 +25,7 @@ def test_every_pinned_graph_is_checked():
     assert keys == set(PINNED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(plan_pins.GRAPHS))
 def test_plans_are_the_pinned_ones(name):
     _check({name: plan_pins.GRAPHS[name]})
