@@ -122,6 +122,7 @@ def test_batchnorm_running_stats_follow_eager():
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_env_var_turns_mirroring_off(monkeypatch):
     monkeypatch.setenv("MIRRORGRAD_MIRROR", "0")
     reference, model, compiled, inputs = compiled_twin(
@@ -239,6 +240,7 @@ def test_explain_without_grad_raises():
         mirrorgrad.explain(model, torch.randn(2, 3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [MODES[0], MODES[2]])
 def test_inductor_backend_matches_eager_and_leaves_config_alone(options):
     # The Transformer block once saved a base next to its view, and Inductor reused
@@ -269,6 +271,7 @@ def test_mark_forbids_mirroring_a_module():
     assert_same_training_state(model, reference, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_pass_through_and_model_stays_copyable():
     reference, model, compiled, inputs = compiled_twin(
         "lstm_lm", mode="budget", budget=0.5, dynamic=True

@@ -86,6 +86,7 @@ def _check(device: str, E: int, H: int, T: int, B: int, L: int) -> None:
     print(f"plans={len(compiled._mirrorgrad_plans)} fallbacks={fallbacks}")
 
 
+@pytest.mark.slow
 def test_saved_values_read_through_views_keep_their_traced_strides(monkeypatch):
     # Issue 18's root: with a convolution in the graph Inductor lays out saved 4-D
     # outputs channels-last, so the attention inputs the forward takes as views of the

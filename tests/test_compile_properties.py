@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -87,6 +88,7 @@ options = st.sampled_from(
 
 
 # derandomize: CI sees the same examples every run (a failure reproduces).
+@pytest.mark.slow
 @settings(
     max_examples=16,
     deadline=None,

@@ -60,6 +60,7 @@ def _train_step(model, inputs, options, seed=1234):
     return out.detach(), model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", MODES)
 @pytest.mark.parametrize("name", ["sandwich", "lstm_lm"])
 def test_same_seed_same_outputs_and_gradients(name, options):

@@ -720,6 +720,7 @@ def test_RNN_change_dropout(nn, device, train):
 # --- TestNNDeviceType ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_rnn_retain_variables(nn, device):
     dtype = torch.double
     rnns = [nn.LSTM(10, 20, num_layers=2), nn.GRU(10, 20, num_layers=2),

@@ -79,6 +79,7 @@ def test_download_failure_names_the_fix(tmp_path, monkeypatch):
         corpus_module.default_corpus(tmp_path)
 
 
+@pytest.mark.slow
 def test_default_corpus_downloads_splits_and_caches(tmp_path, monkeypatch):
     folder = corpus_module.default_corpus(tmp_path)
     sizes = {s: (folder / f"{s}.txt").stat().st_size for s in ("train", "valid", "test")}

@@ -106,6 +106,7 @@ def _check_two_processes_match_one(
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", distributed.DATA_PARALLEL_MODES)
 def test_two_processes_step_as_one_on_the_whole_batch(mode):
     _check_two_processes_match_one(mode, "cpu", rtol=1e-5, atol=1e-6)

@@ -56,6 +56,7 @@ def _logged_losses(logdir) -> dict[int, float]:
 
 # The default, and the variant that sends only the embedding rows each window reads
 # (its row ids come from the loop's window position: an epoch boundary and a resume).
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allreduce", "allreduce-rows"])
 def test_two_processes_match_one_and_resume(corpus, tmp_path, mode):
     single = Losses()

@@ -48,6 +48,7 @@ def make_config(corpus, logdir, **overrides) -> TrainConfig:
     return TrainConfig.from_preset("tiny", **values)
 
 
+@pytest.mark.slow
 def test_resume_after_ctrl_c_equals_uninterrupted_run(corpus, tmp_path):
     steps = 10  # crosses the epoch boundary: validation, lr schedule, state reset
     full = Recorder()
