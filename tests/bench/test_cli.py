@@ -31,7 +31,6 @@ def bench_out(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_bench_writes_json_with_every_method(bench_out):
     doc = json.loads((bench_out / "results.json").read_text())
     assert doc["env"]["torch"] and doc["env"]["device"] == "cpu"
@@ -50,7 +49,6 @@ def test_bench_writes_json_with_every_method(bench_out):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_bench_writes_markdown_and_plots(bench_out):
     table = (bench_out / "results.md").read_text()
     for method in METHODS:
@@ -59,7 +57,6 @@ def test_bench_writes_markdown_and_plots(bench_out):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_out")  # one worker builds the fixture once
 def test_report_redrawn_from_json(bench_out, tmp_path):
     argv = ["bench", "--from-json", str(bench_out / "results.json"), "--out", str(tmp_path)]
     assert cli.main(argv) == 0

@@ -92,7 +92,6 @@ def resnet152_joint():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("resnet152_joint")  # one worker traces the fixture once
 def test_resnet152_shaped_peak_with_balance(resnet152_joint):
     p = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.05))
     assert p.peak_after <= 0.6 * p.peak_before
@@ -101,7 +100,6 @@ def test_resnet152_shaped_peak_with_balance(resnet152_joint):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("resnet152_joint")  # one worker traces the fixture once
 def test_balance_respects_the_overhead_cap(resnet152_joint):
     capped = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.02))
     assert 0 < capped.added_time_s <= 0.02 * capped.step_time_s
