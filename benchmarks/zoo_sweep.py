@@ -119,7 +119,7 @@ class _Recurrent(nn.Module):
 
 
 class _ConformerBlock(nn.Module):
-    """Issue 18's conv-augmented attention block (the shape of speech encoders)."""
+    """A conv-augmented attention block (the shape of speech encoders)."""
 
     def __init__(self, E: int, heads: int) -> None:
         super().__init__()

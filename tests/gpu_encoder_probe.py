@@ -1,4 +1,4 @@
-"""Issue 18's encoder on the GPU: does each mode run, with eager's gradients, at what peak.
+"""A conv-augmented encoder on the GPU: each mode's run, gradients against eager, peak.
 
     PYTHONPATH=src python tests/gpu_encoder_probe.py OUT_DIR [--layers 2] [--dropout 0.0]
 
@@ -9,7 +9,7 @@ For ``mirrorgrad.compile`` balance, budget 0.5, budget 0.3 and ``torch.compile``
 status (ok / fallback with its cause / crash), the plans applied, the largest gradient
 difference from eager (relative to the largest gradient entry; dropout off by
 default so the runs are comparable), and the peak of a training step (the second one:
-the first compiles) against eager's and torch.compile's. Issue 18 item 4 asks for
+the first compiles) against eager's and torch.compile's. The target is
 balance's peak <= min(eager, torch.compile). Writes OUT_DIR/encoder_probe.json and
 prints a table last.
 """

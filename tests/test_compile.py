@@ -389,7 +389,7 @@ def _dropout_batchnorm_net() -> torch.nn.Module:
 
 
 def test_plan_failing_at_run_time_falls_back_once(monkeypatch):
-    # A planned forward that raises inside its compiled code (issue 18's attention layout)
+    # A planned forward that raises inside its compiled code (an encoder's attention layout)
     # must not end the run: the call is run again by min-cut's code, with the RNG state
     # and the BatchNorm statistics it changed before raising undone, so the step equals
     # torch.compile's own (same dropout masks, statistics updated once).

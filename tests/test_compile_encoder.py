@@ -1,4 +1,4 @@
-"""Issue 18's conv-augmented attention encoder: balance mode crashed in Inductor's
+"""A conv-augmented attention encoder: balance mode crashed in Inductor's
 attention kernel on the GPU ("query: last dimension must be contiguous")."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _check(device: str, E: int, H: int, T: int, B: int, L: int) -> None:
 
 @pytest.mark.slow
 def test_saved_values_read_through_views_keep_their_traced_strides(monkeypatch):
-    # Issue 18's root: with a convolution in the graph Inductor lays out saved 4-D
+    # The root cause: with a convolution in the graph Inductor lays out saved 4-D
     # outputs channels-last, so the attention inputs the forward takes as views of the
     # saved qkv buffer got a head dim strided by T (the GPU kernel refuses that). On the
     # CPU the layout choice is the same; the attention lowering copies there instead.

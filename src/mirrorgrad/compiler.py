@@ -425,7 +425,8 @@ class FirstCallGuard:
     """A planned graph's compiled code, and what to do if its first call fails.
 
     Compile-time checks cannot see every layout Inductor settles on, so an error can
-    surface only when the generated code runs (issue 18). The first call that raises
+    surface only when the generated code runs (a conv-augmented attention encoder's
+    attention layout did). The first call that raises
     inside the planned code is run again by ``min_cut()``'s graph (PyTorch's own
     partition, compiled then), and every later call goes there too.
 

@@ -124,7 +124,7 @@ def test_budget_plan_dominates_min_cut(name, fraction):
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 @pytest.mark.parametrize("name", ["transformer", "resnet50-ish", "bottlenecks"])
 def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fraction):
-    # Issue 17's target: budget=F against activation_memory_budget=F. (Not on every
+    # The target: budget=F against activation_memory_budget=F. (Not on every
     # zoo graph: on layernorm-gelu-linear min-cut's 0.5 reaches 0.75x at +9.6%, where
     # PyTorch's rule on our candidates asks for 0.81x, reached at +0.3%.)
     joint = _joint(name)

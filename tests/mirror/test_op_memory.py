@@ -195,7 +195,7 @@ def test_budget_mode_stays_monotone_with_the_op_choice():
 def test_inductor_runs_the_rewritten_op(options, choice):
     """Inductor rebuilds a custom op's call from the fake arguments recorded at tracing
     (``eager_input_vals``): the rewrite must update them, or the backward gets the old
-    number of saved tensors (the H100 crash of window 1: an IndexError in the backward)."""
+    number of saved tensors (a crash once seen on an H100: an IndexError in the backward)."""
     model, x = _model()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", mirrorgrad.MirrorgradBudgetWarning)

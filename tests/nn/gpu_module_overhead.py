@@ -1,5 +1,5 @@
 """GPU measurement (run as a script): what mirrorgrad.nn adds to the op's kernels, and
-its peak memory against cuDNN (issue 16 item 3, issue 14 item 3).
+its peak memory against cuDNN.
 
     TRITON_INTERPRET=0 PYTHONPATH=src:. python tests/nn/gpu_module_overhead.py OUT_DIR \
         [--quick] [--modes lstm,gru] [--no-memory]

@@ -411,7 +411,7 @@ def test_inductor_with_permuted_input_matches_eager_and_torch_nn(kind):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
-# --- Drop-in parity (issue 15) ------------------------------------------------------------
+# --- Drop-in parity ----------------------------------------------------------------------
 
 CELLS = [
     ("lstm_cell", mnn.LSTMCell, torch.nn.LSTMCell, {}),

@@ -1,4 +1,4 @@
-"""GPU script for issue 14 item 5: compiled mirrorgrad.nn steps against the same model eager.
+"""GPU script: compiled mirrorgrad.nn steps against the same model eager.
 
     python tests/ops/gpu_item5.py OUT_DIR [--workloads NAME ...] [--rounds 8] [--steps 5]
                                           [--budget-s 190]

@@ -21,7 +21,7 @@ def _step(model, x):
 def _requested() -> int:
     """Bytes requested from the caching allocator and not freed: exact sizes, whereas
     memory_allocated counts whole blocks (a reused block is not always split, so a
-    buffer may be charged more than its size: window 3 of 2026-11-23 failed on that)."""
+    buffer may be charged more than its size, and a test once failed on that)."""
     return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
 

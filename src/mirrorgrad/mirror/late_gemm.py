@@ -5,8 +5,8 @@ Inductor's post-grad patterns fuse a matrix product with the add that reads it, 
 fused kernel runs where the add was: once ``c`` exists. With a tied embedding, the LM
 head's weight gradient ``mm(dlogits.t(), h)`` is added to the embedding's gradient,
 which the backward produces last, so the [tokens, vocab] logits gradient (1,000 MiB on
-the suite's transformer) stays alive through the whole backward (measured on the H100:
-issue 17). The planner's liveness model runs the product where autograd does, right
+the suite's transformer) stays alive through the whole backward (measured on an
+H100). The planner's liveness model runs the product where autograd does, right
 after its inputs; this pass puts it there again, so the plan's estimate holds and the
 step's peak drops by the input that now dies early.
 """

@@ -145,8 +145,8 @@ def _mark_view_read_outputs(fw_gm: GraphModule) -> None:
 
     Inductor may lay out a saved output as it likes (channels-last where a convolution
     is near), but views of it inside the forward then carry strides nobody traced, and
-    an op whose lowering takes such a view as it is fails at run time: issue 18, an
-    attention query whose head dim ended up strided by T. ``PlannedGraphPass``
+    an op whose lowering takes such a view as it is fails at run time (a conv-augmented
+    attention encoder: an attention query whose head dim ended up strided by T. ``PlannedGraphPass``
     makes Inductor keep these outputs' traced strides. Min-cut rarely saves such a
     base (it saves the views, which Inductor copies).
     """
