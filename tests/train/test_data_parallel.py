@@ -48,7 +48,7 @@ def _train(
         plain = step.compile_for_training(
             model, MirrorOptions.from_cli("balance"), device, cuda_graphs=False
         )
-        run_step = step.GraphedStep(plain, model, optimizer, clip=1e3, reduce_gradients=average)
+        run_step = step.GraphedStep(plain, optimizer, clip=1e3, reduce_gradients=average)
     for w in range(_STEPS):  # on a GPU: CUDA Graphs record, then replay
         x, y = tokens[w * _T : (w + 1) * _T], tokens[w * _T + 1 : (w + 1) * _T + 1]
         reduce = average

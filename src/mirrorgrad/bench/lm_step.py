@@ -38,10 +38,10 @@ import torch
 from torch import Tensor, nn
 
 from mirrorgrad._timing import time_calls
-from mirrorgrad.bench.word_lm import BPTT, CLIP, LR, VOCAB, ExampleLM
+from mirrorgrad.bench.word_lm import BPTT, CLIP, LR, VOCAB, ExampleLM, example_step
+from mirrorgrad.train.config import PRECISIONS
 
 ROWS = ("pytorch-example", "cudnn-graphed", "ours-graphed", "train-lm")
-_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,27 +57,8 @@ class Result:
 def _example_step(batch: int, precision: str, device: torch.device) -> Callable[[], Tensor]:
     from mirrorgrad.train.config import PRESETS
 
-    preset = PRESETS["medium"]
-    model = ExampleLM(VOCAB, preset).to(device)
-    tokens, targets = _tokens(batch, device)
-    zeros = torch.zeros(preset.layers, batch, preset.hidden, device=device)
-    state = [(zeros, zeros.clone())]
-    criterion = nn.NLLLoss()
-    dtype = _AUTOCAST[precision]
-
-    def step() -> Tensor:  # main.py's train() body for one batch
-        model.zero_grad()
-        hidden = tuple(h.detach() for h in state[0])
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
-            output, state[0] = model(tokens, hidden)
-            loss = criterion(output.float(), targets.reshape(-1))
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        for p in model.parameters():
-            p.data.add_(p.grad, alpha=-LR)
-        return loss
-
-    return step
+    model = ExampleLM(VOCAB, PRESETS["medium"]).to(device)
+    return example_step(model, *_tokens(batch, device), autocast_dtype=PRECISIONS[precision])
 
 
 class CudnnStack(nn.Module):
@@ -117,7 +98,7 @@ def _graphed_step(
         model.rnn = CudnnStack(preset.embedding, preset.hidden, preset.layers, preset.dropout)
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    graphed = step.GraphedStep(model, model, optimizer, clip=CLIP)
+    graphed = step.GraphedStep(model, optimizer, clip=CLIP)
     tokens, targets = _tokens(batch, device)
     state = [model.initial_state(batch, device)]
 
@@ -231,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for lm_step.json")
     parser.add_argument("--data", type=Path, help="corpus of the train-lm row (default: train's)")
     parser.add_argument("--batch", type=int, nargs="+", default=[20, 128])
-    parser.add_argument("--precision", nargs="+", choices=list(_AUTOCAST), default=["fp32", "bf16"])
+    precisions = list(PRECISIONS)
+    parser.add_argument("--precision", nargs="+", choices=precisions, default=precisions)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--steps", type=int, default=60, help="timed steps per row (>= 10)")
     args = parser.parse_args(argv)

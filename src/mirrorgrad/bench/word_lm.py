@@ -58,19 +58,28 @@ class ExampleLM(nn.Module):
 
 
 def _example_step(model: nn.Module, batch: tuple[Tensor, ...], backend: Backend):
-    """main.py's ``train()`` body for one batch."""
-    tokens, targets = batch
+    return example_step(model, *batch)
+
+
+def example_step(
+    model: ExampleLM, tokens: Tensor, targets: Tensor, autocast_dtype: torch.dtype | None = None
+):
+    """main.py's ``train()`` body for one batch; with ``autocast_dtype`` its forward and
+    loss under autocast, as AMP runs it."""
     layers, hidden = model.preset.layers, model.preset.hidden
     w = model.decoder.weight
     zeros = torch.zeros(layers, tokens.shape[1], hidden, device=w.device, dtype=w.dtype)
     state = [(zeros, zeros.clone())]
     criterion = nn.NLLLoss()
+    device_type = w.device.type
+    amp = autocast_dtype is not None
 
     def step() -> Tensor:
         model.zero_grad()
         hidden = tuple(h.detach() for h in state[0])  # repackage_hidden
-        output, state[0] = model(tokens, hidden)
-        loss = criterion(output, targets.reshape(-1))
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=amp):
+            output, state[0] = model(tokens, hidden)
+            loss = criterion(output, targets.reshape(-1))
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for p in model.parameters():

@@ -105,9 +105,7 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
     with stop.installed():
         world, device = distributed.init(config.device)
         try:
-            started = time.perf_counter()
             run = _Run(config, world, device, list(callbacks))
-            run.setup_seconds = time.perf_counter() - started
             try:
                 stop.check()  # a signal in setup whose exception was swallowed
                 return run.run(stop)
@@ -131,6 +129,7 @@ class _Run:
     def __init__(
         self, config: TrainConfig, world: World, device: torch.device, callbacks: list[Callback]
     ) -> None:
+        started = time.perf_counter()
         self.config, self.world, self.device = config, world, device
         self.callbacks = callbacks
         resume = self._prepare()
@@ -147,7 +146,6 @@ class _Run:
         self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)
         self.saved_step: int | None = None
         self.eval_seconds = 0.0  # kept out of the throughput
-        self.setup_seconds: float | None = None  # set by train(): data, plan, compile
         if resume is not None:
             self._restore(resume)
         if world.is_main and config.logdir is not None:
@@ -162,6 +160,7 @@ class _Run:
                     purge_step=self.position.step + 1 if resume is not None else None,
                 )
             )
+        self.setup_seconds = time.perf_counter() - started  # data, plan, compile
 
     # -- before the first step ---------------------------------------------------------
 
@@ -280,7 +279,7 @@ class _Run:
         if plain is not None and cfg.step_graph and self._graphable_world():
             self.step_model = plain
             self.reduce_gradients = None
-            self.graphed = step.GraphedStep(plain, self.model, self.optimizer, clip=cfg.clip)
+            self.graphed = step.GraphedStep(plain, self.optimizer, clip=cfg.clip)
         else:
             self.step_model = self._wrap(self.model)
 

@@ -153,7 +153,6 @@ class GraphedStep:
     def __init__(
         self,
         step_model: Callable[..., Any],
-        model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
         clip: float,
@@ -164,19 +163,18 @@ class GraphedStep:
         reason = whole_step_graph_supported(optimizer)
         if reason is not None:
             raise ValueError(f"GraphedStep runs plain SGD in the graph; {reason}")
-        self.step_model, self.model, self.optimizer = step_model, model, optimizer
+        self.step_model, self.optimizer = step_model, optimizer
         self.clip, self.capture, self.warmup = clip, capture, warmup
         self.reduce_gradients = reduce_gradients
         self.graph: torch.cuda.CUDAGraph | None = None
         # Per param group: the lr on the device (read by the SGD kernel), and its value.
-        self._lrs: list[Tensor] = []
+        device = optimizer.param_groups[0]["params"][0].device
+        self._lrs = [torch.zeros((), device=device) for _ in optimizer.param_groups]
         self._lr_set: list[float | None] = [None] * len(optimizer.param_groups)
 
     def __call__(
         self, tokens: Tensor, targets: Tensor, state: State
     ) -> tuple[Tensor, Tensor, State]:
-        if not self._lrs:
-            self._lrs = [torch.zeros((), device=tokens.device) for _ in self._lr_set]
         self._read_lr()
         if not self.capture:
             self.optimizer.zero_grad(set_to_none=True)
