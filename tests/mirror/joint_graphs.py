@@ -167,3 +167,22 @@ def resnet152_shaped(width: int = 4) -> nn.Sequential:
             blocks.append(Bottleneck(4 * w, w, stride=stride, in_channels=in_channels))
             in_channels = 4 * w
     return nn.Sequential(*blocks)
+
+
+def suite_transformer() -> JointGraph:
+    """The suite's transformer (bench/models.py) at 2 x 64, length 64."""
+    from mirrorgrad.bench import models
+
+    torch.manual_seed(0)
+    model = models.TransformerLM(vocab=512, width=64, heads=4, layers=2, length=64, dropout=0.1)
+    tokens = torch.randint(0, 512, (2, 65))
+    return joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
+
+
+def suite_resnet50ish() -> JointGraph:
+    """The suite's ResNet-50 layout (3, 4, 6, 3 bottlenecks) at width 8, 32x32."""
+    from mirrorgrad.bench import models
+
+    torch.manual_seed(0)
+    model = models.ResNet(layers=(3, 4, 6, 3), width=8, classes=10)
+    return joint_of(model, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)), decompose=True)

@@ -17,10 +17,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import Bottleneck, joint_of, resnet152_shaped
+from joint_graphs import (
+    Bottleneck,
+    joint_of,
+    resnet152_shaped,
+    suite_resnet50ish,
+    suite_transformer,
+)
 
 import zoo
-from mirrorgrad.bench import models
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror import PlanOptions, plan
 
@@ -33,19 +38,6 @@ OPTIONS = {
     "budget-0.5": PlanOptions(mode="budget", budget=0.5),
     "budget-0.3": PlanOptions(mode="budget", budget=0.3),
 }
-
-
-def _transformer() -> JointGraph:
-    torch.manual_seed(0)
-    model = models.TransformerLM(vocab=512, width=64, heads=4, layers=2, length=64, dropout=0.1)
-    tokens = torch.randint(0, 512, (2, 65))
-    return joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
-
-
-def _resnet50ish() -> JointGraph:
-    torch.manual_seed(0)
-    model = models.ResNet(layers=(3, 4, 6, 3), width=8, classes=10)
-    return joint_of(model, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)), decompose=True)
 
 
 def _zoo(name: str) -> JointGraph:
@@ -70,8 +62,8 @@ def resnet152_layout() -> JointGraph:
 
 
 GRAPHS = {
-    "transformer": _transformer,
-    "resnet50-ish": _resnet50ish,
+    "transformer": suite_transformer,
+    "resnet50-ish": suite_resnet50ish,
     "bottlenecks": _bottlenecks,
     "lstm_lm": lambda: _zoo("lstm_lm"),
     "seq2seq_attention": lambda: _zoo("seq2seq_attention"),

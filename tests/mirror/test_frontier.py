@@ -27,7 +27,14 @@ from mirrorgrad.mirror.storage_balance import UnitGraph
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, joint_of_compiled
+from joint_graphs import (
+    Bottleneck,
+    LayerNormGeluLinear,
+    joint_of,
+    joint_of_compiled,
+    suite_resnet50ish,
+    suite_transformer,
+)
 
 import zoo
 
@@ -52,21 +59,6 @@ GRAPHS = {
 }
 
 
-def _transformer() -> JointGraph:
-    """The suite's transformer (bench/models.py) at 2 x 64, length 64."""
-    torch.manual_seed(0)
-    model = models.TransformerLM(vocab=512, width=64, heads=4, layers=2, length=64, dropout=0.1)
-    tokens = torch.randint(0, 512, (2, 65))
-    return joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
-
-
-def _resnet50ish() -> JointGraph:
-    """The suite's ResNet-50 layout (3, 4, 6, 3 bottlenecks) at width 8, 32x32."""
-    torch.manual_seed(0)
-    model = models.ResNet(layers=(3, 4, 6, 3), width=8, classes=10)
-    return joint_of(model, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)), decompose=True)
-
-
 def _gpt2() -> JointGraph:
     """transformers' GPT-2 at 2 x 64, length 64, dropout 0.1 but in the attention: the
     CPU's SDPA draws that mask as a separate ``rand`` (the GPU's kernel draws it
@@ -83,7 +75,7 @@ def _gpt2() -> JointGraph:
     return joint_of_compiled(models.CausalLM(gpt2), tokens, decompose=True)
 
 
-GRAPHS |= {"transformer": _transformer, "resnet50-ish": _resnet50ish, "gpt2": _gpt2}
+GRAPHS |= {"transformer": suite_transformer, "resnet50-ish": suite_resnet50ish, "gpt2": _gpt2}
 # Graphs where min-cut's plan reaches a peak ours does not (none since min-cut's
 # backward is judged with Inductor's late addmms: on the toy lstm_lm its plan had
 # recomputed the LSTMCell matmuls to 0.984x of the peak where our lowest was 0.990x).
