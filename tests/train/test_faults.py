@@ -19,9 +19,10 @@ import pytest
 import torch
 from tests.child import TIMEOUT_S, read_line
 
+import mirrorgrad
 from mirrorgrad.cli import main
 from mirrorgrad.options import MirrorOptions
-from mirrorgrad.train import checkpoint, data, loop, preflight
+from mirrorgrad.train import checkpoint, data, evaluation, loop, preflight, probes
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.loop import train
 
@@ -414,13 +415,13 @@ def _signal_then(signum, real, *, swallowed=False):
 # save, print the summary). Each ends with the shell's status for the signal.
 _MOMENTS = {
     "data": ((data, "load_corpus"), False, "line", None),
-    "plan": ((loop._Run, "_explain"), False, "line", None),
-    "plan, swallowed": ((loop._Run, "_explain"), True, "line", None),
-    "compile": ((loop.mirrorgrad, "compile"), False, "line", None),
-    "first step": ((loop._Run, "_step"), False, "summary", 1),
+    "plan": ((probes, "explain_plan"), False, "line", None),
+    "plan, swallowed": ((probes, "explain_plan"), True, "line", None),
+    "compile": ((mirrorgrad, "compile"), False, "line", None),
+    "first step": ((loop.StepLoop, "_step"), False, "summary", 1),
     "final save": ((checkpoint, "save"), False, "summary", 2),
-    "final evaluation": ((loop._Run, "_final_evaluation"), False, "line", 2),
-    "final evaluation, swallowed": ((loop._Run, "_final_evaluation"), True, "line", 2),
+    "final evaluation": ((evaluation, "final_losses"), False, "line", 2),
+    "final evaluation, swallowed": ((evaluation, "final_losses"), True, "line", 2),
 }
 
 
@@ -451,7 +452,7 @@ def test_a_signal_at_any_moment_ends_the_run(saved, tmp_path, capsys, monkeypatc
 
 @pytest.mark.slow
 def test_sigterm_during_the_steps_saves_and_resumes(saved, tmp_path, capsys, monkeypatch):
-    real_step, calls = loop._Run._step, itertools.count(1)
+    real_step, calls = loop.StepLoop._step, itertools.count(1)
 
     def step_then_term(self, x, y):
         loss = real_step(self, x, y)
@@ -459,7 +460,7 @@ def test_sigterm_during_the_steps_saves_and_resumes(saved, tmp_path, capsys, mon
             signal.raise_signal(signal.SIGTERM)
         return loss
 
-    monkeypatch.setattr(loop._Run, "_step", step_then_term)
+    monkeypatch.setattr(loop.StepLoop, "_step", step_then_term)
     rc, out, err = cli(capsys, saved[0], tmp_path / "run", "--max-steps=5")
     assert rc == 143 and "interrupted by SIGTERM:" in out and "Traceback" not in err
     assert checkpoint.load(tmp_path / "run" / "checkpoints")["position"]["step"] == 2
@@ -519,16 +520,16 @@ def _child(code: str, *args: str) -> subprocess.Popen:
 _PAUSE_IN_SETUP_THEN_TRAIN = """
 import sys, time
 from mirrorgrad.cli import main
-from mirrorgrad.train import loop
+from mirrorgrad.train import probes
 
-real_explain = loop._Run._explain
+real_explain = probes.explain_plan
 
-def explain_once_signalled(self):
+def explain_once_signalled(*args):
     print("in setup", flush=True)  # data loaded, the plan and the compile to come
     time.sleep(120)  # the test's signal ends this; without it, training goes on
-    return real_explain(self)
+    return real_explain(*args)
 
-loop._Run._explain = explain_once_signalled
+probes.explain_plan = explain_once_signalled
 sys.exit(main(["train", "lm", *sys.argv[1:]]))
 """
 

@@ -13,7 +13,6 @@ from mirrorgrad.callbacks import Callback
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import checkpoint, step
 from mirrorgrad.train.config import PRESETS, TrainConfig
-from mirrorgrad.train.distributed import World
 from mirrorgrad.train.loop import train
 from mirrorgrad.train.model import LanguageModel
 
@@ -125,17 +124,19 @@ def test_tied_weights_share_the_embedding():
         LanguageModel(50, narrow, tie_weights=True)
 
 
-def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp_path, monkeypatch):
+def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(monkeypatch):
     # The probe runs on one GPU; here torch.cuda's memory counters are stand-ins.
     import mirrorgrad
-    from mirrorgrad.train import loop
+    from mirrorgrad.train import probes
 
-    run = loop._Run(
-        make_config(corpus, None, mirror=MirrorOptions.from_cli("off")),
-        World(),
-        torch.device("cpu"),
-        [],
-    )
+    torch.manual_seed(0)
+    model = LanguageModel(50, PRESETS["tiny"])
+    mirror, device = MirrorOptions.from_cli("off"), torch.device("cpu")
+
+    def example_inputs():
+        tokens = torch.randint(0, 50, (5, 3))
+        return tokens, tokens.roll(-1, 0), model.initial_state(3, device)
+
     compiled, real_compile = [], mirrorgrad.compile
 
     def compile_eagerly(model, *, mode, backend, **options):
@@ -144,12 +145,12 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(corpus, tmp
         return real_compile(model, mode=mode, backend="eager", **options)
 
     peaks = iter([111, 222])  # read once per mode, after a compiling call and a measured one
-    monkeypatch.setattr(loop.mirrorgrad, "compile", compile_eagerly)
+    monkeypatch.setattr(mirrorgrad, "compile", compile_eagerly)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
     # --mirror off: "without" is the step as planned (off), "with" balance.
-    planned = step.compile_for_training(run.model, run.config.mirror, run.device, cuda_graphs=False)
-    assert run._measure_step_peaks(planned) == (111, 222)
+    planned = step.compile_for_training(model, mirror, device, cuda_graphs=False)
+    assert probes.measure_step_peaks(model, planned, mirror, device, example_inputs) == (111, 222)
     assert compiled == ["off", "balance"]
-    assert all(p.grad is None for p in run.model.parameters())
+    assert all(p.grad is None for p in model.parameters())

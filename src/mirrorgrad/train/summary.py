@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
+from typing import TYPE_CHECKING
+
+import torch
 
 from mirrorgrad._units import format_bytes as size
+from mirrorgrad.callbacks import perplexity
+from mirrorgrad.train import distributed
+
+if TYPE_CHECKING:
+    from mirrorgrad.train.loop import Trained
+    from mirrorgrad.train.setup import Setup
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -84,3 +94,51 @@ class Summary:
         if self.checkpoint:
             lines.append(f"  checkpoint   {self.checkpoint}")
         return "\n".join(lines)
+
+
+def summarize(
+    setup: Setup, trained: Trained, *, valid_loss: float | None, test_loss: float | None
+) -> Summary:
+    """The summary of a run from its setup, its steps and its final losses. Collective
+    under DDP (the measured peak is the largest of all ranks)."""
+    cfg, pos = setup.config, trained.position
+    losses = (trained.train_loss, valid_loss, test_loss)
+    train_ppl, valid_ppl, test_ppl = (None if x is None else perplexity(x) for x in losses)
+    samples_per_s = trained.steps_per_s * cfg.batch_size  # the global batch
+    step_peaks, plan = setup.step_peaks, setup.plan
+    return Summary(
+        model=cfg.model,
+        mirror=cfg.mirror.to_cli(),
+        device=str(setup.device.type),
+        world_size=setup.world.world_size,
+        parameters=sum(p.numel() for p in setup.model.parameters()),
+        steps=pos.step,
+        epochs_done=pos.epoch + pos.window / setup.data.windows_per_epoch,
+        train_perplexity=train_ppl,
+        valid_perplexity=valid_ppl,
+        test_perplexity=test_ppl,
+        seconds=trained.seconds,
+        samples_per_s=samples_per_s,
+        tokens_per_s=samples_per_s * cfg.bptt,
+        peak_measured_bytes=_peak_per_gpu(setup.world, setup.device),
+        peak_step_without=None if step_peaks is None else step_peaks[0],
+        peak_step_with=None if step_peaks is None else step_peaks[1],
+        peak_estimated_without=getattr(plan, "peak_before", None),
+        peak_estimated_with=getattr(plan, "peak_after", None),
+        first_step_seconds=trained.first_step_seconds,
+        interrupted=trained.signum is not None,
+        signal=None if trained.signum is None else signal.Signals(trained.signum).name,
+        checkpoint=trained.checkpoint,
+        plan=None if plan is None else plan.summary_line(),
+        precision=cfg.precision,
+        step=setup.step_description,
+        setup_seconds=setup.seconds,
+    )
+
+
+def _peak_per_gpu(world: distributed.World, device: torch.device) -> int | None:
+    """The largest ``max_memory_allocated`` of all ranks (collective)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.tensor(torch.cuda.max_memory_allocated(device), device=device)
+    return int(distributed.maximum(world, peak))
