@@ -189,15 +189,15 @@ class StepLoop:
     def _step(self, x: Tensor, y: Tensor) -> Tensor:
         """One step on the window ``x``, ``y``; carries the LSTM state on, returns the loss."""
         setup, at = self.setup, self.progress
-        reduce = setup.reduce_gradients
+        reduce = setup.step.reduce_gradients
         if setup.data.embedding_rows is not None:
             rows = setup.data.embedding_rows[at.position.window].to(setup.device, non_blocking=True)
             reduce = functools.partial(reduce, rows=(setup.model.encoder.weight, rows))
-        if setup.graphed is not None:
+        if setup.step.graphed is not None:
             loss, grad_norm, at.state = self._graphed_step(x, y)
         else:
             loss, grad_norm, at.state = step.sgd_step(
-                setup.step_model, setup.model, setup.optimizer, x, y, at.state,
+                setup.step.model, setup.model, setup.optimizer, x, y, at.state,
                 clip=setup.config.clip, reduce_gradients=reduce,
             )  # fmt: skip
         # Recorded on the device (no sync per step); checked at log steps and saves.
@@ -206,7 +206,7 @@ class StepLoop:
         return loss
 
     def _graphed_step(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, State]:
-        graphed = self.setup.graphed
+        graphed = self.setup.step.graphed
         try:
             return graphed(x, y, self.progress.state)
         except Exception as e:

@@ -44,7 +44,19 @@ class Splits:
     embedding_rows: Tensor | None
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class CompiledStep:
+    """How each training step runs: on one GPU the whole step as one CUDA Graph
+    (``graphed``); otherwise ``model`` (compiled, perhaps wrapped) in `step.sgd_step`,
+    with ``reduce_gradients`` averaging the gradients of data parallelism."""
+
+    graphed: step.GraphedStep | None
+    model: Callable[..., Any]
+    reduce_gradients: Callable[..., None] | None
+    description: str  # for the summary and the logs
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Setup:
     """The parts of a run that the steps, the evaluation and the summary use."""
 
@@ -55,13 +67,7 @@ class Setup:
     model: LanguageModel
     optimizer: torch.optim.SGD
     scheduler: torch.optim.lr_scheduler.ReduceLROnPlateau
-    # The step: on one GPU the whole of it as one CUDA Graph (``graphed``); otherwise
-    # ``step_model`` (compiled, perhaps wrapped) in `step.sgd_step`, with the gradient
-    # average of data parallelism.
-    graphed: step.GraphedStep | None
-    step_model: Callable[..., Any]
-    reduce_gradients: Callable[..., None] | None
-    step_description: str
+    step: CompiledStep
     plan: Plan | None  # on rank 0 only
     step_peaks: tuple[int, int] | None  # measured bytes of one step: without, with mirroring
     callbacks: list[Callback]
@@ -81,17 +87,7 @@ def set_up(
     saved = _check_folders_and_resume(config, world)
     splits = _load_data(config, world, device, saved)
 
-    torch.manual_seed(config.seed)  # the same initial weights on every rank
-    model = LanguageModel(
-        len(splits.vocab), config.preset, tie_weights=config.tie_weights, precision=config.precision
-    )
-    model.to(device)
-    lr = config.preset.lr if config.lr is None else config.lr  # a resume restores its own
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    # The word_language_model schedule: lr / 4 whenever valid loss does not improve.
-    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-        optimizer, mode="min", factor=0.25, patience=0
-    )
+    model, optimizer, scheduler = _build_model(config, len(splits.vocab), device)
 
     def example_inputs() -> tuple[Tensor, Tensor, State]:
         x, y = data.window(splits.train, 0, config.bptt)
@@ -100,19 +96,7 @@ def set_up(
     plan = None
     if world.is_main:
         plan = probes.explain_plan(model, example_inputs, config.mirror, device)
-    # On one GPU the whole step is one CUDA Graph around the planned step compiled
-    # without Inductor's own graphs (a graph cannot hold graphs). Under DDP the
-    # forward and backward are graphs and the rest runs eagerly.
-    graphed, plain, step_peaks = None, None, None
-    if device.type == "cuda":
-        plain = step.compile_for_training(model, config.mirror, device, cuda_graphs=False)
-        # On every GPU, before any wrapper: the plain model's step is each rank's.
-        step_peaks = probes.measure_step_peaks(model, plain, config.mirror, device, example_inputs)
-    if plain is not None and config.step_graph and _graphable_world(world):
-        step_model, reduce_gradients = plain, None
-        graphed = step.GraphedStep(plain, optimizer, clip=config.clip)
-    else:
-        step_model, reduce_gradients = step.compile_for_world(model, config.mirror, device, world)
+    train_step, step_peaks = _compile_step(model, optimizer, config, world, device, example_inputs)
     # Dropout masks differ between ranks, as they would between batch columns.
     torch.manual_seed(config.seed + world.rank)
 
@@ -122,7 +106,6 @@ def set_up(
             saved, model=model, optimizer=optimizer, scheduler=scheduler, config=config,
             world=world, device=device,
         )  # fmt: skip
-    description = _step_description(graphed, device)
     callbacks = list(callbacks)
     if world.is_main and config.logdir is not None:
         callbacks.append(
@@ -131,15 +114,14 @@ def set_up(
                 log_freq=config.log_freq,
                 device=device,
                 plan=plan,
-                settings={"precision": config.precision, "step": description},
+                settings={"precision": config.precision, "step": train_step.description},
                 # Drop what an earlier run logged after this checkpoint.
                 purge_step=start.position.step + 1 if saved is not None else None,
             )
         )
     setup = Setup(
         config=config, world=world, device=device, data=splits, model=model,
-        optimizer=optimizer, scheduler=scheduler, graphed=graphed, step_model=step_model,
-        reduce_gradients=reduce_gradients, step_description=description, plan=plan,
+        optimizer=optimizer, scheduler=scheduler, step=train_step, plan=plan,
         step_peaks=step_peaks, callbacks=callbacks, seconds=time.perf_counter() - started,
     )  # fmt: skip
     return setup, start
@@ -222,17 +204,62 @@ def _embedding_rows(
     return rows.pin_memory() if device.type == "cuda" else rows
 
 
+def _build_model(
+    config: TrainConfig, vocab_size: int, device: torch.device
+) -> tuple[LanguageModel, torch.optim.SGD, torch.optim.lr_scheduler.ReduceLROnPlateau]:
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    model = LanguageModel(
+        vocab_size, config.preset, tie_weights=config.tie_weights, precision=config.precision
+    )
+    model.to(device)
+    lr = config.preset.lr if config.lr is None else config.lr  # a resume restores its own
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    # The word_language_model schedule: lr / 4 whenever valid loss does not improve.
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+        optimizer, mode="min", factor=0.25, patience=0
+    )
+    return model, optimizer, scheduler
+
+
+def _compile_step(
+    model: LanguageModel,
+    optimizer: torch.optim.SGD,
+    config: TrainConfig,
+    world: World,
+    device: torch.device,
+    example_inputs: probes.ExampleInputs,
+) -> tuple[CompiledStep, tuple[int, int] | None]:
+    """The step of this run, and on a GPU one step's measured peaks without and with
+    mirroring."""
+    # On one GPU the whole step is one CUDA Graph around the planned step compiled
+    # without Inductor's own graphs (a graph cannot hold graphs). Under DDP the
+    # forward and backward are graphs and the rest runs eagerly.
+    plain, step_peaks = None, None
+    if device.type == "cuda":
+        plain = step.compile_for_training(model, config.mirror, device, cuda_graphs=False)
+        # On every GPU, before any wrapper: the plain model's step is each rank's.
+        step_peaks = probes.measure_step_peaks(model, plain, config.mirror, device, example_inputs)
+    if plain is not None and config.step_graph and _graphable_world(world):
+        graphed = step.GraphedStep(plain, optimizer, clip=config.clip)
+        description = "one CUDA Graph (forward, backward, gradient clip, SGD)"
+        compiled = CompiledStep(
+            graphed=graphed, model=plain, reduce_gradients=None, description=description
+        )
+        return compiled, step_peaks
+    step_model, reduce_gradients = step.compile_for_world(model, config.mirror, device, world)
+    if device.type == "cuda":
+        description = "compiled; forward and backward as CUDA Graphs, clip and SGD eager"
+    else:
+        description = "compiled (AOTAutograd graphs run eagerly on the CPU)"
+    compiled = CompiledStep(
+        graphed=None, model=step_model, reduce_gradients=reduce_gradients, description=description
+    )
+    return compiled, step_peaks
+
+
 def _graphable_world(world: World) -> bool:
     """One GPU. NOTE: under torchrun the step with its all-reduce captured trained at
     the uncaptured path's speed on two H100s, then hung in the collectives after the
     last step (docs/training.md), so data parallelism keeps the forward and backward
     graphs with the all-reduce, clip and SGD eager."""
     return not world.distributed
-
-
-def _step_description(graphed: step.GraphedStep | None, device: torch.device) -> str:
-    if graphed is not None:
-        return "one CUDA Graph (forward, backward, gradient clip, SGD)"
-    if device.type == "cuda":
-        return "compiled; forward and backward as CUDA Graphs, clip and SGD eager"
-    return "compiled (AOTAutograd graphs run eagerly on the CPU)"

@@ -131,7 +131,7 @@ def summarize(
         checkpoint=trained.checkpoint,
         plan=None if plan is None else plan.summary_line(),
         precision=cfg.precision,
-        step=setup.step_description,
+        step=setup.step.description,
         setup_seconds=setup.seconds,
     )
 
