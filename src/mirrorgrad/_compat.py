@@ -290,7 +290,7 @@ def is_batched(t: torch.Tensor | None) -> bool:
     return t is not None and "Batched" in repr(torch._C._dispatch_keys(t))
 
 
-# --- Dynamo's DDP optimizer (used by train/loop.py's ddp-graphs-whole benchmark mode) ----
+# --- Dynamo's DDP optimizer (used by train/step.py's ddp-graphs-whole benchmark mode) ----
 def ddp_graph_split(enabled: bool):
     """A context in which Dynamo does (``True``, its default) or does not split a
     DDP-wrapped model's graph at the gradient buckets (``torch._dynamo.config.optimize_ddp``)."""

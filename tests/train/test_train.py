@@ -11,10 +11,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mirrorgrad.callbacks import Callback
 from mirrorgrad.options import MirrorOptions
-from mirrorgrad.train import checkpoint, step
+from mirrorgrad.train import checkpoint, progress, step
 from mirrorgrad.train.config import PRESETS, TrainConfig
+from mirrorgrad.train.distributed import World
 from mirrorgrad.train.loop import train
 from mirrorgrad.train.model import LanguageModel
+from mirrorgrad.train.setup import set_up
 
 
 class Recorder(Callback):
@@ -106,6 +108,42 @@ def test_resume_with_other_vocabulary_or_world_size_fails(corpus, tmp_path):
 def test_cuda_without_gpu_names_the_fix(corpus, tmp_path):
     with pytest.raises(RuntimeError, match="--device cpu"):
         train(make_config(corpus, tmp_path, device="cuda"))
+
+
+def test_setup_restores_the_progress_a_checkpoint_saved(corpus, tmp_path, monkeypatch):
+    from mirrorgrad.train import probes
+
+    monkeypatch.setattr(probes, "explain_plan", lambda *args: None)  # not needed here: fast
+    config = make_config(corpus, None, mirror=MirrorOptions.from_cli("off"))
+    cpu = torch.device("cpu")
+    setup, moved = set_up(config, World(), cpu, [])
+    assert moved.position == progress.Position() and moved.saved_step is None
+    # Somewhere in the second epoch, with a carried state, loss sums and a lowered lr.
+    moved.position = progress.Position(step=8, epoch=1, window=2)
+    moved.state = tuple(torch.randn_like(t) for t in moved.state)
+    for loss in (3.0, 2.5, 2.0):
+        moved.losses.add(torch.tensor(loss))
+    moved.losses.end_epoch()
+    moved.losses.add(torch.tensor(1.5))
+    setup.scheduler.step(4.0)
+    setup.scheduler.step(5.0)  # no improvement: lr / 4
+    saved = progress.checkpoint_state(
+        moved, model=setup.model, optimizer=setup.optimizer, scheduler=setup.scheduler,
+        vocab=setup.data.vocab, config=config, world=setup.world,
+    )  # fmt: skip
+    checkpoint.save(saved, tmp_path / "last.pt")
+    draws = torch.rand(3)
+
+    resumed, restored = set_up(dataclasses.replace(config, resume=tmp_path), World(), cpu, [])
+    assert restored.position == moved.position and restored.saved_step == 8
+    assert all(torch.equal(a, b) for a, b in zip(restored.state, moved.state))
+    assert restored.losses.to_state() == moved.losses.to_state()
+    assert restored.losses.train_loss(World()) == 1.5
+    assert resumed.optimizer.param_groups[0]["lr"] == setup.optimizer.param_groups[0]["lr"] == 5.0
+    assert resumed.scheduler.state_dict() == setup.scheduler.state_dict()
+    for a, b in zip(resumed.model.parameters(), setup.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.rand(3), draws)  # the RNG goes on from the save
 
 
 def test_rng_state_round_trip():
