@@ -88,3 +88,18 @@ def test_auto_inside_dispatch_as_captured_times_replays_and_runs_captured(fresh)
     graph.replay()
     for p, e in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+def test_warm_up_for_a_capture_runs_the_loops_plainly(fresh):
+    """Inside dispatch_as_captured() (a caller's warm-up before it captures the step) the
+    step loops capture nothing and keep no arena: the caller's graph will hold them."""
+    model = mnn.LSTM(64, 96, num_layers=2, impl="triton").cuda()
+    x = torch.randn(12, 8, 64, device="cuda", requires_grad=True)
+    with mnn.dispatch_as_captured():
+        for _ in range(6):
+            _step(model, x)
+    assert cuda_graphs.counts()["captures"] == 0
+    assert cuda_graphs.held_bytes() == 0
+    for _ in range(6):  # uncaptured, the loops are captured again
+        _step(model, x)
+    assert cuda_graphs.counts()["captures"] > 0

@@ -113,8 +113,11 @@ def test_bf16_training_is_close_to_fp32_and_reported(corpus, tmp_path):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_whole_step_graph_replays_the_eager_step(precision):
     """Captured and replayed, the step gives what it gives step by step (the dropout
-    masks too: the graph draws them from the same generator state)."""
+    masks too: the graph draws them from the same generator state). Both runs choose
+    impl="auto" as captured, so both run the same kernels (in bf16 two implementations
+    round apart)."""
     import mirrorgrad
+    from mirrorgrad.nn import dispatch_as_captured
 
     results = []
     for capture in (False, True):
@@ -122,8 +125,9 @@ def test_whole_step_graph_replays_the_eager_step(precision):
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         compiled = mirrorgrad.compile(model, backend="inductor")
         torch.manual_seed(0)
-        graphed = step.GraphedStep(compiled, optimizer, clip=0.25, capture=capture)
-        results.append(_run(graphed, model, optimizer, batches, [1.0, 0.5, 0.5, 2.0]))
+        with dispatch_as_captured():
+            graphed = step.GraphedStep(compiled, optimizer, clip=0.25, capture=capture)
+            results.append(_run(graphed, model, optimizer, batches, [1.0, 0.5, 0.5, 2.0]))
         assert (graphed.graph is not None) == capture
     (loss0, norm0, w0), (loss1, norm1, w1) = results
     torch.testing.assert_close(loss1, loss0, rtol=1e-4, atol=1e-4)

@@ -135,12 +135,28 @@ def _cache_bytes() -> int:
     return GRAPH_CACHE_BYTES if mib is None else int(mib) << 20
 
 
+_plain_depth = 0  # > 0 inside plain_loops()
+
+
+@contextlib.contextmanager
+def plain_loops():
+    """Loops inside run plainly, capturing nothing and taking no arena: for the warm-up
+    of a caller that will capture the whole step, where the loops become part of its
+    graph and graphs or arenas of their own would only hold memory."""
+    global _plain_depth
+    _plain_depth += 1
+    try:
+        yield
+    finally:
+        _plain_depth -= 1
+
+
 def use_graph(device: torch.device, elements: int, requested: bool | None) -> bool:
-    """Whether to capture: on CUDA outside another capture and outside the warm-up of
-    Inductor's CUDA Graph trees (which run the loop plainly, then capture it in theirs);
-    ``requested`` (None: when the loop's largest buffer has at most GRAPH_MAX_ELEMENTS
-    elements)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    """Whether to capture: on CUDA outside another capture, outside ``plain_loops()`` and
+    outside the warm-up of Inductor's CUDA Graph trees (which run the loop plainly, then
+    capture it in theirs); ``requested`` (None: when the loop's largest buffer has at
+    most GRAPH_MAX_ELEMENTS elements)."""
+    if device.type != "cuda" or _plain_depth or torch.cuda.is_current_stream_capturing():
         return False
     if _compat.cudagraph_trees_warming_up(device):
         return False

@@ -69,11 +69,13 @@ def dispatch_as_captured() -> Iterator[None]:
     """impl="auto" calls (and torch.compile traces) inside choose by timing each
     candidate captured in a CUDA Graph, as a caller that captures the step will run it
     (CUDA Graphs, ``mode="reduce-overhead"``, `mirrorgrad train lm`'s step): without the
-    host's launch costs, which favour fewer, larger kernels uncaptured."""
+    host's launch costs, which favour fewer, larger kernels uncaptured. The step loops
+    inside run plainly (``cuda_graphs.plain_loops``): the caller's graph holds them."""
     global _captured_depth
     _captured_depth += 1
     try:
-        yield
+        with cuda_graphs.plain_loops():
+            yield
     finally:
         _captured_depth -= 1
 
