@@ -394,3 +394,35 @@ def test_sgd_update_is_plain_sgd_with_a_tensor_lr():
     _compat.sgd_update_(params, grads, lr)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p, e)
+
+
+def test_tracing_for_cuda_graphs_reads_the_traced_frames_backend():
+    """reduce-overhead and the triton.cudagraphs option (torch's and mirrorgrad's) say
+    True while Dynamo traces; default modes and untraced calls say False."""
+    import mirrorgrad
+
+    seen = []
+
+    @torch.compiler.assume_constant_result
+    def probe() -> bool:
+        seen.append(_compat.tracing_for_cuda_graphs())
+        return seen[-1]
+
+    def fn(x):
+        return x + 1 if probe() else x - 1
+
+    x = torch.ones(3)
+    cases = [
+        (dict(backend="eager"), False),
+        (dict(backend="inductor", mode="reduce-overhead"), True),
+        (dict(backend="inductor"), False),
+        (dict(backend="mirrorgrad", options={"triton.cudagraphs": True}), True),
+    ]
+    for kwargs, expected in cases:
+        torch._dynamo.reset()
+        seen.clear()
+        torch.compile(fn, **kwargs)(x)
+        assert seen == [expected], kwargs
+    assert mirrorgrad.compile(fn, options={"triton.cudagraphs": True})(x)[0] == 2
+    assert seen[-1] is True
+    assert _compat.tracing_for_cuda_graphs() is False

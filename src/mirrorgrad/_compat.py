@@ -157,6 +157,35 @@ def cudagraph_trees_warming_up(device: torch.device) -> bool:
     return manager is not None and manager.in_warmup
 
 
+# --- What the frame being traced compiles for (used by ops/rnn/dispatch.py) ----------------
+def tracing_for_cuda_graphs() -> bool:
+    """Whether the frame Dynamo traces now is compiled to replay as CUDA Graphs:
+    ``torch.compile(mode="reduce-overhead")`` or Inductor's ``triton.cudagraphs`` option
+    (``mirrorgrad.compile``'s and ``backend="mirrorgrad"``'s ``options=`` too). Read from
+    the backend of the translator Dynamo runs; False outside a trace."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no translator on this thread: not tracing
+        return False
+    backend = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(8):  # Dynamo's wrappers around the backend, outermost first
+        if backend is None:
+            return False
+        options = getattr(backend, "inductor_options", None)  # mirrorgrad's MirrorBackend
+        if options is None and hasattr(backend, "get_compiler_config"):  # torch's Inductor
+            options = backend.get_compiler_config()
+        if options is None:  # a named backend: torch.compile hands it options= as kwargs
+            options = (getattr(backend, "kwargs", None) or {}).get("options")
+        if options and options.get("triton.cudagraphs", False):
+            return True
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+            backend, "compiler_fn", None
+        )
+    return False
+
+
 # --- Dynamo's tracing context (used by compiler.py's first-call guard) -------------------
 def tracing_context():
     """The ``torch._guards.TracingContext`` of the compile in progress (None outside one)."""

@@ -103,3 +103,19 @@ def test_warm_up_for_a_capture_runs_the_loops_plainly(fresh):
     for _ in range(6):  # uncaptured, the loops are captured again
         _step(model, x)
     assert cuda_graphs.counts()["captures"] > 0
+
+
+def test_auto_under_reduce_overhead_times_its_candidates_captured(fresh):
+    """torch.compile(mode="reduce-overhead") replays its graphs as CUDA Graphs: while it
+    traces, impl="auto" times the custom op's implementations captured."""
+    torch.manual_seed(0)
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    x = torch.randn(12, 8, 64, device="cuda")
+    with torch.no_grad():
+        expected = model(x)[0]
+        compiled = torch.compile(model, mode="reduce-overhead")
+        for _ in range(3):
+            got = compiled(x)[0]
+    keys = list(dispatch.AUTO_TIMES)
+    assert keys and all("captured" in key and "compiled" in key for key in keys), keys
+    torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)

@@ -8,6 +8,7 @@ its training starts (`Progress`: at the beginning, or where the checkpoint left 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mirrorgrad.callbacks import Callback, TensorBoardLogger
+from mirrorgrad.nn import dispatch_as_captured
 from mirrorgrad.train import checkpoint, data, distributed, preflight, probes, progress, step
 from mirrorgrad.train.config import TrainConfig
 from mirrorgrad.train.corpus import default_corpus
@@ -235,11 +237,17 @@ def _compile_step(
     # without Inductor's own graphs (a graph cannot hold graphs). Under DDP the
     # forward and backward are graphs and the rest runs eagerly.
     plain, step_peaks = None, None
+    whole_step_graph = device.type == "cuda" and config.step_graph and _graphable_world(world)
     if device.type == "cuda":
         plain = step.compile_for_training(model, config.mirror, device, cuda_graphs=False)
-        # On every GPU, before any wrapper: the plain model's step is each rank's.
-        step_peaks = probes.measure_step_peaks(model, plain, config.mirror, device, example_inputs)
-    if plain is not None and config.step_graph and _graphable_world(world):
+        # On every GPU, before any wrapper: the plain model's step is each rank's. Its
+        # trace here is the one the step graph replays: impl="auto" chooses as captured.
+        tracing = dispatch_as_captured() if whole_step_graph else contextlib.nullcontext()
+        with tracing:
+            step_peaks = probes.measure_step_peaks(
+                model, plain, config.mirror, device, example_inputs
+            )
+    if plain is not None and whole_step_graph:
         graphed = step.GraphedStep(plain, optimizer, clip=config.clip)
         description = "one CUDA Graph (forward, backward, gradient clip, SGD)"
         compiled = CompiledStep(

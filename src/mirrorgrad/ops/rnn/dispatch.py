@@ -164,7 +164,12 @@ def _timed_while_tracing(key: tuple, candidates: tuple[str, ...], call: tuple) -
     against them). ``key`` is eager's key of the call;
     ``call``: (input size, hidden size, has_biases, dropout p, state_clip). The RNG
     state is kept (the timed calls draw dropout seeds) and the graphs the timed calls
-    captured are released (their weights are gone after this)."""
+    captured are released (their weights are gone after this). Where the compile
+    replays its graphs as CUDA Graphs (``mode="reduce-overhead"``, the option
+    ``triton.cudagraphs``) they are timed captured, as inside ``dispatch_as_captured()``."""
+    if not _captured_depth and _compat.tracing_for_cuda_graphs():
+        with dispatch_as_captured():
+            return _timed_while_tracing(key, candidates, call)
     for cached in (_choice_key(key), (*_choice_key(key), "compiled")):
         if _AUTO_CHOICE.get(cached) in candidates:
             return _AUTO_CHOICE[cached]
