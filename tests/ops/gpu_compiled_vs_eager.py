@@ -1,6 +1,6 @@
 """GPU script: compiled mirrorgrad.nn steps against the same model eager.
 
-    python tests/ops/gpu_item5.py OUT_DIR [--workloads NAME ...] [--rounds 8] [--steps 5]
+    python tests/ops/gpu_compiled_vs_eager.py OUT_DIR [--workloads NAME ...] [--rounds 8] [--steps 5]
                                           [--budget-s 190]
 
 For each recurrent workload of the suite (``mirrorgrad bench``'s models, batches, step
