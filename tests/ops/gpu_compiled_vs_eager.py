@@ -23,7 +23,7 @@ median step time (< 1: faster than eager).
 Per variant it also records: host ms per step (the time to issue a step, no sync), a
 profile of 3 steps (kernel launches, CUDA Graph replays, copies, syncs per step and
 device ms), which implementation ran each RNN layer, and for mirror-balance the op
-memory choices of its plans. Writes OUT_DIR/item5.json, one log per workload; prints a
+memory choices of its plans. Writes OUT_DIR/compiled_vs_eager.json, one log per workload; prints a
 table last.
 """
 
@@ -303,7 +303,7 @@ def _finish(args, name: str, proc, log, deadline: float) -> dict | None:
 
 
 def _run_all(args) -> list[dict]:
-    caches = Path(tempfile.mkdtemp(prefix="item5-"))
+    caches = Path(tempfile.mkdtemp(prefix="compiled-vs-eager-"))
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
                TRITON_CACHE_DIR=str(caches / "triton"), PYTHONUNBUFFERED="1",
                MIRRORGRAD_RNN_GRAPH_CACHE_MB="16384")  # fmt: skip
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = _run_all(args)
-    (args.out / "item5.json").write_text(json.dumps(results, indent=1))
+    (args.out / "compiled_vs_eager.json").write_text(json.dumps(results, indent=1))
     print(_table(results))
     for r in results:
         for name, v in r.get("variants", {}).items():
