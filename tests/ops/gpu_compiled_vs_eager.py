@@ -1,7 +1,7 @@
 """GPU script: compiled mirrorgrad.nn steps against the same model eager.
 
-    python tests/ops/gpu_compiled_vs_eager.py OUT_DIR [--workloads NAME ...] [--rounds 8] [--steps 5]
-                                          [--budget-s 190]
+    python tests/ops/gpu_compiled_vs_eager.py OUT_DIR [--workloads NAME ...] [--rounds 8]
+                                              [--steps 5] [--budget-s 190]
 
 For each recurrent workload of the suite (``mirrorgrad bench``'s models, batches, step
 (zero_grad, forward, backward, clip, SGD) and TF32 setting) three variants with mirrorgrad.nn RNNs:

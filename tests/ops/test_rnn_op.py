@@ -758,3 +758,19 @@ def test_captured_and_uncaptured_choices_are_timed_and_cached_apart(monkeypatch)
         assert dispatch._choose_auto(key, candidates, timer) == "cudnn"
     assert dispatch._choose_auto(key, candidates, timer) == "triton"
     assert {key: uncaptured, (*key, "captured"): captured} == dispatch.AUTO_TIMES
+
+
+def test_auto_choices_names_each_key_and_its_timings(monkeypatch):
+    key = ("lstm", torch.device("cuda", 0), torch.bfloat16, 35, 20, 650, 2600, 650, 2, False,
+           False, "recompute", True, True)  # fmt: skip
+    choices = {key: "cudnn", (*key, "captured", "compiled"): "persistent"}
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", choices)
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {key: {"cudnn": 1.0, "triton": 2.0}})
+    plain, captured = dispatch.auto_choices()
+    assert plain["mode"] == "lstm" and plain["dtype"] == "torch.bfloat16" and plain["B"] == 20
+    assert plain["device"] == "cuda:0" and plain["memory"] == "recompute" and plain["grads"]
+    assert (plain["captured"], plain["compiled"], plain["choice"]) == (False, False, "cudnn")
+    assert plain["times"] == {"cudnn": 1.0, "triton": 2.0}
+    assert (captured["captured"], captured["compiled"]) == (True, True)
+    assert captured["choice"] == "persistent"
+    assert captured["times"] == {}

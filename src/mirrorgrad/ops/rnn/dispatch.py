@@ -61,6 +61,24 @@ _AUTO_CHOICE: dict[tuple, str] = {}
 AUTO_TIMES: dict[tuple, dict[str, float]] = {}
 
 
+_KEY_FIELDS = ("mode", "device", "dtype", "T", "B", "input", "gates_x_hidden", "state",
+               "layers", "bidirectional", "varlen", "memory", "dropout", "grads")  # fmt: skip
+
+
+def auto_choices() -> list[dict]:
+    """What ``impl="auto"`` chose in this process, one dict per shape key: the call's
+    shape and configuration, ``captured`` (timed captured), ``compiled`` (chosen while
+    torch.compile traced), ``choice`` and the ms each candidate measured (``times``)."""
+    rows = []
+    for key, choice in _AUTO_CHOICE.items():
+        row = {name: str(v) if name in ("device", "dtype") else v
+               for name, v in zip(_KEY_FIELDS, key)}  # fmt: skip
+        tags = key[len(_KEY_FIELDS):]
+        row.update(captured="captured" in tags, compiled="compiled" in tags, choice=choice,
+                   times=dict(AUTO_TIMES.get(key, {})))  # fmt: skip
+        rows.append(row)
+    return rows
+
 _captured_depth = 0  # > 0 inside dispatch_as_captured()
 
 
