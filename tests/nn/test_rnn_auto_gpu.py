@@ -119,3 +119,21 @@ def test_auto_under_reduce_overhead_times_its_candidates_captured(fresh):
     keys = list(dispatch.AUTO_TIMES)
     assert keys and all("captured" in key and "compiled" in key for key in keys), keys
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_a_capture_after_a_captured_warm_up_runs_the_captured_choice(fresh, monkeypatch):
+    """The capture itself (outside dispatch_as_captured) takes the choice timed captured
+    in the warm-up, not the cost rule that a capture without one falls back to."""
+    from mirrorgrad.ops.rnn import time_model
+
+    model = mnn.LSTM(64, 96, num_layers=2).cuda()
+    x = torch.randn(12, 8, 64, device="cuda", requires_grad=True)
+    with mnn.dispatch_as_captured():
+        _step(model, x)
+    monkeypatch.setattr(time_model, "pick", lambda *a, **k: pytest.fail("the rule was asked"))
+    graph = torch.cuda.CUDAGraph()
+    model.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        _step(model, x)
+    graph.replay()
+    assert all("captured" in key for key in dispatch.AUTO_TIMES)

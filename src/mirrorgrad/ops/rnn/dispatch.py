@@ -99,8 +99,14 @@ def dispatch_as_captured() -> Iterator[None]:
 
 
 def _choice_key(key: tuple) -> tuple:
-    """The cache key of a choice: captured and uncaptured timings choose apart."""
-    return (*key, "captured") if _captured_depth else key
+    """The cache key of a choice: captured and uncaptured timings choose apart. A call
+    made while a CUDA Graph is captured runs captured, so it takes the captured choice
+    (made in the warm-up inside ``dispatch_as_captured()``)."""
+    return (*key, "captured") if _captured_depth or _capturing() else key
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -144,7 +150,7 @@ def _choose_auto(
     key = _choice_key(key)
     if key in _AUTO_CHOICE:
         return _AUTO_CHOICE[key]
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return rule() if rule is not None else next(iter(candidates))
     # The timed calls draw dropout seeds: the RNG state is kept, so that the call's own
     # masks are the ones torch.manual_seed gives, timed first or not.
