@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from mirrorgrad import _compat
+from mirrorgrad._cuda_graphs import capture
 from mirrorgrad._timing import synchronize, time_calls
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.methods import Backend, Method, StepFn
@@ -209,31 +211,16 @@ def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple, workload: 
 def _graphed(step: Any, device: str) -> Any:
     """``step`` captured whole in one CUDA Graph on its first call, replayed after.
 
-    The peak is reset between the eager warm-ups and the recording, so the first call's
-    peak is the graph's (what its replays use), not the warm-ups' (``impl="auto"`` times
-    its candidates in the first one)."""
+    Its eager warm-ups build kernels and fill caches (``impl="auto"`` times its
+    candidates captured, as this step runs); the peak is reset before the recording, so
+    the first call's peak is the graph's (what its replays use), not the warm-ups'."""
     captured: list[Any] = []
-
-    def capture() -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up outside the graph (kernels built, caches filled; impl="auto" times its
-        # candidates captured, as this step runs), on the stream the capture uses.
-        with torch.cuda.stream(stream), dispatch_as_captured():
-            for _ in range(3):
-                step()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            loss = step()
-        torch.cuda.current_stream().wait_stream(stream)
-        captured.append((graph, loss))
-        return loss
 
     def replay() -> torch.Tensor:
         if not captured:
-            capture()
+            reset_peak = functools.partial(torch.cuda.reset_peak_memory_stats, device)
+            captured.append(capture(step, warm_up_context=dispatch_as_captured,
+                                    before_capture=reset_peak))  # fmt: skip
         graph, loss = captured[0]
         graph.replay()
         return loss
