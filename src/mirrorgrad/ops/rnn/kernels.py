@@ -52,7 +52,7 @@ from mirrorgrad.ops.rnn.step_loop import (
     make_config,
     with_steps,
 )
-from mirrorgrad.ops.rnn.triton_math import sigmoid, tanh, tile
+from mirrorgrad.ops.rnn.triton_math import gate_grads, gru_cell, lstm_cell, store_gates, tanh, tile
 
 _BLOCK = 512
 
@@ -125,23 +125,15 @@ def _rnn_fwd_kernel(
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
     idx = rb[:, None] * H + rn[None, :]  # [BB, BN]
     h_old = tl.load(hin_ptr + idx, mask=mask, other=0.0)
-    sty = stash_ptr.dtype.element_ty
     if MODE == 0:
         p_i = tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
         p_f = tile(pre_ptr, rb, rn, mask, GH, H) + acc1
         p_g = tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
         p_o = tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * GH + rn[None, :]
-            tl.store(srow, p_i.to(sty), mask=mask)
-            tl.store(srow + H, p_f.to(sty), mask=mask)
-            tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
-            tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
+            store_gates(stash_ptr + rb[:, None] * GH + rn[None, :], p_i, p_f, p_g, p_o, H, mask)
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = sigmoid(p_f) * c_old + sigmoid(p_i) * tanh(p_g)
-        if CLIP:
-            c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
-        h = sigmoid(p_o) * tanh(c)
+        c, h = lstm_cell(p_i, p_f, p_g, p_o, c_old, clip_lo, clip_hi, CLIP)
         tl.store(cnext_ptr + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
         if FUSED:
@@ -157,16 +149,10 @@ def _rnn_fwd_kernel(
         r_pre = tile(pre_ptr, rb, rn, mask, GH, 0) + hr
         z_pre = tile(pre_ptr, rb, rn, mask, GH, H) + hz
         xn = tile(pre_ptr, rb, rn, mask, GH, 2 * H)
-        r = sigmoid(r_pre)
-        z = sigmoid(z_pre)
-        n = tanh(xn + r * hn)
-        h = (1.0 - z) * n + z * h_old.to(tl.float32)
+        h = gru_cell(r_pre, z_pre, xn, hn, h_old)
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
-            tl.store(srow, r_pre.to(sty), mask=mask)
-            tl.store(srow + H, z_pre.to(sty), mask=mask)
-            tl.store(srow + 2 * H, xn.to(sty), mask=mask)
-            tl.store(srow + 3 * H, hn.to(sty), mask=mask)
+            store_gates(stash_ptr + rb[:, None] * 4 * H + rn[None, :], r_pre, z_pre, xn, hn, H,
+                        mask)  # fmt: skip
     elif MODE == 2:
         h = tanh(tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
     else:
@@ -240,53 +226,26 @@ def _rnn_bwd_kernel(
     dh = dh_in
     if HAS_DY:
         dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    gty = dg_ptr.dtype.element_ty
+    x0, x1, x2, x3 = dh, dh, dh, dh  # placeholders where the mode reads none
+    s0, s1, s2 = dh, dh, dh
+    if MODE <= 1:
+        P = 4 * H if MODE == 1 else GH
+        x0 = tile(pre_ptr, rb, rn, mask, P, 0)
+        x1 = tile(pre_ptr, rb, rn, mask, P, H)
+        x2 = tile(pre_ptr, rb, rn, mask, P, 2 * H)
+        x3 = tile(pre_ptr, rb, rn, mask, P, 3 * H)
     if MODE == 0:
-        i = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 0))
-        f = sigmoid(tile(pre_ptr, rb, rn, mask, GH, H))
-        g = tanh(tile(pre_ptr, rb, rn, mask, GH, 2 * H))
-        o = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 3 * H))
-        c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
-        dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
-        tc = tanh(c)
-        dc = dc_in + dh * o * (1.0 - tc * tc)
-        if CLIP:
-            c_pre = f * c_old + i * g
-            dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
-        tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
-        tl.store(drow + 3 * H, tl.where(valid, dh * tc * o * (1.0 - o), 0.0).to(gty), mask=mask)
-        tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
-        dh_direct = tl.zeros_like(dh)
+        s0 = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
+        s1 = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
+        s2 = tl.load(dc_ptr + idx, mask=mask, other=0.0)
     elif MODE == 1:
-        r = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, 0))
-        z = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, H))
-        xn = tile(pre_ptr, rb, rn, mask, 4 * H, 2 * H)
-        hn = tile(pre_ptr, rb, rn, mask, 4 * H, 3 * H)
-        n = tanh(xn + r * hn)
-        h_old = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        dn = dh * (1.0 - z) * (1.0 - n * n)
-        dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
-        dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
-        tl.store(drow, dr, mask=mask)
-        tl.store(drow + H, dz, mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
-        tl.store(hrow, dr, mask=mask)
-        tl.store(hrow + H, dz, mask=mask)
-        tl.store(hrow + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
-        dh_direct = dh * z
+        s0 = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     else:
-        # The activation's derivative comes from its output: nothing stashed.
-        h = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
-        dh_direct = tl.zeros_like(dh)
+        s0 = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
+    hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
+    dh_direct = gate_grads(drow, hrow, dc_ptr, idx, x0, x1, x2, x3, s0, s1, s2, dh, valid, mask,
+                           clip_lo, clip_hi, H, MODE, CLIP)  # fmt: skip
     # Rows past their length pass the state gradient through unchanged.
     tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
 
