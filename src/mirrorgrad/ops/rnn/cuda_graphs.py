@@ -188,6 +188,27 @@ def arena_bytes(like: Tensor) -> int:
     return max(like.numel() * like.dtype.itemsize, 1)
 
 
+class ArenaSizes:
+    """A stand-in for ``workspace`` that hands out what ``make`` makes (on the meta
+    device, by the callers) and records the bytes each arena is asked for: what a
+    capture would hold, as ``held()`` keys it for the op's held-memory formula."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device, self.sizes = str(device), {}
+
+    def __call__(self, _config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
+        like = make()
+        self.ask(name, arena_bytes(like))
+        return like
+
+    def ask(self, name: str, nbytes: int) -> None:
+        arena = arena_name(name)
+        self.sizes[arena] = max(self.sizes.get(arena, 0), nbytes)
+
+    def held(self) -> dict[tuple, int]:
+        return {("mirrorgrad.rnn arena", self.device, n): b for n, b in self.sizes.items()}
+
+
 def reserve(device: torch.device, name: str, nbytes: int) -> None:
     """Make the arena of workspace ``name`` at least ``nbytes`` now, before views of it are
     taken: an arena that grows later keeps its old self alive in the views already taken

@@ -570,11 +570,12 @@ def layer_forward(
     h_n = _final_h(config, buf)
     h_n = h_n.clone() if graphed else h_n  # h is shared workspace there
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    return buf.y, h_n, c_n, _saved(config, buf)
+    return buf.y, h_n, c_n, saved_tensors(config, buf)
 
 
-def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
-    """What ``layer_forward`` saves for backward (saved_layout)."""
+def saved_tensors(config: LoopConfig, buf) -> tuple[Tensor, ...]:
+    """What ``layer_forward`` saves for backward (saved_layout), from its buffers (this
+    module's or persistent.py's: the same fields)."""
     if config.mode == "lstm":
         return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
     return (buf.stash,) if buf.stash is not None else ()
@@ -918,14 +919,7 @@ def held_arenas(
     forward_captured = cuda_graphs.captures_by_size(T * B * config.stash_width)
     if torch.device(device).type != "cuda":
         return {}
-    sizes: dict[str, int] = {}
-
-    def record(make_config: LoopConfig, name: str, make) -> Tensor:
-        like = make()
-        arena = cuda_graphs.arena_name(name)
-        sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
-        return like
-
+    record = cuda_graphs.ArenaSizes(device)
     if not backward and forward_captured:
         lengths = config.empty(B, dtype=torch.int64) if has_lengths else None
         w = config.empty(H, config.gh) if config.fused else config.empty(config.gh, H)
@@ -936,7 +930,7 @@ def held_arenas(
         if memory == "recompute" and not mode.startswith("rnn"):
             fields["pre"] = _recomputed_pre(chunk, record)
         _bwd_entry_buffers(chunk, fields, record)
-    return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
+    return record.held()
 
 
 def _bwd_fields_like(config: LoopConfig, has_lengths: bool, has_grad_y: bool) -> dict:

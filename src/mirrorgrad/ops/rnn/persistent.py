@@ -281,13 +281,6 @@ def _fwd_body(config: LoopConfig, layout: Plan, buf: FwdBuffers) -> None:
         buf.c_n.copy_(buf.cells[T])
 
 
-def _saved(config: LoopConfig, buf: FwdBuffers) -> tuple[Tensor, ...]:
-    """What ``layer_forward`` saves for backward (saved_layout)."""
-    if config.mode == "lstm":
-        return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
-    return (buf.stash,) if buf.stash is not None else ()
-
-
 @torch.no_grad()
 def layer_forward(
     call: LayerCall, *, layout: Plan | None = None, use_graph: bool | None = None
@@ -318,7 +311,7 @@ def layer_forward(
     else:
         buf = fwd_buffers(config, layout, inputs)
         body(buf)
-    return buf.y, buf.h_n, buf.c_n, _saved(config, buf)
+    return buf.y, buf.h_n, buf.c_n, kernels.saved_tensors(config, buf)
 
 
 def _addresses(*tensors: Tensor | None) -> tuple[int, ...]:
