@@ -41,6 +41,7 @@ from mirrorgrad.ops.rnn.step_loop import (
     DTYPES,
     BwdLoopBuffers,
     LoopConfig,
+    add_chunk_grads,
     bwd_loop_buffers,
     check_layer,
     chunk_steps,
@@ -711,20 +712,6 @@ def _bwd_chunk(
     return buf
 
 
-def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """total + a @ b; a @ b alone for the first chunk (no zero-filled accumulator)."""
-    return torch.mm(a, b) if total is None else total.addmm_(a, b)
-
-
-def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
-    """total + a.sum(0), as a GEMV (a^T @ ones). NOTE: CUDA's reduction over dim 0 of a
-    tall [rows, G*H] matrix stages partial sums in a buffer from the caching allocator
-    (ATen's Reduce.cuh, global reduce): 44 MiB per bias at deepspeech2's [4800, 2400]
-    at the backward's peak; a GEMV allocates nothing beyond its output."""
-    ones = a.new_ones(a.shape[0])
-    return torch.mv(a.t(), ones) if total is None else total.addmv_(a.t(), ones)
-
-
 def _backward_entry(
     config: LoopConfig, buf: BwdLoopBuffers, copied: list[str], t0: int, before_capture=None
 ) -> cuda_graphs.Entry | None:
@@ -833,8 +820,8 @@ def layer_backward(
     y = y.contiguous()
     dy = grad_y.contiguous() if grad_y is not None else None
     cells = saved[-1] if mode == "lstm" else None
-    grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
-    grad_wih = grad_whh = grad_bih = grad_bhh = None
+    n_in = x.shape[2]
+    grads = dict(grad_x=x.new_empty(T, B, n_in) if need_x else None)
     dh, dc = grad_hn, grad_cn if mode == "lstm" else None
     any_graphed = False
     steps = chunk_steps(T, B)
@@ -864,33 +851,17 @@ def layer_backward(
         dh, dc = buf.dh, buf.dc
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
-        if need_x:
-            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
-        if need_wih:
-            grad_wih = _add_mm(grad_wih, dg.t(), x2d[rows])
-        if need_bih:
-            grad_bih = _add_sum(grad_bih, dg)
-        if need_bhh:
-            grad_bhh = _add_sum(grad_bhh, dgh)
-        if need_whh:
-            grad_whh = _whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
+        if t1 == T:  # after the first chunk's loop, not during it: no addition to its peak
+            grads |= dict(grad_wih=x.new_empty(gh, n_in) if need_wih else None,
+                          grad_whh=x.new_empty(gh, config.H) if need_whh else None,
+                          grad_bih=x.new_empty(gh) if need_bih else None,
+                          grad_bhh=x.new_empty(gh) if need_bhh else None)  # fmt: skip
+        add_chunk_grads(dg, dgh, x2d, w_ih, h0, y, t0, t1, first=t1 == T, ones=None, **grads)
     # A static buffer is overwritten by the loop's next run: hand out a copy.
     grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
-    return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
-
-
-def _whh_grad(total, dgh: Tensor, h0: Tensor, y: Tensor, t0: int, t1: int, B: int) -> Tensor:
-    """dW_hh of one chunk added to ``total``: dG_hidden^T @ h_{t-1} (h0 for step 0, then
-    y, read in place)."""
-    first = 0
-    if t0 == 0:
-        total = _add_mm(total, dgh[:B].t(), h0)
-        first = B
-    if dgh.shape[0] > first:
-        hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
-        total = _add_mm(total, dgh[first:].t(), hprev)
-    return total
+    return (grads["grad_x"], grad_h0, grad_c0, grads["grad_wih"], grads["grad_whh"],
+            grads["grad_bih"], grads["grad_bhh"], None)
 
 
 def held_arenas(

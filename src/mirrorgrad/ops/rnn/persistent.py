@@ -73,6 +73,7 @@ from mirrorgrad.ops.rnn.persistent_memory import held_arenas, loop_captured, wor
 from mirrorgrad.ops.rnn.persistent_plan import Plan, k_pieces, plan, supports_persistent
 from mirrorgrad.ops.rnn.step_loop import (
     LoopConfig,
+    add_chunk_grads,
     bwd_loop_buffers,
     check_layer,
     chunk_steps,
@@ -339,7 +340,13 @@ def _bwd_body(config: LoopConfig, layout: Plan, buf: BwdBuffers) -> None:
         if buf.pre is not None:
             _recompute(chunk, buf, t0, t1, bias, out=loop.pre)
         _bwd_launch(chunk, layout, loop, buf.count[launch])
-        _chunk_grads(chunk, buf, loop, t0, t1, first=launch == 0)
+        dg = loop.dg.view(-1, chunk.gh)
+        dgh = loop.dgh.view(-1, chunk.gh) if loop.dgh is not None else dg
+        x2d = buf.x.view(T * B, buf.x.shape[-1])
+        add_chunk_grads(dg, dgh, x2d, buf.w_ih, buf.h0, buf.y, t0, t1,
+                        first=launch == 0, ones=buf.ones, grad_x=buf.grad_x,
+                        grad_wih=buf.grad_wih, grad_whh=buf.grad_whh, grad_bih=buf.grad_bih,
+                        grad_bhh=buf.grad_bhh)  # fmt: skip
     if buf.grad_c0 is not None:
         buf.grad_c0.copy_(buf.dc)
 
@@ -387,43 +394,6 @@ def _recompute(chunk: LoopConfig, buf: BwdBuffers, t0: int, t1: int,
         input_gemm(h, buf.w_hh[2 * H :], b_hn, pre[rows, 3 * H :])
     if buf.b_hh is not None:
         pre[:, : 2 * H].add_(buf.b_hh[: 2 * H])
-
-
-def _chunk_grads(chunk: LoopConfig, buf: BwdBuffers, loop, t0: int, t1: int,
-                 *, first: bool) -> None:  # fmt: skip
-    """The chunk's share of the input and weight gradients: GEMMs over its stored gate
-    gradients, written by the first chunk and added to by the others."""
-    B, H, gh = chunk.B, chunk.H, chunk.gh
-    n = (t1 - t0) * B
-    dg = loop.dg.view(n, gh)
-    dgh = loop.dgh.view(n, gh) if loop.dgh is not None else dg
-    x2d = buf.x.view(-1, buf.x.shape[-1])[t0 * B : t1 * B]
-    if buf.grad_x is not None:
-        torch.mm(dg, buf.w_ih, out=buf.grad_x[t0:t1].view(n, -1))
-    if buf.grad_wih is not None:
-        _mm_into(buf.grad_wih, first, dg.t(), x2d)
-    for out, g in ((buf.grad_bih, dg), (buf.grad_bhh, dgh)):
-        if out is not None:  # a GEMV: kernels.py's ``_add_sum`` says why
-            if first:
-                torch.mv(g.t(), buf.ones[:n], out=out)
-            else:
-                out.addmv_(g.t(), buf.ones[:n])
-    if buf.grad_whh is not None:  # dG_hidden^T @ h_{t-1}: h0 for step 0, then y
-        done = 0
-        if t0 == 0:
-            _mm_into(buf.grad_whh, first, dgh[:B].t(), buf.h0)
-            first, done = False, B
-        if n > done:
-            hprev = buf.y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
-            _mm_into(buf.grad_whh, first, dgh[done:].t(), hprev)
-
-
-def _mm_into(out: Tensor, first: bool, a: Tensor, b: Tensor) -> None:
-    """out = a @ b (first) or out += a @ b."""
-    if first:
-        torch.mm(a, b, out=out)
-    else:
-        out.addmm_(a, b)
 
 
 def _bwd_launch(config: LoopConfig, layout: Plan, buf, count: Tensor) -> None:
