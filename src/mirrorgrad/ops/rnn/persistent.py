@@ -1,43 +1,22 @@
-"""Persistent RNN layer: one Triton launch runs all T steps of a layer and direction.
+"""Persistent RNN layer: one Triton launch runs all T steps of a layer and direction
+(docs/rnn-op.md, "The persistent kernel").
 
 The same per-layer contract as ``kernels.py`` (``reference.py``'s docstring), same
 saved layout, dropout and workspace, so the op can run ``impl="persistent"`` where it
-runs ``"triton"``. Per layer and direction:
+runs ``"triton"``. Forward: the input GEMM over all steps (cuBLAS), then ONE launch of
+``persistent_fwd_kernel``, program p owning hidden units [p*BN, (p+1)*BN) of every gate,
+a grid-wide barrier between steps. Backward: chunks of steps as kernels.py's, ONE
+``persistent_bwd_kernel`` launch per chunk (program p owning columns of dh), then the
+input and weight gradients as GEMMs over the stored gate gradients.
 
-* forward: the input GEMM ``X @ W_ih^T + b`` over all steps (cuBLAS, as kernels.py),
-  then ONE launch of ``persistent_fwd_kernel`` (persistent_kernels.py): program p owns
-  hidden units [p*BN, (p+1)*BN) (all G gates of them), computes ``h_{t-1} @ W_hh[its
-  rows]^T`` and the fused cell update for every batch row, writes its slice of h_t, then
-  waits at a grid-wide barrier before step t+1 reads the whole h_t.
-* backward: chunks of steps as kernels.py; per chunk ONE launch of
-  ``persistent_bwd_kernel``: program p owns the columns [p*BN, (p+1)*BN) of dh, computes
-  ``dG_{t+1} @ W_hh[:, its columns]`` and the gate gradients of its units, barrier per
-  step; dW_ih, dW_hh, db and dx are GEMMs over the stored dG after the launch
-  (step_loop.py's helpers).
-
-W_hh's slice per program is **resident** (loaded once before the time loop; Triton keeps
-it in shared memory and loads MMA operands from there each step) where it is at most
-``PersistentTuning.resident_bytes`` and compiles without spills, else **streamed** from
-L2 each step in BK-deep chunks. Batch tiles are spread over groups of programs (grid
-axis 1), each group with its own barrier. h_{t-1} and dG_{t+1} come from L2: Triton's
-pipeliner turns their loads into ``cp.async.ca`` (through L1, which is not coherent)
-whatever their cache modifier, so every step writes them to addresses of their own (h:
-[T+1, B, H] workspace instead of a ping-pong pair; dG: [T, B, G*H] as stored for the
-weight GEMMs) with rows padded to whole 128-byte lines: an L1 line is only ever fetched
-after its step's barrier, complete, and never written again in the launch. The barrier
-is a monotonic int32 counter: ``atomic_add(+1, release)`` after the step's stores, a
-poll with volatile loads, then one acquiring read (``grid_barrier``).
-
-A spin barrier needs every program resident at once: the grid is capped at the SM
-count (one program per SM), else the layer runs kernels.py (persistent_plan.py's
-``plan`` returns None).
-Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
-program owning all units (same arithmetic, the barrier trivially met).
-On CUDA each layer-direction's forward and backward (fills, GEMMs, the launch) is one
-body captured in a CUDA Graph and replayed through cuda_graphs.py, as kernels.py's step
-loops are: the host work of a call is one replay (the layer functions' section below).
-Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
-empty batch, and hidden sizes whose grid would exceed the SMs at BN <= ``PersistentTuning.max_bn``.
+W_hh's slice per program is resident (loaded once) where it fits
+``PersistentTuning.resident_bytes`` and compiles without spills, else streamed from L2
+each step. h_{t-1} and dG_{t+1} are read through L1, which is not coherent, so every
+step writes them to addresses of their own, rows padded to 128-byte lines. The grid is
+capped at one program per SM (the spin barrier needs them all resident), else the layer
+runs kernels.py's (``persistent_plan.plan`` returns None); so do projections and an
+empty batch. Under ``TRITON_INTERPRET=1`` one program owns every unit. On CUDA each
+phase is one body captured in a CUDA Graph and replayed (the layer functions' section).
 
 The layout and its knobs are persistent_plan.py's, the buffers persistent_buffers.py's,
 the bytes they take persistent_memory.py's, the step stamps of benchmarks
