@@ -500,9 +500,8 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--device", default=None)
     parser.add_argument("--deadline", type=float, default=None)
-    parser.add_argument(
-        "--grads-file", type=Path, default=None, help="compare gradients with the reference's"
-    )
+    parser.add_argument("--grads-file", type=Path, default=None,
+                        help="compare gradients with the reference's")
     parser.add_argument("--profile-dir", type=Path, default=None)
 
 
