@@ -25,6 +25,7 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -383,7 +384,7 @@ def measure(
         return result
     _fresh_allocator(opts.device)
     built = batch = step_fn = step = None
-    with _MirrorgradWarnings(result):
+    with _mirrorgrad_warnings(result):
         try:
             built, batch, step_fn, step = _prepare(workload, method, opts, result)
 
@@ -429,25 +430,20 @@ _WARNING_FIELDS = {
 }
 
 
-class _MirrorgradWarnings:
+@contextlib.contextmanager
+def _mirrorgrad_warnings(result: MethodResult) -> Iterator[None]:
     """Records mirrorgrad's fallback and budget warnings on the result; others pass on."""
-
-    def __init__(self, result: MethodResult) -> None:
-        self.result = result
-        self._catch = warnings.catch_warnings(record=True)
-
-    def __enter__(self) -> None:
-        self._caught = self._catch.__enter__()
-        warnings.simplefilter("always")
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
-        for w in self._caught:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for w in caught:
             field_name = _WARNING_FIELDS.get(type(w.message).__name__)
             if field_name is None:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-            elif getattr(self.result, field_name) is None:
-                setattr(self.result, field_name, _short_error(w.message).split(": ", 1)[1])
+            elif getattr(result, field_name) is None:
+                setattr(result, field_name, _short_error(w.message).split(": ", 1)[1])
 
 
 def _emit(record: dict[str, Any]) -> None:
