@@ -17,9 +17,10 @@ ROOT = "__init__"  # the package itself: `import mirrorgrad`, `from mirrorgrad i
 
 # Bottom layer, importable from anywhere: _compat (every private torch name), _units (byte
 # formatting), _timing (the one step timer), _folders (is an output folder writable),
-# formulas (what custom ops declare to the planner: ops register, graph reads), options
-# (the planner's options).
-BOTTOM = {"_compat", "_units", "_timing", "_folders", "formulas", "options"}
+# _cuda_graphs (warm up on a side stream, then capture a CUDA Graph), formulas (what
+# custom ops declare to the planner: ops register, graph reads), options (the planner's
+# options).
+BOTTOM = {"_compat", "_units", "_timing", "_folders", "_cuda_graphs", "formulas", "options"}
 # row -> the mirrorgrad packages/modules it may import (besides itself); every row lists
 # only rows above it in this table.
 ALLOWED = {
@@ -27,6 +28,7 @@ ALLOWED = {
     "_units": set(),
     "_timing": set(),
     "_folders": set(),
+    "_cuda_graphs": set(),
     "formulas": set(),
     "options": set(),
     # graph/mirror and ops/nn are two stacks that meet in compiler.

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks import fit_time_model as fitting
 
 from mirrorgrad.ops.rnn import time_model
 
@@ -32,7 +33,7 @@ def _measured(dtype: str) -> list[tuple[time_model.Shape, dict[tuple[str, str], 
 def test_the_constants_are_the_fit_of_the_committed_tables(dtype):
     rows = _measured(dtype)
     for impl, memory in COLUMNS:
-        fitted = time_model.fit((shape, ms[impl, memory]) for shape, ms in rows)
+        fitted = fitting.fit((shape, ms[impl, memory]) for shape, ms in rows)
         key = (impl, time_model.memory_class(impl, memory), time_model.dtype_class(DTYPES[dtype]))
         assert fitted == pytest.approx(time_model.COSTS[key], abs=2e-3)
 
@@ -74,18 +75,18 @@ def test_constants_fitted_to_module_results_recover_the_times_they_came_from():
     names = ["rnn-lstm-L2-I650-H650-B20-T35", "rnn-lstm-L4-I1024-H1024-B128-T50",
              "rnn-lstm-L1-I512-H512-B16-T100", "rnn-lstm-L2-I1024-H1024-B64-T50-bi",
              "rnn-lstm-L2-I1024-H1024-B1-T100", "rnn-gru-L1-I512-H512-B16-T100"]  # fmt: skip
-    assert time_model.shape_of(names[3]) == time_model.Shape(
+    assert fitting.shape_of(names[3]) == time_model.Shape(
         mode="lstm", T=50, B=64, H=1024, layers=2, directions=2
     )
     workloads = {}
     for name in names:
-        ms = sum(c * f for c, f in zip(truth, time_model.shape_of(name).features()))
+        ms = sum(c * f for c, f in zip(truth, fitting.shape_of(name).features()))
         workloads[name] = {"methods": [
             {"method": "mgnn-persistent", "status": "ok", "median_ms": ms},
             {"method": "mgnn-triton-stash", "status": "failed", "median_ms": None},
         ]}  # fmt: skip
     doc = {"options": {"dtype": "bf16"}, "workloads": workloads}
-    fitted = time_model.fit_results([doc])
+    fitted = fitting.fit_results([doc])
     # The module's LSTM recomputes, its GRU stashes: one GRU sample is too few to fit.
     assert list(fitted) == [("persistent", "recompute", "half")]
     assert fitted["persistent", "recompute", "half"] == pytest.approx(truth, abs=1e-3)
@@ -106,7 +107,7 @@ def test_the_rule_ranks_the_module_level_runs_within_fifteen_percent(path):
         ms = {m["method"]: m["median_ms"] for m in workload["methods"] if m["status"] == "ok"}
         if "mgnn-triton" not in ms or "mgnn-cudnn" not in ms:
             continue
-        shape = time_model.shape_of(name)
+        shape = fitting.shape_of(name)
         memory = "recompute" if shape.mode == "lstm" else "stash"  # the module's default
         picked = time_model.pick(["triton", "cudnn"], memory, dtype, shape)
         assert ms[f"mgnn-{picked}"] <= 1.15 * min(ms["mgnn-triton"], ms["mgnn-cudnn"]), name
@@ -186,17 +187,17 @@ def test_recompute_extra_is_the_fit_of_the_committed_tables():
     """fp32: the H100 phases file (what recompute added to each step); half: the H200 bf16
     table (recompute minus stash)."""
     rows = json.loads(H100_PHASES.read_text())
-    assert time_model.fit_extra(time_model.timing_extra_samples(rows)) == pytest.approx(
+    assert fitting.fit_extra(fitting.timing_extra_samples(rows)) == pytest.approx(
         time_model.RECOMPUTE_EXTRA["fp32"], abs=2e-3
     )
     rows = [(s, ms["triton", "recompute"] - ms["triton", "stash"])
             for s, ms in _measured("bf16") if s.mode in ("lstm", "gru")]  # fmt: skip
-    assert time_model.fit_extra(rows) == pytest.approx(time_model.RECOMPUTE_EXTRA["half"], abs=2e-3)
+    assert fitting.fit_extra(rows) == pytest.approx(time_model.RECOMPUTE_EXTRA["half"], abs=2e-3)
 
 
 def test_forward_share_is_the_mean_of_the_measured_phases():
     rows = json.loads(H100_PHASES.read_text())
-    assert abs(time_model.FORWARD_SHARE - time_model.timing_forward_share(rows)) < 0.005
+    assert abs(time_model.FORWARD_SHARE - fitting.timing_forward_share(rows)) < 0.005
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -221,7 +222,7 @@ def test_the_cost_model_prices_each_phase_within_a_factor_of_the_h100_table():
     from mirrorgrad.graph.cost import H100, _flops_and_rate
 
     for row in json.loads(H100_PHASES.read_text()):
-        shape = time_model._timing_shape(row)
+        shape = fitting.timing_shape(row)
         priced = {m: _priced_ms(shape, torch.float32, m) for m in ("stash", "recompute")}
         for memory, (forward, backward) in priced.items():
             for price, measured in ((forward, row[memory]["forward_ms"]),
@@ -245,7 +246,7 @@ def test_the_cost_model_prices_the_module_level_runs_within_a_factor(path):
         ms = {m["method"]: m["median_ms"] for m in workload["methods"] if m["status"] == "ok"}
         if "mgnn-triton" not in ms:
             continue
-        shape = time_model.shape_of(name)
+        shape = fitting.shape_of(name)
         memory = "recompute" if shape.mode == "lstm" else "stash"
         ratio = sum(_priced_ms(shape, dtype, memory)) / ms["mgnn-triton"]
         assert 1 / PRICE_FACTOR < ratio < PRICE_FACTOR, (name, ratio)

@@ -56,85 +56,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _time_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--from-json",
-        type=Path,
-        metavar="RESULTS",
-        help="run nothing: redraw the markdown and plots of a results.json into --out",
-    )
+    parser.add_argument("--from-json", type=Path, metavar="RESULTS",
+                        help="run nothing: redraw the markdown and plots of a "
+                        "results.json into --out")  # fmt: skip
 
 
 def _selection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--suite",
-        choices=list(SUITES),
-        default="planner",
-        help="which suite: its workloads and methods (default planner); --list names them",
-    )
+    parser.add_argument("--suite", choices=list(SUITES), default="planner",
+                        help="which suite: its workloads and methods (default "
+                        "planner); --list names them")  # fmt: skip
     parser.add_argument("--list", action="store_true", help="list suites and workloads, run none")
-    parser.add_argument(
-        "--workloads",
-        "--models",
-        nargs="+",
-        metavar="NAME",
-        help="workloads (shell patterns, e.g. 'hf-*'); default: all of the suite's",
-    )
+    parser.add_argument("--workloads", "--models", nargs="+", metavar="NAME",
+                        help="workloads (shell patterns, e.g. 'hf-*'); default: all "
+                        "of the suite's")  # fmt: skip
     parser.add_argument("--limit", type=int, help="only the first N workloads selected")
-    parser.add_argument(
-        "--methods",
-        nargs="+",
-        metavar="NAME",
-        help=f"default: all that apply to each workload, of {', '.join(METHODS)}",
-    )
+    methods = ", ".join(METHODS)
+    parser.add_argument("--methods", nargs="+", metavar="NAME",
+                        help=f"default: all that apply to each workload, of {methods}")
 
 
 def _measurement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny sizes on the CPU, backend eager (for tests)"
-    )
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes on the CPU, backend eager (for tests)")  # fmt: skip
     parser.add_argument("--steps", type=int, help="timed steps per method (default 20; quick 3)")
     parser.add_argument("--warmup", type=int, help="warm-up steps, the first compiles (default 3)")
-    parser.add_argument(
-        "--backend",
-        choices=["inductor", "eager"],
-        help="code generation for compiling methods (default inductor; quick: eager)",
-    )
+    parser.add_argument("--backend", choices=["inductor", "eager"],
+                        help="code generation for compiling methods (default "
+                        "inductor; quick: eager)")  # fmt: skip
     parser.add_argument("--device", help="default: cuda if available (cpu with --quick)")
-    parser.add_argument(
-        "--profile",
-        action="store_true",
-        help="after the timed steps, profile 5 more per method: logs/<workload>.<method>.txt",
-    )
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile 5 more per method: "
+                        "logs/<workload>.<method>.txt")  # fmt: skip
 
 
 def _time_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--time-limit", type=float, help="seconds; methods not started by then are skipped"
-    )
-    parser.add_argument(
-        "--method-timeout", type=float, help="seconds one method may take"
-    )
-    parser.add_argument(
-        "--workload-time",
-        type=float,
-        help="seconds one workload's methods may take in all; the rest are skipped",
-    )
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="workloads measured at a time (default 1). Peaks and gradients stay exact; "
-        "with more than one, times share the device and are only indicative",
-    )
-    parser.add_argument(
-        "--precompile-jobs",
-        type=int,
-        default=0,
-        help="first compile every compiling method N processes at a time, so the timed "
-        "runs find Inductor's caches warm (their compile times are then warm; the cold "
-        "ones, N-way parallel, go to results.json)",
-    )
+    parser.add_argument("--time-limit", type=float,
+                        help="seconds; methods not started by then are skipped")  # fmt: skip
+    parser.add_argument("--method-timeout", type=float, help="seconds one method may take")
+    parser.add_argument("--workload-time", type=float,
+                        help="seconds one workload's methods may take in all; the "
+                        "rest are skipped")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="workloads measured at a time (default 1). Peaks and gradients "
+                        "stay exact; with more than one, times share the device and are only "
+                        "indicative")  # fmt: skip
+    parser.add_argument("--precompile-jobs", type=int, default=0,
+                        help="first compile every compiling method N processes at a time, so "
+                        "the timed runs find Inductor's caches warm (their compile times are "
+                        "then warm; the cold ones, N-way parallel, go to results.json)")
 
 
 def _names(values: list[str] | None) -> list[str] | None:

@@ -23,23 +23,15 @@ def parse_mode(text: str) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "workload", choices=list(WORKLOADS), metavar="WORKLOAD", help="`mirrorgrad bench --list`"
-    )
-    parser.add_argument(
-        "--mode",
-        type=parse_mode,
-        default={"mode": "balance"},
-        help="balance (default), off, or budget:FRACTION|BYTES",
-    )
+    parser.add_argument("workload", choices=list(WORKLOADS), metavar="WORKLOAD",
+                        help="`mirrorgrad bench --list`")
+    parser.add_argument("--mode", type=parse_mode, default={"mode": "balance"},
+                        help="balance (default), off, or budget:FRACTION|BYTES")
     parser.add_argument("--max-overhead", type=float, help="balance mode's time cap (fraction)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument(
-        "--mgnn",
-        action="store_true",
-        help="swap the model's torch.nn RNNs for mirrorgrad.nn's first (the plan then "
-        "chooses each RNN op's memory mode: its 'op memory' lines)",
-    )
+    parser.add_argument("--mgnn", action="store_true",
+                        help="swap the model's torch.nn RNNs for mirrorgrad.nn's first (the plan "
+                        "then chooses each RNN op's memory mode: its 'op memory' lines)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, on the CPU")
     parser.add_argument("--batch", type=int, help="default: the workload's batch")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

@@ -186,13 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=["transformer", "gpt2", "resnet50"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
-    parser.add_argument(
-        "--gpu-layout",
-        action="store_true",
-        help="on the CPU, capture and lay out as a GPU does (Inductor's pad_mm padding of "
-        "unaligned matmul dimensions, padded strides): estimates of unaligned "
-        "vocabularies (GPT-2's 50,257) then follow the GPU's",
-    )
+    parser.add_argument("--gpu-layout", action="store_true",
+                        help="on the CPU, capture and lay out as a GPU does (Inductor's pad_mm "
+                        "padding of unaligned matmul dimensions, padded strides): estimates of "
+                        "unaligned vocabularies (GPT-2's 50,257) then follow the GPU's")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}

@@ -105,56 +105,30 @@ def _mirror(options: dict[str, Any]) -> Wrap:
 
 
 def _base_methods() -> list[Method]:
-    methods = [
-        Method(name="eager", description="plain PyTorch", wrap=_eager, compiles=False),
-        Method(
-            name="compile",
-            description="torch.compile, default options",
-            wrap=_torch_compile,
-            compiles=True,
-        ),
-    ]
-    for fraction in (0.5, 0.3, 0.1):
-        methods.append(
-            Method(
-                name=f"compile-budget-{fraction}",
-                description=f"torch.compile, activation_memory_budget={fraction}",
-                wrap=_torch_compile_budget(fraction),
-                compiles=True,
-            )
-        )
-    methods.append(
-        Method(
-            name="cuda-graph",
-            description="plain PyTorch, the whole step captured in one CUDA Graph",
-            wrap=_eager,
-            compiles=False,
-            cuda_graph=True,
-        )
-    )
-    methods.append(
-        Method(
-            name="checkpoint",
-            description="torch.utils.checkpoint around each block of the workload",
-            wrap=_checkpoint,
-            compiles=False,
-        )
-    )
+    budgets = [Method(name=f"compile-budget-{f}", wrap=_torch_compile_budget(f), compiles=True,
+                      description=f"torch.compile, activation_memory_budget={f}")
+               for f in (0.5, 0.3, 0.1)]  # fmt: skip
     mirror_modes: list[tuple[str, dict[str, Any]]] = [("mirror-balance", {"mode": "balance"})]
     mirror_modes += [(f"mirror-budget-{f}", {"mode": "budget", "budget": f}) for f in (0.5, 0.3)]
-    for name, options in mirror_modes:
-        methods.append(
-            Method(
-                name=name,
-                description="mirrorgrad.compile("
-                + ", ".join(f"{k}={v!r}" for k, v in options.items())
-                + ")",
-                wrap=_mirror(options),
-                compiles=True,
-                mirror_options=options,
-            )
-        )
-    return methods
+    mirrors = [Method(name=name, wrap=_mirror(options), compiles=True, mirror_options=options,
+                      description=f"mirrorgrad.compile({_keywords(options)})")
+               for name, options in mirror_modes]  # fmt: skip
+    plain = [
+        Method(name="eager", description="plain PyTorch", wrap=_eager, compiles=False),
+        Method(name="compile", description="torch.compile, default options",
+               wrap=_torch_compile, compiles=True),
+    ]  # fmt: skip
+    others = [
+        Method(name="cuda-graph", description="plain PyTorch, the whole step captured in one "
+               "CUDA Graph", wrap=_eager, compiles=False, cuda_graph=True),
+        Method(name="checkpoint", description="torch.utils.checkpoint around each block of the "
+               "workload", wrap=_checkpoint, compiles=False),
+    ]  # fmt: skip
+    return [*plain, *budgets, *others, *mirrors]
+
+
+def _keywords(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items())
 
 
 # The `+mgnn` methods run by default on recurrent workloads (all exist, for --methods).
@@ -168,32 +142,16 @@ def _registry() -> dict[str, Method]:
         name = f"{m.name}+mgnn"
         # mirrorgrad.nn's Triton kernels compile at the first call: --precompile-jobs
         # warms their cache too.
-        methods[name] = dataclasses.replace(
-            m,
-            name=name,
-            description=m.description + ", mirrorgrad.nn RNNs",
-            swap_rnn=True,
-            compiles=True,
-        )
+        described = m.description + ", mirrorgrad.nn RNNs"
+        methods[name] = dataclasses.replace(m, name=name, description=described, swap_rnn=True,
+                                            compiles=True)  # fmt: skip
     return methods
 
 
 # The general methods; suites.METHODS adds the rnn-kernels and word-lm suites' own.
 BASE_METHODS: dict[str, Method] = _registry()
-
-
-# The planner suite's methods (the other suites name their own).
-PLANNER_METHODS = (
-    "eager",
-    "compile",
-    "compile-budget-0.5",
-    "compile-budget-0.3",
-    "compile-budget-0.1",
-    "checkpoint",
-    "mirror-balance",
-    "mirror-budget-0.5",
-    "mirror-budget-0.3",
-)
+# The planner suite's methods (the other suites name their own): all but cuda-graph.
+PLANNER_METHODS = tuple(m.name for m in _base_methods() if m.name != "cuda-graph")
 
 
 def default_methods(recurrent: bool) -> list[str]:

@@ -13,19 +13,15 @@ def git_commit() -> tuple[str | None, bool | None]:
     no git (a lent GPU machine's copy of the tree may carry a stale .git)."""
     if os.environ.get("MIRRORGRAD_COMMIT"):
         return os.environ["MIRRORGRAD_COMMIT"], None
-    here = Path(__file__).parent
+    here = str(Path(__file__).parent)
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True
-        )
-        status = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        )
+        git = ["git", "-C", here]
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True)  # fmt: skip
     except OSError:  # no git installed
-        return os.environ.get("MIRRORGRAD_COMMIT"), None
+        return None, None
     if commit.returncode != 0:
         # A copy of the tree without .git (a lent GPU machine): the caller may say it.
-        return os.environ.get("MIRRORGRAD_COMMIT"), None
+        return None, None
     return commit.stdout.strip(), bool(status.stdout.strip())

@@ -12,6 +12,7 @@ from typing import Any
 
 from mirrorgrad._units import format_bytes
 from mirrorgrad.bench import suite_tables
+from mirrorgrad.bench.suite_tables import x_ratio
 
 MIB = 2**20
 # Ratios are taken against these methods, measured in the same process run (a suite
@@ -45,10 +46,6 @@ def add_ratios(methods: list[dict[str, Any]], baselines: tuple[str, ...] = BASEL
 
 def _num(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}x"
 
 
 def _mib(value: int | None) -> str:
@@ -88,11 +85,11 @@ def _columns(methods: list[dict[str, Any]], doc: dict[str, Any]) -> list[tuple[s
     for base in reversed(baselines_of(doc)):
         if not any(m.get(f"time_vs_{base}") for m in methods):
             continue
-        cols.append((f"peak / {base}", lambda m, b=base: _ratio(m.get(f"peak_vs_{b}"))))
-        cols.append((f"time / {base}", lambda m, b=base: _ratio(m.get(f"time_vs_{b}"))))
+        cols.append((f"peak / {base}", lambda m, b=base: x_ratio(m.get(f"peak_vs_{b}"))))
+        cols.append((f"time / {base}", lambda m, b=base: x_ratio(m.get(f"time_vs_{b}"))))
         if any(m.get(f"fastest_vs_{base}") for m in methods):
             cols.append(
-                (f"fastest step / {base}", lambda m, b=base: _ratio(m.get(f"fastest_vs_{b}")))
+                (f"fastest step / {base}", lambda m, b=base: x_ratio(m.get(f"fastest_vs_{b}")))
             )
     if any(m.get("tokens_per_s") for m in methods):
         cols.append(("tokens/s", lambda m: _num(m.get("tokens_per_s"), 0)))
@@ -219,8 +216,8 @@ def summary(doc: dict[str, Any]) -> str:
         fast = min(ok, key=lambda m: m["median_ms"])
         lines.append(
             f"{name}: lowest peak {low['method']} {_mib(low['peak_bytes'])} MiB "
-            f"({_ratio(low.get('peak_vs_compile'))} of compile); fastest {fast['method']} "
-            f"{_num(fast['median_ms'], 2)} ms ({_ratio(fast.get('time_vs_compile'))} of compile)"
+            f"({x_ratio(low.get('peak_vs_compile'))} of compile); fastest {fast['method']} "
+            f"{_num(fast['median_ms'], 2)} ms ({x_ratio(fast.get('time_vs_compile'))} of compile)"
             + (f"; {failed} not measured" if failed else "")
         )
     return "\n".join(lines)
@@ -252,21 +249,13 @@ def _ratio_plot(doc: dict[str, Any], measured: dict[str, list], out_dir: Path, p
     ax.set_title(f"{len(measured)} workloads on {doc['env'].get('gpu') or 'CPU'}", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    path = out_dir / "ratios.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir / "ratios.png", plt)
 
 
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
     labelled point per method (``ratios.png`` with more than a dozen workloads)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     written = []
     device = doc["env"].get("gpu") or "CPU"
     measured = {
@@ -294,11 +283,7 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             ax.set_title(name, fontsize=10)
             ax.grid(True, alpha=0.3)
         fig.suptitle(f"peak memory vs step time on {device} (lower left is better)")
-        fig.tight_layout()
-        path = out_dir / "peak_vs_time.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out_dir / "peak_vs_time.png", plt))
     return written
 
 
@@ -322,11 +307,7 @@ def module_files(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _module_plot(doc: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     series = [h for h, _ in suite_tables.MODULE_COLUMNS if h != "cuDNN graphed"]
     series.append("best fixed graphed")
     modes = list(dict.fromkeys(r["workload"].split("-")[1] for r in rows))
@@ -346,8 +327,21 @@ def _module_plot(doc: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path)
     axes[0, 0].legend(fontsize=7, ncol=len(series))
     device = doc["env"].get("gpu") or "CPU"
     fig.suptitle(f"RNN modules on {device}, {doc['options']['dtype']} (above 1: faster)")
+    return _save(fig, out_dir / "module_speedups.png", plt)
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
     fig.tight_layout()
-    path = out_dir / "module_speedups.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -24,6 +25,7 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from mirrorgrad import _compat
+from mirrorgrad._cuda_graphs import capture
 from mirrorgrad._timing import synchronize, time_calls
 from mirrorgrad.bench.gradients import GradCheck
 from mirrorgrad.bench.methods import Backend, Method, StepFn
@@ -209,31 +212,16 @@ def _make_step(step_fn: StepFn, model: torch.nn.Module, batch: tuple, workload: 
 def _graphed(step: Any, device: str) -> Any:
     """``step`` captured whole in one CUDA Graph on its first call, replayed after.
 
-    The peak is reset between the eager warm-ups and the recording, so the first call's
-    peak is the graph's (what its replays use), not the warm-ups' (``impl="auto"`` times
-    its candidates in the first one)."""
+    Its eager warm-ups build kernels and fill caches (``impl="auto"`` times its
+    candidates captured, as this step runs); the peak is reset before the recording, so
+    the first call's peak is the graph's (what its replays use), not the warm-ups'."""
     captured: list[Any] = []
-
-    def capture() -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        # Warm-up outside the graph (kernels built, caches filled; impl="auto" times its
-        # candidates captured, as this step runs), on the stream the capture uses.
-        with torch.cuda.stream(stream), dispatch_as_captured():
-            for _ in range(3):
-                step()
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            loss = step()
-        torch.cuda.current_stream().wait_stream(stream)
-        captured.append((graph, loss))
-        return loss
 
     def replay() -> torch.Tensor:
         if not captured:
-            capture()
+            reset_peak = functools.partial(torch.cuda.reset_peak_memory_stats, device)
+            captured.append(capture(step, warm_up_context=dispatch_as_captured,
+                                    before_capture=reset_peak))  # fmt: skip
         graph, loss = captured[0]
         graph.replay()
         return loss
@@ -396,7 +384,7 @@ def measure(
         return result
     _fresh_allocator(opts.device)
     built = batch = step_fn = step = None
-    with _MirrorgradWarnings(result):
+    with _mirrorgrad_warnings(result):
         try:
             built, batch, step_fn, step = _prepare(workload, method, opts, result)
 
@@ -442,25 +430,20 @@ _WARNING_FIELDS = {
 }
 
 
-class _MirrorgradWarnings:
+@contextlib.contextmanager
+def _mirrorgrad_warnings(result: MethodResult) -> Iterator[None]:
     """Records mirrorgrad's fallback and budget warnings on the result; others pass on."""
-
-    def __init__(self, result: MethodResult) -> None:
-        self.result = result
-        self._catch = warnings.catch_warnings(record=True)
-
-    def __enter__(self) -> None:
-        self._caught = self._catch.__enter__()
-        warnings.simplefilter("always")
-
-    def __exit__(self, *exc: object) -> None:
-        self._catch.__exit__(*exc)
-        for w in self._caught:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        for w in caught:
             field_name = _WARNING_FIELDS.get(type(w.message).__name__)
             if field_name is None:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-            elif getattr(self.result, field_name) is None:
-                setattr(self.result, field_name, _short_error(w.message).split(": ", 1)[1])
+            elif getattr(result, field_name) is None:
+                setattr(result, field_name, _short_error(w.message).split(": ", 1)[1])
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -513,9 +496,8 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--device", default=None)
     parser.add_argument("--deadline", type=float, default=None)
-    parser.add_argument(
-        "--grads-file", type=Path, default=None, help="compare gradients with the reference's"
-    )
+    parser.add_argument("--grads-file", type=Path, default=None,
+                        help="compare gradients with the reference's")
     parser.add_argument("--profile-dir", type=Path, default=None)
 
 

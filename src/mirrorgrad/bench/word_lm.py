@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from mirrorgrad.bench.methods import Backend, Method
-from mirrorgrad.bench.workloads import Workload
+from mirrorgrad.bench.workloads import Workload, token_pairs
 
 VOCAB, BPTT, LR, CLIP = 10_000, 35, 20.0, 0.25
 _QUICK = {"vocab": 50, "width": 16, "bptt": 5}
@@ -152,12 +152,7 @@ def _workload(preset_name: str, batch: int) -> Workload:
     def builder(batch: int, quick: bool):
         vocab, bptt = (_QUICK["vocab"], _QUICK["bptt"]) if quick else (VOCAB, BPTT)
         model = ExampleLM(vocab, _preset(preset_name, quick))
-
-        def sample(g: torch.Generator) -> tuple[Tensor, ...]:
-            tokens = torch.randint(0, vocab, (bptt + 1, batch), generator=g)
-            return tokens[:-1], tokens[1:]
-
-        return model, sample, ("rnn",)
+        return model, token_pairs(vocab, bptt, batch), ("rnn",)
 
     return Workload(
         name=f"word-lm-{preset_name}-b{batch}",

@@ -96,16 +96,31 @@ class Workload:
         )
 
 
+def token_pairs(vocab: int, length: int, batch: int, *, batch_first: bool = False):
+    """A sampler of (tokens, next tokens), each ``length`` long: [length, batch] (time-major)
+    or [batch, length]."""
+
+    def sample(g: torch.Generator) -> tuple[Tensor, Tensor]:
+        shape = (batch, length + 1) if batch_first else (length + 1, batch)
+        tokens = torch.randint(0, vocab, shape, generator=g)
+        return (tokens[:, :-1], tokens[:, 1:]) if batch_first else (tokens[:-1], tokens[1:])
+
+    return sample
+
+
+def _labelled_images(batch: int, size: int, classes: int):
+    def sample(g: torch.Generator) -> tuple[Tensor, Tensor]:
+        images = torch.randn(batch, 3, size, size, generator=g)
+        return images, torch.randint(0, classes, (batch,), generator=g)
+
+    return sample
+
+
 def _lstm_lm(hidden: int, dropout: float):
     def builder(batch: int, quick: bool):
         vocab, hidden_, bptt = (50, 16, 5) if quick else (10_000, hidden, 35)
         model = models.LstmLM(vocab=vocab, hidden=hidden_, layers=2, dropout=dropout)
-
-        def sample(g: torch.Generator):
-            tokens = torch.randint(0, vocab, (bptt + 1, batch), generator=g)
-            return tokens[:-1], tokens[1:]
-
-        return model, sample, ("rnn",)
+        return model, token_pairs(vocab, bptt, batch), ("rnn",)
 
     return builder
 
@@ -133,12 +148,8 @@ def _resnet50(batch: int, quick: bool):
         ((1, 1, 1, 1), 4, 10, 32) if quick else ((3, 4, 6, 3), 64, 1000, 224)
     )
     model = models.ResNet(layers=layers, width=width, classes=classes)
-
-    def sample(g: torch.Generator):
-        images = torch.randn(batch, 3, size, size, generator=g)
-        return images, torch.randint(0, classes, (batch,), generator=g)
-
-    return model, sample, tuple(f"blocks.{i}" for i in range(sum(layers)))
+    blocks = tuple(f"blocks.{i}" for i in range(sum(layers)))
+    return model, _labelled_images(batch, size, classes), blocks
 
 
 def _transformer(batch: int, quick: bool):
@@ -148,11 +159,7 @@ def _transformer(batch: int, quick: bool):
     model = models.TransformerLM(
         vocab=vocab, width=width, heads=heads, layers=layers, length=length, dropout=0.1
     )
-
-    def sample(g: torch.Generator):
-        tokens = torch.randint(0, vocab, (batch, length + 1), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]
-
+    sample = token_pairs(vocab, length, batch, batch_first=True)
     return model, sample, tuple(f"blocks.{i}" for i in range(layers))
 
 
@@ -164,13 +171,8 @@ def _resnet152(batch: int, quick: bool):
     classes, size = (10, 32) if quick else (1000, 224)
     net = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes) if quick else resnet152()
     depths = [len(getattr(net, f"layer{i}")) for i in range(1, 5)]
-
-    def sample(g: torch.Generator):
-        images = torch.randn(batch, 3, size, size, generator=g)
-        return images, torch.randint(0, classes, (batch,), generator=g)
-
     blocks = tuple(f"model.layer{i + 1}.{j}" for i, d in enumerate(depths) for j in range(d))
-    return models.Classifier(net), sample, blocks
+    return models.Classifier(net), _labelled_images(batch, size, classes), blocks
 
 
 def _gpt2(batch: int, quick: bool):

@@ -1,45 +1,21 @@
-"""CUDA Graph capture and replay of the RNN step loops, holding no second copy of anything.
+"""CUDA Graph capture and replay of the RNN step loops, holding no second copy of anything
+(docs/rnn-op.md, "CUDA Graphs of the step loops").
 
-The step loops are bound by host launches, not by the GPU, so each is captured once
-and replayed. A replay reads and writes the addresses it was captured with; an entry
-holds those addresses, never the tensors that lived there:
+A loop is captured once per key (configuration, weights' addresses) and replayed on
+the addresses it was captured with; an ``Entry`` holds those addresses, never tensors.
+Outputs are each call's fresh tensors (a call replays the entry captured with exactly
+its addresses, else captures one: at most ``ENTRIES_PER_KEY`` per key), large inputs are
+read in place, and what is dead after a call (``workspace``) is a view of one arena per
+device and name, shared by every configuration (``_ARENA_OF``: names never live at once
+share one). Past ``GRAPH_CACHE_BYTES`` of arenas the least recently used keys go; a key
+that keeps missing captures only at its 1st-4th, 8th, 16th, ... miss in a row, or when
+a call brings back one of its last ``RECENT_MISSES`` uncaptured address sets. Every
+capture runs on one worker thread (one cuBLAS workspace for the side stream); inside an
+outer capture the loops run plainly and become part of it.
 
-- **outputs are fresh tensors**: the caller allocates a loop's outputs (y, cells, stash)
-  on every call from the caching allocator, as an uncaptured loop would, and replays
-  the entry that was captured with exactly those addresses; a steady training loop
-  repeats its allocations, so after its first steps every call finds one. Otherwise a
-  new entry is captured (at most ``ENTRIES_PER_KEY`` per key, least recently used
-  dropped first). The outputs live as long as their users hold them, no longer: a
-  replay writes only into the tensors of the call that replays it (the addresses must
-  all match), never into an earlier call's output someone still holds;
-- **inputs are read where they are**: weights (their addresses are part of the key) and
-  the large per-call inputs (a backward's stash, cells, y, dy: their addresses are part
-  of the entry's); only small inputs are copied into workspace;
-- **workspace is shared**: buffers that are dead after each call (pre-activations in
-  recompute mode, gate gradients, copied-in inputs) are views of one arena per device
-  and name, as large as the largest config asked (one stream runs the loops in turn),
-  so configs of several sizes (another T, another layer width) add no workspace of
-  their own; a forward's pre-activations and a backward's gate gradients, never live
-  at once, share one arena. The arenas are all the cache holds between calls;
-- **bounded**: past ``GRAPH_CACHE_BYTES`` (1 GiB) of arenas the least recently used keys are
-  dropped (and workspace nobody reads any more); a key whose calls keep missing (the
-  allocator does not repeat itself there) captures only at its 1st-4th, 8th, 16th, ...
-  miss in a row, or when a call brings addresses one of its last ``RECENT_MISSES``
-  uncaptured calls had (a loop that settles into a cycle of address sets only after its
-  first captures: capturing perturbs what the allocator hands out next), and runs the
-  loop uncaptured otherwise;
-- **one capturing thread**: torch keeps a cuBLAS workspace per (thread's handle, stream)
-  for the whole process (32 MiB on an H100), and the captured GEMMs point into it. Loops
-  are captured on a side stream; captured from the forward's thread and from autograd's
-  backward thread, that made two workspaces. Every capture runs on one worker thread
-  instead (the caller waits): one.
-
-Inside an outer capture the loops run plainly and become part of it.
-
-Two environment variables, read at each call, override the bounds:
-``MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS`` (the largest loop buffer captured, in elements;
-0 captures nothing: a debug switch) and ``MIRRORGRAD_RNN_GRAPH_CACHE_MB`` (the arenas
-kept, in MiB).
+``MIRRORGRAD_RNN_GRAPH_MAX_ELEMENTS`` (the largest loop buffer captured, in elements; 0
+captures nothing) and ``MIRRORGRAD_RNN_GRAPH_CACHE_MB`` (the arenas kept) are read at
+each call.
 """
 
 from __future__ import annotations
@@ -186,6 +162,27 @@ def arena_name(name: str) -> str:
 def arena_bytes(like: Tensor) -> int:
     """Bytes of an arena that can hold a buffer shaped like ``like``."""
     return max(like.numel() * like.dtype.itemsize, 1)
+
+
+class ArenaSizes:
+    """A stand-in for ``workspace`` that hands out what ``make`` makes (on the meta
+    device, by the callers) and records the bytes each arena is asked for: what a
+    capture would hold, as ``held()`` keys it for the op's held-memory formula."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device, self.sizes = str(device), {}
+
+    def __call__(self, _config: Any, name: str, make: Callable[[], Tensor]) -> Tensor:
+        like = make()
+        self.ask(name, arena_bytes(like))
+        return like
+
+    def ask(self, name: str, nbytes: int) -> None:
+        arena = arena_name(name)
+        self.sizes[arena] = max(self.sizes.get(arena, 0), nbytes)
+
+    def held(self) -> dict[tuple, int]:
+        return {("mirrorgrad.rnn arena", self.device, n): b for n, b in self.sizes.items()}
 
 
 def reserve(device: torch.device, name: str, nbytes: int) -> None:

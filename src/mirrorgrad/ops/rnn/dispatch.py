@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from mirrorgrad import _compat
+from mirrorgrad._cuda_graphs import capture
 from mirrorgrad._timing import time_calls
 from mirrorgrad.ops.rnn import cuda_graphs, time_model
 from mirrorgrad.ops.rnn.cell_modes import MEMORY_MODES, MODES
@@ -116,17 +117,7 @@ def _time_ms(fn: Callable[[], None]) -> float:
     ``dispatch_as_captured()``: 5 replays of the call captured in one CUDA Graph."""
     if not _captured_depth:
         return time_calls(fn, repeats=5, warmup=4, device="cuda").median_ms
-    stream = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(stream)
-    with torch.cuda.stream(side):  # warm-up uncaptured, as torch.cuda.graph asks
-        for _ in range(3):
-            fn()
-    side.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):  # the warm-up's stream (autograd's too)
-        fn()
-    stream.wait_stream(side)
+    graph, _ = capture(fn)  # the warm-up's stream is the capture's (autograd's too)
     ms = time_calls(graph.replay, repeats=5, warmup=2, device="cuda").median_ms
     del graph  # and its memory pool
     return ms

@@ -41,6 +41,7 @@ from mirrorgrad.ops.rnn.step_loop import (
     DTYPES,
     BwdLoopBuffers,
     LoopConfig,
+    add_chunk_grads,
     bwd_loop_buffers,
     check_layer,
     chunk_steps,
@@ -52,7 +53,7 @@ from mirrorgrad.ops.rnn.step_loop import (
     make_config,
     with_steps,
 )
-from mirrorgrad.ops.rnn.triton_math import sigmoid, tanh, tile
+from mirrorgrad.ops.rnn.triton_math import gate_grads, gru_cell, lstm_cell, store_gates, tanh, tile
 
 _BLOCK = 512
 
@@ -125,23 +126,15 @@ def _rnn_fwd_kernel(
         valid = mask & (t < tl.load(len_ptr + rb, mask=mb, other=0))[:, None]
     idx = rb[:, None] * H + rn[None, :]  # [BB, BN]
     h_old = tl.load(hin_ptr + idx, mask=mask, other=0.0)
-    sty = stash_ptr.dtype.element_ty
     if MODE == 0:
         p_i = tile(pre_ptr, rb, rn, mask, GH, 0) + acc0
         p_f = tile(pre_ptr, rb, rn, mask, GH, H) + acc1
         p_g = tile(pre_ptr, rb, rn, mask, GH, 2 * H) + acc2
         p_o = tile(pre_ptr, rb, rn, mask, GH, 3 * H) + acc3
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * GH + rn[None, :]
-            tl.store(srow, p_i.to(sty), mask=mask)
-            tl.store(srow + H, p_f.to(sty), mask=mask)
-            tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
-            tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
+            store_gates(stash_ptr + rb[:, None] * GH + rn[None, :], p_i, p_f, p_g, p_o, H, mask)
         c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = sigmoid(p_f) * c_old + sigmoid(p_i) * tanh(p_g)
-        if CLIP:
-            c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
-        h = sigmoid(p_o) * tanh(c)
+        c, h = lstm_cell(p_i, p_f, p_g, p_o, c_old, clip_lo, clip_hi, CLIP)
         tl.store(cnext_ptr + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
         if FUSED:
@@ -157,16 +150,10 @@ def _rnn_fwd_kernel(
         r_pre = tile(pre_ptr, rb, rn, mask, GH, 0) + hr
         z_pre = tile(pre_ptr, rb, rn, mask, GH, H) + hz
         xn = tile(pre_ptr, rb, rn, mask, GH, 2 * H)
-        r = sigmoid(r_pre)
-        z = sigmoid(z_pre)
-        n = tanh(xn + r * hn)
-        h = (1.0 - z) * n + z * h_old.to(tl.float32)
+        h = gru_cell(r_pre, z_pre, xn, hn, h_old)
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
-            tl.store(srow, r_pre.to(sty), mask=mask)
-            tl.store(srow + H, z_pre.to(sty), mask=mask)
-            tl.store(srow + 2 * H, xn.to(sty), mask=mask)
-            tl.store(srow + 3 * H, hn.to(sty), mask=mask)
+            store_gates(stash_ptr + rb[:, None] * 4 * H + rn[None, :], r_pre, z_pre, xn, hn, H,
+                        mask)  # fmt: skip
     elif MODE == 2:
         h = tanh(tile(pre_ptr, rb, rn, mask, H, 0) + acc0)
     else:
@@ -240,53 +227,26 @@ def _rnn_bwd_kernel(
     dh = dh_in
     if HAS_DY:
         dh += tl.load(dy_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    gty = dg_ptr.dtype.element_ty
+    x0, x1, x2, x3 = dh, dh, dh, dh  # placeholders where the mode reads none
+    s0, s1, s2 = dh, dh, dh
+    if MODE <= 1:
+        P = 4 * H if MODE == 1 else GH
+        x0 = tile(pre_ptr, rb, rn, mask, P, 0)
+        x1 = tile(pre_ptr, rb, rn, mask, P, H)
+        x2 = tile(pre_ptr, rb, rn, mask, P, 2 * H)
+        x3 = tile(pre_ptr, rb, rn, mask, P, 3 * H)
     if MODE == 0:
-        i = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 0))
-        f = sigmoid(tile(pre_ptr, rb, rn, mask, GH, H))
-        g = tanh(tile(pre_ptr, rb, rn, mask, GH, 2 * H))
-        o = sigmoid(tile(pre_ptr, rb, rn, mask, GH, 3 * H))
-        c_old = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
-        c = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
-        dc_in = tl.load(dc_ptr + idx, mask=mask, other=0.0)
-        tc = tanh(c)
-        dc = dc_in + dh * o * (1.0 - tc * tc)
-        if CLIP:
-            c_pre = f * c_old + i * g
-            dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
-        tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
-        tl.store(drow + 3 * H, tl.where(valid, dh * tc * o * (1.0 - o), 0.0).to(gty), mask=mask)
-        tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
-        dh_direct = tl.zeros_like(dh)
+        s0 = tl.load(cprev_ptr + idx, mask=mask, other=0.0)
+        s1 = tl.load(cnext_ptr + idx, mask=mask, other=0.0)
+        s2 = tl.load(dc_ptr + idx, mask=mask, other=0.0)
     elif MODE == 1:
-        r = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, 0))
-        z = sigmoid(tile(pre_ptr, rb, rn, mask, 4 * H, H))
-        xn = tile(pre_ptr, rb, rn, mask, 4 * H, 2 * H)
-        hn = tile(pre_ptr, rb, rn, mask, 4 * H, 3 * H)
-        n = tanh(xn + r * hn)
-        h_old = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        dn = dh * (1.0 - z) * (1.0 - n * n)
-        dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
-        dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
-        tl.store(drow, dr, mask=mask)
-        tl.store(drow + H, dz, mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
-        tl.store(hrow, dr, mask=mask)
-        tl.store(hrow + H, dz, mask=mask)
-        tl.store(hrow + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
-        dh_direct = dh * z
+        s0 = tl.load(hprev_ptr + idx, mask=mask, other=0.0).to(tl.float32)
     else:
-        # The activation's derivative comes from its output: nothing stashed.
-        h = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
-        drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
-        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
-        dh_direct = tl.zeros_like(dh)
+        s0 = tl.load(hnext_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    drow = dg_ptr + rb[:, None] * DGS + rn[None, :]
+    hrow = dgh_ptr + rb[:, None] * GH + rn[None, :]
+    dh_direct = gate_grads(drow, hrow, dc_ptr, idx, x0, x1, x2, x3, s0, s1, s2, dh, valid, mask,
+                           clip_lo, clip_hi, H, MODE, CLIP)  # fmt: skip
     # Rows past their length pass the state gradient through unchanged.
     tl.store(dh_ptr + idx, tl.where(valid, dh_direct, dh_in).to(dh_ptr.dtype.element_ty), mask=mask)
 
@@ -611,11 +571,12 @@ def layer_forward(
     h_n = _final_h(config, buf)
     h_n = h_n.clone() if graphed else h_n  # h is shared workspace there
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
-    return buf.y, h_n, c_n, _saved(config, buf)
+    return buf.y, h_n, c_n, saved_tensors(config, buf)
 
 
-def _saved(config: LoopConfig, buf: _FwdBuffers) -> tuple[Tensor, ...]:
-    """What ``layer_forward`` saves for backward (saved_layout)."""
+def saved_tensors(config: LoopConfig, buf) -> tuple[Tensor, ...]:
+    """What ``layer_forward`` saves for backward (saved_layout), from its buffers (this
+    module's or persistent.py's: the same fields)."""
     if config.mode == "lstm":
         return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
     return (buf.stash,) if buf.stash is not None else ()
@@ -751,20 +712,6 @@ def _bwd_chunk(
     return buf
 
 
-def _add_mm(total: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """total + a @ b; a @ b alone for the first chunk (no zero-filled accumulator)."""
-    return torch.mm(a, b) if total is None else total.addmm_(a, b)
-
-
-def _add_sum(total: Tensor | None, a: Tensor) -> Tensor:
-    """total + a.sum(0), as a GEMV (a^T @ ones). NOTE: CUDA's reduction over dim 0 of a
-    tall [rows, G*H] matrix stages partial sums in a buffer from the caching allocator
-    (ATen's Reduce.cuh, global reduce): 44 MiB per bias at deepspeech2's [4800, 2400]
-    at the backward's peak; a GEMV allocates nothing beyond its output."""
-    ones = a.new_ones(a.shape[0])
-    return torch.mv(a.t(), ones) if total is None else total.addmv_(a.t(), ones)
-
-
 def _backward_entry(
     config: LoopConfig, buf: BwdLoopBuffers, copied: list[str], t0: int, before_capture=None
 ) -> cuda_graphs.Entry | None:
@@ -873,8 +820,8 @@ def layer_backward(
     y = y.contiguous()
     dy = grad_y.contiguous() if grad_y is not None else None
     cells = saved[-1] if mode == "lstm" else None
-    grad_x = x.new_empty(T, B, x.shape[2]) if need_x else None
-    grad_wih = grad_whh = grad_bih = grad_bhh = None
+    n_in = x.shape[2]
+    grads = dict(grad_x=x.new_empty(T, B, n_in) if need_x else None)
     dh, dc = grad_hn, grad_cn if mode == "lstm" else None
     any_graphed = False
     steps = chunk_steps(T, B)
@@ -904,33 +851,17 @@ def layer_backward(
         dh, dc = buf.dh, buf.dc
         dg = buf.dg.view(n * B, gh)
         dgh = buf.dgh.view(n * B, gh) if buf.dgh is not None else dg
-        if need_x:
-            torch.mm(dg, w_ih, out=grad_x[t0:t1].view(n * B, x.shape[2]))
-        if need_wih:
-            grad_wih = _add_mm(grad_wih, dg.t(), x2d[rows])
-        if need_bih:
-            grad_bih = _add_sum(grad_bih, dg)
-        if need_bhh:
-            grad_bhh = _add_sum(grad_bhh, dgh)
-        if need_whh:
-            grad_whh = _whh_grad(grad_whh, dgh, h0, y, t0, t1, B)
+        if t1 == T:  # after the first chunk's loop, not during it: no addition to its peak
+            grads |= dict(grad_wih=x.new_empty(gh, n_in) if need_wih else None,
+                          grad_whh=x.new_empty(gh, config.H) if need_whh else None,
+                          grad_bih=x.new_empty(gh) if need_bih else None,
+                          grad_bhh=x.new_empty(gh) if need_bhh else None)  # fmt: skip
+        add_chunk_grads(dg, dgh, x2d, w_ih, h0, y, t0, t1, first=t1 == T, ones=None, **grads)
     # A static buffer is overwritten by the loop's next run: hand out a copy.
     grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None
-    return grad_x, grad_h0, grad_c0, grad_wih, grad_whh, grad_bih, grad_bhh, None
-
-
-def _whh_grad(total, dgh: Tensor, h0: Tensor, y: Tensor, t0: int, t1: int, B: int) -> Tensor:
-    """dW_hh of one chunk added to ``total``: dG_hidden^T @ h_{t-1} (h0 for step 0, then
-    y, read in place)."""
-    first = 0
-    if t0 == 0:
-        total = _add_mm(total, dgh[:B].t(), h0)
-        first = B
-    if dgh.shape[0] > first:
-        hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
-        total = _add_mm(total, dgh[first:].t(), hprev)
-    return total
+    return (grads["grad_x"], grad_h0, grad_c0, grads["grad_wih"], grads["grad_whh"],
+            grads["grad_bih"], grads["grad_bhh"], None)
 
 
 def held_arenas(
@@ -959,14 +890,7 @@ def held_arenas(
     forward_captured = cuda_graphs.captures_by_size(T * B * config.stash_width)
     if torch.device(device).type != "cuda":
         return {}
-    sizes: dict[str, int] = {}
-
-    def record(make_config: LoopConfig, name: str, make) -> Tensor:
-        like = make()
-        arena = cuda_graphs.arena_name(name)
-        sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
-        return like
-
+    record = cuda_graphs.ArenaSizes(device)
     if not backward and forward_captured:
         lengths = config.empty(B, dtype=torch.int64) if has_lengths else None
         w = config.empty(H, config.gh) if config.fused else config.empty(config.gh, H)
@@ -977,7 +901,7 @@ def held_arenas(
         if memory == "recompute" and not mode.startswith("rnn"):
             fields["pre"] = _recomputed_pre(chunk, record)
         _bwd_entry_buffers(chunk, fields, record)
-    return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
+    return record.held()
 
 
 def _bwd_fields_like(config: LoopConfig, has_lengths: bool, has_grad_y: bool) -> dict:

@@ -1,43 +1,22 @@
-"""Persistent RNN layer: one Triton launch runs all T steps of a layer and direction.
+"""Persistent RNN layer: one Triton launch runs all T steps of a layer and direction
+(docs/rnn-op.md, "The persistent kernel").
 
 The same per-layer contract as ``kernels.py`` (``reference.py``'s docstring), same
 saved layout, dropout and workspace, so the op can run ``impl="persistent"`` where it
-runs ``"triton"``. Per layer and direction:
+runs ``"triton"``. Forward: the input GEMM over all steps (cuBLAS), then ONE launch of
+``persistent_fwd_kernel``, program p owning hidden units [p*BN, (p+1)*BN) of every gate,
+a grid-wide barrier between steps. Backward: chunks of steps as kernels.py's, ONE
+``persistent_bwd_kernel`` launch per chunk (program p owning columns of dh), then the
+input and weight gradients as GEMMs over the stored gate gradients.
 
-* forward: the input GEMM ``X @ W_ih^T + b`` over all steps (cuBLAS, as kernels.py),
-  then ONE launch of ``persistent_fwd_kernel`` (persistent_kernels.py): program p owns
-  hidden units [p*BN, (p+1)*BN) (all G gates of them), computes ``h_{t-1} @ W_hh[its
-  rows]^T`` and the fused cell update for every batch row, writes its slice of h_t, then
-  waits at a grid-wide barrier before step t+1 reads the whole h_t.
-* backward: chunks of steps as kernels.py; per chunk ONE launch of
-  ``persistent_bwd_kernel``: program p owns the columns [p*BN, (p+1)*BN) of dh, computes
-  ``dG_{t+1} @ W_hh[:, its columns]`` and the gate gradients of its units, barrier per
-  step; dW_ih, dW_hh, db and dx are GEMMs over the stored dG after the launch
-  (step_loop.py's helpers).
-
-W_hh's slice per program is **resident** (loaded once before the time loop; Triton keeps
-it in shared memory and loads MMA operands from there each step) where it is at most
-``PersistentTuning.resident_bytes`` and compiles without spills, else **streamed** from
-L2 each step in BK-deep chunks. Batch tiles are spread over groups of programs (grid
-axis 1), each group with its own barrier. h_{t-1} and dG_{t+1} come from L2: Triton's
-pipeliner turns their loads into ``cp.async.ca`` (through L1, which is not coherent)
-whatever their cache modifier, so every step writes them to addresses of their own (h:
-[T+1, B, H] workspace instead of a ping-pong pair; dG: [T, B, G*H] as stored for the
-weight GEMMs) with rows padded to whole 128-byte lines: an L1 line is only ever fetched
-after its step's barrier, complete, and never written again in the launch. The barrier
-is a monotonic int32 counter: ``atomic_add(+1, release)`` after the step's stores, a
-poll with volatile loads, then one acquiring read (``grid_barrier``).
-
-A spin barrier needs every program resident at once: the grid is capped at the SM
-count (one program per SM), else the layer runs kernels.py (persistent_plan.py's
-``plan`` returns None).
-Under ``TRITON_INTERPRET=1`` programs run one after another, so the grid is one
-program owning all units (same arithmetic, the barrier trivially met).
-On CUDA each layer-direction's forward and backward (fills, GEMMs, the launch) is one
-body captured in a CUDA Graph and replayed through cuda_graphs.py, as kernels.py's step
-loops are: the host work of a call is one replay (the layer functions' section below).
-Not covered (delegated to kernels.py): projections (kernels.py refuses them too), an
-empty batch, and hidden sizes whose grid would exceed the SMs at BN <= ``PersistentTuning.max_bn``.
+W_hh's slice per program is resident (loaded once) where it fits
+``PersistentTuning.resident_bytes`` and compiles without spills, else streamed from L2
+each step. h_{t-1} and dG_{t+1} are read through L1, which is not coherent, so every
+step writes them to addresses of their own, rows padded to 128-byte lines. The grid is
+capped at one program per SM (the spin barrier needs them all resident), else the layer
+runs kernels.py's (``persistent_plan.plan`` returns None); so do projections and an
+empty batch. Under ``TRITON_INTERPRET=1`` one program owns every unit. On CUDA each
+phase is one body captured in a CUDA Graph and replayed (the layer functions' section).
 
 The layout and its knobs are persistent_plan.py's, the buffers persistent_buffers.py's,
 the bytes they take persistent_memory.py's, the step stamps of benchmarks
@@ -73,6 +52,7 @@ from mirrorgrad.ops.rnn.persistent_memory import held_arenas, loop_captured, wor
 from mirrorgrad.ops.rnn.persistent_plan import Plan, k_pieces, plan, supports_persistent
 from mirrorgrad.ops.rnn.step_loop import (
     LoopConfig,
+    add_chunk_grads,
     bwd_loop_buffers,
     check_layer,
     chunk_steps,
@@ -281,13 +261,6 @@ def _fwd_body(config: LoopConfig, layout: Plan, buf: FwdBuffers) -> None:
         buf.c_n.copy_(buf.cells[T])
 
 
-def _saved(config: LoopConfig, buf: FwdBuffers) -> tuple[Tensor, ...]:
-    """What ``layer_forward`` saves for backward (saved_layout)."""
-    if config.mode == "lstm":
-        return (buf.pre, buf.cells) if config.memory == "stash" else (buf.cells,)
-    return (buf.stash,) if buf.stash is not None else ()
-
-
 @torch.no_grad()
 def layer_forward(
     call: LayerCall, *, layout: Plan | None = None, use_graph: bool | None = None
@@ -318,7 +291,7 @@ def layer_forward(
     else:
         buf = fwd_buffers(config, layout, inputs)
         body(buf)
-    return buf.y, buf.h_n, buf.c_n, _saved(config, buf)
+    return buf.y, buf.h_n, buf.c_n, kernels.saved_tensors(config, buf)
 
 
 def _addresses(*tensors: Tensor | None) -> tuple[int, ...]:
@@ -346,7 +319,13 @@ def _bwd_body(config: LoopConfig, layout: Plan, buf: BwdBuffers) -> None:
         if buf.pre is not None:
             _recompute(chunk, buf, t0, t1, bias, out=loop.pre)
         _bwd_launch(chunk, layout, loop, buf.count[launch])
-        _chunk_grads(chunk, buf, loop, t0, t1, first=launch == 0)
+        dg = loop.dg.view(-1, chunk.gh)
+        dgh = loop.dgh.view(-1, chunk.gh) if loop.dgh is not None else dg
+        x2d = buf.x.view(T * B, buf.x.shape[-1])
+        add_chunk_grads(dg, dgh, x2d, buf.w_ih, buf.h0, buf.y, t0, t1,
+                        first=launch == 0, ones=buf.ones, grad_x=buf.grad_x,
+                        grad_wih=buf.grad_wih, grad_whh=buf.grad_whh, grad_bih=buf.grad_bih,
+                        grad_bhh=buf.grad_bhh)  # fmt: skip
     if buf.grad_c0 is not None:
         buf.grad_c0.copy_(buf.dc)
 
@@ -394,43 +373,6 @@ def _recompute(chunk: LoopConfig, buf: BwdBuffers, t0: int, t1: int,
         input_gemm(h, buf.w_hh[2 * H :], b_hn, pre[rows, 3 * H :])
     if buf.b_hh is not None:
         pre[:, : 2 * H].add_(buf.b_hh[: 2 * H])
-
-
-def _chunk_grads(chunk: LoopConfig, buf: BwdBuffers, loop, t0: int, t1: int,
-                 *, first: bool) -> None:  # fmt: skip
-    """The chunk's share of the input and weight gradients: GEMMs over its stored gate
-    gradients, written by the first chunk and added to by the others."""
-    B, H, gh = chunk.B, chunk.H, chunk.gh
-    n = (t1 - t0) * B
-    dg = loop.dg.view(n, gh)
-    dgh = loop.dgh.view(n, gh) if loop.dgh is not None else dg
-    x2d = buf.x.view(-1, buf.x.shape[-1])[t0 * B : t1 * B]
-    if buf.grad_x is not None:
-        torch.mm(dg, buf.w_ih, out=buf.grad_x[t0:t1].view(n, -1))
-    if buf.grad_wih is not None:
-        _mm_into(buf.grad_wih, first, dg.t(), x2d)
-    for out, g in ((buf.grad_bih, dg), (buf.grad_bhh, dgh)):
-        if out is not None:  # a GEMV: kernels.py's ``_add_sum`` says why
-            if first:
-                torch.mv(g.t(), buf.ones[:n], out=out)
-            else:
-                out.addmv_(g.t(), buf.ones[:n])
-    if buf.grad_whh is not None:  # dG_hidden^T @ h_{t-1}: h0 for step 0, then y
-        done = 0
-        if t0 == 0:
-            _mm_into(buf.grad_whh, first, dgh[:B].t(), buf.h0)
-            first, done = False, B
-        if n > done:
-            hprev = buf.y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
-            _mm_into(buf.grad_whh, first, dgh[done:].t(), hprev)
-
-
-def _mm_into(out: Tensor, first: bool, a: Tensor, b: Tensor) -> None:
-    """out = a @ b (first) or out += a @ b."""
-    if first:
-        torch.mm(a, b, out=out)
-    else:
-        out.addmm_(a, b)
 
 
 def _bwd_launch(config: LoopConfig, layout: Plan, buf, count: Tensor) -> None:

@@ -7,7 +7,7 @@ a grid-wide barrier (``grid_barrier``) between steps; PROBE stamps each step's p
 import triton
 import triton.language as tl
 
-from mirrorgrad.ops.rnn.triton_math import sigmoid, tanh, tile
+from mirrorgrad.ops.rnn.triton_math import gate_grads, gru_cell, lstm_cell, store_gates, tanh, tile
 
 
 @triton.jit
@@ -421,34 +421,19 @@ def _fwd_update(stash_ptr, h_out, cell_ptr, y_ptr, x0, x1, x2, x3, acc0, acc1, a
     mask = mb[:, None] & mn[None, :]
     GH: tl.constexpr = G * H
     idx = rb[:, None] * H + rn[None, :]
-    sty = stash_ptr.dtype.element_ty
     if MODE == 0:
         p_i, p_f, p_g, p_o = x0 + acc0, x1 + acc1, x2 + acc2, x3 + acc3
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * GH + rn[None, :]
-            tl.store(srow, p_i.to(sty), mask=mask)
-            tl.store(srow + H, p_f.to(sty), mask=mask)
-            tl.store(srow + 2 * H, p_g.to(sty), mask=mask)
-            tl.store(srow + 3 * H, p_o.to(sty), mask=mask)
-        c = sigmoid(p_f) * c_old + sigmoid(p_i) * tanh(p_g)
-        if CLIP:
-            c = tl.minimum(tl.maximum(c, clip_lo), clip_hi)
-        h = sigmoid(p_o) * tanh(c)
+            store_gates(stash_ptr + rb[:, None] * GH + rn[None, :], p_i, p_f, p_g, p_o, H, mask)
+        c, h = lstm_cell(p_i, p_f, p_g, p_o, c_old, clip_lo, clip_hi, CLIP)
         tl.store(cell_ptr + B * H + idx, tl.where(valid, c, c_old), mask=mask)
     elif MODE == 1:
         hr, hz, hn = acc0 + bhr[None, :], acc1 + bhz[None, :], acc2 + bhn[None, :]
-        r_pre = x0 + hr
-        z_pre = x1 + hz
-        r = sigmoid(r_pre)
-        z = sigmoid(z_pre)
-        n = tanh(x2 + r * hn)
-        h = (1.0 - z) * n + z * h_old.to(tl.float32)
+        r_pre, z_pre = x0 + hr, x1 + hz
+        h = gru_cell(r_pre, z_pre, x2, hn, h_old)
         if WRITE_STASH:
-            srow = stash_ptr + rb[:, None] * 4 * H + rn[None, :]
-            tl.store(srow, r_pre.to(sty), mask=mask)
-            tl.store(srow + H, z_pre.to(sty), mask=mask)
-            tl.store(srow + 2 * H, x2.to(sty), mask=mask)
-            tl.store(srow + 3 * H, hn.to(sty), mask=mask)
+            store_gates(stash_ptr + rb[:, None] * 4 * H + rn[None, :], r_pre, z_pre, x2, hn, H,
+                        mask)  # fmt: skip
     elif MODE == 2:
         h = tanh(x0 + acc0)
     else:
@@ -736,42 +721,10 @@ def _bwd_update(dh_ptr, dc_ptr, dg_ptr, dgh_ptr, x0, x1, x2, x3, s0, s1, s2, dh_
     idx = rb[:, None] * H + rn[None, :]
     dh_in = dh_own + acc
     dh = dh_in + dy
-    gty = dg_ptr.dtype.element_ty
     drow = dg_ptr + rb[:, None] * DS + rn[None, :]
-    if MODE == 0:
-        i, f, g, o = sigmoid(x0), sigmoid(x1), tanh(x2), sigmoid(x3)
-        c_old, c, dc_in = s0, s1, s2
-        tc = tanh(c)
-        dc = dc_in + dh * o * (1.0 - tc * tc)
-        if CLIP:
-            c_pre = f * c_old + i * g
-            dc = tl.where((c_pre >= clip_lo) & (c_pre <= clip_hi), dc, 0.0)
-        tl.store(drow, tl.where(valid, dc * g * i * (1.0 - i), 0.0).to(gty), mask=mask)
-        tl.store(drow + H, tl.where(valid, dc * c_old * f * (1.0 - f), 0.0).to(gty), mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dc * i * (1.0 - g * g), 0.0).to(gty), mask=mask)
-        tl.store(drow + 3 * H, tl.where(valid, dh * tc * o * (1.0 - o), 0.0).to(gty), mask=mask)
-        tl.store(dc_ptr + idx, tl.where(valid, dc * f, dc_in), mask=mask)
-        dh_direct = tl.zeros_like(dh)
-    elif MODE == 1:
-        r, z, xn, hn, h_old = sigmoid(x0), sigmoid(x1), x2, x3, s0
-        n = tanh(xn + r * hn)
-        dn = dh * (1.0 - z) * (1.0 - n * n)
-        dr = tl.where(valid, dn * hn * r * (1.0 - r), 0.0).to(gty)
-        dz = tl.where(valid, dh * (h_old - n) * z * (1.0 - z), 0.0).to(gty)
-        hrow = dgh_ptr + rb[:, None] * DS + rn[None, :]
-        tl.store(drow, dr, mask=mask)
-        tl.store(drow + H, dz, mask=mask)
-        tl.store(drow + 2 * H, tl.where(valid, dn, 0.0).to(gty), mask=mask)
-        tl.store(hrow, dr, mask=mask)
-        tl.store(hrow + H, dz, mask=mask)
-        tl.store(hrow + 2 * H, tl.where(valid, dn * r, 0.0).to(gty), mask=mask)
-        dh_direct = dh * z
-    else:
-        # The activation's derivative comes from its output: nothing stashed.
-        h = s0
-        dp = dh * (1.0 - h * h) if MODE == 2 else tl.where(h > 0.0, dh, 0.0)
-        tl.store(drow, tl.where(valid, dp, 0.0).to(gty), mask=mask)
-        dh_direct = tl.zeros_like(dh)
+    hrow = dgh_ptr + rb[:, None] * DS + rn[None, :]
+    dh_direct = gate_grads(drow, hrow, dc_ptr, idx, x0, x1, x2, x3, s0, s1, s2, dh, valid, mask,
+                           clip_lo, clip_hi, H, MODE, CLIP)  # fmt: skip
     # Rows past their length pass the state gradient through unchanged.
     dh_new = tl.where(valid, dh_direct, dh_in)
     tl.store(dh_ptr + idx, dh_new.to(dh_ptr.dtype.element_ty), mask=mask)

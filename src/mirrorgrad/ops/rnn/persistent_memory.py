@@ -4,7 +4,6 @@ Graph cache holds between calls (``held_arenas``): the op's memory formulas ask 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from mirrorgrad.ops.rnn import cuda_graphs, kernels
 from mirrorgrad.ops.rnn.cell_modes import GATES
@@ -42,51 +41,28 @@ def workspace_bytes(
     return dg + (rows * width * d if recompute else 0)
 
 
-def loop_captured(mode: str, T: int, B: int, H: int, device: torch.device, *,
-                  backward: bool) -> bool:  # fmt: skip
-    """Whether a layer's forward (or backward) runs as a CUDA Graph when the caller asks
-    nothing, outside another capture: kernels.py's rule, sized alike (``_graphed``)."""
-    return kernels.loop_captured(mode, T, B, H, device, backward=backward)
+# Captured where kernels.py's loops are, sized alike (persistent.py's ``_graphed``).
+loop_captured = kernels.loop_captured
 
 
-def held_arenas(
-    mode: str,
-    memory: str,
-    T: int,
-    B: int,
-    H: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    *,
-    has_lengths: bool,
-    has_bias: bool,
-    backward: bool,
-    has_grad_y: bool = True,
-) -> dict[tuple, int]:
-    """Bytes of each shared arena (cuda_graphs.py) that one layer-direction's captured forward
-    (or backward) asks for and the cache keeps between calls, keyed as
-    ``kernels.held_arenas`` (whose layers run where the persistent kernel does not): the
-    same buffer builders as the capture, on the meta device, and the "gates" arena
-    reserved for both phases. Bias gradients are assumed wanted (their GEMV's vector of
-    ones: rows elements)."""
+def held_arenas(mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype,
+                device: torch.device, **flags: bool) -> dict[tuple, int]:  # fmt: skip
+    """``kernels.held_arenas`` (the same arguments; ``flags``: its keywords) of the
+    persistent layer, keyed alike (kernels.py's layers run where the persistent kernel
+    does not): the same buffer builders as the capture, on the meta device, and the
+    "gates" arena reserved for both phases. Bias gradients are assumed wanted (their
+    GEMV's vector of ones: rows elements)."""
     device = torch.device(device)
     layout = formula_plan(mode, B, H, dtype, device)
     if layout is None:
-        return kernels.held_arenas(mode, memory, T, B, H, dtype, device, has_lengths=has_lengths,
-                                   has_bias=has_bias, backward=backward,
-                                   has_grad_y=has_grad_y)  # fmt: skip
+        return kernels.held_arenas(mode, memory, T, B, H, dtype, device, **flags)
+    has_lengths, has_bias, backward = flags["has_lengths"], flags["has_bias"], flags["backward"]
     if device.type != "cuda" or not loop_captured(mode, T, B, H, device, backward=backward):
         return {}
     config = make_config(mode, T, B, H, dtype, torch.device("meta"), has_lengths, None,
                          memory, has_bias, False, "ieee")  # fmt: skip
-    sizes = {cuda_graphs.arena_name("pre"): gates_bytes(config)}
-
-    def record(_key, name: str, make) -> Tensor:
-        like = make()
-        arena = cuda_graphs.arena_name(name)
-        sizes[arena] = max(sizes.get(arena, 0), cuda_graphs.arena_bytes(like))
-        return like
-
+    record = cuda_graphs.ArenaSizes(device)
+    record.ask("pre", gates_bytes(config))
     empty, gh = config.empty, config.gh
     weights = dict(w_ih=empty(gh, 1), w_hh=empty(gh, H), b_ih=empty(gh) if has_bias else None,
                    b_hh=empty(gh) if has_bias else None)  # fmt: skip
@@ -101,5 +77,5 @@ def held_arenas(
     else:
         inputs = copy_in(config, layout, dict(c0=lstm_state, **common), record)
         fwd_buffers(config, layout, inputs, record)
-    return {("mirrorgrad.rnn arena", str(device), name): n for name, n in sizes.items()}
+    return record.held()
 

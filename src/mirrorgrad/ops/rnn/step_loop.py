@@ -200,3 +200,46 @@ def bwd_loop_buffers(
         w_hh=w_hh,
     )
 
+
+
+def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tensor, y: Tensor,
+                    t0: int, t1: int, *, first: bool, ones: Tensor | None, grad_x: Tensor | None,
+                    grad_wih: Tensor | None, grad_whh: Tensor | None, grad_bih: Tensor | None,
+                    grad_bhh: Tensor | None) -> None:  # fmt: skip
+    """The chunk of steps [t0, t1)'s share of the input and weight gradients (each None
+    where not wanted): GEMMs over its gate gradients ``dg`` [rows, G*H] (``dgh``: the
+    hidden side's, ``dg`` itself but for a GRU), written by the ``first`` chunk and added
+    to by the others. dW_hh reads h_{t-1}: h0 for step 0, then y. The bias gradients are
+    GEMVs against ``ones`` (at least ``rows``; None: made here): CUDA's sum over dim 0 of a
+    tall matrix stages partial sums in a buffer from the caching allocator (ATen's Reduce.cuh:
+    44 MiB per bias at deepspeech2's [4800, 2400] at the backward's peak), a GEMV none."""
+    B = h0.shape[0]
+    rows = dg.shape[0]
+    if grad_x is not None:
+        torch.mm(dg, w_ih, out=grad_x[t0:t1].view(rows, grad_x.shape[-1]))
+    if grad_wih is not None:
+        _mm_into(grad_wih, first, dg.t(), x2d[t0 * B : t1 * B])
+    if ones is None and (grad_bih is not None or grad_bhh is not None):
+        ones = dg.new_ones(rows)  # only while the chunk's GEMVs run
+    for out, g in ((grad_bih, dg), (grad_bhh, dgh)):
+        if out is not None:
+            if first:
+                torch.mv(g.t(), ones[:rows], out=out)
+            else:
+                out.addmv_(g.t(), ones[:rows])
+    if grad_whh is not None:
+        done = 0
+        if t0 == 0:
+            _mm_into(grad_whh, first, dgh[:B].t(), h0)
+            first, done = False, B
+        if rows > done:
+            hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
+            _mm_into(grad_whh, first, dgh[done:].t(), hprev)
+
+
+def _mm_into(out: Tensor, first: bool, a: Tensor, b: Tensor) -> None:
+    """out = a @ b (first) or out += a @ b."""
+    if first:
+        torch.mm(a, b, out=out)
+    else:
+        out.addmm_(a, b)

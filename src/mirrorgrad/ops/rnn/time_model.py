@@ -8,31 +8,23 @@ on a GPU (docs/rnn-op.md):
     ms = us_step * S / 1e3 + w * S * G*H*H / 1e9 + s * S * B*G*H / 1e9 + layer * L*D
 
 with S = T * L * D sequential steps (layers x directions), G gates. ``COSTS`` holds the
-four constants per (implementation, memory, dtype class), fitted by ``fit`` to the
-measured tables in docs/results/ (relative least squares, constants >= 0);
+four constants per (implementation, memory, dtype class), fitted to the measured tables
+in docs/results/ (relative least squares, constants >= 0: benchmarks/fit_time_model.py);
 tests/ops/test_rnn_cost.py checks the rule against those tables. An implementation
 without constants is never preferred by the rule.
 
 The planner prices the op's forward and backward calls with ``phase_ms`` (the op's
 time formula, ``formulas.register_time_formula``): the rule's stash time split by
 ``FORWARD_SHARE``, and for ``memory="recompute"`` of an LSTM or GRU the backward plus
-``RECOMPUTE_EXTRA``, fitted by ``fit_extra`` to what recompute added in the same tables
-(the difference of the two independent fits is noise at small batches: 0.01 ms
-predicted where 0.23 ms was measured).
-
-    python -m mirrorgrad.ops.rnn.time_model RESULTS.json ...
-
-prints the constants fitted to `mirrorgrad bench --suite rnn-kernels` results (the
-module methods ``mgnn-<impl>``), for COSTS.
+``RECOMPUTE_EXTRA``, fitted to what recompute added in the same tables (the difference
+of the two independent fits is noise at small batches: 0.01 ms predicted where 0.23 ms
+was measured).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -81,7 +73,7 @@ COSTS: dict[tuple[str, str, str], tuple[float, float, float, float]] = {
 
 
 # dtype class -> constants over Shape.features(): what memory="recompute" adds to an LSTM's
-# or GRU's step (fit_extra: absolute least squares, >= 0). fp32: fitted to
+# or GRU's step (absolute least squares, >= 0). fp32: fitted to
 # docs/results/rnn-memory-mode-timing-h100.json (H100, TF32, 11 LSTM and
 # GRU stacks, forward and backward timed inside one step, the modes in alternating rounds);
 # half: to the H200 bf16 table (docs/results/rnn-kernels-h200/), older kernels.
@@ -90,7 +82,7 @@ RECOMPUTE_EXTRA: dict[str, tuple[float, float, float, float]] = {
     "half": (0.0, 0.0, 0.0, 0.158),
 }
 # The forward's share of forward+backward with memory="stash": the mean over the rows of the
-# same H100 file (timing_forward_share).
+# same H100 file.
 FORWARD_SHARE = 0.469
 
 
@@ -131,98 +123,3 @@ def pick(candidates: Sequence[str], memory: str, dtype: torch.dtype, shape: Shap
         if ms is not None and (best_ms is None or ms < best_ms):
             best, best_ms = candidate, ms
     return best
-
-
-def fit(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
-    """Constants (>= 0) minimising the squared relative error of the rule over measured
-    (shape, ms) samples."""
-    import numpy as np
-
-    samples = list(samples)
-    features = np.array([s.features() for s, _ in samples])
-    measured = np.array([ms for _, ms in samples])
-    return _nonnegative_lstsq(features / measured[:, None], np.ones(len(samples)))
-
-
-def _nonnegative_lstsq(a, b) -> tuple[float, ...]:
-    """Least squares of ``a @ c = b`` with negative constants dropped one at a time."""
-    import numpy as np
-
-    active = list(range(a.shape[1]))
-    while True:
-        constants = np.zeros(a.shape[1])
-        constants[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
-        if (constants >= 0).all():
-            return tuple(round(float(c), 3) for c in constants)
-        active.remove(int(np.argmin(constants)))
-
-
-def fit_extra(samples: Iterable[tuple[Shape, float]]) -> tuple[float, ...]:
-    """Constants (>= 0) minimising the squared error (in ms, not relative: the measured
-    differences come near zero) of RECOMPUTE_EXTRA's sum over (shape, recompute - stash ms).
-    Never below zero: where recompute measured faster the rule says it costs nothing."""
-    import numpy as np
-
-    samples = list(samples)
-    features = np.array([s.features() for s, _ in samples])
-    return _nonnegative_lstsq(features, np.array([ms for _, ms in samples]))
-
-
-def _timing_shape(row: dict) -> Shape:
-    """The Shape of a ``bench/op_memory_timing`` row (older files: 2-layer LSTMs, T 35)."""
-    return Shape(mode=row.get("mode", "lstm"), T=row.get("T", 35), B=row["batch"],
-                 H=row["hidden"], layers=row["layers"],
-                 directions=row.get("directions", 1))  # fmt: skip
-
-
-def _step_ms(times: dict) -> float:
-    return times.get("step_ms", times["forward_ms"] + times["backward_ms"])
-
-
-def timing_extra_samples(rows: Iterable[dict]) -> list[tuple[Shape, float]]:
-    """(shape, what recompute added to the op's forward+backward, ms) of each LSTM or GRU
-    row of ``bench/op_memory_timing`` results: the samples RECOMPUTE_EXTRA is fitted to.
-    The whole step, not its backward alone: the rule prices both modes' forwards alike."""
-    return [
-        (shape, _step_ms(row["recompute"]) - _step_ms(row["stash"]))
-        for row in rows
-        if (shape := _timing_shape(row)).mode in ("lstm", "gru")
-    ]
-
-
-def timing_forward_share(rows: Iterable[dict]) -> float:
-    """The mean share of the forward in forward+backward with memory="stash"."""
-    shares = [row["stash"]["forward_ms"] / _step_ms(row["stash"]) for row in rows]
-    return sum(shares) / len(shares)
-
-
-def shape_of(workload: str) -> Shape:
-    """The Shape of an rnn-kernels workload, rnn-<mode>-L<l>-I<i>-H<h>-B<b>-T<t>[-bi]."""
-    parts = workload.split("-")
-    sizes = {p[0]: int(p[1:]) for p in parts[2:] if p[:1] in "LIHBT" and p[1:].isdigit()}
-    return Shape(mode=parts[1], T=sizes["T"], B=sizes["B"], H=sizes["H"], layers=sizes["L"],
-                 directions=2 if parts[-1] == "bi" else 1)  # fmt: skip
-
-
-def fit_results(docs: Iterable[dict]) -> dict[tuple[str, str, str], tuple[float, ...]]:
-    """COSTS entries fitted to rnn-kernels results: one per module method ``mgnn-<impl>``
-    (memory: the module's default, or stash for ``-stash``), mode-independent as COSTS."""
-    samples: dict[tuple[str, str, str], list[tuple[Shape, float]]] = {}
-    for doc in docs:
-        dtype = "fp32" if doc["options"]["dtype"] == "fp32" else "half"
-        for name, workload in doc["workloads"].items():
-            shape = shape_of(name)
-            for m in workload["methods"]:
-                if m["status"] != "ok" or not m["method"].startswith("mgnn-"):
-                    continue
-                impl, _, memory = m["method"][5:].partition("-")
-                memory = memory or ("recompute" if shape.mode == "lstm" else "stash")
-                key = (impl, memory_class(impl, memory), dtype)
-                samples.setdefault(key, []).append((shape, m["median_ms"]))
-    return {key: fit(rows) for key, rows in samples.items() if len(rows) >= 4}
-
-
-if __name__ == "__main__":
-    fitted = fit_results(json.loads(Path(path).read_text()) for path in sys.argv[1:])
-    for key, constants in sorted(fitted.items()):
-        print(f"    {key}: {constants},")

@@ -1,0 +1,39 @@
+"""Capture a callable in one CUDA Graph as torch asks: warm-up calls on a side stream,
+then the capture on that same stream (autograd's work stays on one stream)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def capture(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    warm_up: Callable[[], Any] | None = None,
+    warm_up_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    before_capture: Callable[[], None] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``(graph, what fn returned while captured)``: ``warmup`` calls of ``warm_up``
+    (default ``fn``) inside ``warm_up_context()`` first (they build kernels and fill
+    caches), then ``before_capture()``, then ``fn`` captured. Replay with
+    ``graph.replay()``; the result's tensors are rewritten by each replay."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side), warm_up_context():
+        for _ in range(warmup):
+            (warm_up or fn)()
+    side.synchronize()
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        result = fn()
+    current.wait_stream(side)
+    return graph, result
