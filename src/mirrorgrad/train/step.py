@@ -5,8 +5,9 @@ Public so that a benchmark can time exactly the step `mirrorgrad train lm` runs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 import mirrorgrad
 from mirrorgrad import _compat
+from mirrorgrad._cuda_graphs import capture
 from mirrorgrad.nn import dispatch_as_captured
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import distributed
@@ -216,28 +218,34 @@ class GraphedStep:
         device = tokens.device
         self._inputs = [t.detach().clone() for t in (tokens, targets, *state)]
         tokens, targets, h, c = self._inputs
-        # Warm-up: compiles, autotunes and fills caches. It draws dropout masks, so the
-        # RNG is restored after it, and it updates no weight. Warm-up and capture share
-        # one side stream: autograd's gradient accumulation then stays on one stream.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        # impl="auto" chooses here (the first call), timing its candidates captured.
-        rng = torch.random.fork_rng(devices=[device])
-        with rng, torch.cuda.stream(side), dispatch_as_captured():
-            for _ in range(self.warmup):
-                self.optimizer.zero_grad(set_to_none=True)
-                self.step_model(tokens, targets, (h, c))[0].backward()
-                if self.reduce_gradients is not None:  # NCCL warms up before a capture
-                    self.reduce_gradients()
-        side.synchronize()
-        # Gradients made in the capture live in the graph's memory and are rewritten,
-        # not accumulated, by each replay.
-        self.optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
+
+        # Warm-up: compiles, autotunes and fills caches; impl="auto" chooses here (the
+        # first call), timing its candidates captured. It draws dropout masks, so the
+        # RNG is restored after it, and it updates no weight.
+        def warm_up() -> None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step_model(tokens, targets, (h, c))[0].backward()
+            if self.reduce_gradients is not None:  # NCCL warms up before a capture
+                self.reduce_gradients()
+
+        @contextlib.contextmanager
+        def warm_up_context() -> Iterator[None]:
+            with torch.random.fork_rng(devices=[device]), dispatch_as_captured():
+                yield
+
+        def body() -> tuple[Tensor, Tensor]:
             loss, norm, (h_next, c_next) = self._body(tokens, targets, (h, c))
-            self._loss, self._norm = loss.detach(), norm
             h.copy_(h_next)
             c.copy_(c_next)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = graph
+            return loss.detach(), norm
+
+        # Gradients made in the capture live in the graph's memory and are rewritten,
+        # not accumulated, by each replay.
+        self.graph, (self._loss, self._norm) = capture(
+            body,
+            warmup=self.warmup,
+            warm_up=warm_up,
+            warm_up_context=warm_up_context,
+            before_capture=functools.partial(self.optimizer.zero_grad, set_to_none=True),
+            device=device,
+        )
