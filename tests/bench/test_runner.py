@@ -221,3 +221,15 @@ def test_profile_writes_a_kernel_table(tmp_path):
     assert measure(WORKLOADS["mlp"], get_method("eager"), opts).status == "ok"
     text = (tmp_path / "mlp.eager.txt").read_text()
     assert text.startswith("5 steps of mlp.eager") and "aten::" in text
+
+
+def test_auto_picks_are_the_choices_timed_as_the_method_runs(monkeypatch):
+    from mirrorgrad.bench import runner
+    from mirrorgrad.ops.rnn import dispatch
+
+    key = ("lstm", torch.device("cpu"), torch.float32, 3, 2, 4, 32, 8, 1, False, False,
+           "stash", False, True)  # fmt: skip
+    monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {key: "triton", (*key, "captured"): "cudnn"})
+    monkeypatch.setattr(dispatch, "AUTO_TIMES", {(*key, "captured"): {"cudnn": 1.0, "triton": 2.5}})
+    assert runner._auto_picks(captured=True) == ["cudnn (cudnn 1.00, triton 2.50)"]
+    assert runner._auto_picks(captured=False) == ["triton"]

@@ -107,7 +107,8 @@ def _module_doc():
             "rnn-lstm-L2-I8-H8-B20-T35": {"methods": [
                 _result("eager", 4.0, 10 * mib), _result("cuda-graph", 2.0, 20 * mib),
                 _result("eager+mgnn", 2.5, 8 * mib),
-                _result("cuda-graph+mgnn", 1.6, 10 * mib, grads_ok=False),
+                _result("cuda-graph+mgnn", 1.6, 10 * mib, grads_ok=False,
+                        auto_picks=["persistent (cudnn 1.70, persistent 1.50)"]),
                 _result("cuda-graph+mgnn-triton", 1.0, 5 * mib),
                 _result("cuda-graph+mgnn-persistent", 1.25, 4 * mib),
                 {"method": "cuda-graph+mgnn-cudnn", "status": "failed", "error": "OOM"},
@@ -129,6 +130,7 @@ def test_module_rows_set_each_method_against_graphed_cudnn():
     assert lstm["best fixed graphed speedup"] == pytest.approx(2.0)
     assert lstm["cuDNN speedup"] == pytest.approx(0.5)
     assert lstm["wrong gradients"] == ["cuda-graph+mgnn"]
+    assert lstm["auto picked graphed"] == "persistent (cudnn 1.70, persistent 1.50)"
     assert lstm["not measured"] == {"cuda-graph+mgnn-cudnn": "OOM"}
     assert gru["mgnn auto graphed ms"] is None and gru["best fixed impl"] is None
     # Every graphed implementation's numbers, the same keys in every row (the CSV's columns).
@@ -143,7 +145,8 @@ def test_module_table_rows_geomeans_and_what_was_not_measured():
     assert cells["mgnn auto graphed: ms (x) / peak MiB (x)"] == "1.60 (1.25x) / 10.0 (0.50x)"
     best = cells["best fixed graphed: ms (x) / peak MiB (x)"]
     assert best == "1.00 (2.00x) / 5.00 (0.25x) triton"
-    assert lstm.endswith("| WRONG: cuda-graph+mgnn |") and gru.endswith("| ok |")
+    assert lstm.endswith("| WRONG: cuda-graph+mgnn | persistent (cudnn 1.70, persistent 1.50) |")
+    assert gru.endswith("| ok | — |")
     assert "- lstm, geomean speedup over graphed cuDNN: cuDNN 0.50x (1)" in table
     assert "- needs CUDA: cuda-graph+mgnn (1 workloads)" in table
     assert "- OOM: cuda-graph+mgnn-cudnn (1 workloads)" in table

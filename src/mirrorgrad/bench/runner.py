@@ -106,6 +106,9 @@ class MethodResult:
     grad_worst_error: float | None = None
     grads_ok: bool | None = None
     grad_note: str | None = None
+    # mirrorgrad.nn methods: what impl="auto" ran, per RNN call shape, with the ms each
+    # candidate took ("persistent (cudnn 1.41, persistent 1.30, triton 1.79)").
+    auto_picks: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -227,6 +230,19 @@ def _graphed(step: Any, device: str) -> Any:
         return loss
 
     return replay
+
+
+def _auto_picks(*, captured: bool) -> list[str]:
+    """impl="auto"'s choices timed as the method runs (captured or not), each with the
+    candidates' ms."""
+    from mirrorgrad.ops.rnn.dispatch import auto_choices
+
+    picks = []
+    for row in auto_choices():
+        if row["captured"] == captured:
+            times = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(row["times"].items()))
+            picks.append(f"{row['choice']} ({times})" if times else row["choice"])
+    return picks
 
 
 def _cpu_peak(step: Any, model: torch.nn.Module) -> int:
@@ -398,6 +414,8 @@ def measure(
             # replays: its peak is the recording's, in the graph's own memory pool.
             floor = first_peak if method.cuda_graph else 0
             _timed_steps(step, workload, built, opts, result, floor)
+            if method.swap_rnn:
+                result.auto_picks = _auto_picks(captured=method.cuda_graph)
             if opts.profile_dir is not None:
                 _profile(step, opts, opts.profile_dir / f"{workload.name}.{method.name}.txt")
             if method.compiles:

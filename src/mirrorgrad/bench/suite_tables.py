@@ -66,6 +66,8 @@ def module_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row[f"{header} peak ratio"] = peak_ratio
         row["best fixed impl"] = None if best is None else best["method"][len(_GRAPHED_IMPL) :]
         row["wrong gradients"] = [n for n, m in ok.items() if m.get("grads_ok") is False]
+        graphed = ok.get("cuda-graph+mgnn") or {}
+        row["auto picked graphed"] = "; ".join(graphed.get("auto_picks") or [])
         for n in impl_names:
             impl = n[len(_GRAPHED_IMPL) :]
             row[f"graphed {impl} ms"] = ok[n]["median_ms"] if n in ok else None
@@ -80,7 +82,8 @@ def module_table(doc: dict[str, Any]) -> str:
     each with its speedup and peak over graphed cuDNN; geomeans per mode below."""
     heads = [h for h, _ in MODULE_COLUMNS] + ["best fixed graphed"]
     head = ["workload", *(f"{h}: ms (x) / peak MiB (x)" for h in heads), "gradients"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(heads) + "---|"]
+    head.append("auto picked, graphed (captured ms)")
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * len(heads) + "---|---|"]
     speedups: dict[str, dict[str, list[float]]] = {}
     rows = module_rows(doc)
     for row in rows:
@@ -96,6 +99,7 @@ def module_table(doc: dict[str, Any]) -> str:
             cells[-1] += f" {row['best fixed impl']}"
         wrong = row["wrong gradients"]
         cells.append("WRONG: " + ", ".join(wrong) if wrong else "ok")
+        cells.append(row["auto picked graphed"] or "—")
         lines.append("| " + " | ".join(cells) + " |")
     dtype = doc["options"]["dtype"]
     lines += [
