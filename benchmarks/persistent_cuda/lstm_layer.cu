@@ -1,0 +1,285 @@
+// One LSTM layer's recurrence, all T steps in one persistent launch (forward only).
+//
+// The input side xW_t = x_t W_ih^T + b_ih of every step is one cuBLAS GEMM before the
+// launch; the kernel computes, for t = 0..T-1,
+//     gates_t = xW_t + h_{t-1} W_hh^T + b_hh          (gate order i, f, g, o: torch.nn.LSTM)
+//     c_t = sigmoid(f) c_{t-1} + sigmoid(i) tanh(g),   h_t = sigmoid(o) tanh(c_t)
+// and writes y[t] = h_t, h_n = h_{T-1}, c_n = c_{T-1}.
+//
+// Layout (as the persistent RNNs of Diamos et al. 2016): CTA p owns UNITS hidden units
+// [p*UNITS, (p+1)*UNITS) and all four gates of them, so the cell needs no other CTA's
+// result. Its 4*UNITS rows of W_hh are loaded once into registers as tensor-core MMA
+// A fragments (bf16: mma m16n8k16; fp32: mma m16n8k8 in TF32) and stay there for all
+// T steps: nothing re-reads W_hh from shared memory or L2. The 8 warps split K (the
+// hidden input); each step a warp reads h_{t-1} (B x H, from L2) as B fragments, the
+// warps' partial sums meet in shared memory, one thread per (unit, batch row) applies
+// the cell (c stays in its registers, fp32), writes its h_t, and the grid synchronises
+// once per step. The launch is cooperative, so every CTA is resident and the spin
+// barrier cannot wait on a CTA that never runs; it also gives up after BARRIER_TIMEOUT_NS
+// (status = 1) so that no mistake can hang the GPU.
+//
+// Compile-time configuration (-D from prototype.py):
+//   LSTM_BF16    1: bf16 tensors; 0: fp32 tensors (TF32 products, fp32 accumulation)
+//   LSTM_HIDDEN  H (a multiple of 8)
+//   LSTM_BATCH   B
+//   LSTM_UNITS   hidden units per CTA (a multiple of 4, so 4*UNITS rows fill 16-row tiles)
+// No header is included: the source compiles with NVRTC alone.
+
+#if !defined(LSTM_BF16) || !defined(LSTM_HIDDEN) || !defined(LSTM_BATCH) || !defined(LSTM_UNITS)
+#error "define LSTM_BF16, LSTM_HIDDEN, LSTM_BATCH and LSTM_UNITS"
+#endif
+
+constexpr int H = LSTM_HIDDEN;
+constexpr int B = LSTM_BATCH;
+constexpr int UNITS = LSTM_UNITS;
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int ROWS = 4 * UNITS;       // W_hh rows of this CTA: local row r = gate r/UNITS
+constexpr int M_TILES = ROWS / 16;    // of unit r%UNITS
+constexpr int N_TILES = (B + 7) / 8;  // batch rows are the MMA's N (8 a tile)
+constexpr int COLS = N_TILES * 8;
+#if LSTM_BF16
+typedef unsigned short elem_t;  // bf16 bits
+constexpr int K_STEP = 16;
+#else
+typedef float elem_t;
+constexpr int K_STEP = 8;
+#endif
+constexpr int K_STEPS = (H + K_STEP - 1) / K_STEP;
+constexpr int K_PER_WARP = (K_STEPS + WARPS - 1) / WARPS;  // warp w takes k-steps w, w+8, ...
+constexpr int CELLS = UNITS * B;                          // (unit, batch row) pairs
+constexpr int CELLS_PER_THREAD = (CELLS + THREADS - 1) / THREADS;
+constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
+
+static_assert(H % 8 == 0, "H must be a multiple of 8 (aligned 32-bit fragment loads)");
+static_assert(UNITS % 4 == 0, "UNITS must be a multiple of 4");
+static_assert(sizeof(float) * WARPS * ROWS * COLS <= 48 * 1024, "partial sums exceed 48 KiB");
+
+__device__ __forceinline__ float to_float(unsigned short bits) {
+  return __uint_as_float(static_cast<unsigned>(bits) << 16);
+}
+__device__ __forceinline__ float to_float(float v) { return v; }
+
+__device__ __forceinline__ void store(unsigned short* p, float v) {
+  unsigned short bits;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+  *p = bits;
+}
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+__device__ __forceinline__ unsigned to_tf32(float v) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// One 32-bit MMA operand word at (row, k) of a row-major matrix with H columns: two
+// bf16 (k, k+1), or one fp32 rounded to TF32; zero beyond the matrix (padding of K).
+__device__ __forceinline__ unsigned operand_word(const elem_t* row, int k) {
+  if (k >= H) return 0u;
+#if LSTM_BF16
+  return *reinterpret_cast<const unsigned*>(row + k);
+#else
+  return to_tf32(row[k]);
+#endif
+}
+
+// The same word of h_{t-1}, which other CTAs wrote during this launch: loaded at L2
+// (.cg), because an SM's L1 is not coherent with the other SMs' stores.
+__device__ __forceinline__ unsigned h_word(const elem_t* h, int n, int k) {
+  if (n >= B || k >= H) return 0u;
+  unsigned v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(h + n * H + k) : "memory");
+#if LSTM_BF16
+  return v;
+#else
+  return to_tf32(__uint_as_float(v));
+#endif
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+#if LSTM_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// All CTAs reach step `target / gridDim.x` before any goes on. A monotonic counter
+// (zeroed by the host before the launch): thread 0 adds its arrival with release
+// semantics after the CTA's stores (the __syncthreads orders them before it) and polls
+// with acquire loads. Returns false where the wait timed out or another CTA's did.
+__device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target, int* status) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = 1;
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    unsigned long long start = global_ns();
+    for (unsigned polls = 1;; ++polls) {
+      unsigned seen;
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= target) break;
+      if (polls % 1024 == 0) {
+        volatile int* flag = status;
+        if (*flag != 0 || global_ns() - start > BARRIER_TIMEOUT_NS) {
+          atomicExch(status, 1);
+          ok = 0;
+          break;
+        }
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^T + b_ih
+                        const elem_t* __restrict__ w_hh,  // [4H, H]
+                        const float* __restrict__ b_hh,   // [4H], fp32
+                        const elem_t* __restrict__ h0,    // [B, H]
+                        const elem_t* __restrict__ c0,    // [B, H]
+                        elem_t* y,                        // [T, B, H]: h_t of every step
+                        elem_t* __restrict__ h_n,         // [B, H]
+                        elem_t* __restrict__ c_n,         // [B, H]
+                        unsigned* counter,                // barrier arrivals, zero at launch
+                        int* status,                      // set to 1 where a barrier timed out
+                        int T) {
+  __shared__ float partial[WARPS][ROWS][COLS];  // each warp's sums over its k-steps
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = lane / 4;  // the MMA fragments' row (A, C) or column (B) in the tile
+  const int quad = lane % 4;   // and position along K
+  const int unit0 = blockIdx.x * UNITS;
+
+  // This warp's slice of W_hh as A fragments: rows mt*16 + {group, group+8}, k-step
+  // warp + kk*WARPS, k offsets ka (a0, a1) and ka + K_STEP/2 (a2, a3).
+  unsigned w_frag[M_TILES][K_PER_WARP][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 16 + group + 8 * half;
+      const int unit = unit0 + r % UNITS;
+      const elem_t* row = w_hh + static_cast<long long>((r / UNITS) * H + unit) * H;
+#pragma unroll
+      for (int kk = 0; kk < K_PER_WARP; ++kk) {
+        const int step = warp + kk * WARPS;
+        const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+        const bool inside = unit < H && step < K_STEPS;
+        w_frag[mt][kk][half] = inside ? operand_word(row, ka) : 0u;
+        w_frag[mt][kk][2 + half] = inside ? operand_word(row, ka + K_STEP / 2) : 0u;
+      }
+    }
+  }
+
+  // The cells this thread updates: cell = threadIdx.x + i*THREADS is (unit, batch row)
+  // (cell % UNITS, cell / UNITS). c stays in registers across steps.
+  float c[CELLS_PER_THREAD], bias[CELLS_PER_THREAD][4];
+#pragma unroll
+  for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+    const int cell = threadIdx.x + i * THREADS;
+    const int unit = unit0 + cell % UNITS, b = cell / UNITS;
+    const bool mine = cell < CELLS && unit < H;
+    c[i] = mine ? to_float(c0[b * H + unit]) : 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) bias[i][q] = mine ? b_hh[q * H + unit] : 0.0f;
+  }
+
+  for (int t = 0; t < T; ++t) {
+    // The input side does not depend on h_{t-1}: load it before the recurrent reads.
+    float x_side[CELLS_PER_THREAD][4];
+#pragma unroll
+    for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+      const int cell = threadIdx.x + i * THREADS;
+      const int unit = unit0 + cell % UNITS, b = cell / UNITS;
+      const bool mine = cell < CELLS && unit < H;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        x_side[i][q] = mine ? to_float(xw[(static_cast<long long>(t) * B + b) * 4 * H + q * H + unit])
+                            : 0.0f;
+      }
+    }
+
+    const elem_t* h_prev = t == 0 ? h0 : y + static_cast<long long>(t - 1) * B * H;
+    float acc[M_TILES][N_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
+
+#pragma unroll
+    for (int kk = 0; kk < K_PER_WARP; ++kk) {
+      const int step = warp + kk * WARPS;
+      if (step < K_STEPS) {
+        const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) {
+          const int n = nt * 8 + group;
+          const unsigned b0 = h_word(h_prev, n, ka);
+          const unsigned b1 = h_word(h_prev, n, ka + K_STEP / 2);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) mma(acc[mt][nt], w_frag[mt][kk], b0, b1);
+        }
+      }
+    }
+
+    // C fragment: (row group, columns 2*quad, 2*quad+1) in acc[0..1], row group+8 in [2..3].
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = acc[mt][nt][j];
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+      const int cell = threadIdx.x + i * THREADS;
+      const int u = cell % UNITS, b = cell / UNITS;
+      if (cell < CELLS && unit0 + u < H) {
+        float pre[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float sum = x_side[i][q] + bias[i][q];
+#pragma unroll
+          for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + u][b];
+          pre[q] = sum;
+        }
+        c[i] = sigmoid(pre[1]) * c[i] + sigmoid(pre[0]) * tanhf(pre[2]);
+        const float h = sigmoid(pre[3]) * tanhf(c[i]);
+        const long long at = static_cast<long long>(b) * H + unit0 + u;
+        store(y + static_cast<long long>(t) * B * H + at, h);
+        if (t == T - 1) {
+          store(h_n + at, h);
+          store(c_n + at, c[i]);
+        }
+      }
+    }
+
+    if (t + 1 < T && !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
+      return;
+  }
+}
