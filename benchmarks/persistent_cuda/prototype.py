@@ -35,7 +35,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -186,32 +186,40 @@ class PersistentLstm:
     def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device):
         _, driver = _bindings()
         self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
+
+        def call(function, *args):
+            return _driver_check(driver, function(*args))
+
         props = torch.cuda.get_device_properties(device)
-        if props.major < 8:
-            raise RuntimeError(f"needs sm_80 or later (mma.sync bf16), got sm_{props.major}{props.minor}")
-        self.layout = layout(hidden, props.multi_processor_count)
-        torch.zeros(1, device=device)  # torch makes its (primary) context current
-        _driver_check(driver, driver.cuInit(0))
-        dev = _driver_check(driver, driver.cuDeviceGet(device.index or 0))
-        if not int(_driver_check(driver, driver.cuCtxGetCurrent())):
-            ctx = _driver_check(driver, driver.cuDevicePrimaryCtxRetain(dev))
-            _driver_check(driver, driver.cuCtxSetCurrent(ctx))
-        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
-        if not _driver_check(driver, driver.cuDeviceGetAttribute(attr, dev)):
-            raise RuntimeError("the device has no cooperative launch")
         arch = f"sm_{props.major}{props.minor}"
+        if props.major < 8:
+            raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
+        sms = props.multi_processor_count
+        self.layout = layout(hidden, sms)
+        torch.zeros(1, device=device)  # torch makes its (primary) context current
+        call(driver.cuInit, 0)
+        dev = call(driver.cuDeviceGet, device.index or 0)
+        if not int(call(driver.cuCtxGetCurrent)):
+            call(driver.cuCtxSetCurrent, call(driver.cuDevicePrimaryCtxRetain, dev))
+        cooperative = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
+        if not call(driver.cuDeviceGetAttribute, cooperative, dev):
+            raise RuntimeError("the device has no cooperative launch")
         start = time.perf_counter()
         cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch)
         self.compile_s = time.perf_counter() - start
-        self.module = _driver_check(driver, driver.cuModuleLoadData(cubin))
-        self.function = _driver_check(driver, driver.cuModuleGetFunction(self.module, KERNEL.encode()))
-        fa = driver.CUfunction_attribute
-        self.registers = _driver_check(driver, driver.cuFuncGetAttribute(fa.CU_FUNC_ATTRIBUTE_NUM_REGS, self.function))
-        self.spill_bytes = _driver_check(driver, driver.cuFuncGetAttribute(fa.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, self.function))
-        per_sm = _driver_check(driver, driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, THREADS, 0))
-        if self.layout.ctas > per_sm * props.multi_processor_count:
+        self.module = call(driver.cuModuleLoadData, cubin)
+        self.function = call(driver.cuModuleGetFunction, self.module, KERNEL.encode())
+        attribute = driver.CUfunction_attribute
+        self.registers = call(driver.cuFuncGetAttribute,
+                              attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, self.function)  # fmt: skip
+        self.spill_bytes = call(driver.cuFuncGetAttribute,
+                                attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                self.function)  # fmt: skip
+        per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
+                      THREADS, 0)  # fmt: skip
+        if self.layout.ctas > per_sm * sms:
             raise RuntimeError(f"{self.layout.ctas} CTAs cannot all be resident "
-                               f"({per_sm} per SM x {props.multi_processor_count} SMs)")  # fmt: skip
+                               f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -219,10 +227,10 @@ class PersistentLstm:
                    y: Tensor, h_n: Tensor, c_n: Tensor) -> None:  # fmt: skip
         """Launch the kernel on torch's current stream: y, h_n, c_n from xw = x W_ih^T + b_ih
         [T,B,4H], W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
-        T, B, G = xw.shape
-        H = self.hidden
-        if B != self.batch or G != 4 * H or T == 0:
-            raise ValueError(f"compiled for batch {self.batch}, hidden {H}; got xw {tuple(xw.shape)}")
+        T = xw.shape[0]
+        if xw.shape[1:] != (self.batch, 4 * self.hidden) or T == 0:
+            raise ValueError(f"compiled for batch {self.batch}, hidden {self.hidden}; "
+                             f"got xw {tuple(xw.shape)}")  # fmt: skip
         tensors = (xw, w_hh, b_hh, h0, c0, y, h_n, c_n)
         if any(not t.is_contiguous() for t in tensors):
             raise ValueError("the kernel takes contiguous tensors")
@@ -278,7 +286,8 @@ def check_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
     weights = _weights(lstm)
     with torch.no_grad():
-        ref = reference_forward(x.double(), h0.double(), c0.double(), *(w.double() for w in weights))
+        exact = (t.double() for t in (x, h0, c0, *weights))
+        ref = reference_forward(*exact)
         kernel = PersistentLstm(dtype, hidden, batch, device)
         ours = kernel.forward(x, h0, c0, *weights)
         y, (h_n, c_n) = lstm(x, (h0[None], c0[None]))
@@ -368,8 +377,9 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for prototype.json")
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--hidden", default="512,1024", help="hidden sizes timed")

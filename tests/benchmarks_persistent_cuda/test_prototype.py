@@ -1,0 +1,69 @@
+"""The persistent CUDA LSTM prototype (benchmarks/persistent_cuda/): its plain-PyTorch
+reference against torch.nn.LSTM in float64, its launch layout, and the kernel source
+compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not installed)."""
+
+import pytest
+import torch
+
+from benchmarks.persistent_cuda import prototype
+
+
+@pytest.mark.parametrize(("hidden", "batch", "T"), [(8, 1, 1), (16, 3, 7), (24, 20, 5)])
+def test_reference_matches_torch_lstm_in_float64(hidden, batch, T):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(hidden, hidden).double()
+    x = torch.randn(T, batch, hidden, dtype=torch.float64)
+    h0 = torch.randn(batch, hidden, dtype=torch.float64)
+    c0 = torch.randn(batch, hidden, dtype=torch.float64)
+    with torch.no_grad():
+        y, (h_n, c_n) = lstm(x, (h0[None], c0[None]))
+        ours = prototype.reference_forward(x, h0, c0, *prototype._weights(lstm))
+    for got, want in zip(ours, (y, h_n[0], c_n[0])):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert prototype.relative_error(ours, (y, h_n[0], c_n[0])) < 1e-12
+
+
+@pytest.mark.parametrize(("hidden", "sms"), [(96, 132), (512, 132), (520, 132), (1024, 132),
+                                             (1024, 114), (8, 4), (4096, 132)])  # fmt: skip
+def test_layout_covers_hidden_with_one_cta_per_sm_at_most(hidden, sms):
+    layout = prototype.layout(hidden, sms)
+    assert layout.units % 4 == 0 and layout.ctas <= sms
+    assert layout.ctas * layout.units >= hidden > (layout.ctas - 1) * layout.units
+    # the fewest units per CTA: four fewer would need more CTAs than SMs
+    assert layout.units == 4 or -(-hidden // (layout.units - 4)) > sms
+
+
+def test_layout_and_options_reject_what_the_kernel_does_not_take():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        prototype.layout(100, 132)
+    with pytest.raises(ValueError, match="dtype"):
+        prototype.compile_options("fp16", 512, 4, 4, "sm_90")
+
+
+def _nvrtc_or_skip():
+    try:
+        nvrtc, _ = prototype._bindings()
+        err, *_ = nvrtc.nvrtcVersion()  # loads libnvrtc
+    except Exception as e:  # no cuda-python, or no libnvrtc for it to load
+        pytest.skip(f"NVRTC through cuda-python is not available: {type(e).__name__}: {e}")
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(("hidden", "batch"), [(96, 1), (520, 3), (512, 4), (1024, 20)])
+def test_kernel_compiles_for_sm90_without_warnings_or_spills(dtype, hidden, batch):
+    _nvrtc_or_skip()
+    layout = prototype.layout(hidden, 132)  # an H100's SMs
+    cubin, log = prototype.compile_cubin(dtype, hidden, batch, layout.units, "sm_90")
+    assert cubin[:4] == b"\x7fELF"
+    assert "warning" not in log.lower(), log
+    assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+
+
+def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
+    _nvrtc_or_skip()
+    broken = tmp_path / "broken.cu"
+    broken.write_text('extern "C" __global__ void lstm_persistent_forward() { undeclared; }\n')
+    monkeypatch.setattr(prototype, "SOURCE", broken)
+    with pytest.raises(prototype.CompileError, match="undeclared"):
+        prototype.compile_cubin("bf16", 512, 1, 4)
