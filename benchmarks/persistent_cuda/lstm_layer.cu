@@ -23,10 +23,15 @@
 //   LSTM_HIDDEN  H (a multiple of 8)
 //   LSTM_BATCH   B
 //   LSTM_UNITS   hidden units per CTA (a multiple of 4, so 4*UNITS rows fill 16-row tiles)
+//   LSTM_LEAVE_OUT  timing variants (wrong results): 1 leaves out the grid barrier, 2 the
+//                recurrent product (h_{t-1} reads and MMAs); 0 (default) the layer
 // No header is included: the source compiles with NVRTC alone.
 
 #if !defined(LSTM_BF16) || !defined(LSTM_HIDDEN) || !defined(LSTM_BATCH) || !defined(LSTM_UNITS)
 #error "define LSTM_BF16, LSTM_HIDDEN, LSTM_BATCH and LSTM_UNITS"
+#endif
+#ifndef LSTM_LEAVE_OUT
+#define LSTM_LEAVE_OUT 0
 #endif
 
 constexpr int H = LSTM_HIDDEN;
@@ -232,7 +237,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
     for (int kk = 0; kk < K_PER_WARP; ++kk) {
       const int step = warp + kk * WARPS;
-      if (step < K_STEPS) {
+      if (LSTM_LEAVE_OUT != 2 && step < K_STEPS) {
         const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt) {
@@ -279,7 +284,8 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
       }
     }
 
-    if (t + 1 < T && !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
+    if (LSTM_LEAVE_OUT != 1 && t + 1 < T &&
+        !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
       return;
   }
 }

@@ -12,7 +12,10 @@ products) and bf16, at hidden 96/520/1024 x batch 1/3/20 x T 1/35, with the
 tolerances of ``TOLERANCE`` (cuDNN's own error is printed beside ours); (2) times the
 layer forward (no grad) at T steps, reporting microseconds per step (total / T, CUDA
 events around many back-to-back calls, median of rounds) for: the kernel alone
-(``cuda-kernel``), the layer with its input GEMM (``cuda-layer``),
+(``cuda-kernel``), the kernel less its grid barrier or less its recurrent product
+(``cuda-kernel-no-barrier`` / ``-no-product``: wrong results, their differences to
+``cuda-kernel`` are those parts' shares of a step), the layer with its input GEMM
+(``cuda-layer``),
 ``mirrorgrad.nn.LSTM(impl="persistent")`` (``triton-persistent``) and
 ``torch.nn.LSTM`` (``cudnn``); (3) prints one table and writes ``prototype.json``.
 Neither TF32 switch is touched: cuDNN's fp32 runs TF32 (``cudnn.allow_tf32`` is on by
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import math
 import statistics
@@ -53,6 +57,9 @@ TOLERANCE = {"fp32": 3e-3, "bf16": 3e-2}
 CHECK_HIDDEN = (96, 520, 1024)
 CHECK_BATCH = (1, 3, 20)
 CHECK_T = (1, 35)
+# Timing variants of the kernel that leave one part of a step out (their results are
+# wrong): the step's time less the variant's is that part's share.
+LEAVE_OUT = {"": 0, "barrier": 1, "product": 2}
 HOST_WAIT_S = 30.0  # the longest the host waits for queued work before giving up
 
 
@@ -78,10 +85,14 @@ def layout(hidden: int, sms: int) -> Layout:
     return Layout(units=units, ctas=math.ceil(hidden / units))
 
 
-def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str) -> list[str]:
-    """NVRTC options for one configuration of ``lstm_layer.cu``."""
+def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
+                    leave_out: str = "") -> list[str]:  # fmt: skip
+    """NVRTC options for one configuration of ``lstm_layer.cu`` (``leave_out``: a key of
+    LEAVE_OUT)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if leave_out not in LEAVE_OUT:
+        raise ValueError(f"leave_out must be one of {sorted(LEAVE_OUT)}, got {leave_out!r}")
     return [
         f"--gpu-architecture={arch}",
         "-std=c++17",
@@ -90,6 +101,7 @@ def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str) 
         f"-DLSTM_HIDDEN={hidden}",
         f"-DLSTM_BATCH={batch}",
         f"-DLSTM_UNITS={units}",
+        f"-DLSTM_LEAVE_OUT={LEAVE_OUT[leave_out]}",
     ]
 
 
@@ -115,12 +127,13 @@ def _nvrtc_check(nvrtc, result):
     return rest[0] if len(rest) == 1 else rest
 
 
-def compile_cubin(dtype: str, hidden: int, batch: int, units: int,
-                  arch: str = "sm_90") -> tuple[bytes, str]:  # fmt: skip
+def compile_cubin(dtype: str, hidden: int, batch: int, units: int, arch: str = "sm_90",
+                  leave_out: str = "") -> tuple[bytes, str]:  # fmt: skip
     """(cubin, NVRTC's log) of ``lstm_layer.cu`` for one configuration; CompileError
     with the log where it does not compile."""
     nvrtc, _ = _bindings()
-    options = [o.encode() for o in compile_options(dtype, hidden, batch, units, arch)]
+    options = compile_options(dtype, hidden, batch, units, arch, leave_out)
+    options = [o.encode() for o in options]
     program = _nvrtc_check(
         nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), SOURCE.name.encode(), 0, [], [])
     )
@@ -181,9 +194,11 @@ def wait(event: torch.cuda.Event, what: str, timeout_s: float = HOST_WAIT_S) -> 
 
 class PersistentLstm:
     """``lstm_layer.cu`` compiled for one (dtype, hidden, batch) and loaded into torch's
-    context; ``forward`` runs a layer, ``recurrence`` the kernel alone."""
+    context; ``forward`` runs a layer, ``recurrence`` the kernel alone. Hidden sizes
+    up to 1024 keep W_hh in registers without spills on 132 SMs (``spill_bytes``)."""
 
-    def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device):
+    def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
+                 leave_out: str = ""):  # fmt: skip
         _, driver = _bindings()
         self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
 
@@ -205,7 +220,8 @@ class PersistentLstm:
         if not call(driver.cuDeviceGetAttribute, cooperative, dev):
             raise RuntimeError("the device has no cooperative launch")
         start = time.perf_counter()
-        cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch)
+        cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch,
+                                        leave_out)  # fmt: skip
         self.compile_s = time.perf_counter() - start
         self.module = call(driver.cuModuleLoadData, cubin)
         self.function = call(driver.cuModuleGetFunction, self.module, KERNEL.encode())
@@ -331,15 +347,20 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
     weights = _weights(lstm)
     kernel = PersistentLstm(dtype, hidden, batch, device)
+    variants = {name: PersistentLstm(dtype, hidden, batch, device, leave_out=name)
+                for name in LEAVE_OUT if name}  # fmt: skip
     ours = mirrorgrad.nn.LSTM(hidden, hidden, impl="persistent").to(device=device, dtype=x.dtype)
     ours.load_state_dict(lstm.state_dict())
     xw = F.linear(x, weights[0], weights[2])
-    y, h_n, c_n = (torch.empty_like(h0) for _ in range(3))
+    h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     y = torch.empty(T, batch, hidden, device=device, dtype=x.dtype)
     b_hh = weights[3].float()
     state = (h0[None], c0[None])
-    methods = {
-        "cuda-kernel": lambda: kernel.recurrence(xw, weights[1], b_hh, h0, c0, y, h_n, c_n),
+    recurrence_args = (xw, weights[1], b_hh, h0, c0, y, h_n, c_n)
+    methods = {"cuda-kernel": functools.partial(kernel.recurrence, *recurrence_args)}
+    for name, variant in variants.items():
+        methods[f"cuda-kernel-no-{name}"] = functools.partial(variant.recurrence, *recurrence_args)
+    methods |= {
         "cuda-layer": lambda: kernel.forward(x, h0, c0, *weights),
         "triton-persistent": lambda: ours(x, state),
         "cudnn": lambda: lstm(x, state),
@@ -354,13 +375,16 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
             except Exception as e:  # one method failing leaves the others' numbers
                 row["us_per_step"][name] = None
                 row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
-    if kernel.timed_out():
-        row["errors"]["cuda-kernel"] = "a grid barrier timed out: its times are not valid"
+    for name, launched in {"": kernel, **variants}.items():
+        if launched.timed_out():
+            method = f"cuda-kernel-no-{name}" if name else "cuda-kernel"
+            row["errors"][method] = "a grid barrier timed out: its times are not valid"
     return row
 
 
 def _table(rows: list[dict]) -> str:
-    names = ("cuda-kernel", "cuda-layer", "triton-persistent", "cudnn")
+    names = ("cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product", "cuda-layer",
+             "triton-persistent", "cudnn")  # fmt: skip
     lines = ["us per step (forward, T steps; median):",
              "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",
              "|---" * (len(names) + 5) + "|"]  # fmt: skip

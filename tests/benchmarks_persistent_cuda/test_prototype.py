@@ -4,7 +4,6 @@ compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not installed)
 
 import pytest
 import torch
-
 from benchmarks.persistent_cuda import prototype
 
 
