@@ -25,6 +25,11 @@
 //   LSTM_UNITS   hidden units per CTA (a multiple of 4, so 4*UNITS rows fill 16-row tiles)
 //   LSTM_LEAVE_OUT  timing variants (wrong results): 1 leaves out the grid barrier, 2 the
 //                recurrent product (h_{t-1} reads and MMAs); 0 (default) the layer
+//   LSTM_BARRIER_FENCES  1 (default): the barrier's thread 0 also runs __threadfence()
+//                before arriving and after its wait, as cooperative groups' grid sync
+//                does; 0: release arrival and acquire polling alone (the release/acquire
+//                pattern of the PTX memory model; measured beside the default, not
+//                assumed)
 // No header is included: the source compiles with NVRTC alone.
 
 #if !defined(LSTM_BF16) || !defined(LSTM_HIDDEN) || !defined(LSTM_BATCH) || !defined(LSTM_UNITS)
@@ -32,6 +37,9 @@
 #endif
 #ifndef LSTM_LEAVE_OUT
 #define LSTM_LEAVE_OUT 0
+#endif
+#ifndef LSTM_BARRIER_FENCES
+#define LSTM_BARRIER_FENCES 1
 #endif
 
 constexpr int H = LSTM_HIDDEN;
@@ -117,6 +125,29 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsig
 #endif
 }
 
+// The cells this thread updates: cell = threadIdx.x + i*THREADS is (unit, batch row)
+// (cell % UNITS, cell / UNITS); false where it is past the layer.
+__device__ __forceinline__ bool my_cell(int i, int unit0, int& unit, int& b) {
+  const int cell = threadIdx.x + i * THREADS;
+  unit = unit0 + cell % UNITS;
+  b = cell / UNITS;
+  return cell < CELLS && unit < H;
+}
+
+// Step t's input side of this thread's cells: it does not depend on h_{t-1}, so it is
+// loaded a step ahead, before the barrier wait.
+__device__ __forceinline__ void load_x_side(float (&x_side)[CELLS_PER_THREAD][4],
+                                            const elem_t* xw, int t, int unit0) {
+#pragma unroll
+  for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+    int unit, b;
+    const bool mine = my_cell(i, unit0, unit, b);
+    const elem_t* at = xw + (static_cast<long long>(t) * B + b) * 4 * H + unit;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) x_side[i][q] = mine ? to_float(at[q * H]) : 0.0f;
+  }
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -134,7 +165,7 @@ __device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target,
   __syncthreads();
   if (threadIdx.x == 0) {
     ok = 1;
-    __threadfence();
+    if (LSTM_BARRIER_FENCES) __threadfence();
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
     unsigned long long start = global_ns();
     for (unsigned polls = 1;; ++polls) {
@@ -150,7 +181,7 @@ __device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target,
         }
       }
     }
-    __threadfence();
+    if (LSTM_BARRIER_FENCES) __threadfence();
   }
   __syncthreads();
   return ok != 0;
@@ -197,34 +228,19 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
     }
   }
 
-  // The cells this thread updates: cell = threadIdx.x + i*THREADS is (unit, batch row)
-  // (cell % UNITS, cell / UNITS). c stays in registers across steps.
-  float c[CELLS_PER_THREAD], bias[CELLS_PER_THREAD][4];
+  // c of this thread's cells stays in registers across steps (fp32).
+  float c[CELLS_PER_THREAD], bias[CELLS_PER_THREAD][4], x_side[CELLS_PER_THREAD][4];
 #pragma unroll
   for (int i = 0; i < CELLS_PER_THREAD; ++i) {
-    const int cell = threadIdx.x + i * THREADS;
-    const int unit = unit0 + cell % UNITS, b = cell / UNITS;
-    const bool mine = cell < CELLS && unit < H;
+    int unit, b;
+    const bool mine = my_cell(i, unit0, unit, b);
     c[i] = mine ? to_float(c0[b * H + unit]) : 0.0f;
 #pragma unroll
     for (int q = 0; q < 4; ++q) bias[i][q] = mine ? b_hh[q * H + unit] : 0.0f;
   }
+  load_x_side(x_side, xw, 0, unit0);
 
   for (int t = 0; t < T; ++t) {
-    // The input side does not depend on h_{t-1}: load it before the recurrent reads.
-    float x_side[CELLS_PER_THREAD][4];
-#pragma unroll
-    for (int i = 0; i < CELLS_PER_THREAD; ++i) {
-      const int cell = threadIdx.x + i * THREADS;
-      const int unit = unit0 + cell % UNITS, b = cell / UNITS;
-      const bool mine = cell < CELLS && unit < H;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        x_side[i][q] = mine ? to_float(xw[(static_cast<long long>(t) * B + b) * 4 * H + q * H + unit])
-                            : 0.0f;
-      }
-    }
-
     const elem_t* h_prev = t == 0 ? h0 : y + static_cast<long long>(t - 1) * B * H;
     float acc[M_TILES][N_TILES][4];
 #pragma unroll
@@ -262,20 +278,19 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 
 #pragma unroll
     for (int i = 0; i < CELLS_PER_THREAD; ++i) {
-      const int cell = threadIdx.x + i * THREADS;
-      const int u = cell % UNITS, b = cell / UNITS;
-      if (cell < CELLS && unit0 + u < H) {
+      int unit, b;
+      if (my_cell(i, unit0, unit, b)) {
         float pre[4];
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           float sum = x_side[i][q] + bias[i][q];
 #pragma unroll
-          for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + u][b];
+          for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + unit - unit0][b];
           pre[q] = sum;
         }
         c[i] = sigmoid(pre[1]) * c[i] + sigmoid(pre[0]) * tanhf(pre[2]);
         const float h = sigmoid(pre[3]) * tanhf(c[i]);
-        const long long at = static_cast<long long>(b) * H + unit0 + u;
+        const long long at = static_cast<long long>(b) * H + unit;
         store(y + static_cast<long long>(t) * B * H + at, h);
         if (t == T - 1) {
           store(h_n + at, h);
@@ -284,8 +299,11 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
       }
     }
 
-    if (LSTM_LEAVE_OUT != 1 && t + 1 < T &&
-        !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
-      return;
+    if (t + 1 < T) {
+      load_x_side(x_side, xw, t + 1, unit0);
+      if (LSTM_LEAVE_OUT != 1 &&
+          !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
+        return;
+    }
   }
 }

@@ -14,7 +14,9 @@ layer forward (no grad) at T steps, reporting microseconds per step (total / T, 
 events around many back-to-back calls, median of rounds) for: the kernel alone
 (``cuda-kernel``), the kernel less its grid barrier or less its recurrent product
 (``cuda-kernel-no-barrier`` / ``-no-product``: wrong results, their differences to
-``cuda-kernel`` are those parts' shares of a step), the layer with its input GEMM
+``cuda-kernel`` are those parts' shares of a step), the kernel whose barrier runs no
+``__threadfence`` (``cuda-kernel-no-fences``; the check reports its error too), the
+layer with its input GEMM
 (``cuda-layer``),
 ``mirrorgrad.nn.LSTM(impl="persistent")`` (``triton-persistent``) and
 ``torch.nn.LSTM`` (``cudnn``); (3) prints one table and writes ``prototype.json``.
@@ -57,9 +59,15 @@ TOLERANCE = {"fp32": 3e-3, "bf16": 3e-2}
 CHECK_HIDDEN = (96, 520, 1024)
 CHECK_BATCH = (1, 3, 20)
 CHECK_T = (1, 35)
-# Timing variants of the kernel that leave one part of a step out (their results are
-# wrong): the step's time less the variant's is that part's share.
-LEAVE_OUT = {"": 0, "barrier": 1, "product": 2}
+# Variants of the kernel (lstm_layer.cu's macros): without its grid barrier or its
+# recurrent product (wrong results: the step's time less theirs is that part's share),
+# and with a barrier of release/acquire alone (no __threadfence; checked and timed).
+VARIANTS = {
+    "": {},
+    "no-barrier": {"LSTM_LEAVE_OUT": 1},
+    "no-product": {"LSTM_LEAVE_OUT": 2},
+    "no-fences": {"LSTM_BARRIER_FENCES": 0},
+}
 HOST_WAIT_S = 30.0  # the longest the host waits for queued work before giving up
 
 
@@ -86,13 +94,13 @@ def layout(hidden: int, sms: int) -> Layout:
 
 
 def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
-                    leave_out: str = "") -> list[str]:  # fmt: skip
-    """NVRTC options for one configuration of ``lstm_layer.cu`` (``leave_out``: a key of
-    LEAVE_OUT)."""
+                    variant: str = "") -> list[str]:  # fmt: skip
+    """NVRTC options for one configuration of ``lstm_layer.cu`` (``variant``: a key of
+    VARIANTS)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if leave_out not in LEAVE_OUT:
-        raise ValueError(f"leave_out must be one of {sorted(LEAVE_OUT)}, got {leave_out!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     return [
         f"--gpu-architecture={arch}",
         "-std=c++17",
@@ -101,7 +109,7 @@ def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
         f"-DLSTM_HIDDEN={hidden}",
         f"-DLSTM_BATCH={batch}",
         f"-DLSTM_UNITS={units}",
-        f"-DLSTM_LEAVE_OUT={LEAVE_OUT[leave_out]}",
+        *(f"-D{macro}={value}" for macro, value in VARIANTS[variant].items()),
     ]
 
 
@@ -128,11 +136,11 @@ def _nvrtc_check(nvrtc, result):
 
 
 def compile_cubin(dtype: str, hidden: int, batch: int, units: int, arch: str = "sm_90",
-                  leave_out: str = "") -> tuple[bytes, str]:  # fmt: skip
+                  variant: str = "") -> tuple[bytes, str]:  # fmt: skip
     """(cubin, NVRTC's log) of ``lstm_layer.cu`` for one configuration; CompileError
     with the log where it does not compile."""
     nvrtc, _ = _bindings()
-    options = compile_options(dtype, hidden, batch, units, arch, leave_out)
+    options = compile_options(dtype, hidden, batch, units, arch, variant)
     options = [o.encode() for o in options]
     program = _nvrtc_check(
         nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), SOURCE.name.encode(), 0, [], [])
@@ -198,7 +206,7 @@ class PersistentLstm:
     up to 1024 keep W_hh in registers without spills on 132 SMs (``spill_bytes``)."""
 
     def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
-                 leave_out: str = ""):  # fmt: skip
+                 variant: str = ""):  # fmt: skip
         _, driver = _bindings()
         self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
 
@@ -221,7 +229,7 @@ class PersistentLstm:
             raise RuntimeError("the device has no cooperative launch")
         start = time.perf_counter()
         cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch,
-                                        leave_out)  # fmt: skip
+                                        variant)  # fmt: skip
         self.compile_s = time.perf_counter() - start
         self.module = call(driver.cuModuleLoadData, cubin)
         self.function = call(driver.cuModuleGetFunction, self.module, KERNEL.encode())
@@ -306,16 +314,19 @@ def check_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
         ref = reference_forward(*exact)
         kernel = PersistentLstm(dtype, hidden, batch, device)
         ours = kernel.forward(x, h0, c0, *weights)
+        unfenced = PersistentLstm(dtype, hidden, batch, device, variant="no-fences")
+        ours_unfenced = unfenced.forward(x, h0, c0, *weights)
         y, (h_n, c_n) = lstm(x, (h0[None], c0[None]))
         cudnn = (y, h_n[0], c_n[0])
     done = torch.cuda.Event()
     done.record()
     wait(done, f"check {dtype} H={hidden} B={batch} T={T}")
-    if kernel.timed_out():
+    if kernel.timed_out() or unfenced.timed_out():
         raise RuntimeError(f"check {dtype} H={hidden} B={batch} T={T}: a grid barrier timed out")
     err = relative_error(ours, ref)
     return {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T, "error": err,
             "cudnn_error": relative_error(cudnn, ref), "tolerance": TOLERANCE[dtype],
+            "no_fences_error": relative_error(ours_unfenced, ref),
             "ok": err <= TOLERANCE[dtype], "registers": kernel.registers,
             "spill_bytes": kernel.spill_bytes, "ctas": kernel.layout.ctas,
             "units": kernel.layout.units}  # fmt: skip
@@ -347,8 +358,8 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
     weights = _weights(lstm)
     kernel = PersistentLstm(dtype, hidden, batch, device)
-    variants = {name: PersistentLstm(dtype, hidden, batch, device, leave_out=name)
-                for name in LEAVE_OUT if name}  # fmt: skip
+    variants = {name: PersistentLstm(dtype, hidden, batch, device, variant=name)
+                for name in VARIANTS if name}  # fmt: skip
     ours = mirrorgrad.nn.LSTM(hidden, hidden, impl="persistent").to(device=device, dtype=x.dtype)
     ours.load_state_dict(lstm.state_dict())
     xw = F.linear(x, weights[0], weights[2])
@@ -359,7 +370,7 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     recurrence_args = (xw, weights[1], b_hh, h0, c0, y, h_n, c_n)
     methods = {"cuda-kernel": functools.partial(kernel.recurrence, *recurrence_args)}
     for name, variant in variants.items():
-        methods[f"cuda-kernel-no-{name}"] = functools.partial(variant.recurrence, *recurrence_args)
+        methods[f"cuda-kernel-{name}"] = functools.partial(variant.recurrence, *recurrence_args)
     methods |= {
         "cuda-layer": lambda: kernel.forward(x, h0, c0, *weights),
         "triton-persistent": lambda: ours(x, state),
@@ -377,13 +388,13 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
                 row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
     for name, launched in {"": kernel, **variants}.items():
         if launched.timed_out():
-            method = f"cuda-kernel-no-{name}" if name else "cuda-kernel"
+            method = f"cuda-kernel-{name}" if name else "cuda-kernel"
             row["errors"][method] = "a grid barrier timed out: its times are not valid"
     return row
 
 
 def _table(rows: list[dict]) -> str:
-    names = ("cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product", "cuda-layer",
+    names = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v), "cuda-layer",
              "triton-persistent", "cudnn")  # fmt: skip
     lines = ["us per step (forward, T steps; median):",
              "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",
@@ -435,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
                         result["checks"].append(case)
                         failed |= not case["ok"]
                         print(f"check {dtype} H={hidden} B={batch} T={T}: error "
-                              f"{case['error']:.2e} (cuDNN {case['cudnn_error']:.2e}, tolerance "
+                              f"{case['error']:.2e} (no fences {case['no_fences_error']:.2e}, "
+                              f"cuDNN {case['cudnn_error']:.2e}, tolerance "
                               f"{case['tolerance']:.0e}) {'ok' if case['ok'] else 'FAILED'}",
                               flush=True)  # fmt: skip
         path.write_text(json.dumps(result, indent=2))

@@ -37,6 +37,8 @@ def test_layout_and_options_reject_what_the_kernel_does_not_take():
         prototype.layout(100, 132)
     with pytest.raises(ValueError, match="dtype"):
         prototype.compile_options("fp16", 512, 4, 4, "sm_90")
+    with pytest.raises(ValueError, match="variant"):
+        prototype.compile_options("bf16", 512, 4, 4, "sm_90", "no-cell")
 
 
 def _nvrtc_or_skip():
@@ -53,10 +55,12 @@ def _nvrtc_or_skip():
 def test_kernel_compiles_for_sm90_without_warnings_or_spills(dtype, hidden, batch):
     _nvrtc_or_skip()
     layout = prototype.layout(hidden, 132)  # an H100's SMs
-    cubin, log = prototype.compile_cubin(dtype, hidden, batch, layout.units, "sm_90")
-    assert cubin[:4] == b"\x7fELF"
-    assert "warning" not in log.lower(), log
-    assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+    for variant in prototype.VARIANTS:
+        cubin, log = prototype.compile_cubin(dtype, hidden, batch, layout.units, "sm_90",
+                                             variant)  # fmt: skip
+        assert cubin[:4] == b"\x7fELF"
+        assert "warning" not in log.lower(), (variant, log)
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, (variant, log)
 
 
 def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
