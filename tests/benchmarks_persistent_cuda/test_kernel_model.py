@@ -1,0 +1,124 @@
+"""A CPU model of lstm_layer.cu's work split, checked against the float64 reference.
+
+``kernel_model`` runs the kernel's arithmetic as the kernel lays it out: per CTA, warp,
+k-step and tile, every lane gathers the operand words the kernel's formulas name; the
+MMA is modelled from PTX's fragment definitions (which tile element each register of
+each lane holds), not from the kernel's; the partial sums go where the kernel stores
+them and the cell reads them back as the kernel does. Everything is float64, so any
+disagreement with the reference is a misplaced element, not rounding. Keep it in step
+with lstm_layer.cu.
+"""
+
+import math
+
+import pytest
+import torch
+from benchmarks.persistent_cuda import prototype
+
+WARPS = 8
+LANE = torch.arange(32)
+GROUP, QUAD = LANE // 4, LANE % 4
+
+
+def _word(matrix: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, per_word: int):
+    """[32, per_word]: the operand word of each lane (elements k..k+per_word-1 of its
+    row), zero past the matrix's columns or rows (the kernel's guards)."""
+    H = matrix.shape[1]
+    out = torch.zeros(32, per_word, dtype=matrix.dtype)
+    for e in range(per_word):
+        inside = (k + e < H) & (rows >= 0) & (rows < matrix.shape[0])
+        out[inside, e] = matrix[rows[inside], (k + e)[inside]]
+    return out
+
+
+def _mma(a_regs, b_regs, per_word: int, k_step: int) -> torch.Tensor:
+    """[32, 4] C registers of m16n8k{k_step} from the lanes' A registers [32, 4, w] and B
+    registers [32, 2, w], placed by PTX's fragment layouts: A register r of lane l is
+    row l//4 + 8*(r%2), word l%4 + 4*(r//2); B register r is word l%4 + 4*r of column
+    l//4; C register j is row l//4 + 8*(j//2), column 2*(l%4) + j%2."""
+    a = torch.zeros(16, k_step, dtype=a_regs.dtype)
+    b = torch.zeros(k_step, 8, dtype=b_regs.dtype)
+    for r in range(4):
+        for e in range(per_word):
+            a[GROUP + 8 * (r % 2), (QUAD + 4 * (r // 2)) * per_word + e] = a_regs[:, r, e]
+    for r in range(2):
+        for e in range(per_word):
+            b[(QUAD + 4 * r) * per_word + e, GROUP] = b_regs[:, r, e]
+    d = a @ b
+    return torch.stack([d[GROUP + 8 * (j // 2), 2 * QUAD + j % 2] for j in range(4)], 1)
+
+
+def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
+    """(y, h_n, c_n) as lstm_layer.cu computes them, one CTA of ``units`` units at a time."""
+    T, B, _ = xw.shape
+    H = w_hh.shape[1]
+    per_word, k_step = (2, 16) if bf16 else (1, 8)
+    rows_per_cta = 4 * units
+    m_tiles, n_tiles = rows_per_cta // 16, math.ceil(B / 8)
+    k_steps = math.ceil(H / k_step)
+    k_per_warp = math.ceil(k_steps / WARPS)
+    ctas = math.ceil(H / units)
+    y = torch.zeros(T, B, H, dtype=xw.dtype)
+    c = c0.clone()
+    for t in range(T):
+        h_prev = h0 if t == 0 else y[t - 1]
+        h_next = torch.zeros(B, H, dtype=xw.dtype)
+        for cta in range(ctas):
+            unit0 = cta * units
+            partial = torch.zeros(WARPS, rows_per_cta, n_tiles * 8, dtype=xw.dtype)
+            for warp in range(WARPS):
+                for kk in range(k_per_warp):
+                    step = warp + kk * WARPS
+                    if step >= k_steps:
+                        continue
+                    ka = step * k_step + per_word * QUAD
+                    for nt in range(n_tiles):
+                        n = nt * 8 + GROUP
+                        b_regs = torch.stack([_word(h_prev, n, k, per_word)
+                                              for k in (ka, ka + k_step // 2)], 1)  # fmt: skip
+                        for mt in range(m_tiles):
+                            rows = []  # W_hh rows of local rows mt*16 + group (+ 8)
+                            for half in range(2):
+                                r = mt * 16 + GROUP + 8 * half
+                                unit = unit0 + r % units
+                                rows.append(torch.where(unit < H, (r // units) * H + unit, -1))
+                            # w_frag[mt][kk]: [half] at ka, [2 + half] at ka + K_STEP/2
+                            a_regs = torch.stack([_word(w_hh, rows[half], k, per_word)
+                                                  for k in (ka, ka + k_step // 2)
+                                                  for half in range(2)], 1)  # fmt: skip
+                            acc = _mma(a_regs, b_regs, per_word, k_step)
+                            for j in range(4):
+                                partial[warp, mt * 16 + GROUP + 8 * (j // 2),
+                                        nt * 8 + 2 * QUAD + j % 2] += acc[:, j]  # fmt: skip
+            for cell in range(units * B):
+                unit, b = unit0 + cell % units, cell // units
+                if unit >= H:
+                    continue
+                pre = [xw[t, b, q * H + unit] + b_hh[q * H + unit]
+                       + partial[:, q * units + unit - unit0, b].sum()
+                       for q in range(4)]  # fmt: skip
+                i, f, o = (torch.sigmoid(pre[q]) for q in (0, 1, 3))
+                c[b, unit] = f * c[b, unit] + i * torch.tanh(pre[2])
+                h_next[b, unit] = o * torch.tanh(c[b, unit])
+        y[t] = h_next
+    return y, y[-1], c
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+@pytest.mark.parametrize(
+    ("hidden", "batch", "units"),
+    [(32, 1, 4), (40, 3, 8), (40, 9, 12), (136, 2, 16)],  # K padded, units past H, 2 N tiles
+)
+def test_kernel_model_matches_the_reference(bf16, hidden, batch, units):
+    torch.manual_seed(0)
+    T = 3
+    lstm = torch.nn.LSTM(hidden, hidden).double()
+    x = torch.randn(T, batch, hidden, dtype=torch.float64)
+    h0 = torch.randn(batch, hidden, dtype=torch.float64)
+    c0 = torch.randn(batch, hidden, dtype=torch.float64)
+    w_ih, w_hh, b_ih, b_hh = prototype._weights(lstm)
+    with torch.no_grad():
+        want = prototype.reference_forward(x, h0, c0, w_ih, w_hh, b_ih, b_hh)
+        xw = torch.nn.functional.linear(x, w_ih, b_ih)
+        got = kernel_model(xw, w_hh, b_hh, h0, c0, units=units, bf16=bf16)
+    assert prototype.relative_error(got, want) < 1e-12
