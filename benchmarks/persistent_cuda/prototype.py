@@ -41,6 +41,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -411,6 +412,38 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _failure(shape: dict, error: Exception) -> dict:
+    """A row for a case that raised: its shape and the error (with the traceback printed,
+    so that one run on a GPU tells what went wrong)."""
+    traceback.print_exc()
+    return {**shape, "ok": False, "exception": f"{type(error).__name__}: {error}"[:2000]}
+
+
+def run_checks(dtypes: list[str], device: torch.device) -> list[dict]:
+    """``check_case`` at every shape of CHECK_HIDDEN x CHECK_BATCH x CHECK_T."""
+    cases = []
+    for dtype in dtypes:
+        for hidden in CHECK_HIDDEN:
+            for batch in CHECK_BATCH:
+                for T in CHECK_T:
+                    shape = {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T}
+                    try:
+                        case = check_case(dtype, hidden, batch, T, device)
+                    except Exception as e:  # the other shapes still tell something
+                        case = _failure(shape, e)
+                    cases.append(case)
+                    print(f"check {dtype} H={hidden} B={batch} T={T}: {_errors(case)} "
+                          f"{'ok' if case['ok'] else 'FAILED'}", flush=True)  # fmt: skip
+    return cases
+
+
+def _errors(case: dict) -> str:
+    if "exception" in case:
+        return case["exception"]
+    return (f"error {case['error']:.2e} (no fences {case['no_fences_error']:.2e}, "
+            f"cuDNN {case['cudnn_error']:.2e}, tolerance {case['tolerance']:.0e})")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -436,38 +469,33 @@ def main(argv: list[str] | None = None) -> int:
               "tolerance": TOLERANCE, "checks": [], "timings": [], "skipped": []}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "prototype.json"
-    failed = False
     if not args.skip_check:
-        for dtype in dtypes:
-            for hidden in CHECK_HIDDEN:
-                for batch in CHECK_BATCH:
-                    for T in CHECK_T:
-                        case = check_case(dtype, hidden, batch, T, device)
-                        result["checks"].append(case)
-                        failed |= not case["ok"]
-                        print(f"check {dtype} H={hidden} B={batch} T={T}: error "
-                              f"{case['error']:.2e} (no fences {case['no_fences_error']:.2e}, "
-                              f"cuDNN {case['cudnn_error']:.2e}, tolerance "
-                              f"{case['tolerance']:.0e}) {'ok' if case['ok'] else 'FAILED'}",
-                              flush=True)  # fmt: skip
+        result["checks"] = run_checks(dtypes, device)
         path.write_text(json.dumps(result, indent=2))
     if not args.skip_timing:
         for dtype in dtypes:
             for hidden in _ints(args.hidden):
                 for batch in _ints(args.batch):
+                    shape = {"dtype": dtype, "hidden": hidden, "batch": batch, "T": args.T}
                     if time.monotonic() - started > args.budget_s:
-                        result["skipped"].append({"dtype": dtype, "hidden": hidden, "batch": batch})
+                        result["skipped"].append(shape)
                         continue
-                    row = time_case(dtype, hidden, batch, args.T, device)
+                    try:
+                        row = time_case(dtype, hidden, batch, args.T, device)
+                    except Exception as e:
+                        row = _failure(shape, e)
                     result["timings"].append(row)
                     print(json.dumps(row), flush=True)
                     path.write_text(json.dumps(result, indent=2))
-        print(_table(result["timings"]))
+        print(_table([r for r in result["timings"] if "exception" not in r]))
     if result["skipped"]:
         print(f"not timed (past --budget-s): {result['skipped']}")
     result["seconds"] = round(time.monotonic() - started, 1)
     path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {path} ({result['seconds']} s)")
+    failed = [c for c in result["checks"] if not c["ok"]] + [
+        r for r in result["timings"] if "exception" in r
+    ]
     return 1 if failed else 0
 
 

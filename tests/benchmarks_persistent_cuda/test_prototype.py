@@ -1,10 +1,13 @@
 """The persistent CUDA LSTM prototype (benchmarks/persistent_cuda/): its plain-PyTorch
-reference against torch.nn.LSTM in float64, its launch layout, and the kernel source
-compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not installed)."""
+reference against torch.nn.LSTM in float64, its launch layout, the kernel source
+compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not installed), and
+the harness's checks and timing rows with the GPU parts replaced."""
 
 import pytest
 import torch
 from benchmarks.persistent_cuda import prototype
+
+import mirrorgrad.nn
 
 
 @pytest.mark.parametrize(("hidden", "batch", "T"), [(8, 1, 1), (16, 3, 7), (24, 20, 5)])
@@ -70,3 +73,81 @@ def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
     monkeypatch.setattr(prototype, "SOURCE", broken)
     with pytest.raises(prototype.CompileError, match="undeclared"):
         prototype.compile_cubin("bf16", 512, 1, 4)
+
+
+class _ReferenceKernel:
+    """Stands in for PersistentLstm on the CPU: the reference's results, no launch."""
+
+    def __init__(self, dtype, hidden, batch, device, variant=""):
+        self.layout = prototype.layout(hidden, 132)
+        self.registers, self.spill_bytes, self.compile_s = 128, 0, 0.0
+
+    def forward(self, *args):
+        return prototype.reference_forward(*args)
+
+    def recurrence(self, *args):
+        pass
+
+    def timed_out(self):
+        return False
+
+
+class _PlainLstm(torch.nn.LSTM):
+    """Stands in for mirrorgrad.nn.LSTM (whose persistent kernel the CPU would interpret)."""
+
+    def __init__(self, *args, impl, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: every span 1 ms."""
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return 1.0
+
+
+@pytest.mark.slow
+def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
+    # The harness's own code (shapes, records, table) runs with the GPU parts replaced.
+    monkeypatch.setattr(prototype, "PersistentLstm", _ReferenceKernel)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(mirrorgrad.nn, "LSTM", _PlainLstm)
+    monkeypatch.setattr(prototype, "CHECK_HIDDEN", (16,))
+    monkeypatch.setattr(prototype, "CHECK_BATCH", (3,))
+    monkeypatch.setattr(prototype, "CHECK_T", (4,))
+    cpu = torch.device("cpu")
+    (case,) = prototype.run_checks(["bf16"], cpu)
+    assert case["ok"] and 0 < case["error"] < case["tolerance"] and case["cudnn_error"] > 0
+    row = prototype.time_case("fp32", 16, 2, 10, cpu)
+    # 10 calls in 1 ms over 10 steps each: 10 us a step
+    assert set(row["us_per_step"].values()) == {10.0} and not row["errors"]
+    assert set(row["us_per_step"]) == {"cuda-kernel", "cuda-kernel-no-barrier",
+                                       "cuda-kernel-no-product", "cuda-kernel-no-fences",
+                                       "cuda-layer", "triton-persistent", "cudnn"}  # fmt: skip
+    assert "| fp32 | 16 | 2 | 10.00 |" in prototype._table([row])
+
+
+def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, capsys):
+    monkeypatch.setattr(prototype, "CHECK_HIDDEN", (16, 24))
+    monkeypatch.setattr(prototype, "CHECK_BATCH", (1,))
+    monkeypatch.setattr(prototype, "CHECK_T", (1,))
+
+    def check_case(dtype, hidden, batch, T, device):
+        if hidden == 16:
+            raise RuntimeError("CUDA driver: CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
+        return {"ok": True, "error": 0.0, "no_fences_error": 0.0, "cudnn_error": 0.0,
+                "tolerance": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(prototype, "check_case", check_case)
+    failed, passed = prototype.run_checks(["fp32"], torch.device("cpu"))
+    assert not failed["ok"] and "TOO_LARGE" in failed["exception"] and passed["ok"]
+    assert "check fp32 H=16 B=1 T=1: RuntimeError" in capsys.readouterr().out
