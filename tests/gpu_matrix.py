@@ -23,7 +23,8 @@ no error, gradients equal eager's with the same seed (``fallback_random``).
 
 One worker process per (mode, dtype, impl) runs its cases (``--jobs`` at once; each
 compiles its own graphs). Writes OUT/matrix.json and OUT/matrix.md (logs in OUT/workers/),
-prints pass counts and every failure last; exits 1 if any case failed.
+prints each worker's pass counts and failures as it ends, then every failure last; exits 1 if
+any case failed.
 """
 
 from __future__ import annotations
@@ -295,8 +296,15 @@ def main() -> int:
         for process, job in list(running):
             if process.poll() is not None:
                 running.remove((process, job))
+                # Each worker's counts and failures as it ends: a run cut short still tells.
+                result = work / f"{'-'.join(job)}.json"
+                got = json.loads(result.read_text()) if result.exists() else []
+                bad = [c for c in got if "failure" in c]
                 print(f"[{time.perf_counter() - start:4.0f} s] {' '.join(job)}: exit "
-                      f"{process.returncode}", flush=True)  # fmt: skip
+                      f"{process.returncode}, {len(got) - len(bad)} passed, {len(bad)} failed",
+                      flush=True)  # fmt: skip
+                for c in bad:
+                    print(f"  FAIL {c['path']} B={c['batch']}: {c['failure']}", flush=True)
     cases = []
     for job in jobs:
         result = work / f"{'-'.join(job)}.json"
