@@ -9,6 +9,7 @@ torch itself) are left alone.
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 
 import pytest
@@ -79,7 +80,13 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "use_graph", use_graph)
     monkeypatch.setattr(cuda_graphs, "_record", record)
     monkeypatch.setattr(cuda_graphs, "_replay", lambda graph, buffers: graph.replay(buffers))
+    # The stand-in collects garbage after every loop it runs; what is alive now (torch,
+    # Inductor, earlier tests' caches) is frozen so that those collections walk only the
+    # test's own objects (a full walk of a long-lived worker's heap takes ~0.3-1 s each).
+    gc.collect()
+    gc.freeze()
     yield captured
+    gc.unfreeze()
     cuda_graphs.clear_graphs()
 
 
