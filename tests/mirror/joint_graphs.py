@@ -8,6 +8,8 @@ joint graph with a partition_fn and then partition it PyTorch's default way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -167,6 +169,15 @@ def resnet152_shaped(width: int = 4) -> nn.Sequential:
             blocks.append(Bottleneck(4 * w, w, stride=stride, in_channels=in_channels))
             in_channels = 4 * w
     return nn.Sequential(*blocks)
+
+
+@functools.cache
+def resnet152_layout() -> JointGraph:
+    """ResNet-152's layout at 1/16 of its widths (16..512 channels), 10k nodes, traced as
+    torch.compile's Inductor path traces it (BatchNorm decomposed). Built once per
+    process (tens of seconds): the planner reads a joint graph and changes nothing."""
+    torch.manual_seed(0)
+    return joint_of(resnet152_shaped(width=4), torch.randn(16, 3, 32, 32), decompose=True)
 
 
 def suite_transformer() -> JointGraph:

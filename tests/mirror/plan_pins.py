@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import (
     Bottleneck,
     joint_of,
-    resnet152_shaped,
+    resnet152_layout,
     suite_resnet50ish,
     suite_transformer,
 )
@@ -53,12 +53,6 @@ def _bottlenecks() -> JointGraph:
         torch.randn(8, 16, 16, 16),
         decompose=True,
     )
-
-
-def resnet152_layout() -> JointGraph:
-    """The 10k-node ResNet-152 layout of test_budget_search.py."""
-    torch.manual_seed(0)
-    return joint_of(resnet152_shaped(width=4), torch.randn(16, 3, 32, 32), decompose=True)
 
 
 GRAPHS = {

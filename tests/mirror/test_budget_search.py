@@ -21,7 +21,13 @@ from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy
 from mirrorgrad.mirror.storage_balance import UnitGraph, storage_balance
 
 sys.path.insert(0, str(Path(__file__).parent))
-from joint_graphs import Bottleneck, LayerNormGeluLinear, joint_of, resnet152_shaped
+from joint_graphs import (
+    Bottleneck,
+    LayerNormGeluLinear,
+    joint_of,
+    resnet152_layout,
+    resnet152_shaped,
+)
 
 
 def _deep_mlp(blocks: int = 4, d: int = 256) -> torch.nn.Sequential:
@@ -84,14 +90,14 @@ def _run(fwd, bwd, joint):
     return [g for g in bwd(*saved, *tangents) if g is not None]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def resnet152_joint():
-    # ResNet-152's 3-8-36-3 bottleneck layout at 1/16 of its widths (16..512 channels),
-    # traced as torch.compile's Inductor path traces it (BatchNorm decomposed).
-    return joint_of(resnet152_shaped(width=4), torch.randn(16, 3, 32, 32), decompose=True)
+    return resnet152_layout()
 
 
+# The tests that plan the ResNet-152 layout run on one xdist worker, which builds it once.
 @pytest.mark.slow
+@pytest.mark.xdist_group("resnet152-layout")
 def test_resnet152_shaped_peak_with_balance(resnet152_joint):
     p = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.05))
     assert p.peak_after <= 0.6 * p.peak_before
@@ -100,6 +106,7 @@ def test_resnet152_shaped_peak_with_balance(resnet152_joint):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("resnet152-layout")
 def test_balance_respects_the_overhead_cap(resnet152_joint):
     capped = plan(resnet152_joint, PlanOptions(mode="balance", max_overhead=0.02))
     assert 0 < capped.added_time_s <= 0.02 * capped.step_time_s

@@ -32,5 +32,6 @@ def test_plans_are_the_pinned_ones(name):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("resnet152-layout")  # with test_budget_search's: built once
 def test_plans_of_the_10k_node_layout_are_the_pinned_ones():
     _check(plan_pins.SLOW_GRAPHS)
