@@ -80,7 +80,12 @@ def _cases():
                 # torch's own RNN under Inductor compiles unrolled (tens of seconds each):
                 # its Inductor paths are checked on the LSTM alone.
                 slow = impl == "cudnn" and path not in ("eager", "aot_eager")
-                if rnn is mnn.LSTM or not slow:
+                # The backend by name plans as mirrorgrad.compile's balance does (only the
+                # way the options arrive differs, test_backend_entry_point.py): every impl
+                # goes through it on the LSTM; GRU and RNN meet that plan as
+                # mirrorgrad-balance.
+                by_name = path == "backend-mirrorgrad"
+                if rnn is mnn.LSTM or not (slow or by_name):
                     yield pytest.param(rnn, impl, path, id=f"{rnn.__name__}-{impl}-{path}")
 
 
