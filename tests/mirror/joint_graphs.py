@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from torch import nn
 
@@ -190,10 +191,23 @@ def suite_transformer() -> JointGraph:
     return joint_of(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
 
 
+@functools.cache
 def suite_resnet50ish() -> JointGraph:
-    """The suite's ResNet-50 layout (3, 4, 6, 3 bottlenecks) at width 8, 32x32."""
+    """The suite's ResNet-50 layout (3, 4, 6, 3 bottlenecks) at width 8, 32x32. Built once
+    per process (~10 s)."""
     from mirrorgrad.bench import models
 
     torch.manual_seed(0)
     model = models.ResNet(layers=(3, 4, 6, 3), width=8, classes=10)
     return joint_of(model, torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)), decompose=True)
+
+
+# Graphs whose joint takes many seconds to build: the tests of every file that plan one
+# share an xdist group, so one worker builds it (once: its builder is cached).
+COSTLY_GRAPHS = ("resnet50-ish",)
+
+
+def graph_param(name: str, *values):
+    """``pytest.param(name, *values)``, in its graph's xdist group where it is costly."""
+    marks = [pytest.mark.xdist_group(name)] if name in COSTLY_GRAPHS else []
+    return pytest.param(name, *values, marks=marks)

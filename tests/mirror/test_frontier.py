@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import (
     Bottleneck,
     LayerNormGeluLinear,
+    graph_param,
     joint_of,
     joint_of_compiled,
     suite_resnet50ish,
@@ -98,7 +99,7 @@ def _joint(name: str) -> JointGraph:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
-@pytest.mark.parametrize("name", list(GRAPHS))
+@pytest.mark.parametrize("name", [graph_param(name) for name in GRAPHS])
 def test_budget_plan_dominates_min_cut(name, fraction):
     joint = _joint(name)
     their_peak, their_seconds = min_cut_plan(joint, fraction)
@@ -114,7 +115,9 @@ def test_budget_plan_dominates_min_cut(name, fraction):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
-@pytest.mark.parametrize("name", ["transformer", "resnet50-ish", "bottlenecks"])
+@pytest.mark.parametrize(
+    "name", [graph_param(name) for name in ("transformer", "resnet50-ish", "bottlenecks")]
+)
 def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fraction):
     # The target: budget=F against activation_memory_budget=F. (Not on every
     # zoo graph: on layernorm-gelu-linear min-cut's 0.5 reaches 0.75x at +9.6%, where
@@ -127,6 +130,7 @@ def test_the_same_fraction_is_no_higher_and_no_slower_than_min_cuts(name, fracti
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("full-size-transformer")  # one worker builds it (cached)
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_full_size_transformer_dominates_min_cut(fraction):
     # The suite's 12x768 transformer, length 1024, as Inductor hands it over (traced,
@@ -150,9 +154,9 @@ def _full_size_transformer() -> JointGraph:
 @pytest.mark.parametrize(
     ("name", "options"),
     [
-        ("resnet50-ish", PlanOptions(mode="balance")),
-        ("resnet50-ish", PlanOptions(mode="budget", budget=0.3)),
-        ("seq2seq_attention", PlanOptions(mode="budget", budget=0.3)),
+        graph_param("resnet50-ish", PlanOptions(mode="balance")),
+        graph_param("resnet50-ish", PlanOptions(mode="budget", budget=0.3)),
+        graph_param("seq2seq_attention", PlanOptions(mode="budget", budget=0.3)),
     ],
 )
 def test_the_plan_is_alike_in_every_copy_of_a_repeated_block(name, options):
