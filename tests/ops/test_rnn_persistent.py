@@ -416,7 +416,7 @@ def test_gpu_op_captured_in_a_cuda_graph_replays():
         torch.testing.assert_close(p.grad, q.grad, atol=5e-3, rtol=5e-3)
 
 
-ISSUE_16 = [  # (layers, input, hidden, batch, T, bidirectional)
+BENCHMARK_SHAPES = [  # the module table's (layers, input, hidden, batch, T, bidirectional)
     (2, 650, 650, 20, 35, False),
     (2, 1500, 1500, 20, 35, False),
     (2, 1024, 1024, 64, 50, False),
@@ -433,8 +433,8 @@ ISSUE_16 = [  # (layers, input, hidden, batch, T, bidirectional)
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("mode", ["lstm", "gru"])
-@pytest.mark.parametrize("cfg", ISSUE_16, ids=lambda c: "L{}-I{}-H{}-B{}-T{}{}".format(*c))
-def test_gpu_issue16_configs_match_kernels_py(cfg, mode, no_tf32):
+@pytest.mark.parametrize("cfg", BENCHMARK_SHAPES, ids=lambda c: "L{}-I{}-H{}-B{}-T{}{}".format(*c))
+def test_gpu_benchmark_shapes_match_kernels_py(cfg, mode, no_tf32):
     layers, n_in, hidden, batch, T, bi = cfg
     T = min(T, 12)  # the layouts depend on (layers, sizes, batch), not on T: fewer steps
     cls = {"lstm": mirrorgrad.nn.LSTM, "gru": mirrorgrad.nn.GRU}[mode]
