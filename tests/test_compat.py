@@ -2,6 +2,7 @@
 
 import inspect
 
+import pytest
 import torch
 
 from mirrorgrad import _compat
@@ -426,3 +427,16 @@ def test_tracing_for_cuda_graphs_reads_the_traced_frames_backend():
     assert mirrorgrad.compile(fn, options={"triton.cudagraphs": True})(x)[0] == 2
     assert seen[-1] is True
     assert _compat.tracing_for_cuda_graphs() is False
+
+
+def test_recompile_limit_raises_instead_of_running_eagerly():
+    def f(x):
+        return x * 2
+
+    with _compat.recompile_limit_raises(1):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="eager", dynamic=False)
+        compiled(torch.ones(2))
+        with pytest.raises(Exception, match="recompile_limit"):
+            compiled(torch.ones(3))  # a new shape: a second compile of f's code
+    torch._dynamo.reset()

@@ -186,6 +186,12 @@ def tracing_for_cuda_graphs() -> bool:
     return False
 
 
+
+def recompile_limit_raises(limit: int):
+    """Context manager: Dynamo compiles a code object at most ``limit`` times, and one
+    more is an error instead of a silent fall back to eager (tests of compile reuse)."""
+    return torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
+
 # --- Dynamo's tracing context (used by compiler.py's first-call guard) -------------------
 def tracing_context():
     """The ``torch._guards.TracingContext`` of the compile in progress (None outside one)."""

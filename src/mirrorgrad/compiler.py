@@ -372,7 +372,8 @@ def explain(
         strict=True,
     )
     torch_compile_kwargs.setdefault("fullgraph", True)
-    compiled = torch.compile(_own_frame(model), backend=mirror_backend, **torch_compile_kwargs)
+    step = own_frame(model, "explain")
+    compiled = torch.compile(step, backend=mirror_backend, **torch_compile_kwargs)
     state = _snapshot(model)
     devices = sorted(
         {x.device.index or 0 for x in example_inputs if _is_cuda_tensor(x)}
@@ -701,21 +702,21 @@ def _compile_alone(
     return _compat.compile_fx(GraphModule({}, graph), inputs)
 
 
-def _own_frame(model: Callable[..., Any]) -> Callable[..., Any]:
-    """``model(*args)`` through a function with a code object of its own.
+def own_frame(model: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``model(*args)`` through a function ``name`` with a code object of its own.
 
     Dynamo keeps compiled code per code object, at most ``recompile_limit`` (8) entries
-    each; compiling ``model`` itself would add an entry to its class's ``forward`` at
-    every call of explain (a new backend each time), and the ninth call, or the user's
-    own compile after eight, would find the limit hit. Entries on a fresh code object
-    die with it.
+    each, and a new backend makes a new entry: compiling ``model`` itself at every
+    `explain` or every `mirrorgrad train` run in one process (a notebook, a sweep) would
+    add an entry to its class's ``forward`` each time, and the ninth would run eagerly.
+    Entries on a fresh code object die with it.
     """
 
     def run(*args: Any) -> Any:
         return model(*args)
 
-    code = run.__code__.replace()
-    return types.FunctionType(code, run.__globals__, "explain", None, run.__closure__)
+    code = run.__code__.replace(co_name=name)
+    return types.FunctionType(code, run.__globals__, name, None, run.__closure__)
 
 
 def _is_cuda_tensor(x: object) -> bool:

@@ -192,3 +192,14 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(monkeypatch
     assert probes.measure_step_peaks(model, planned, mirror, device, example_inputs) == (111, 222)
     assert compiled == ["off", "balance"]
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_runs_in_one_process_do_not_pile_compiles_on_the_model(corpus, tmp_path):
+    """Each run compiles its step in a frame of its own: runs in one process (a notebook,
+    a sweep) never reach Dynamo's recompile limit, which would run the step eagerly."""
+    from mirrorgrad import _compat
+
+    with _compat.recompile_limit_raises(2):
+        for run in range(3):
+            summary = train(make_config(corpus, tmp_path / str(run), epochs=1, max_steps=2))
+            assert summary.steps == 2

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 import mirrorgrad
 from mirrorgrad import _compat
 from mirrorgrad._cuda_graphs import capture
+from mirrorgrad.compiler import own_frame
 from mirrorgrad.nn import dispatch_as_captured
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import distributed
@@ -46,7 +47,14 @@ def compile_for_training(
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
     options = {"options": {"triton.cudagraphs": True}} if cuda_graphs else {}
-    return mirrorgrad.compile(model, backend=backend_for(device), **mirror.as_kwargs(), **options)
+    # A frame of its own: runs of `train` in one process would otherwise pile compiled
+    # entries onto LanguageModel.forward until Dynamo's recompile limit ran the step
+    # eagerly. A DDP module is compiled itself, as before: its graph splitting at the
+    # buckets and its gradient hooks were tested that way.
+    step = model if isinstance(model, nn.parallel.DistributedDataParallel) else own_frame(
+        model, "train_step"
+    )
+    return mirrorgrad.compile(step, backend=backend_for(device), **mirror.as_kwargs(), **options)
 
 
 def compile_for_world(
