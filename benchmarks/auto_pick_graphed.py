@@ -15,7 +15,8 @@ import copy
 import torch
 
 import mirrorgrad.nn as mnn
-from mirrorgrad.ops.rnn import dispatch
+from mirrorgrad._cuda_graphs import capture
+from mirrorgrad.ops.rnn.dispatch import auto_choices
 
 CONFIGS = (  # layers, input, hidden, batch, steps, bidirectional
     (2, 650, 650, 20, 35, False),
@@ -31,16 +32,7 @@ IMPLS = ("triton", "persistent", "cudnn", "auto")
 
 def graphed_ms(step, reps: int = 20) -> float:
     """Mean ms of ``reps`` replays of ``step`` captured in one CUDA Graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    side.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
+    graph, _ = capture(step)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -71,8 +63,6 @@ def row(mode: str, dtype: torch.dtype, layers, input, hidden, batch, T, bi) -> s
         return step
 
     ms = {"cudnn graphed": graphed_ms(step_of(reference))}
-    dispatch._AUTO_CHOICE.clear()
-    dispatch.AUTO_TIMES.clear()
     for impl in IMPLS:
         module = mnn.convert(copy.deepcopy(reference), impl=impl)
         if impl == "auto":
@@ -80,8 +70,12 @@ def row(mode: str, dtype: torch.dtype, layers, input, hidden, batch, T, bi) -> s
                 ms[impl] = graphed_ms(step_of(module))
         else:
             ms[impl] = graphed_ms(step_of(module))
-    choices = dispatch._AUTO_CHOICE
-    picks = {choices[k]: dispatch.AUTO_TIMES.get(k, {}) for k in choices}
+    this = dict(dtype=str(dtype), T=T, B=batch, input=input, layers=layers, bidirectional=bi)
+    picks = {
+        c["choice"]: c["times"]
+        for c in auto_choices()
+        if c["captured"] and all(c[k] == v for k, v in this.items())
+    }
     base = ms["cudnn graphed"]
     name = f"L{layers}-I{input}-H{hidden}-B{batch}-T{T}{'-bi' if bi else ''}"
     cells = " | ".join(f"{ms[k]:.3f} ({base / ms[k]:.2f}x)" for k in IMPLS)
