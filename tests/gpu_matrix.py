@@ -282,6 +282,7 @@ def main() -> int:
     jobs.sort(key=lambda job: job[2] != "cudnn")  # the longest first: torch's RNN compiles unrolled
     jobs.insert(1, ("snippet", "fp32", "auto"))
     pending, running, start = list(jobs), [], time.perf_counter()
+    finished: dict[tuple, list] = {}  # job -> its cases, read once as the worker ends
     while pending or running:
         while pending and len(running) < args.jobs:
             mode, dtype, impl = job = pending.pop(0)
@@ -298,7 +299,7 @@ def main() -> int:
                 running.remove((process, job))
                 # Each worker's counts and failures as it ends: a run cut short still tells.
                 result = work / f"{'-'.join(job)}.json"
-                got = json.loads(result.read_text()) if result.exists() else []
+                got = finished[job] = json.loads(result.read_text()) if result.exists() else []
                 bad = [c for c in got if "failure" in c]
                 print(f"[{time.perf_counter() - start:4.0f} s] {' '.join(job)}: exit "
                       f"{process.returncode}, {len(got) - len(bad)} passed, {len(bad)} failed",
@@ -307,8 +308,7 @@ def main() -> int:
                     print(f"  FAIL {c['path']} B={c['batch']}: {c['failure']}", flush=True)
     cases = []
     for job in jobs:
-        result = work / f"{'-'.join(job)}.json"
-        got = json.loads(result.read_text()) if result.exists() else []
+        got = finished[job]
         if not got:
             mode, dtype, impl = job
             got = [dict(mode=mode, dtype=dtype, impl=impl, path="-", batch=0,
