@@ -103,7 +103,9 @@ def _choice_key(key: tuple) -> tuple:
     """The cache key of a choice: captured and uncaptured timings choose apart. A call
     made while a CUDA Graph is captured runs captured, so it takes the captured choice
     (made in the warm-up inside ``dispatch_as_captured()``)."""
-    return (*key, "captured") if _captured_depth or _capturing() else key
+    on_cuda = len(key) > 1 and isinstance(key[1], torch.device) and key[1].type == "cuda"
+    captured = _captured_depth or (on_cuda and torch.cuda.is_current_stream_capturing())
+    return (*key, "captured") if captured else key
 
 
 def _capturing() -> bool:
