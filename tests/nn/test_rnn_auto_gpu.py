@@ -20,6 +20,9 @@ def _step(model, x):
 
 @pytest.fixture
 def fresh(monkeypatch):
+    # Each test compiles new modules through one forward: past Dynamo's recompile limit
+    # it would run them eagerly without a word, and a compiled path would go untested.
+    torch.compiler.reset()
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {})
     monkeypatch.setattr(dispatch, "AUTO_TIMES", {})
     cuda_graphs.clear_graphs()
