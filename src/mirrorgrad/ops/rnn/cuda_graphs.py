@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from mirrorgrad import _compat
+from mirrorgrad._cuda_graphs import side_stream
 
 # NOTE: on an H200 the captured step loop beat host launches at every size measured
 # (L4 H1024 B128 T50 fp32: 10.2 ms against 51 ms), so only size bounds it. Where
@@ -89,7 +90,6 @@ _ENTRIES: OrderedDict[tuple, _Key] = OrderedDict()
 _WORKSPACE: dict[tuple, Tensor] = {}  # (config, name) -> a view of an arena
 _ARENAS: dict[tuple, Tensor] = {}  # (device, arena name) -> bytes
 _ARENA_ALONE: dict[tuple, int] = {}  # its storage use count while no view of it exists
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _RECORDING: list[set[tuple]] = []  # the key sets of open recording() blocks
 _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mirrorgrad-rnn-capture")
 _COUNTS = {"captures": 0, "replays": 0, "uncaptured": 0}
@@ -353,9 +353,7 @@ def _record(device: torch.device, buffers: Any, loop: Callable[[Any], None]):
     entry synchronizes and empties the caching allocator's cache: every capture would
     then move the addresses the next calls get, the very thing entries are found by
     (and cost a device sync and the re-allocation of every freed segment)."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    stream = side_stream(device)  # every capture's one stream: one cuBLAS workspace
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         loop(buffers)  # warm-up: compiles the kernels, creates the cuBLAS workspace
