@@ -123,3 +123,19 @@ def test_auto_under_reduce_overhead_times_its_candidates_captured(fresh):
     rows = dispatch.auto_choices()
     assert any(row["compiled"] and row["captured"] for row in rows), rows
     torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_captured_auto_leaves_out_cudnn_with_dropout(fresh):
+    """cuDNN's dropout state waits on the host, which a capture forbids: with dropout
+    between layers, the captured choice is among the fused kernels only, and a whole
+    step with it captures and replays."""
+    from mirrorgrad._cuda_graphs import capture
+
+    model = mnn.LSTM(512, 512, num_layers=2, dropout=0.5).cuda().train()
+    x = torch.randn(35, 128, 512, device="cuda")
+    with mnn.dispatch_as_captured():
+        graph, _ = capture(lambda: _step(model, x))
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = [row for row in dispatch.auto_choices() if row["captured"]]
+    assert rows and all("cudnn" not in row["times"] for row in rows), rows

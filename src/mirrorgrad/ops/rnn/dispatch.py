@@ -341,8 +341,11 @@ def rnn(
         compiling = torch.compiler.is_compiling()
         impl = _AUTO_CHOICE.get(_choice_key(key)) if not compiling else None
         if impl is None:
-            # cuDNN has no state clip, and no backward outside training mode (it raises).
-            cudnn_ok = state_clip is None and (training or not grad_inputs)
+            # cuDNN has no state clip, and no backward outside training mode (it raises);
+            # its dropout state waits on the host, which a CUDA Graph capture forbids.
+            captured = _choice_key(key)[-1] == "captured"
+            cudnn_ok = (state_clip is None and (training or not grad_inputs)
+                        and not (captured and p > 0))  # fmt: skip
             shape = time_model.Shape(mode=mode, T=x.shape[0], B=x.shape[1],
                                      H=weights[1].shape[1], layers=num_layers,
                                      directions=2 if bidirectional else 1)  # fmt: skip
