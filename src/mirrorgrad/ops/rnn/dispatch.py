@@ -343,7 +343,8 @@ def rnn(
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises);
             # its dropout state waits on the host, which a CUDA Graph capture forbids.
-            captured = _choice_key(key)[-1] == "captured"
+            # (Not asked while Dynamo traces: cuDNN is then no candidate anyway.)
+            captured = not compiling and _choice_key(key)[-1] == "captured"
             cudnn_ok = (state_clip is None and (training or not grad_inputs)
                         and not (captured and p > 0))  # fmt: skip
             shape = time_model.Shape(mode=mode, T=x.shape[0], B=x.shape[1],
