@@ -91,7 +91,7 @@ def test_registered_backend_plans_and_passes_inductor_settings(monkeypatch):
 
 
 def test_registered_backend_rejects_unknown_options():
-    match = r"unknown option\(s\) 'bugdet'.*budget, max_overhead, mode"
+    match = r"unknown option\(s\) 'bugdet'.*budget, fuse_loss, max_overhead, mode"
     with pytest.raises(ValueError, match=match):
         compiler.registered_backend(None, [], options={"mode": "budget", "bugdet": 0.5})
 

@@ -84,7 +84,8 @@ def test_unknown_mode():
 
 def test_from_dict_names_unknown_keys():
     assert MirrorOptions.from_dict({"mode": "budget", "budget": "1GiB"}).budget == 2**30
-    with pytest.raises(ValueError, match=r"'bugdet'.*known are budget, max_overhead, mode"):
+    known = r"'bugdet'.*known are budget, fuse_loss, max_overhead, mode"
+    with pytest.raises(ValueError, match=known):
         MirrorOptions.from_dict({"mode": "budget", "bugdet": 0.5})
 
 
@@ -92,7 +93,12 @@ def test_options_are_frozen_and_exported():
     options = mirrorgrad.MirrorOptions(mode="budget", budget=0.5)
     with pytest.raises(AttributeError):
         options.mode = "off"
-    assert options.as_kwargs() == {"mode": "budget", "budget": 0.5, "max_overhead": 0.03}
+    assert options.as_kwargs() == {
+        "mode": "budget",
+        "budget": 0.5,
+        "max_overhead": 0.03,
+        "fuse_loss": None,
+    }
 
 
 def test_the_cli_spelling_of_a_budget_names_the_keyword_form():

@@ -24,6 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from mirrorgrad import _compat
+from mirrorgrad.mirror.fused_loss import FusedLoss, fuse_lm_head_losses
 from mirrorgrad.mirror.partition import (
     MirrorgradFallbackWarning,
     MirrorPartitioner,
@@ -78,7 +79,16 @@ class MirrorBackend:
             fusion=self.codegen == "inductor" if self.fusion is None else self.fusion,
         )
 
-    def _record(self, plan: Plan) -> None:
+    def _fuse_losses(self, gm: GraphModule) -> list[FusedLoss]:
+        """The LM-head loss rewrite on Dynamo's graph, before AOTAutograd traces it."""
+        fuse = self.options.fuse_loss
+        mirroring = self.options.mode != "off" and policy_for(self.root_module).enabled
+        if fuse is None and not mirroring:
+            fuse = False  # auto: not when nothing is to be mirrored
+        return fuse_lm_head_losses(gm, fuse)
+
+    def _record(self, plan: Plan, fused_losses: Sequence[FusedLoss] = ()) -> None:
+        plan.fused_losses = list(fused_losses)
         self.plans.append(plan)
         if self.on_plan is not None:
             self.on_plan(plan)
@@ -98,19 +108,24 @@ class MirrorBackend:
                 "torch.compile mode=/options= are Inductor settings: use them "
                 "with backend='inductor'"
             )
+        fused_losses = self._fuse_losses(gm)
         # Without AOTAutograd's cache every compile runs the planner and records its plan.
         with _compat.without_autograd_cache():
             if self.codegen == "eager":
-                return self._aot_eager()(gm, example_inputs)
+                return self._aot_eager(fused_losses)(gm, example_inputs)
             settings = {
                 **(_compat.inductor_mode_options(mode) if mode else {}),
                 **self.inductor_options,
                 **(options or {}),
             }
-            return self._inductor(gm, example_inputs, settings)
+            return self._inductor(gm, example_inputs, settings, fused_losses)
 
     def _inductor(
-        self, gm: GraphModule, example_inputs: Sequence[object], settings: dict[str, Any]
+        self,
+        gm: GraphModule,
+        example_inputs: Sequence[object],
+        settings: dict[str, Any],
+        fused_losses: Sequence[FusedLoss],
     ) -> Callable[..., Any]:
         """Inductor with our partition; if Inductor rejects the plan's forward or backward,
         or either fails on its first call, PyTorch's partition (min-cut) with one
@@ -148,7 +163,7 @@ class MirrorBackend:
             _warn_fallback(f"Inductor rejected the plan ({_describe(exc)})")
             return compiled
         for applied_plan in applied:
-            self._record(applied_plan)
+            self._record(applied_plan, fused_losses)
         if not applied or self.strict:  # min-cut ran (planning fell back): nothing to guard
             return compiled
 
@@ -166,12 +181,12 @@ class MirrorBackend:
             backward_failed,
         )
 
-    def _aot_eager(self) -> Callable[..., Any]:
+    def _aot_eager(self, fused_losses: Sequence[FusedLoss]) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
         partition_fn = functools.partial(
             partition,
             options=self.plan_options(),
-            on_plan=self._record,
+            on_plan=functools.partial(self._record, fused_losses=fused_losses),
             strict=self.strict,
         )
         functools.update_wrapper(partition_fn, partition)
@@ -188,6 +203,7 @@ def backend(
     mode: Mode = "balance",
     budget: float | int | str | None = None,
     max_overhead: float = DEFAULT_MAX_OVERHEAD,
+    fuse_loss: bool | None = None,
     backend: str = "inductor",
     on_plan: PlanCallback | None = None,
     root_module: nn.Module | None = None,
@@ -195,7 +211,7 @@ def backend(
     """The planner as a backend: ``torch.compile(model, backend=mirrorgrad.backend())``.
 
     Args:
-        mode, budget, max_overhead, backend: as for :func:`compile`.
+        mode, budget, max_overhead, fuse_loss, backend: as for :func:`compile`.
         on_plan: called with each plan applied.
         root_module: the compiled model, so that the planner sees its
             ``mirrorgrad.mark`` tags (``mirrorgrad.compile`` passes it).
@@ -210,7 +226,9 @@ def backend(
         >>> compiled = torch.compile(model, backend=planner)
     """
     return MirrorBackend(
-        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
+        options=MirrorOptions(
+            mode=mode, budget=budget, max_overhead=max_overhead, fuse_loss=fuse_loss
+        ),
         codegen=backend,
         root_module=root_module,
         on_plan=on_plan,
@@ -253,6 +271,7 @@ def compile(
     mode: Mode = "balance",
     budget: float | int | str | None = None,
     max_overhead: float = DEFAULT_MAX_OVERHEAD,
+    fuse_loss: bool | None = None,
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Callable[..., Any]:
@@ -279,6 +298,12 @@ def compile(
             lowest peak found and one ``MirrorgradBudgetWarning``.
         max_overhead: balance mode's cap on added time, a fraction of the estimated
             step time (default 0.03).
+        fuse_loss: rewrite an LM head's ``F.cross_entropy(F.linear(h, w), target)``
+            (views, ``.float()``, a shift slice between them allowed) to the fused
+            ``linear_cross_entropy``, whose ``[tokens, vocab]`` logits never exist
+            whole. ``None`` (default): when the float32 logits exceed 64 MiB, except
+            with ``mode="off"``; ``True``: always; ``False``: never. Logits that the
+            model also returns or reuses are never rewritten. The plan names each.
         backend: ``"inductor"`` (default) generates fused code; ``"eager"`` runs
             AOTAutograd's forward and backward graphs op by op (CPU examples, tests).
         **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph``,
@@ -305,7 +330,9 @@ def compile(
     """
     inductor_options = torch_compile_kwargs.pop("options", None) or {}
     mirror_backend = MirrorBackend(
-        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
+        options=MirrorOptions(
+            mode=mode, budget=budget, max_overhead=max_overhead, fuse_loss=fuse_loss
+        ),
         codegen=backend,
         inductor_options=inductor_options,
         root_module=model_or_fn if isinstance(model_or_fn, nn.Module) else None,
@@ -323,6 +350,7 @@ def explain(
     mode: Mode = "balance",
     budget: float | int | str | None = None,
     max_overhead: float = DEFAULT_MAX_OVERHEAD,
+    fuse_loss: bool | None = None,
     backend: str = "inductor",
     **torch_compile_kwargs: Any,
 ) -> Plan:
@@ -339,7 +367,7 @@ def explain(
             (``fullgraph=True`` unless overridden), and a parameter or an input must
             require grad.
         *example_inputs: the inputs of one call, at the sizes to plan for.
-        mode, budget, max_overhead: as for :func:`compile`.
+        mode, budget, max_overhead, fuse_loss: as for :func:`compile`.
         backend: the backend the plan is for: with ``"inductor"`` (default) the
             estimate counts Inductor's fusion of pointwise ops; ``"eager"`` does not.
         **torch_compile_kwargs: passed to ``torch.compile``.
@@ -365,7 +393,9 @@ def explain(
     if backend not in CODEGENS:
         raise ValueError(f"backend={backend!r}: choose one of {', '.join(CODEGENS)}")
     mirror_backend = MirrorBackend(
-        options=MirrorOptions(mode=mode, budget=budget, max_overhead=max_overhead),
+        options=MirrorOptions(
+            mode=mode, budget=budget, max_overhead=max_overhead, fuse_loss=fuse_loss
+        ),
         codegen="eager",
         fusion=backend == "inductor",
         root_module=model if isinstance(model, nn.Module) else None,

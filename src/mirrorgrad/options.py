@@ -63,6 +63,10 @@ class MirrorOptions:
             are parsed into one of those.
         max_overhead: balance mode's cap on added time, a finite fraction >= 0 of the
             estimated step time (default 0.03).
+        fuse_loss: compute an LM head's ``F.cross_entropy(F.linear(h, w), t)`` with the
+            fused ``linear_cross_entropy``, whose logits never exist whole. ``None``
+            (default, auto): when the float32 logits exceed 64 MiB and the mode is not
+            ``"off"``; ``True``: every such loss; ``False``: never.
 
     Raises:
         ValueError: an unknown mode, a missing or misplaced budget, a budget out of
@@ -74,7 +78,7 @@ class MirrorOptions:
         >>> MirrorOptions(mode="budget", budget="2GiB").budget
         2147483648
         >>> MirrorOptions.from_cli("budget:0.5")
-        MirrorOptions(mode='budget', budget=0.5, max_overhead=0.03)
+        MirrorOptions(mode='budget', budget=0.5, max_overhead=0.03, fuse_loss=None)
         >>> MirrorOptions.from_cli("budget:0.5").to_cli()
         'budget:0.5'
     """
@@ -82,6 +86,7 @@ class MirrorOptions:
     mode: Mode = "balance"
     budget: float | int | None = None
     max_overhead: float = DEFAULT_MAX_OVERHEAD
+    fuse_loss: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -110,6 +115,10 @@ class MirrorOptions:
                 "(max_overhead=0.05 allows 5% more time)"
             )
         object.__setattr__(self, "max_overhead", float(overhead))
+        if not (self.fuse_loss is None or isinstance(self.fuse_loss, bool)):
+            raise ValueError(
+                f"fuse_loss={self.fuse_loss!r}: True, False or None (auto: large logits)"
+            )
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> MirrorOptions:

@@ -153,6 +153,8 @@ class Plan:
     # Balance mode, a plan above 0.8x the unmirrored peak or +3% time: what keeps it
     # there (balance.limits).
     limits: list[str] = field(default_factory=list)
+    # The LM heads + cross-entropies found before planning, fused or not (fused_loss.py).
+    fused_losses: list = field(default_factory=list)
 
     @property
     def step_peak(self) -> int:
@@ -187,6 +189,7 @@ class Plan:
             "held": dict(self.held),
             "step_peak": self.step_peak,
             "limits": list(self.limits),
+            "fused_losses": [str(f) for f in self.fused_losses],
         }
 
     def floor_summary(self) -> str:
@@ -223,6 +226,7 @@ class Plan:
             f"+{overhead:.1%} time"
         ]
         parts += [f"{c.module or c.node} {c.choice}" for c in self.op_memory]
+        parts += [str(f) for f in self.fused_losses if f.fused]
         if self.budget_bytes is not None:
             scale = self.budget_scale
             of = f" ({scale.fraction:g} on activation_memory_budget's scale)" if scale else ""
@@ -266,6 +270,7 @@ class Plan:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
         lines += [f"held up by:     {why}" for why in self.limits]
+        lines += [f"loss:           {f}" for f in self.fused_losses]
         return "\n".join(lines)
 
 

@@ -236,15 +236,21 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Cross-entropy of a linear layer's output, without materialising the logits.
 
     Equal in value and gradients to
     ``F.cross_entropy(F.linear(hidden, weight, bias), target, reduction=...,
     ignore_index=...)``. hidden: ``[..., H]``; weight: ``[V, H]``; bias: ``[V]`` or None;
-    target: ``[...]`` class indices. ``chunk_size`` rows of logits exist at a time
-    (default: as many rows as fit in 64 MiB of float32 logits); the backward
-    recomputes them instead of keeping them.
+    target: ``[...]`` class indices; rows whose target is ``ignore_index`` add nothing
+    (gradient 0) and "mean" averages over the others. ``chunk_size`` rows of logits
+    exist at a time (default: as many rows as fit in 64 MiB of float32 logits); the
+    backward recomputes them instead of keeping them. ``dtype``: the loss's dtype;
+    by default that of the logits (float32 under autocast); ``torch.float32`` gives
+    the loss of logits upcast before the cross-entropy (``logits.float()``). The
+    logits are summed in at least float32 either way.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(
@@ -274,7 +280,7 @@ def linear_cross_entropy(
     flat_target = target.reshape(-1)
     valid = flat_target != ignore_index
     safe_target = torch.where(valid, flat_target, torch.zeros_like(flat_target))
-    out_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    out_dtype = torch.promote_types(hidden.dtype, weight.dtype) if dtype is None else dtype
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     if autocast:
@@ -283,7 +289,7 @@ def linear_cross_entropy(
         low = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(low), weight.to(low)
         bias = None if bias is None else bias.to(low)
-        out_dtype = torch.float32
+        out_dtype = torch.float32 if dtype is None else dtype
     # The op runs in the dtypes it is given: no autocast recast inside it.
     with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
         lse, target_logit = linear_cross_entropy_forward(
