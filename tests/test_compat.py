@@ -440,3 +440,22 @@ def test_recompile_limit_raises_instead_of_running_eagerly():
         with pytest.raises(Exception, match="recompile_limit"):
             compiled(torch.ones(3))  # a new shape: a second compile of f's code
     torch._dynamo.reset()
+
+
+def test_dynamo_records_linears_and_their_example_values_as_fused_loss_reads_them():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    layer = torch.nn.Linear(3, 5)
+    torch._dynamo.reset()
+    torch.compile(lambda x: layer(x) + torch.nn.functional.linear(x, layer.weight), backend=record)(
+        torch.randn(2, 3)
+    )
+    (gm,) = graphs
+    linears = [n for n in gm.graph.nodes if n.target in _compat.DYNAMO_LINEAR_TARGETS]
+    assert len(linears) == 2
+    for node in linears:
+        assert node.meta[_compat.DYNAMO_EXAMPLE_VALUE].shape == (2, 5)

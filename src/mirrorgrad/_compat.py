@@ -423,3 +423,11 @@ def sgd_update_(params: list[torch.Tensor], grads: list[torch.Tensor], lr: torch
         params, grads, [], weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0,
         nesterov=False, maximize=False, is_first_step=False,
     )  # fmt: skip
+
+
+# --- The torch-level graph Dynamo hands a backend (mirror/fused_loss.py) ---------------
+
+# The node meta key holding the fake tensor Dynamo traced for a node's value.
+DYNAMO_EXAMPLE_VALUE = "example_value"
+# What a linear layer is recorded as: nn.Linear and F.linear both call torch._C._nn.linear.
+DYNAMO_LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from mirrorgrad import _compat
 from mirrorgrad._units import format_bytes
 from mirrorgrad.ops.linear_cross_entropy import op as fused_op
 
@@ -36,7 +37,7 @@ from mirrorgrad.ops.linear_cross_entropy import op as fused_op
 # little while the backward still pays the recomputed GEMM.
 MIN_LOGITS_BYTES = fused_op.CHUNK_BYTES
 
-_LINEARS = {torch._C._nn.linear, F.linear}
+_LINEARS = set(_compat.DYNAMO_LINEAR_TARGETS)
 _MATMULS = {operator.matmul, torch.matmul}
 _CROSS_ENTROPY = {F.cross_entropy}
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
@@ -63,8 +64,8 @@ class FusedLoss:
         shape = f"[{self.rows:,}, {self.vocab:,}]"
         if self.fused:
             return (
-                f"LM head + cross-entropy fused: logits {shape} never stored, "
-                f"-{format_bytes(self.logits_bytes)}"
+                f"LM head + cross-entropy fused: logits {shape} and their gradient never "
+                f"stored ({format_bytes(self.logits_bytes)} each)"
             )
         return f"LM head + cross-entropy not fused ({self.reason}): logits {shape}"
 
@@ -117,7 +118,7 @@ def _value(node: object) -> torch.Tensor | None:
     """The example value Dynamo recorded for a node (a fake tensor), if a tensor."""
     if not isinstance(node, Node):
         return None
-    value = node.meta.get("example_value")
+    value = node.meta.get(_compat.DYNAMO_EXAMPLE_VALUE)
     return value if isinstance(value, torch.Tensor) else None
 
 
