@@ -252,3 +252,20 @@ def test_autocast_matches_linear_then_cross_entropy_under_autocast(bias, hidden_
     for leaf, mine, torchs in zip(leaves, ours_grads, theirs_grads):
         assert mine.dtype == leaf.dtype
         torch.testing.assert_close(mine, torchs, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_dtype_float32_is_the_loss_of_upcast_logits(reduction):
+    """bfloat16 operands, dtype=torch.float32: F.cross_entropy(F.linear(...).float()), as
+    transformers computes an LM's loss; the loss in float32, the gradients in bfloat16."""
+    hidden, weight, b, target = _inputs(24, 8, 13, dtype=torch.bfloat16)
+    target[[3, 9]] = -100
+    ours = linear_cross_entropy(
+        hidden, weight, b, target, chunk_size=5, reduction=reduction, dtype=torch.float32
+    )
+    ref = F.cross_entropy(F.linear(hidden, weight, b).float(), target, reduction=reduction)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(_grads(ours, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
