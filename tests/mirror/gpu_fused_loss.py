@@ -6,9 +6,9 @@ collected by pytest).
 
 ``estimate`` (any device, nothing runs): the joint graph Inductor would partition,
 captured as bench/frontier.py captures it, without and with the rewrite; the estimated
-peak and added time of min-cut's default partition, balance and budget 0.5 on each,
-with an H100's rates on the CPU (``--gpu-layout``: and a GPU's padded matmuls).
-``measure`` (a GPU): per method, the first step's
+peak and step time (the cost model's) of min-cut's default partition, balance and
+budget 0.5 on each, with an H100's rates on the CPU (``--gpu-layout``: and a GPU's
+padded matmuls). ``measure`` (a GPU): per method, the first step's
 loss and gradients against ``compile``'s (fused against unfused), then the peak memory
 (``max_memory_allocated``) and the median time of forward+backward over ``--steps``.
 ``--quick`` (tiny sizes) checks the script itself on the CPU.
@@ -66,24 +66,29 @@ def _capture(model, batch, fuse: bool):
 def estimate(args) -> None:
     from mirrorgrad.bench import frontier
     from mirrorgrad.bench.suites import get_workload
+    from mirrorgrad.graph.cost import H100, StepCost, rates_for
 
-    print("| workload | loss | plan | est. peak MiB | / unfused compile | est. added time |")
+    print("| workload | loss | plan | est. peak MiB | / unfused compile | est. step ms |")
     print("|---|---|---|---:|---:|---:|")
     for name in args.workloads:
-        built = get_workload(name).build(device=args.device, quick=args.quick)
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        built = get_workload(name).build(device=args.device, quick=args.quick, dtype=dtype)
         base = None
         for fuse in (False, True):
             layout = frontier._as_on_a_gpu() if args.gpu_layout else contextlib.nullcontext()
             with layout:
                 joint, found = _capture(built.model, built.make_batch(), fuse)
                 rows = frontier.compare(joint, fractions=(0.5,))
+            rates = rates_for(joint.device) if joint.device.type == "cuda" else H100
+            step_ms = StepCost(joint, rates, fusion=True).step_seconds * 1e3
             base = base or rows[0]["peak_mib"]
             loss = ", ".join(f"fused {f.rows}x{f.vocab}" for f in found if f.fused) or "unfused"
             for row in rows:
                 if row["plan"] in ("compile (min-cut)", "mirror-balance", "mirror-budget-0.5"):
                     print(
                         f"| {name} | {loss} | {row['plan']} | {row['peak_mib']:,.0f} "
-                        f"| {row['peak_mib'] / base:.3f}x | +{row['added_time']:.1%} |",
+                        f"| {row['peak_mib'] / base:.3f}x "
+                        f"| {step_ms * (1 + row['added_time']):.1f} |",
                         flush=True,
                     )
 
