@@ -105,6 +105,7 @@ def measure(args) -> None:
     import mirrorgrad
     from mirrorgrad.bench.suites import get_workload
 
+    torch.set_float32_matmul_precision("high")  # TF32, as `mirrorgrad bench` runs
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     print("| workload | method | peak MiB | step ms (median) | loss vs compile | max grad diff |")
