@@ -99,6 +99,20 @@ def test_matmul_with_a_transposed_weight_is_fused():
     assert [f.fused for f in found] == [True]
 
 
+def test_cross_entropy_loss_module_with_its_ignore_index_is_fused():
+    torch.manual_seed(0)
+    model = Head(bias=True).double()
+    criterion = nn.CrossEntropyLoss(ignore_index=3, reduction="sum")
+
+    def loss(x, target):
+        return criterion(model.logits(x), target)
+
+    x = torch.randn(6, 6, dtype=torch.float64)
+    target = torch.tensor([3, 1, 3, 10, 0, 3])
+    found = _assert_same_step(loss, x, target, params=list(model.parameters()))
+    assert [f.fused for f in found] == [True]
+
+
 def _tiny_gpt2(vocab=40, positions=8, layers=1):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
