@@ -65,8 +65,10 @@ class MirrorOptions:
             estimated step time (default 0.03).
         fuse_loss: compute an LM head's ``F.cross_entropy(F.linear(h, w), t)`` with the
             fused ``linear_cross_entropy``, whose logits never exist whole. ``None``
-            (default, auto): when the float32 logits exceed 64 MiB and the mode is not
-            ``"off"``; ``True``: every such loss; ``False``: never.
+            (default, auto): in ``"budget"`` mode, when the float32 logits exceed
+            64 MiB (the fused op recomputes the head's GEMM in backward, which
+            ``"balance"``'s time cap would not take); ``True``: every such loss, in
+            any mode; ``False``: never.
 
     Raises:
         ValueError: an unknown mode, a missing or misplaced budget, a budget out of

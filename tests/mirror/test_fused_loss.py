@@ -196,19 +196,21 @@ def test_label_smoothing_is_left_alone_and_still_correct():
     assert [(f.fused, f.reason) for f in found] == [(False, "label smoothing")]
 
 
-def test_auto_fuses_only_large_logits_and_never_in_mode_off():
+def test_auto_fuses_only_large_logits_and_only_in_budget_mode():
     vocab = 4096
     rows_small = MIN_LOGITS_BYTES // (4 * vocab)  # exactly the threshold: not fused
     torch.manual_seed(0)
     model = Head(hidden=4, vocab=vocab)
     for rows, mode, fused in [
-        (rows_small, "balance", False),
-        (rows_small + 1, "balance", True),
+        (rows_small, "budget", False),
+        (rows_small + 1, "budget", True),
+        (rows_small + 1, "balance", False),  # its time cap would not take the recompute
         (rows_small + 1, "off", False),
     ]:
         x, target = torch.randn(rows, 4), torch.randint(0, vocab, (rows,))
         params = list(model.parameters())
-        _, _, found = _compiled_step(model, x, target, params=params, mode=mode)
+        budget = {"budget": 0.5} if mode == "budget" else {}
+        _, _, found = _compiled_step(model, x, target, params=params, mode=mode, **budget)
         assert [f.fused for f in found] == [fused], (rows, mode)
 
 

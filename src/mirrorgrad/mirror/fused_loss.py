@@ -86,11 +86,13 @@ class _Match:
     vocab: int
 
 
-def fuse_lm_head_losses(gm: GraphModule, enabled: bool | None) -> list[FusedLoss]:
+def fuse_lm_head_losses(
+    gm: GraphModule, enabled: bool | None, disabled_because: str = "fuse_loss=False"
+) -> list[FusedLoss]:
     """Rewrite each LM head + cross-entropy of ``gm`` in place; what was found.
 
-    ``enabled``: True fuses every match, False none, None (auto) those whose float32
-    logits exceed ``MIN_LOGITS_BYTES``."""
+    ``enabled``: True fuses every match, False none (the plan says ``disabled_because``),
+    None (auto) those whose float32 logits exceed ``MIN_LOGITS_BYTES``."""
     found: list[FusedLoss] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _CROSS_ENTROPY:
@@ -102,7 +104,7 @@ def fuse_lm_head_losses(gm: GraphModule, enabled: bool | None) -> list[FusedLoss
             continue
         reason = ""
         if enabled is False:
-            reason = "fuse_loss=False"
+            reason = disabled_because
         elif enabled is None and match.rows * match.vocab * 4 <= MIN_LOGITS_BYTES:
             reason = f"float32 logits at most {format_bytes(MIN_LOGITS_BYTES)}"
         if not reason:
