@@ -1,22 +1,36 @@
-// One LSTM layer's recurrence, all T steps in one persistent launch (forward only).
+// One LSTM layer's recurrence, all T steps in one persistent launch: forward and backward.
 //
-// The input side xW_t = x_t W_ih^T + b_ih of every step is one cuBLAS GEMM before the
-// launch; the kernel computes, for t = 0..T-1,
+// Forward. The input side xW_t = x_t W_ih^T + b_ih of every step is one cuBLAS GEMM
+// before the launch; the kernel computes, for t = 0..T-1,
 //     gates_t = xW_t + h_{t-1} W_hh^T + b_hh          (gate order i, f, g, o: torch.nn.LSTM)
 //     c_t = sigmoid(f) c_{t-1} + sigmoid(i) tanh(g),   h_t = sigmoid(o) tanh(c_t)
-// and writes y[t] = h_t, h_n = h_{T-1}, c_n = c_{T-1}.
+// and writes y[t] = h_t, h_n = h_{T-1}, c_n = c_{T-1}, and where asked the stash the
+// backward reads: the activated gates and c_t of every step.
+//
+// Backward. From the stash, dy (the gradient of each y[t]) and dh_n, dc_n it computes,
+// for t = T-1..0, with dh_t = dy_t + dgates_{t+1} W_hh (+ dh_n at t = T-1):
+//     dc = dc_t + dh_t o (1 - tanh^2 c_t)
+//     dgates_t = (dc g i(1-i), dc c_{t-1} f(1-f), dc i (1-g^2), dh_t tanh(c_t) o(1-o))
+//     dc_{t-1} = dc f
+// writes dgates_t for every t (dW_hh, dW_ih, dx and the biases are one GEMM each after the
+// launch), and dh0 = dgates_0 W_hh, dc0 = dc_{-1}.
 //
 // Layout (as the persistent RNNs of Diamos et al. 2016): CTA p owns UNITS hidden units
 // [p*UNITS, (p+1)*UNITS) and all four gates of them, so the cell needs no other CTA's
-// result. Its 4*UNITS rows of W_hh are loaded once into registers as tensor-core MMA
-// A fragments (bf16: mma m16n8k16; fp32: mma m16n8k8 in TF32) and stay there for all
+// result. Forward: its 4*UNITS rows of W_hh are loaded once into registers as tensor-core
+// MMA A fragments (bf16: mma m16n8k16; fp32: mma m16n8k8 in TF32) and stay there for all
 // T steps: nothing re-reads W_hh from shared memory or L2. The 8 warps split K (the
 // hidden input); each step a warp reads h_{t-1} (B x H, from L2) as B fragments, the
 // warps' partial sums meet in shared memory, one thread per (unit, batch row) applies
 // the cell (c stays in its registers, fp32), writes its h_t, and the grid synchronises
-// once per step. The launch is cooperative, so every CTA is resident and the spin
-// barrier cannot wait on a CTA that never runs; it also gives up after BARRIER_TIMEOUT_NS
-// (status = 1) so that no mistake can hang the GPU.
+// once per step. Backward: the same units, and their UNITS columns of W_hh (rows of
+// W_hh^T, K = the 4H gate rows) in registers as MMA B fragments (units are the MMA's N);
+// each step a warp reads its K slice of dgates_{t+1} (B x 4H, from L2) as A fragments
+// (batch rows are the MMA's M), the partial sums meet in shared memory, one thread per
+// (unit, batch row) runs the cell backward (dc in its registers, fp32), writes its
+// dgates_t, and the grid synchronises once per step. The launch is cooperative, so every
+// CTA is resident and the spin barrier cannot wait on a CTA that never runs; it also
+// gives up after BARRIER_TIMEOUT_NS (status = 1) so that no mistake can hang the GPU.
 //
 // Compile-time configuration (-D from prototype.py):
 //   LSTM_BF16    1: bf16 tensors; 0: fp32 tensors (TF32 products, fp32 accumulation)
@@ -24,7 +38,8 @@
 //   LSTM_BATCH   B
 //   LSTM_UNITS   hidden units per CTA (a multiple of 4, so 4*UNITS rows fill 16-row tiles)
 //   LSTM_LEAVE_OUT  timing variants (wrong results): 1 leaves out the grid barrier, 2 the
-//                recurrent product (h_{t-1} reads and MMAs); 0 (default) the layer
+//                recurrent product (the h_{t-1} or dgates_{t+1} reads and MMAs); 0
+//                (default) the layer
 //   LSTM_BARRIER_FENCES  1 (default): the barrier's thread 0 also runs __threadfence()
 //                before arriving and after its wait, as cooperative groups' grid sync
 //                does; 0: release arrival and acquire polling alone (the release/acquire
@@ -62,11 +77,24 @@ constexpr int K_STEPS = (H + K_STEP - 1) / K_STEP;
 constexpr int K_PER_WARP = (K_STEPS + WARPS - 1) / WARPS;  // warp w takes k-steps w, w+8, ...
 constexpr int CELLS = UNITS * B;                          // (unit, batch row) pairs
 constexpr int CELLS_PER_THREAD = (CELLS + THREADS - 1) / THREADS;
+// Backward's product dgates_{t+1} W_hh[:, units]: batch rows are the MMA's M (16 a tile),
+// this CTA's units its N (8 a tile), the G = 4H gate rows its K (a multiple of 32).
+constexpr int G = 4 * H;
+constexpr int BWD_M_TILES = (B + 15) / 16;
+constexpr int BWD_N_TILES = (UNITS + 7) / 8;
+constexpr int BWD_K_STEPS = G / K_STEP;
+constexpr int BWD_K_PER_WARP = (BWD_K_STEPS + WARPS - 1) / WARPS;
+// A warp's k-steps feed this many independent accumulators in turn, so that its MMAs are
+// not one chain of BWD_K_PER_WARP (up to 64) dependent ones.
+constexpr int BWD_CHAINS = BWD_K_PER_WARP < 4 ? BWD_K_PER_WARP : 4;
+constexpr int STASH = 5 * H;  // stash row of a (step, batch row): i, f, g, o, then c_t
 constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
 
 static_assert(H % 8 == 0, "H must be a multiple of 8 (aligned 32-bit fragment loads)");
 static_assert(UNITS % 4 == 0, "UNITS must be a multiple of 4");
 static_assert(sizeof(float) * WARPS * ROWS * COLS <= 48 * 1024, "partial sums exceed 48 KiB");
+static_assert(sizeof(float) * WARPS * BWD_M_TILES * 16 * BWD_N_TILES * 8 <= 48 * 1024,
+              "backward partial sums exceed 48 KiB");
 
 __device__ __forceinline__ float to_float(unsigned short bits) {
   return __uint_as_float(static_cast<unsigned>(bits) << 16);
@@ -97,16 +125,30 @@ __device__ __forceinline__ unsigned operand_word(const elem_t* row, int k) {
 #endif
 }
 
-// The same word of h_{t-1}, which other CTAs wrote during this launch: loaded at L2
-// (.cg), because an SM's L1 is not coherent with the other SMs' stores.
-__device__ __forceinline__ unsigned h_word(const elem_t* h, int n, int k) {
-  if (n >= B || k >= H) return 0u;
+// The word at (row, k) of a row-major [B, COLUMNS] matrix that other CTAs wrote during
+// this launch (h_{t-1}, dgates_{t+1}): loaded at L2 (.cg), because an SM's L1 is not
+// coherent with the other SMs' stores; zero past the batch or the columns.
+template <int COLUMNS>
+__device__ __forceinline__ unsigned fresh_word(const elem_t* matrix, int row, int k) {
+  if (row >= B || k >= COLUMNS) return 0u;
   unsigned v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(h + n * H + k) : "memory");
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(matrix + row * COLUMNS + k) : "memory");
 #if LSTM_BF16
   return v;
 #else
   return to_tf32(__uint_as_float(v));
+#endif
+}
+
+// One 32-bit B operand word of W_hh^T at (gate row k, unit): W_hh[k][unit] and
+// W_hh[k+1][unit] as two bf16 (the lower k in the lower half), or W_hh[k][unit] in TF32.
+__device__ __forceinline__ unsigned column_word(const elem_t* w_hh, int k, int unit) {
+#if LSTM_BF16
+  const unsigned lo = w_hh[static_cast<long long>(k) * H + unit];
+  const unsigned hi = w_hh[static_cast<long long>(k + 1) * H + unit];
+  return lo | (hi << 16);
+#else
+  return to_tf32(w_hh[static_cast<long long>(k) * H + unit]);
 #endif
 }
 
@@ -196,6 +238,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
                         elem_t* y,                        // [T, B, H]: h_t of every step
                         elem_t* __restrict__ h_n,         // [B, H]
                         elem_t* __restrict__ c_n,         // [B, H]
+                        float* __restrict__ stash,        // [T, B, 5H] for the backward, or null
                         unsigned* counter,                // barrier arrivals, zero at launch
                         int* status,                      // set to 1 where a barrier timed out
                         int T) {
@@ -258,8 +301,8 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt) {
           const int n = nt * 8 + group;
-          const unsigned b0 = h_word(h_prev, n, ka);
-          const unsigned b1 = h_word(h_prev, n, ka + K_STEP / 2);
+          const unsigned b0 = fresh_word<H>(h_prev, n, ka);
+          const unsigned b1 = fresh_word<H>(h_prev, n, ka + K_STEP / 2);
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt) mma(acc[mt][nt], w_frag[mt][kk], b0, b1);
         }
@@ -288,10 +331,17 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
           for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + unit - unit0][b];
           pre[q] = sum;
         }
-        c[i] = sigmoid(pre[1]) * c[i] + sigmoid(pre[0]) * tanhf(pre[2]);
-        const float h = sigmoid(pre[3]) * tanhf(c[i]);
+        const float gate[4] = {sigmoid(pre[0]), sigmoid(pre[1]), tanhf(pre[2]), sigmoid(pre[3])};
+        c[i] = gate[1] * c[i] + gate[0] * gate[2];
+        const float h = gate[3] * tanhf(c[i]);
         const long long at = static_cast<long long>(b) * H + unit;
         store(y + static_cast<long long>(t) * B * H + at, h);
+        if (stash != nullptr) {
+          float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) row[q * H] = gate[q];
+          row[4 * H] = c[i];
+        }
         if (t == T - 1) {
           store(h_n + at, h);
           store(c_n + at, c[i]);
@@ -303,6 +353,158 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
       load_x_side(x_side, xw, t + 1, unit0);
       if (LSTM_LEAVE_OUT != 1 &&
           !grid_barrier(counter, gridDim.x * static_cast<unsigned>(t + 1), status))
+        return;
+    }
+  }
+}
+
+// What step t's cell backward reads besides dh_t's product: it does not depend on the
+// recurrence, so it is loaded a step ahead, before the barrier wait. side[i] holds
+// dy_t (plus dh_n at t = T-1; zero at t = -1), the gates i, f, g, o, c_t and c_{t-1}.
+constexpr int SIDE = 7;
+__device__ __forceinline__ void load_cell_side(float (&side)[CELLS_PER_THREAD][SIDE],
+                                               const float* stash, const elem_t* c0,
+                                               const elem_t* dy, const elem_t* dh_n, int t,
+                                               int T, int unit0) {
+#pragma unroll
+  for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+    int unit, b;
+    const bool mine = my_cell(i, unit0, unit, b) && t >= 0;
+    const long long at = static_cast<long long>(b) * H + unit;
+    const float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
+    side[i][0] = mine ? to_float(dy[static_cast<long long>(t) * B * H + at]) : 0.0f;
+    if (mine && t == T - 1) side[i][0] += to_float(dh_n[at]);
+#pragma unroll
+    for (int q = 0; q < 5; ++q) side[i][1 + q] = mine ? row[q * H] : 0.0f;
+    side[i][6] = !mine ? 0.0f : t == 0 ? to_float(c0[at]) : row[4 * H - B * STASH];
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
+                         const float* __restrict__ stash,  // [T, B, 5H]: the forward's
+                         const elem_t* __restrict__ c0,    // [B, H]
+                         const elem_t* __restrict__ dy,    // [T, B, H]: gradient of y
+                         const elem_t* __restrict__ dh_n,  // [B, H]
+                         const elem_t* __restrict__ dc_n,  // [B, H]
+                         elem_t* dgates,                   // [T, B, 4H]: gradient of the gates
+                         elem_t* __restrict__ dh0,         // [B, H]
+                         elem_t* __restrict__ dc0,         // [B, H]
+                         unsigned* counter,                // barrier arrivals, zero at launch
+                         int* status,                      // set to 1 where a barrier timed out
+                         int T) {
+  __shared__ float partial[WARPS][BWD_M_TILES * 16][BWD_N_TILES * 8];
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int group = lane / 4;  // the fragments' row (A, C) or column (B) in the tile
+  const int quad = lane % 4;   // and position along K
+  const int unit0 = blockIdx.x * UNITS;
+
+  // This warp's slice of W_hh^T as B fragments: column (unit) nt*8 + group, k-step
+  // warp + kk*WARPS, k offsets kb (b0) and kb + K_STEP/2 (b1); zero past the CTA's units.
+  unsigned w_frag[BWD_K_PER_WARP][BWD_N_TILES][2];
+#pragma unroll
+  for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
+    const int step = warp + kk * WARPS;
+    const int kb = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+#pragma unroll
+    for (int nt = 0; nt < BWD_N_TILES; ++nt) {
+      const int n = nt * 8 + group;
+      const bool inside = n < UNITS && unit0 + n < H && step < BWD_K_STEPS;
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        w_frag[kk][nt][half] = inside ? column_word(w_hh, kb + half * K_STEP / 2, unit0 + n) : 0u;
+    }
+  }
+
+  // dc of this thread's cells stays in registers across steps (fp32).
+  float dc[CELLS_PER_THREAD], side[CELLS_PER_THREAD][SIDE];
+#pragma unroll
+  for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+    int unit, b;
+    dc[i] = my_cell(i, unit0, unit, b) ? to_float(dc_n[b * H + unit]) : 0.0f;
+  }
+  load_cell_side(side, stash, c0, dy, dh_n, T - 1, T, unit0);
+
+  // Step t = -1 only runs the product: dh0 = dgates_0 W_hh.
+  for (int t = T - 1; t >= -1; --t) {
+    float acc[BWD_CHAINS][BWD_M_TILES][BWD_N_TILES][4];
+#pragma unroll
+    for (int ch = 0; ch < BWD_CHAINS; ++ch)
+#pragma unroll
+      for (int mt = 0; mt < BWD_M_TILES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < BWD_N_TILES; ++nt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[ch][mt][nt][j] = 0.0f;
+
+    if (LSTM_LEAVE_OUT != 2 && t + 1 < T) {
+      const elem_t* dg_next = dgates + static_cast<long long>(t + 1) * B * G;
+#pragma unroll
+      for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
+        const int step = warp + kk * WARPS;
+        if (step < BWD_K_STEPS) {
+          const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+#pragma unroll
+          for (int mt = 0; mt < BWD_M_TILES; ++mt) {
+            const int m = mt * 16 + group;
+            // A fragment: rows m, m + 8 at ka (a0, a1) and ka + K_STEP/2 (a2, a3)
+            const unsigned a[4] = {fresh_word<G>(dg_next, m, ka),
+                                   fresh_word<G>(dg_next, m + 8, ka),
+                                   fresh_word<G>(dg_next, m, ka + K_STEP / 2),
+                                   fresh_word<G>(dg_next, m + 8, ka + K_STEP / 2)};
+#pragma unroll
+            for (int nt = 0; nt < BWD_N_TILES; ++nt)
+              mma(acc[kk % BWD_CHAINS][mt][nt], a, w_frag[kk][nt][0], w_frag[kk][nt][1]);
+          }
+        }
+      }
+    }
+
+    // C fragment: (batch row group, units 2*quad, 2*quad+1) in acc[0..1], row group+8 in [2..3].
+#pragma unroll
+    for (int mt = 0; mt < BWD_M_TILES; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < BWD_N_TILES; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int ch = 0; ch < BWD_CHAINS; ++ch) sum += acc[ch][mt][nt][j];
+          partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = sum;
+        }
+    __syncthreads();
+
+#pragma unroll
+    for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+      int unit, b;
+      if (my_cell(i, unit0, unit, b)) {
+        float dh = side[i][0];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) dh += partial[w][b][unit - unit0];
+        const long long at = static_cast<long long>(b) * H + unit;
+        if (t >= 0) {
+          const float gi = side[i][1], gf = side[i][2], gg = side[i][3], go = side[i][4];
+          const float tanh_c = tanhf(side[i][5]);
+          const float dc_t = dc[i] + dh * go * (1.0f - tanh_c * tanh_c);
+          elem_t* row = dgates + (static_cast<long long>(t) * B + b) * G + unit;
+          store(row, dc_t * gg * gi * (1.0f - gi));
+          store(row + H, dc_t * side[i][6] * gf * (1.0f - gf));
+          store(row + 2 * H, dc_t * gi * (1.0f - gg * gg));
+          store(row + 3 * H, dh * tanh_c * go * (1.0f - go));
+          dc[i] = dc_t * gf;
+        } else {
+          store(dh0 + at, dh);
+          store(dc0 + at, dc[i]);
+        }
+      }
+    }
+
+    if (t >= 0) {
+      load_cell_side(side, stash, c0, dy, dh_n, t - 1, T, unit0);
+      if (LSTM_LEAVE_OUT != 1 &&
+          !grid_barrier(counter, gridDim.x * static_cast<unsigned>(T - t), status))
         return;
     }
   }
