@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("lstm_layer.cu")
-KERNEL = "lstm_persistent_forward"
+FORWARD_KERNEL = "lstm_persistent_forward"
+BACKWARD_KERNEL = "lstm_persistent_backward"
 THREADS = 256  # lstm_layer.cu's WARPS * 32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Largest error allowed against the float64 reference, as |ours - ref| / (1 + |ref|):
@@ -180,6 +181,31 @@ def reference_forward(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Ten
     return y, h_n, c_n
 
 
+GRADIENTS = ("dx", "dh0", "dc0", "dW_ih", "dW_hh", "db_ih", "db_hh")
+
+
+def reference_backward(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
+                       b_ih: Tensor, b_hh: Tensor, dy: Tensor, dh_n: Tensor,
+                       dc_n: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+    """The gradients named by GRADIENTS of ``reference_forward`` (torch autograd, in the
+    tensors' dtype) given dy [T,B,H], dh_n and dc_n [B,H]."""
+    inputs = [t.detach().requires_grad_() for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh)]
+    with torch.enable_grad():
+        outputs = reference_forward(*inputs)
+        return torch.autograd.grad(outputs, inputs, (dy, dh_n, dc_n))
+
+
+def input_and_weight_gradients(x: Tensor, h0: Tensor, y: Tensor, w_ih: Tensor,
+                               dgates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dx, dW_ih, dW_hh, db) from the gradients of every step's gates [T,B,4H]: one GEMM
+    each (db is both biases' gradient), as the backward kernel leaves them."""
+    T, B, G = dgates.shape
+    flat = dgates.reshape(T * B, G)
+    h_prev = torch.cat([h0[None], y[:-1]]).reshape(T * B, -1)  # h_{t-1} of every step
+    dx = (flat @ w_ih).reshape(T, B, -1)
+    return dx, flat.t() @ x.reshape(T * B, -1), flat.t() @ h_prev, flat.sum(0)
+
+
 # ----------------------------------------------------------------------------------
 # The kernel on a GPU
 
@@ -203,8 +229,9 @@ def wait(event: torch.cuda.Event, what: str, timeout_s: float = HOST_WAIT_S) -> 
 
 class PersistentLstm:
     """``lstm_layer.cu`` compiled for one (dtype, hidden, batch) and loaded into torch's
-    context; ``forward`` runs a layer, ``recurrence`` the kernel alone. Hidden sizes
-    up to 1024 keep W_hh in registers without spills on 132 SMs (``spill_bytes``)."""
+    context; ``forward`` and ``backward`` run a layer, ``recurrence`` and
+    ``backward_recurrence`` the kernels alone. Hidden sizes up to 1024 keep W_hh in
+    registers without spills on 132 SMs (``spill_bytes``, per kernel)."""
 
     def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
                  variant: str = ""):  # fmt: skip
@@ -233,49 +260,91 @@ class PersistentLstm:
                                         variant)  # fmt: skip
         self.compile_s = time.perf_counter() - start
         self.module = call(driver.cuModuleLoadData, cubin)
-        self.function = call(driver.cuModuleGetFunction, self.module, KERNEL.encode())
         attribute = driver.CUfunction_attribute
-        self.registers = call(driver.cuFuncGetAttribute,
-                              attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, self.function)  # fmt: skip
-        self.spill_bytes = call(driver.cuFuncGetAttribute,
-                                attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                                self.function)  # fmt: skip
-        per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, self.function,
-                      THREADS, 0)  # fmt: skip
-        if self.layout.ctas > per_sm * sms:
-            raise RuntimeError(f"{self.layout.ctas} CTAs cannot all be resident "
-                               f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
+        self.functions, self.registers, self.spill_bytes = {}, {}, {}
+        for name in (FORWARD_KERNEL, BACKWARD_KERNEL):
+            function = call(driver.cuModuleGetFunction, self.module, name.encode())
+            self.functions[name] = function
+            self.registers[name] = call(driver.cuFuncGetAttribute,
+                                        attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
+            self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
+                                          attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                          function)  # fmt: skip
+            per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function,
+                          THREADS, 0)  # fmt: skip
+            if self.layout.ctas > per_sm * sms:
+                raise RuntimeError(f"{name}: {self.layout.ctas} CTAs cannot all be resident "
+                                   f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def recurrence(self, xw: Tensor, w_hh: Tensor, b_hh: Tensor, h0: Tensor, c0: Tensor,
-                   y: Tensor, h_n: Tensor, c_n: Tensor) -> None:  # fmt: skip
-        """Launch the kernel on torch's current stream: y, h_n, c_n from xw = x W_ih^T + b_ih
-        [T,B,4H], W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
-        T = xw.shape[0]
-        if xw.shape[1:] != (self.batch, 4 * self.hidden) or T == 0:
-            raise ValueError(f"compiled for batch {self.batch}, hidden {self.hidden}; "
-                             f"got xw {tuple(xw.shape)}")  # fmt: skip
-        tensors = (xw, w_hh, b_hh, h0, c0, y, h_n, c_n)
-        if any(not t.is_contiguous() for t in tensors):
+    def _launch(self, name: str, pointers: list[Tensor | None], T: int) -> None:
+        """Launch kernel ``name`` cooperatively on torch's current stream with the
+        tensors' addresses (None: a null pointer), the barrier's counter and status, T."""
+        if any(t is not None and not t.is_contiguous() for t in pointers):
             raise ValueError("the kernel takes contiguous tensors")
         self.counter.zero_()
-        values = [ctypes.c_void_p(t.data_ptr()) for t in (*tensors, self.counter, self.status)]
+        values = [ctypes.c_void_p(None if t is None else t.data_ptr())
+                  for t in (*pointers, self.counter, self.status)]  # fmt: skip
         values.append(ctypes.c_int(T))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
         _driver_check(self.driver, self.driver.cuLaunchCooperativeKernel(
-            self.function, self.layout.ctas, 1, 1, THREADS, 1, 1, 0, stream,
+            self.functions[name], self.layout.ctas, 1, 1, THREADS, 1, 1, 0, stream,
             ctypes.addressof(params)))  # fmt: skip
 
+    def _check_steps(self, steps: Tensor, width: int, what: str) -> int:
+        T = steps.shape[0]
+        if steps.shape[1:] != (self.batch, width) or T == 0:
+            raise ValueError(f"compiled for batch {self.batch}, hidden {self.hidden}; "
+                             f"got {what} {tuple(steps.shape)}")  # fmt: skip
+        return T
+
+    def recurrence(self, xw: Tensor, w_hh: Tensor, b_hh: Tensor, h0: Tensor, c0: Tensor,
+                   y: Tensor, h_n: Tensor, c_n: Tensor,
+                   stash: Tensor | None = None) -> None:  # fmt: skip
+        """Launch the forward kernel on torch's current stream: y, h_n, c_n (and the
+        backward's stash [T,B,5H] fp32 where given) from xw = x W_ih^T + b_ih [T,B,4H],
+        W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
+        T = self._check_steps(xw, 4 * self.hidden, "xw")
+        self._launch(FORWARD_KERNEL, [xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash], T)
+
+    def backward_recurrence(self, w_hh: Tensor, stash: Tensor, c0: Tensor, dy: Tensor,
+                            dh_n: Tensor, dc_n: Tensor, dgates: Tensor, dh0: Tensor,
+                            dc0: Tensor) -> None:  # fmt: skip
+        """Launch the backward kernel on torch's current stream: dgates [T,B,4H] and dh0,
+        dc0 [B,H] from W_hh, the forward's stash [T,B,5H] (fp32), c0, dy [T,B,H], and
+        dh_n, dc_n [B,H]."""
+        T = self._check_steps(dy, self.hidden, "dy")
+        if stash.shape != (T, self.batch, 5 * self.hidden) or stash.dtype != torch.float32:
+            raise ValueError(f"stash must be float32 {(T, self.batch, 5 * self.hidden)}, "
+                             f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
+        self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
+
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
-                b_ih: Tensor, b_hh: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """(y, h_n, c_n) of the layer: the input GEMM (cuBLAS), then the kernel."""
+                b_ih: Tensor, b_hh: Tensor, *,
+                stash: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
+        """(y, h_n, c_n) of the layer, and the stash for ``backward`` where ``stash``:
+        the input GEMM (cuBLAS), then the kernel."""
         xw = F.linear(x, w_ih, b_ih)
         y = torch.empty(x.shape[0], x.shape[1], self.hidden, dtype=x.dtype, device=x.device)
         h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
-        self.recurrence(xw, w_hh, b_hh.float(), h0, c0, y, h_n, c_n)
-        return y, h_n, c_n
+        saved = None
+        if stash:
+            saved = torch.empty(x.shape[0], x.shape[1], 5 * self.hidden, device=x.device)
+        self.recurrence(xw, w_hh, b_hh.float(), h0, c0, y, h_n, c_n, saved)
+        return (y, h_n, c_n, saved) if stash else (y, h_n, c_n)
+
+    def backward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
+                 y: Tensor, stash: Tensor, dy: Tensor, dh_n: Tensor,
+                 dc_n: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+        """(dx, dh0, dc0, dW_ih, dW_hh, db_ih, db_hh) of the layer whose ``forward(...,
+        stash=True)`` gave y and stash: the kernel, then ``input_and_weight_gradients``."""
+        dgates = torch.empty(*dy.shape[:2], 4 * self.hidden, dtype=dy.dtype, device=dy.device)
+        dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
+        self.backward_recurrence(w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0)
+        dx, dw_ih, dw_hh, db = input_and_weight_gradients(x, h0, y, w_ih, dgates)
+        return dx, dh0, dc0, dw_ih, dw_hh, db, db
 
     def timed_out(self) -> bool:
         """Whether a barrier of an earlier launch gave up (its results are wrong)."""
@@ -296,6 +365,15 @@ def _layer(hidden: int, batch: int, T: int, dtype: torch.dtype, device, seed: in
     return lstm, x, h0, c0
 
 
+def _output_gradients(x: Tensor, hidden: int, seed: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """dy [T,B,H], dh_n and dc_n [B,H] (not zero) in x's dtype and device."""
+    torch.manual_seed(seed)
+    T, B = x.shape[:2]
+    dy, dh_n, dc_n = (torch.randn(*shape, device=x.device).to(x.dtype)
+                      for shape in ((T, B, hidden), (B, hidden), (B, hidden)))  # fmt: skip
+    return dy, dh_n, dc_n
+
+
 def _weights(lstm: torch.nn.LSTM) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0
 
@@ -305,32 +383,69 @@ def relative_error(ours: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> float:
     return max(((a.double() - b).abs() / (1 + b.abs())).max().item() for a, b in zip(ours, ref))
 
 
+def gradient_errors(ours: tuple[Tensor, ...], ref: tuple[Tensor, ...]) -> dict[str, float]:
+    """``relative_error`` of each gradient, by its name in GRADIENTS."""
+    return {name: relative_error((a,), (b,)) for name, a, b in zip(GRADIENTS, ours, ref)}
+
+
+def _cudnn_gradients(lstm: torch.nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, dy: Tensor,
+                     dh_n: Tensor, dc_n: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+    """torch.nn.LSTM's gradients, in the order of GRADIENTS."""
+    leaves = [t.detach().requires_grad_() for t in (x, h0, c0)]
+    with torch.enable_grad():
+        y, (h_n, c_n) = lstm(leaves[0], (leaves[1][None], leaves[2][None]))
+        return torch.autograd.grad((y, h_n[0], c_n[0]), [*leaves, *_weights(lstm)],
+                                   (dy, dh_n, dc_n))  # fmt: skip
+
+
+def _forward_and_backward(kernel: PersistentLstm, x: Tensor, h0: Tensor, c0: Tensor,
+                          weights: tuple[Tensor, ...], dy: Tensor, dh_n: Tensor,
+                          dc_n: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:  # fmt: skip
+    """((y, h_n, c_n), gradients in the order of GRADIENTS) from the kernels."""
+    y, h_n, c_n, stash = kernel.forward(x, h0, c0, *weights, stash=True)
+    grads = kernel.backward(x, h0, c0, weights[0], weights[1], y, stash, dy, dh_n, dc_n)
+    return (y, h_n, c_n), grads
+
+
 def check_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
-    """The kernel's and cuDNN's errors against the float64 reference on the same rounded
-    weights and inputs."""
+    """The kernels' and cuDNN's errors against the float64 reference (forward, and the
+    gradients of GRADIENTS) on the same rounded weights, inputs and output gradients."""
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
     weights = _weights(lstm)
+    outputs_grad = _output_gradients(x, hidden)
+    exact = [t.detach().double() for t in (x, h0, c0, *weights)]
     with torch.no_grad():
-        exact = (t.double() for t in (x, h0, c0, *weights))
         ref = reference_forward(*exact)
-        kernel = PersistentLstm(dtype, hidden, batch, device)
-        ours = kernel.forward(x, h0, c0, *weights)
-        unfenced = PersistentLstm(dtype, hidden, batch, device, variant="no-fences")
-        ours_unfenced = unfenced.forward(x, h0, c0, *weights)
+    ref_grads = reference_backward(*exact, *(t.double() for t in outputs_grad))
+    kernel = PersistentLstm(dtype, hidden, batch, device)
+    unfenced = PersistentLstm(dtype, hidden, batch, device, variant="no-fences")
+    with torch.no_grad():
+        ours, ours_grads = _forward_and_backward(kernel, x, h0, c0, weights, *outputs_grad)
+        ours_unfenced, unfenced_grads = _forward_and_backward(unfenced, x, h0, c0, weights,
+                                                              *outputs_grad)  # fmt: skip
         y, (h_n, c_n) = lstm(x, (h0[None], c0[None]))
         cudnn = (y, h_n[0], c_n[0])
+    cudnn_grads = _cudnn_gradients(lstm, x, h0, c0, *outputs_grad)
     done = torch.cuda.Event()
     done.record()
     wait(done, f"check {dtype} H={hidden} B={batch} T={T}")
     if kernel.timed_out() or unfenced.timed_out():
         raise RuntimeError(f"check {dtype} H={hidden} B={batch} T={T}: a grid barrier timed out")
     err = relative_error(ours, ref)
+    backward_errors = gradient_errors(ours_grads, ref_grads)
+    worst = max(backward_errors, key=backward_errors.get)
+    tolerance = TOLERANCE[dtype]
     return {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T, "error": err,
-            "cudnn_error": relative_error(cudnn, ref), "tolerance": TOLERANCE[dtype],
+            "cudnn_error": relative_error(cudnn, ref), "tolerance": tolerance,
             "no_fences_error": relative_error(ours_unfenced, ref),
-            "ok": err <= TOLERANCE[dtype], "registers": kernel.registers,
-            "spill_bytes": kernel.spill_bytes, "ctas": kernel.layout.ctas,
-            "units": kernel.layout.units}  # fmt: skip
+            "backward_error": backward_errors[worst], "worst_gradient": worst,
+            "backward_errors": backward_errors,
+            "cudnn_backward_errors": gradient_errors(cudnn_grads, ref_grads),
+            "no_fences_backward_error": relative_error(unfenced_grads, ref_grads),
+            "forward_ok": err <= tolerance, "backward_ok": backward_errors[worst] <= tolerance,
+            "ok": max(err, backward_errors[worst]) <= tolerance,
+            "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
+            "ctas": kernel.layout.ctas, "units": kernel.layout.units}  # fmt: skip
 
 
 def us_per_step(call, T: int, *, calls: int = 10, rounds: int = 5, warmup: int = 3) -> float:
@@ -351,9 +466,37 @@ def us_per_step(call, T: int, *, calls: int = 10, rounds: int = 5, warmup: int =
     return statistics.median(samples)
 
 
+def _autograd_calls(module: torch.nn.Module, x: Tensor, h0: Tensor, c0: Tensor, dy: Tensor,
+                    dh_n: Tensor, dc_n: Tensor):  # fmt: skip
+    """(forward, forward and backward) of an nn.LSTM-like module as calls: the forward
+    with autograd recording (what the backward needs saved), then all of GRADIENTS."""
+    leaves = [t.detach().requires_grad_() for t in (x, h0, c0)]
+    inputs = [*leaves, *module.parameters()]
+
+    def forward():
+        y, (h_n, c_n) = module(leaves[0], (leaves[1][None], leaves[2][None]))
+        return y, h_n[0], c_n[0]
+
+    def forward_and_backward():
+        torch.autograd.grad(forward(), inputs, (dy, dh_n, dc_n))
+
+    return forward, forward_and_backward
+
+
+def _time_methods(methods: dict, T: int, times: dict, errors: dict, prefix: str = "") -> None:
+    """``times[name] = us_per_step(call)`` for each method, None (and the reason in
+    ``errors``) where one raises: one failing leaves the others' numbers."""
+    for name, call in methods.items():
+        try:
+            times[name] = round(us_per_step(call, T), 3)
+        except Exception as e:
+            times[name] = None
+            errors[prefix + name] = f"{type(e).__name__}: {e}"[:300]
+
+
 def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
-    """Microseconds per step of each method at one shape (None where one fails: the
-    reason is recorded)."""
+    """Microseconds per step of each method at one shape, forward and backward (None
+    where one fails: the reason is recorded)."""
     import mirrorgrad.nn
 
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
@@ -366,27 +509,55 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     xw = F.linear(x, weights[0], weights[2])
     h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     y = torch.empty(T, batch, hidden, device=device, dtype=x.dtype)
+    stash = torch.empty(T, batch, 5 * hidden, device=device)
     b_hh = weights[3].float()
     state = (h0[None], c0[None])
     recurrence_args = (xw, weights[1], b_hh, h0, c0, y, h_n, c_n)
-    methods = {"cuda-kernel": functools.partial(kernel.recurrence, *recurrence_args)}
+    forward = {"cuda-kernel": functools.partial(kernel.recurrence, *recurrence_args)}
     for name, variant in variants.items():
-        methods[f"cuda-kernel-{name}"] = functools.partial(variant.recurrence, *recurrence_args)
-    methods |= {
+        forward[f"cuda-kernel-{name}"] = functools.partial(variant.recurrence, *recurrence_args)
+    forward |= {
+        "cuda-kernel-stash": functools.partial(kernel.recurrence, *recurrence_args, stash),
         "cuda-layer": lambda: kernel.forward(x, h0, c0, *weights),
         "triton-persistent": lambda: ours(x, state),
         "cudnn": lambda: lstm(x, state),
     }
     row = {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T, "us_per_step": {},
-           "errors": {}, "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
+           "backward_us_per_step": {}, "autograd_us_per_step": {}, "errors": {},
+           "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
            "ctas": kernel.layout.ctas, "compile_s": round(kernel.compile_s, 2)}  # fmt: skip
     with torch.no_grad():
-        for name, call in methods.items():
-            try:
-                row["us_per_step"][name] = round(us_per_step(call, T), 3)
-            except Exception as e:  # one method failing leaves the others' numbers
-                row["us_per_step"][name] = None
-                row["errors"][name] = f"{type(e).__name__}: {e}"[:300]
+        _time_methods(forward, T, row["us_per_step"], row["errors"])
+
+    # Backward: the kernel alone on the stash of a forward, its variants, and the layer's
+    # backward (the kernel, then the GEMMs of dx and the weights).
+    dy, dh_n, dc_n = _output_gradients(x, hidden)
+    with torch.no_grad():
+        kernel.recurrence(*recurrence_args, stash)
+    dgates = torch.empty(T, batch, 4 * hidden, device=device, dtype=x.dtype)
+    dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
+    backward_args = (weights[1], stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0)
+    backward = {"cuda-kernel": functools.partial(kernel.backward_recurrence, *backward_args)}
+    for name, variant in variants.items():
+        backward[f"cuda-kernel-{name}"] = functools.partial(variant.backward_recurrence,
+                                                            *backward_args)  # fmt: skip
+    backward["cuda-layer"] = lambda: kernel.backward(x, h0, c0, weights[0], weights[1], y,
+                                                     stash, dy, dh_n, dc_n)  # fmt: skip
+    with torch.no_grad():
+        _time_methods(backward, T, row["backward_us_per_step"], row["errors"], "backward ")
+    # Triton's and cuDNN's backward: (forward and backward) less the forward, both with
+    # autograd recording, timed alike (GPU time of back-to-back calls).
+    autograd = {}
+    for name, module in (("triton-persistent", ours), ("cudnn", lstm)):
+        one, both = _autograd_calls(module, x, h0, c0, dy, dh_n, dc_n)
+        autograd |= {f"{name}-forward": one, f"{name}-forward-backward": both}
+    with torch.enable_grad():
+        _time_methods(autograd, T, row["autograd_us_per_step"], row["errors"])
+    for name in ("triton-persistent", "cudnn"):
+        one, both = (row["autograd_us_per_step"][f"{name}-{part}"]
+                     for part in ("forward", "forward-backward"))  # fmt: skip
+        row["backward_us_per_step"][name] = (None if one is None or both is None
+                                             else round(both - one, 3))  # fmt: skip
     for name, launched in {"": kernel, **variants}.items():
         if launched.timed_out():
             method = f"cuda-kernel-{name}" if name else "cuda-kernel"
@@ -394,17 +565,27 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     return row
 
 
-def _table(rows: list[dict]) -> str:
-    names = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v), "cuda-layer",
-             "triton-persistent", "cudnn")  # fmt: skip
-    lines = ["us per step (forward, T steps; median):",
-             "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",
+FORWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
+                   "cuda-kernel-stash", "cuda-layer", "triton-persistent", "cudnn")  # fmt: skip
+BACKWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
+                    "cuda-layer", "triton-persistent", "cudnn")  # fmt: skip
+
+
+def _table(rows: list[dict], key: str = "us_per_step") -> str:
+    """The µs-per-step table of the forward (``key`` "us_per_step") or the backward
+    ("backward_us_per_step")."""
+    forward = key == "us_per_step"
+    names = FORWARD_COLUMNS if forward else BACKWARD_COLUMNS
+    kernel = FORWARD_KERNEL if forward else BACKWARD_KERNEL
+    title = ("us per step (forward, T steps; median):" if forward else
+             "us per step (backward, T steps; median; triton-persistent and cudnn: "
+             "forward+backward less forward, both recording autograd):")  # fmt: skip
+    lines = [title, "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",
              "|---" * (len(names) + 5) + "|"]  # fmt: skip
     for r in rows:
-        cells = [("-" if r["us_per_step"].get(n) is None else f"{r['us_per_step'][n]:.2f}")
-                 for n in names]  # fmt: skip
+        cells = [("-" if r[key].get(n) is None else f"{r[key][n]:.2f}") for n in names]
         lines.append(f"| {r['dtype']} | {r['hidden']} | {r['batch']} | " + " | ".join(cells)
-                     + f" | {r['registers']} | {r['spill_bytes']} |")  # fmt: skip
+                     + f" | {r['registers'][kernel]} | {r['spill_bytes'][kernel]} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -438,10 +619,21 @@ def run_checks(dtypes: list[str], device: torch.device) -> list[dict]:
 
 
 def _errors(case: dict) -> str:
+    """One check's errors: the forward's and its worst gradient's, each with the
+    no-fences kernel's and cuDNN's beside it; every gradient's where one failed."""
     if "exception" in case:
         return case["exception"]
-    return (f"error {case['error']:.2e} (no fences {case['no_fences_error']:.2e}, "
-            f"cuDNN {case['cudnn_error']:.2e}, tolerance {case['tolerance']:.0e})")  # fmt: skip
+    worst = case["worst_gradient"]
+    text = (f"forward {case['error']:.2e} (no fences {case['no_fences_error']:.2e}, "
+            f"cuDNN {case['cudnn_error']:.2e}); backward {case['backward_error']:.2e} "
+            f"in {worst} (no fences {case['no_fences_backward_error']:.2e}, cuDNN's "
+            f"{worst} {case['cudnn_backward_errors'][worst]:.2e}); "
+            f"tolerance {case['tolerance']:.0e}")  # fmt: skip
+    if not case["ok"]:
+        text += "; by gradient (ours / cuDNN): " + ", ".join(
+            f"{name} {error:.2e} / {case['cudnn_backward_errors'][name]:.2e}"
+            for name, error in case["backward_errors"].items())  # fmt: skip
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -487,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                     result["timings"].append(row)
                     print(json.dumps(row), flush=True)
                     path.write_text(json.dumps(result, indent=2))
-        print(_table([r for r in result["timings"] if "exception" not in r]))
+        timed = [r for r in result["timings"] if "exception" not in r]
+        print(_table(timed))
+        print(_table(timed, "backward_us_per_step"))
     if result["skipped"]:
         print(f"not timed (past --budget-s): {result['skipped']}")
     result["seconds"] = round(time.monotonic() - started, 1)
