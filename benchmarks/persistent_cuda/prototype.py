@@ -196,7 +196,7 @@ def reference_backward(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Te
 
 
 def input_and_weight_gradients(x: Tensor, h0: Tensor, y: Tensor, w_ih: Tensor,
-                               dgates: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+                               dgates: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
     """(dx, dW_ih, dW_hh, db) from the gradients of every step's gates [T,B,4H]: one GEMM
     each (db is both biases' gradient), as the backward kernel leaves them."""
     T, B, G = dgates.shape
@@ -400,7 +400,7 @@ def _cudnn_gradients(lstm: torch.nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, dy:
 
 def _forward_and_backward(kernel: PersistentLstm, x: Tensor, h0: Tensor, c0: Tensor,
                           weights: tuple[Tensor, ...], dy: Tensor, dh_n: Tensor,
-                          dc_n: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:  # fmt: skip
+                          dc_n: Tensor) -> tuple[tuple[Tensor, ...], ...]:  # fmt: skip
     """((y, h_n, c_n), gradients in the order of GRADIENTS) from the kernels."""
     y, h_n, c_n, stash = kernel.forward(x, h0, c0, *weights, stash=True)
     grads = kernel.backward(x, h0, c0, weights[0], weights[1], y, stash, dy, dh_n, dc_n)

@@ -1,7 +1,7 @@
 """The persistent CUDA LSTM prototype (benchmarks/persistent_cuda/): its plain-PyTorch
-reference against torch.nn.LSTM in float64, its launch layout, the kernel source
-compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not installed), and
-the harness's checks and timing rows with the GPU parts replaced."""
+reference (forward and gradients) against torch.nn.LSTM in float64, its launch layout,
+the kernel source compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not
+installed), and the harness's checks and timing rows with the GPU parts replaced."""
 
 import pytest
 import torch
@@ -23,6 +23,50 @@ def test_reference_matches_torch_lstm_in_float64(hidden, batch, T):
     for got, want in zip(ours, (y, h_n[0], c_n[0])):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert prototype.relative_error(ours, (y, h_n[0], c_n[0])) < 1e-12
+
+
+@pytest.mark.parametrize(("hidden", "batch", "T"), [(8, 1, 1), (16, 3, 7)])
+def test_reference_gradients_match_torch_lstm_in_float64(hidden, batch, T):
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(hidden, hidden).double()
+    x, dy = (torch.randn(T, batch, hidden, dtype=torch.float64) for _ in range(2))
+    h0, c0, dh_n, dc_n = (torch.randn(batch, hidden, dtype=torch.float64) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (x, h0, c0)]
+    y, (h_n, c_n) = lstm(leaves[0], (leaves[1][None], leaves[2][None]))
+    want = torch.autograd.grad((y, h_n[0], c_n[0]), [*leaves, *prototype._weights(lstm)],
+                               (dy, dh_n, dc_n))  # fmt: skip
+    weights = [w.detach() for w in prototype._weights(lstm)]
+    got = prototype.reference_backward(x, h0, c0, *weights, dy, dh_n, dc_n)
+    assert len(got) == len(prototype.GRADIENTS)
+    for name, a, b in zip(prototype.GRADIENTS, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+    # the GEMMs after the backward kernel give the same from the gates' gradients
+    gates = [t.detach().requires_grad_() for t in (x, h0, c0, *weights)]
+    outputs = prototype.reference_forward(*gates)
+    dgates = _gate_gradients(gates, outputs, (dy, dh_n, dc_n))
+    dx, dw_ih, dw_hh, db = prototype.input_and_weight_gradients(
+        x, h0, outputs[0].detach(), weights[0], dgates)  # fmt: skip
+    for a, b in zip((dx, dw_ih, dw_hh, db, db), (want[0], *want[3:])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _gate_gradients(inputs, outputs, output_grads):
+    """The gradient of every step's gate pre-activations [T,B,4H], by autograd: the gates
+    are x W_ih^T + b_ih + h_{t-1} W_hh^T + b_hh, so this is the gradient of b_hh's use in
+    each step, read through a per-step copy of b_hh."""
+    x, h0, c0, w_ih, w_hh, b_ih, b_hh = inputs
+    T, B = x.shape[:2]
+    per_step = b_hh.detach().expand(T, B, -1).clone().requires_grad_()
+    h, c = h0, c0
+    ys = []
+    for t in range(T):
+        pre = x[t] @ w_ih.t() + b_ih + h @ w_hh.t() + per_step[t]
+        i, f, g, o = pre.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        ys.append(h)
+    (dgates,) = torch.autograd.grad((torch.stack(ys), h, c), [per_step], output_grads)
+    return dgates
 
 
 @pytest.mark.parametrize(("hidden", "sms"), [(96, 132), (512, 132), (520, 132), (1024, 132),
@@ -55,7 +99,7 @@ def _nvrtc_or_skip():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize(("hidden", "batch"), [(96, 1), (520, 3), (512, 4), (1024, 20)])
-def test_kernel_compiles_for_sm90_without_warnings_or_spills(dtype, hidden, batch):
+def test_kernels_compile_for_sm90_without_warnings_or_spills(dtype, hidden, batch):
     _nvrtc_or_skip()
     layout = prototype.layout(hidden, 132)  # an H100's SMs
     for variant in prototype.VARIANTS:
@@ -63,7 +107,10 @@ def test_kernel_compiles_for_sm90_without_warnings_or_spills(dtype, hidden, batc
                                              variant)  # fmt: skip
         assert cubin[:4] == b"\x7fELF"
         assert "warning" not in log.lower(), (variant, log)
-        assert "0 bytes spill stores, 0 bytes spill loads" in log, (variant, log)
+        for kernel in (prototype.FORWARD_KERNEL, prototype.BACKWARD_KERNEL):
+            assert f"entry function '{kernel}'" in log, (variant, log)
+        # one line per kernel
+        assert log.count("0 bytes spill stores, 0 bytes spill loads") == 2, (variant, log)
 
 
 def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
@@ -76,16 +123,28 @@ def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
 
 
 class _ReferenceKernel:
-    """Stands in for PersistentLstm on the CPU: the reference's results, no launch."""
+    """Stands in for PersistentLstm on the CPU: the reference's results (the backward's
+    rounded to the tensors' dtype), no launch."""
 
     def __init__(self, dtype, hidden, batch, device, variant=""):
         self.layout = prototype.layout(hidden, 132)
-        self.registers, self.spill_bytes, self.compile_s = 128, 0, 0.0
+        kernels = (prototype.FORWARD_KERNEL, prototype.BACKWARD_KERNEL)
+        self.registers, self.spill_bytes = dict.fromkeys(kernels, 128), dict.fromkeys(kernels, 0)
+        self.compile_s = 0.0
 
-    def forward(self, *args):
-        return prototype.reference_forward(*args)
+    def forward(self, *args, stash=False):
+        self.args = args
+        outputs = prototype.reference_forward(*args)
+        return (*outputs, None) if stash else outputs
+
+    def backward(self, x, h0, c0, w_ih, w_hh, y, stash, dy, dh_n, dc_n):
+        exact = [t.detach().double() for t in (*self.args, dy, dh_n, dc_n)]
+        return [g.to(x.dtype) for g in prototype.reference_backward(*exact)]
 
     def recurrence(self, *args):
+        pass
+
+    def backward_recurrence(self, *args):
         pass
 
     def timed_out(self):
@@ -127,13 +186,26 @@ def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     cpu = torch.device("cpu")
     (case,) = prototype.run_checks(["bf16"], cpu)
     assert case["ok"] and 0 < case["error"] < case["tolerance"] and case["cudnn_error"] > 0
+    assert 0 < case["backward_error"] < case["tolerance"]
+    assert set(case["backward_errors"]) == set(case["cudnn_backward_errors"]) == set(
+        prototype.GRADIENTS)  # fmt: skip
+    assert "backward" in capsys.readouterr().out
     row = prototype.time_case("fp32", 16, 2, 10, cpu)
     # 10 calls in 1 ms over 10 steps each: 10 us a step
     assert set(row["us_per_step"].values()) == {10.0} and not row["errors"]
-    assert set(row["us_per_step"]) == {"cuda-kernel", "cuda-kernel-no-barrier",
-                                       "cuda-kernel-no-product", "cuda-kernel-no-fences",
-                                       "cuda-layer", "triton-persistent", "cudnn"}  # fmt: skip
+    assert set(row["us_per_step"]) == set(prototype.FORWARD_COLUMNS) == {
+        "cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
+        "cuda-kernel-no-fences", "cuda-kernel-stash", "cuda-layer", "triton-persistent",
+        "cudnn"}  # fmt: skip
+    # Triton's and cuDNN's backward: (forward and backward) less forward, 10 - 10
+    assert row["backward_us_per_step"] == {**dict.fromkeys(
+        ("cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
+         "cuda-kernel-no-fences", "cuda-layer"), 10.0), "triton-persistent": 0.0,
+        "cudnn": 0.0}  # fmt: skip
+    assert set(row["backward_us_per_step"]) == set(prototype.BACKWARD_COLUMNS)
     assert "| fp32 | 16 | 2 | 10.00 |" in prototype._table([row])
+    backward = prototype._table([row], "backward_us_per_step")
+    assert "backward" in backward and "| fp32 | 16 | 2 | 10.00 |" in backward
 
 
 def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, capsys):
@@ -145,7 +217,8 @@ def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, capsys
         if hidden == 16:
             raise RuntimeError("CUDA driver: CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE")
         return {"ok": True, "error": 0.0, "no_fences_error": 0.0, "cudnn_error": 0.0,
-                "tolerance": 1.0}  # fmt: skip
+                "tolerance": 1.0, "backward_error": 0.0, "worst_gradient": "dx",
+                "no_fences_backward_error": 0.0, "cudnn_backward_errors": {"dx": 0.0}}  # fmt: skip
 
     monkeypatch.setattr(prototype, "check_case", check_case)
     failed, passed = prototype.run_checks(["fp32"], torch.device("cpu"))
