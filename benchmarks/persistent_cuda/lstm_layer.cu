@@ -96,23 +96,69 @@ static_assert(sizeof(float) * WARPS * ROWS * COLS <= 48 * 1024, "partial sums ex
 static_assert(sizeof(float) * WARPS * BWD_M_TILES * 16 * BWD_N_TILES * 8 <= 48 * 1024,
               "backward partial sums exceed 48 KiB");
 
+// PTX, one instruction a function: the rest of this file is plain CUDA C++.
+// tests/benchmarks_persistent_cuda/ptx_on_cpu.h defines the same functions (and CUDA's
+// built-ins) for a CPU run of these kernels, with LSTM_PTX_ON_CPU set.
+#ifndef LSTM_PTX_ON_CPU
+__device__ __forceinline__ unsigned short to_bf16(float v) {  // round to nearest even
+  unsigned short bits;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+  return bits;
+}
+
+__device__ __forceinline__ unsigned to_tf32(float v) {  // fp32 bits, 13 low bits zero
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// A 32-bit load at L2 (.cg): other SMs' stores of this launch are seen there, not in
+// this SM's L1.
+__device__ __forceinline__ unsigned load_l2(const void* p) {
+  unsigned v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                    unsigned b1) {
+#if LSTM_BF16
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void arrive_release(unsigned* counter) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* counter) {
+  unsigned seen;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  return seen;
+}
+#endif
+
 __device__ __forceinline__ float to_float(unsigned short bits) {
   return __uint_as_float(static_cast<unsigned>(bits) << 16);
 }
 __device__ __forceinline__ float to_float(float v) { return v; }
 
-__device__ __forceinline__ void store(unsigned short* p, float v) {
-  unsigned short bits;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v));
-  *p = bits;
-}
+__device__ __forceinline__ void store(unsigned short* p, float v) { *p = to_bf16(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
-
-__device__ __forceinline__ unsigned to_tf32(float v) {
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return r;
-}
 
 // One 32-bit MMA operand word at (row, k) of a row-major matrix with H columns: two
 // bf16 (k, k+1), or one fp32 rounded to TF32; zero beyond the matrix (padding of K).
@@ -126,13 +172,11 @@ __device__ __forceinline__ unsigned operand_word(const elem_t* row, int k) {
 }
 
 // The word at (row, k) of a row-major [B, COLUMNS] matrix that other CTAs wrote during
-// this launch (h_{t-1}, dgates_{t+1}): loaded at L2 (.cg), because an SM's L1 is not
-// coherent with the other SMs' stores; zero past the batch or the columns.
+// this launch (h_{t-1}, dgates_{t+1}): loaded at L2; zero past the batch or the columns.
 template <int COLUMNS>
 __device__ __forceinline__ unsigned fresh_word(const elem_t* matrix, int row, int k) {
   if (row >= B || k >= COLUMNS) return 0u;
-  unsigned v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(matrix + row * COLUMNS + k) : "memory");
+  const unsigned v = load_l2(matrix + row * COLUMNS + k);
 #if LSTM_BF16
   return v;
 #else
@@ -149,21 +193,6 @@ __device__ __forceinline__ unsigned column_word(const elem_t* w_hh, int k, int u
   return lo | (hi << 16);
 #else
   return to_tf32(w_hh[static_cast<long long>(k) * H + unit]);
-#endif
-}
-
-__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                    unsigned b1) {
-#if LSTM_BF16
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 
@@ -192,12 +221,6 @@ __device__ __forceinline__ void load_x_side(float (&x_side)[CELLS_PER_THREAD][4]
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // All CTAs reach step `target / gridDim.x` before any goes on. A monotonic counter
 // (zeroed by the host before the launch): thread 0 adds its arrival with release
 // semantics after the CTA's stores (the __syncthreads orders them before it) and polls
@@ -208,12 +231,10 @@ __device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target,
   if (threadIdx.x == 0) {
     ok = 1;
     if (LSTM_BARRIER_FENCES) __threadfence();
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+    arrive_release(counter);
     unsigned long long start = global_ns();
     for (unsigned polls = 1;; ++polls) {
-      unsigned seen;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-      if (seen >= target) break;
+      if (load_acquire(counter) >= target) break;
       if (polls % 1024 == 0) {
         volatile int* flag = status;
         if (*flag != 0 || global_ns() - start > BARRIER_TIMEOUT_NS) {
