@@ -84,9 +84,12 @@ constexpr int BWD_M_TILES = (B + 15) / 16;
 constexpr int BWD_N_TILES = (UNITS + 7) / 8;
 constexpr int BWD_K_STEPS = G / K_STEP;
 constexpr int BWD_K_PER_WARP = (BWD_K_STEPS + WARPS - 1) / WARPS;
-// A warp's k-steps feed this many independent accumulators in turn, so that its MMAs are
-// not one chain of BWD_K_PER_WARP (up to 64) dependent ones.
-constexpr int BWD_CHAINS = BWD_K_PER_WARP < 4 ? BWD_K_PER_WARP : 4;
+// With one tile a warp's MMAs would be one chain of up to 64 dependent ones: its k-steps
+// feed 4 accumulators in turn. Two or more tiles are independent chains already, and
+// more accumulators take registers the batch-20 loads need (ptxas spilled at bf16
+// H = 1024 with 2 a tile).
+constexpr int BWD_CHAINS_WANTED = BWD_M_TILES * BWD_N_TILES == 1 ? 4 : 1;
+constexpr int BWD_CHAINS = BWD_K_PER_WARP < BWD_CHAINS_WANTED ? BWD_K_PER_WARP : BWD_CHAINS_WANTED;
 constexpr int STASH = 5 * H;  // stash row of a (step, batch row): i, f, g, o, then c_t
 constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
 
@@ -171,12 +174,12 @@ __device__ __forceinline__ unsigned operand_word(const elem_t* row, int k) {
 #endif
 }
 
-// The word at (row, k) of a row-major [B, COLUMNS] matrix that other CTAs wrote during
-// this launch (h_{t-1}, dgates_{t+1}): loaded at L2; zero past the batch or the columns.
-template <int COLUMNS>
-__device__ __forceinline__ unsigned fresh_word(const elem_t* matrix, int row, int k) {
-  if (row >= B || k >= COLUMNS) return 0u;
-  const unsigned v = load_l2(matrix + row * COLUMNS + k);
+// The operand word at p of a matrix that other CTAs wrote during this launch (h_{t-1},
+// dgates_{t+1}), loaded at L2, or 0 where it is padding (!inside). Callers address it as
+// a lane's base plus a constant, so that the loads need no address arithmetic.
+__device__ __forceinline__ unsigned fresh_word(const elem_t* p, bool inside) {
+  if (!inside) return 0u;
+  const unsigned v = load_l2(p);
 #if LSTM_BF16
   return v;
 #else
@@ -194,6 +197,15 @@ __device__ __forceinline__ unsigned column_word(const elem_t* w_hh, int k, int u
 #else
   return to_tf32(w_hh[static_cast<long long>(k) * H + unit]);
 #endif
+}
+
+// Whether k-step kk of a warp's (warp + kk*WARPS) is one of the layer's: where WARPS
+// divides the k-steps, every kk < K_PER_WARP is (known at compile time).
+__device__ __forceinline__ bool forward_step(int warp, int kk) {
+  return kk < K_PER_WARP && (K_STEPS % WARPS == 0 || warp + kk * WARPS < K_STEPS);
+}
+__device__ __forceinline__ bool backward_step(int warp, int kk) {
+  return kk < BWD_K_PER_WARP && (BWD_K_STEPS % WARPS == 0 || warp + kk * WARPS < BWD_K_STEPS);
 }
 
 // The cells this thread updates: cell = threadIdx.x + i*THREADS is (unit, batch row)
@@ -269,6 +281,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
   const int lane = threadIdx.x % 32;
   const int group = lane / 4;  // the MMA fragments' row (A, C) or column (B) in the tile
   const int quad = lane % 4;   // and position along K
+  const int k_lane = LSTM_BF16 ? 2 * quad : quad;  // the lane's first k in a k-step
   const int unit0 = blockIdx.x * UNITS;
 
   // This warp's slice of W_hh as A fragments: rows mt*16 + {group, group+8}, k-step
@@ -284,7 +297,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
       for (int kk = 0; kk < K_PER_WARP; ++kk) {
         const int step = warp + kk * WARPS;
-        const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+        const int ka = step * K_STEP + k_lane;
         const bool inside = unit < H && step < K_STEPS;
         w_frag[mt][kk][half] = inside ? operand_word(row, ka) : 0u;
         w_frag[mt][kk][2 + half] = inside ? operand_word(row, ka + K_STEP / 2) : 0u;
@@ -314,19 +327,33 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
 
+    // h_{t-1} as B fragments (column n = batch row, k offsets ka and ka + K_STEP/2): all
+    // of the step's loads before its MMAs, since a warp issues in order (a load after an
+    // MMA that waits for an earlier load would wait too: an L2 round trip per k-step).
+    const elem_t* h_lane = h_prev + group * H + warp * K_STEP + k_lane;
+    unsigned h_frag[K_PER_WARP][N_TILES][2];
 #pragma unroll
     for (int kk = 0; kk < K_PER_WARP; ++kk) {
-      const int step = warp + kk * WARPS;
-      if (LSTM_LEAVE_OUT != 2 && step < K_STEPS) {
-        const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+      const int ka = (warp + kk * WARPS) * K_STEP + k_lane;
 #pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) {
-          const int n = nt * 8 + group;
-          const unsigned b0 = fresh_word<H>(h_prev, n, ka);
-          const unsigned b1 = fresh_word<H>(h_prev, n, ka + K_STEP / 2);
+      for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt) mma(acc[mt][nt], w_frag[mt][kk], b0, b1);
+        for (int half = 0; half < 2; ++half) {
+          const int k = ka + half * K_STEP / 2;
+          const bool inside = LSTM_LEAVE_OUT != 2 && forward_step(warp, kk) &&
+                              nt * 8 + group < B && (H % K_STEP == 0 || k < H);
+          h_frag[kk][nt][half] =
+              fresh_word(h_lane + nt * 8 * H + kk * WARPS * K_STEP + half * K_STEP / 2, inside);
         }
+    }
+#pragma unroll
+    for (int kk = 0; kk < K_PER_WARP; ++kk) {
+      if (LSTM_LEAVE_OUT != 2 && forward_step(warp, kk)) {
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+            mma(acc[mt][nt], w_frag[mt][kk], h_frag[kk][nt][0], h_frag[kk][nt][1]);
       }
     }
 
@@ -420,6 +447,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
   const int lane = threadIdx.x % 32;
   const int group = lane / 4;  // the fragments' row (A, C) or column (B) in the tile
   const int quad = lane % 4;   // and position along K
+  const int k_lane = LSTM_BF16 ? 2 * quad : quad;  // the lane's first k in a k-step
   const int unit0 = blockIdx.x * UNITS;
 
   // This warp's slice of W_hh^T as B fragments: column (unit) nt*8 + group, k-step
@@ -428,7 +456,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
 #pragma unroll
   for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
     const int step = warp + kk * WARPS;
-    const int kb = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+    const int kb = step * K_STEP + k_lane;
 #pragma unroll
     for (int nt = 0; nt < BWD_N_TILES; ++nt) {
       const int n = nt * 8 + group;
@@ -461,24 +489,31 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
           for (int j = 0; j < 4; ++j) acc[ch][mt][nt][j] = 0.0f;
 
     if (LSTM_LEAVE_OUT != 2 && t + 1 < T) {
-      const elem_t* dg_next = dgates + static_cast<long long>(t + 1) * B * G;
+      // dgates_{t+1} as A fragments: rows m, m + 8 at ka (a0, a1) and ka + K_STEP/2 (a2,
+      // a3), m = mt*16 + group; all of the step's loads before its MMAs, as the forward.
+      const elem_t* dg_lane = dgates + (static_cast<long long>(t + 1) * B + group) * G +
+                              warp * K_STEP + k_lane;
+      unsigned dg_frag[BWD_K_PER_WARP][BWD_M_TILES][4];
+#pragma unroll
+      for (int kk = 0; kk < BWD_K_PER_WARP; ++kk)
+#pragma unroll
+        for (int mt = 0; mt < BWD_M_TILES; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int rows = mt * 16 + 8 * (r % 2);  // past the lane's row group
+            const bool inside = backward_step(warp, kk) && rows + group < B;
+            dg_frag[kk][mt][r] = fresh_word(
+                dg_lane + rows * G + kk * WARPS * K_STEP + (r / 2) * K_STEP / 2, inside);
+          }
 #pragma unroll
       for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
-        const int step = warp + kk * WARPS;
-        if (step < BWD_K_STEPS) {
-          const int ka = step * K_STEP + (LSTM_BF16 ? 2 * quad : quad);
+        if (backward_step(warp, kk)) {
 #pragma unroll
-          for (int mt = 0; mt < BWD_M_TILES; ++mt) {
-            const int m = mt * 16 + group;
-            // A fragment: rows m, m + 8 at ka (a0, a1) and ka + K_STEP/2 (a2, a3)
-            const unsigned a[4] = {fresh_word<G>(dg_next, m, ka),
-                                   fresh_word<G>(dg_next, m + 8, ka),
-                                   fresh_word<G>(dg_next, m, ka + K_STEP / 2),
-                                   fresh_word<G>(dg_next, m + 8, ka + K_STEP / 2)};
+          for (int mt = 0; mt < BWD_M_TILES; ++mt)
 #pragma unroll
             for (int nt = 0; nt < BWD_N_TILES; ++nt)
-              mma(acc[kk % BWD_CHAINS][mt][nt], a, w_frag[kk][nt][0], w_frag[kk][nt][1]);
-          }
+              mma(acc[kk % BWD_CHAINS][mt][nt], dg_frag[kk][mt], w_frag[kk][nt][0],
+                  w_frag[kk][nt][1]);
         }
       }
     }
