@@ -355,6 +355,14 @@ class PersistentLstm:
         return bool(self.status.item())
 
 
+@functools.cache
+def compiled(dtype: str, hidden: int, batch: int, device: torch.device,
+             variant: str = "") -> PersistentLstm:  # fmt: skip
+    """PersistentLstm, compiled once a run for each configuration (the checks at T 1 and
+    35 and the timed rows share them): NVRTC takes ~0.3-1.5 s for the two kernels."""
+    return PersistentLstm(dtype, hidden, batch, device, variant)
+
+
 # ----------------------------------------------------------------------------------
 # Check and timing
 
@@ -421,8 +429,8 @@ def check_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     with torch.no_grad():
         ref = reference_forward(*exact)
     ref_grads = reference_backward(*exact, *(t.double() for t in outputs_grad))
-    kernel = PersistentLstm(dtype, hidden, batch, device)
-    unfenced = PersistentLstm(dtype, hidden, batch, device, variant="no-fences")
+    kernel = compiled(dtype, hidden, batch, device)
+    unfenced = compiled(dtype, hidden, batch, device, "no-fences")
     with torch.no_grad():
         ours, ours_grads = _forward_and_backward(kernel, x, h0, c0, weights, *outputs_grad)
         ours_unfenced, unfenced_grads = _forward_and_backward(unfenced, x, h0, c0, weights,
@@ -510,9 +518,8 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
 
     lstm, x, h0, c0 = _layer(hidden, batch, T, DTYPES[dtype], device)
     weights = _weights(lstm)
-    kernel = PersistentLstm(dtype, hidden, batch, device)
-    variants = {name: PersistentLstm(dtype, hidden, batch, device, variant=name)
-                for name in VARIANTS if name}  # fmt: skip
+    kernel = compiled(dtype, hidden, batch, device)
+    variants = {name: compiled(dtype, hidden, batch, device, name) for name in VARIANTS if name}
     ours = mirrorgrad.nn.LSTM(hidden, hidden, impl="persistent").to(device=device, dtype=x.dtype)
     ours.load_state_dict(lstm.state_dict())
     xw = F.linear(x, weights[0], weights[2])

@@ -3,6 +3,8 @@ reference (forward and gradients) against torch.nn.LSTM in float64, its launch l
 the kernel source compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not
 installed), and the harness's checks and timing rows with the GPU parts replaced."""
 
+import functools
+
 import pytest
 import torch
 from benchmarks.persistent_cuda import prototype
@@ -178,6 +180,8 @@ class _Event:
 def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     # The harness's own code (shapes, records, table) runs with the GPU parts replaced.
     monkeypatch.setattr(prototype, "PersistentLstm", _ReferenceKernel)
+    # a cache of this test's own, so that no stand-in outlives it
+    monkeypatch.setattr(prototype, "compiled", functools.cache(prototype.compiled.__wrapped__))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(mirrorgrad.nn, "LSTM", _PlainLstm)
     monkeypatch.setattr(prototype, "CHECK_HIDDEN", (16,))
