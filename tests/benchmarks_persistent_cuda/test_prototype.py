@@ -3,7 +3,9 @@ reference (forward and gradients) against torch.nn.LSTM in float64, its launch l
 the kernel source compiled by NVRTC for sm_90 (skipped where cuda-python's NVRTC is not
 installed), and the harness's checks and timing rows with the GPU parts replaced."""
 
+import ctypes
 import functools
+import re
 
 import pytest
 import torch
@@ -228,3 +230,68 @@ def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, capsys
     failed, passed = prototype.run_checks(["fp32"], torch.device("cpu"))
     assert not failed["ok"] and "TOO_LARGE" in failed["exception"] and passed["ok"]
     assert "check fp32 H=16 B=1 T=1: RuntimeError" in capsys.readouterr().out
+
+
+def _kernel_parameters(name: str) -> list[str]:
+    """The parameter names of kernel ``name`` in lstm_layer.cu, in order."""
+    source = prototype.SOURCE.read_text()
+    start = source.index("(", source.index(f"{name}(")) + 1
+    signature = re.sub(r"//[^\n]*", "", source[start : source.index(")", start)])
+    return [re.findall(r"\w+", parameter)[-1] for parameter in signature.split(",")]
+
+
+class _RecordingDriver:
+    """Stands in for cuda.bindings' driver: records each launch's argument values (the
+    addresses the kernel would get, and T)."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self):
+        self.launches = []
+
+    def CUstream(self, handle):
+        return handle
+
+    def cuLaunchCooperativeKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params):
+        count = len(_kernel_parameters(function))
+        slots = (ctypes.c_void_p * count).from_address(params)
+        values = [ctypes.c_void_p.from_address(slot).value or 0 for slot in slots[:-1]]
+        values.append(ctypes.c_int.from_address(slots[-1]).value)
+        self.launches.append((function, gx, bx, values))
+        return (self.CUresult.CUDA_SUCCESS,)
+
+
+def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
+    # Each tensor is named as the kernel's parameter it must arrive as.
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
+    hidden, batch, T = 16, 3, 5
+    kernel = object.__new__(prototype.PersistentLstm)
+    kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
+    kernel.layout = prototype.layout(hidden, 132)
+    kernel.functions = {name: name for name in (prototype.FORWARD_KERNEL,
+                                                prototype.BACKWARD_KERNEL)}  # fmt: skip
+    kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
+    shapes = {"xw": (T, batch, 4 * hidden), "w_hh": (4 * hidden, hidden), "b_hh": (4 * hidden,),
+              "y": (T, batch, hidden), "dy": (T, batch, hidden), "stash": (T, batch, 5 * hidden),
+              "dgates": (T, batch, 4 * hidden)}  # fmt: skip
+    tensors = {name: torch.zeros(shapes.get(name, (batch, hidden))) for name in
+               ("xw", "w_hh", "b_hh", "h0", "c0", "y", "h_n", "c_n", "stash", "dy", "dh_n",
+                "dc_n", "dgates", "dh0", "dc0")}  # fmt: skip
+    tensors |= {"counter": kernel.counter, "status": kernel.status}
+    forward = ("xw", "w_hh", "b_hh", "h0", "c0", "y", "h_n", "c_n", "stash")
+    kernel.recurrence(**{name: tensors[name] for name in forward})
+    kernel.recurrence(**{name: tensors[name] for name in forward[:-1]})  # no stash: null
+    backward = ("w_hh", "stash", "c0", "dy", "dh_n", "dc_n", "dgates", "dh0", "dc0")
+    kernel.backward_recurrence(**{name: tensors[name] for name in backward})
+
+    launches = kernel.driver.launches
+    assert [launch[0] for launch in launches] == [prototype.FORWARD_KERNEL] * 2 + [
+        prototype.BACKWARD_KERNEL]  # fmt: skip
+    for i, (function, ctas, threads, values) in enumerate(launches):
+        assert (ctas, threads) == (kernel.layout.ctas, prototype.THREADS)
+        names = _kernel_parameters(function)
+        assert names[-1] == "T" and values[-1] == T
+        want = [0 if (i, name) == (1, "stash") else tensors[name].data_ptr()
+                for name in names[:-1]]  # fmt: skip
+        assert values[:-1] == want, (function, names)
