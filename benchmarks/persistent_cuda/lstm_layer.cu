@@ -201,10 +201,10 @@ __device__ __forceinline__ unsigned column_word(const elem_t* w_hh, int k, int u
 
 // Whether k-step kk of a warp's (warp + kk*WARPS) is one of the layer's: where WARPS
 // divides the k-steps, every kk < K_PER_WARP is (known at compile time).
-__device__ __forceinline__ bool forward_step(int warp, int kk) {
+__device__ __forceinline__ bool forward_k_step(int warp, int kk) {
   return kk < K_PER_WARP && (K_STEPS % WARPS == 0 || warp + kk * WARPS < K_STEPS);
 }
-__device__ __forceinline__ bool backward_step(int warp, int kk) {
+__device__ __forceinline__ bool backward_k_step(int warp, int kk) {
   return kk < BWD_K_PER_WARP && (BWD_K_STEPS % WARPS == 0 || warp + kk * WARPS < BWD_K_STEPS);
 }
 
@@ -340,7 +340,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int k = ka + half * K_STEP / 2;
-          const bool inside = LSTM_LEAVE_OUT != 2 && forward_step(warp, kk) &&
+          const bool inside = LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk) &&
                               nt * 8 + group < B && (H % K_STEP == 0 || k < H);
           h_frag[kk][nt][half] =
               fresh_word(h_lane + nt * 8 * H + kk * WARPS * K_STEP + half * K_STEP / 2, inside);
@@ -348,7 +348,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
     }
 #pragma unroll
     for (int kk = 0; kk < K_PER_WARP; ++kk) {
-      if (LSTM_LEAVE_OUT != 2 && forward_step(warp, kk)) {
+      if (LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk)) {
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
@@ -501,13 +501,13 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
             const int rows = mt * 16 + 8 * (r % 2);  // past the lane's row group
-            const bool inside = backward_step(warp, kk) && rows + group < B;
+            const bool inside = backward_k_step(warp, kk) && rows + group < B;
             dg_frag[kk][mt][r] = fresh_word(
                 dg_lane + rows * G + kk * WARPS * K_STEP + (r / 2) * K_STEP / 2, inside);
           }
 #pragma unroll
       for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
-        if (backward_step(warp, kk)) {
+        if (backward_k_step(warp, kk)) {
 #pragma unroll
           for (int mt = 0; mt < BWD_M_TILES; ++mt)
 #pragma unroll
