@@ -22,8 +22,9 @@ shares of a step), the kernel whose barrier runs no ``__threadfence``
 writing the backward's stash (``cuda-kernel-stash``), the layer with its GEMMs
 (``cuda-layer``: the input GEMM before the forward kernel; the dx and weight GEMMs after
 the backward kernel), ``mirrorgrad.nn.LSTM(impl="persistent")`` (``triton-persistent``)
-and ``torch.nn.LSTM`` (``cudnn``), whose backward is (forward and backward) less the
-forward, both recording autograd; (3) prints two tables and writes ``prototype.json``.
+and ``torch.nn.LSTM`` (``cudnn``), called and captured in CUDA Graphs (``-graphed``: no
+host time), whose backward is (forward and backward) less the forward, both recording
+autograd; (3) prints two tables and writes ``prototype.json``.
 Neither TF32 switch is touched: cuDNN's fp32 runs TF32 (``cudnn.allow_tf32`` is on by
 default), as this kernel's fp32 does.
 
@@ -500,12 +501,24 @@ def _autograd_calls(module: torch.nn.Module, x: Tensor, h0: Tensor, c0: Tensor, 
     return forward, forward_and_backward
 
 
-def _time_methods(methods: dict, T: int, times: dict, errors: dict, prefix: str = "") -> None:
-    """``times[name] = us_per_step(call)`` for each method, None (and the reason in
-    ``errors``) where one raises: one failing leaves the others' numbers."""
+def graphed(call):
+    """``call`` captured in one CUDA Graph (warm-up calls on a side stream, then the
+    capture: mirrorgrad._cuda_graphs.capture), as its replay: the GPU's time without the
+    host's launches and autograd."""
+    from mirrorgrad._cuda_graphs import capture
+
+    graph, _ = capture(call)
+    return graph.replay
+
+
+def _time_methods(methods: dict, T: int, times: dict, errors: dict, prefix: str = "",
+                  graph: bool = False) -> None:  # fmt: skip
+    """``times[name] = us_per_step(call)`` for each method (each captured first where
+    ``graph``), None (and the reason in ``errors``) where one raises: one failing leaves
+    the others' numbers."""
     for name, call in methods.items():
         try:
-            times[name] = round(us_per_step(call, T), 3)
+            times[name] = round(us_per_step(graphed(call) if graph else call, T), 3)
         except Exception as e:
             times[name] = None
             errors[prefix + name] = f"{type(e).__name__}: {e}"[:300]
@@ -539,11 +552,15 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
         "cudnn": lambda: lstm(x, state),
     }
     row = {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T, "us_per_step": {},
-           "backward_us_per_step": {}, "autograd_us_per_step": {}, "errors": {},
+           "backward_us_per_step": {}, "autograd_us_per_step": {},
+           "graphed_autograd_us_per_step": {}, "errors": {},
            "registers": kernel.registers, "spill_bytes": kernel.spill_bytes,
            "ctas": kernel.layout.ctas, "compile_s": round(kernel.compile_s, 2)}  # fmt: skip
     with torch.no_grad():
         _time_methods(forward, T, row["us_per_step"], row["errors"])
+        _time_methods({"triton-persistent-graphed": lambda: ours(x, state),
+                       "cudnn-graphed": lambda: lstm(x, state)}, T, row["us_per_step"],
+                      row["errors"], graph=True)  # fmt: skip
 
     # Backward: the kernel alone on the stash of a forward, its variants, and the layer's
     # backward (the kernel, then the GEMMs of dx and the weights).
@@ -562,18 +579,20 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     with torch.no_grad():
         _time_methods(backward, T, row["backward_us_per_step"], row["errors"], "backward ")
     # Triton's and cuDNN's backward: (forward and backward) less the forward, both with
-    # autograd recording, timed alike (GPU time of back-to-back calls).
+    # autograd recording, timed alike: called back to back, and captured in CUDA Graphs.
     autograd = {}
     for name, module in (("triton-persistent", ours), ("cudnn", lstm)):
         one, both = _autograd_calls(module, x, h0, c0, dy, dh_n, dc_n)
         autograd |= {f"{name}-forward": one, f"{name}-forward-backward": both}
     with torch.enable_grad():
         _time_methods(autograd, T, row["autograd_us_per_step"], row["errors"])
-    for name in ("triton-persistent", "cudnn"):
-        one, both = (row["autograd_us_per_step"][f"{name}-{part}"]
-                     for part in ("forward", "forward-backward"))  # fmt: skip
-        row["backward_us_per_step"][name] = (None if one is None or both is None
-                                             else round(both - one, 3))  # fmt: skip
+        _time_methods(autograd, T, row["graphed_autograd_us_per_step"], row["errors"],
+                      "graphed ", graph=True)  # fmt: skip
+    for key, suffix in (("autograd_us_per_step", ""), ("graphed_autograd_us_per_step", "-graphed")):
+        for name in ("triton-persistent", "cudnn"):
+            one, both = (row[key][f"{name}-{part}"] for part in ("forward", "forward-backward"))
+            row["backward_us_per_step"][name + suffix] = (None if one is None or both is None
+                                                          else round(both - one, 3))  # fmt: skip
     for name, launched in {"": kernel, **variants}.items():
         if launched.timed_out():
             method = f"cuda-kernel-{name}" if name else "cuda-kernel"
@@ -582,9 +601,11 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
 
 
 FORWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
-                   "cuda-kernel-stash", "cuda-layer", "triton-persistent", "cudnn")  # fmt: skip
+                   "cuda-kernel-stash", "cuda-layer", "triton-persistent", "cudnn",
+                   "triton-persistent-graphed", "cudnn-graphed")  # fmt: skip
 BACKWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
-                    "cuda-layer", "triton-persistent", "cudnn")  # fmt: skip
+                    "cuda-layer", "triton-persistent", "cudnn", "triton-persistent-graphed",
+                    "cudnn-graphed")  # fmt: skip
 
 
 def _table(rows: list[dict], key: str = "us_per_step") -> str:
@@ -593,9 +614,11 @@ def _table(rows: list[dict], key: str = "us_per_step") -> str:
     forward = key == "us_per_step"
     names = FORWARD_COLUMNS if forward else BACKWARD_COLUMNS
     kernel = FORWARD_KERNEL if forward else BACKWARD_KERNEL
-    title = ("us per step (forward, T steps; median):" if forward else
+    title = ("us per step (forward, T steps; median; -graphed: captured in a CUDA Graph):"
+             if forward else
              "us per step (backward, T steps; median; triton-persistent and cudnn: "
-             "forward+backward less forward, both recording autograd):")  # fmt: skip
+             "forward+backward less forward, both recording autograd; -graphed: each "
+             "captured in a CUDA Graph):")  # fmt: skip
     lines = [title, "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",
              "|---" * (len(names) + 5) + "|"]  # fmt: skip
     for r in rows:

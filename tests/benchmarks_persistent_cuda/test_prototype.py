@@ -185,6 +185,7 @@ def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     # a cache of this test's own, so that no stand-in outlives it
     monkeypatch.setattr(prototype, "compiled", functools.cache(prototype.compiled.__wrapped__))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(prototype, "graphed", lambda call: call)  # no CUDA Graphs here
     monkeypatch.setattr(mirrorgrad.nn, "LSTM", _PlainLstm)
     monkeypatch.setattr(prototype, "CHECK_HIDDEN", (16,))
     monkeypatch.setattr(prototype, "CHECK_BATCH", (3,))
@@ -202,12 +203,13 @@ def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     assert set(row["us_per_step"]) == set(prototype.FORWARD_COLUMNS) == {
         "cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
         "cuda-kernel-no-fences", "cuda-kernel-stash", "cuda-layer", "triton-persistent",
-        "cudnn"}  # fmt: skip
+        "cudnn", "triton-persistent-graphed", "cudnn-graphed"}  # fmt: skip
     # Triton's and cuDNN's backward: (forward and backward) less forward, 10 - 10
     assert row["backward_us_per_step"] == {**dict.fromkeys(
         ("cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
          "cuda-kernel-no-fences", "cuda-layer"), 10.0), "triton-persistent": 0.0,
-        "cudnn": 0.0}  # fmt: skip
+        "cudnn": 0.0, "triton-persistent-graphed": 0.0, "cudnn-graphed": 0.0}  # fmt: skip
+    assert set(row["graphed_autograd_us_per_step"].values()) == {10.0}
     assert set(row["backward_us_per_step"]) == set(prototype.BACKWARD_COLUMNS)
     assert "| fp32 | 16 | 2 | 10.00 |" in prototype._table([row])
     backward = prototype._table([row], "backward_us_per_step")
