@@ -352,15 +352,20 @@ class PersistentLstm:
         return dx, dh0, dc0, dw_ih, dw_hh, db, db
 
     def timed_out(self) -> bool:
-        """Whether a barrier of an earlier launch gave up (its results are wrong)."""
+        """Whether a barrier of a launch since ``clear_timed_out`` (or the first) gave up
+        (its results are wrong). Sticky: a launch after it stops at its first barrier."""
         return bool(self.status.item())
+
+    def clear_timed_out(self) -> None:
+        self.status.zero_()
 
 
 @functools.cache
 def compiled(dtype: str, hidden: int, batch: int, device: torch.device,
              variant: str = "") -> PersistentLstm:  # fmt: skip
     """PersistentLstm, compiled once a run for each configuration (the checks at T 1 and
-    35 and the timed rows share them): NVRTC takes ~0.3-1.5 s for the two kernels."""
+    35 and the timed rows share them; each case clears its timeout flag): NVRTC takes
+    ~0.3-1.5 s for the two kernels."""
     return PersistentLstm(dtype, hidden, batch, device, variant)
 
 
@@ -432,6 +437,8 @@ def check_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     ref_grads = reference_backward(*exact, *(t.double() for t in outputs_grad))
     kernel = compiled(dtype, hidden, batch, device)
     unfenced = compiled(dtype, hidden, batch, device, "no-fences")
+    for launched in (kernel, unfenced):
+        launched.clear_timed_out()
     with torch.no_grad():
         ours, ours_grads = _forward_and_backward(kernel, x, h0, c0, weights, *outputs_grad)
         ours_unfenced, unfenced_grads = _forward_and_backward(unfenced, x, h0, c0, weights,
@@ -533,6 +540,8 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     weights = _weights(lstm)
     kernel = compiled(dtype, hidden, batch, device)
     variants = {name: compiled(dtype, hidden, batch, device, name) for name in VARIANTS if name}
+    for launched in (kernel, *variants.values()):
+        launched.clear_timed_out()
     ours = mirrorgrad.nn.LSTM(hidden, hidden, impl="persistent").to(device=device, dtype=x.dtype)
     ours.load_state_dict(lstm.state_dict())
     xw = F.linear(x, weights[0], weights[2])

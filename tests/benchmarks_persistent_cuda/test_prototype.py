@@ -154,6 +154,9 @@ class _ReferenceKernel:
     def timed_out(self):
         return False
 
+    def clear_timed_out(self):
+        pass
+
 
 class _PlainLstm(torch.nn.LSTM):
     """Stands in for mirrorgrad.nn.LSTM (whose persistent kernel the CPU would interpret)."""
