@@ -73,6 +73,13 @@ constexpr int K_STEP = 16;
 typedef float elem_t;
 constexpr int K_STEP = 8;
 #endif
+// K inside a k-step: an MMA sums over its K_STEP k's in any order, so the kernels choose
+// which elements each lane's registers hold. PTX has lane quad q's two words of a row
+// (A: a0 and a2, or a1 and a3; B: b0 and b1) at logical k offsets q and q + 4 (in
+// words); here they are the adjacent words 2q and 2q + 1, one 8-byte load, and a row's
+// four lanes read one 32-byte sector. A and B take the same order, so the sum is the
+// product's.
+constexpr int PER_WORD = LSTM_BF16 ? 2 : 1;  // elements in a 32-bit operand word
 constexpr int K_STEPS = (H + K_STEP - 1) / K_STEP;
 constexpr int K_PER_WARP = (K_STEPS + WARPS - 1) / WARPS;  // warp w takes k-steps w, w+8, ...
 constexpr int CELLS = UNITS * B;                          // (unit, batch row) pairs
@@ -115,12 +122,10 @@ __device__ __forceinline__ unsigned to_tf32(float v) {  // fp32 bits, 13 low bit
   return r;
 }
 
-// A 32-bit load at L2 (.cg): other SMs' stores of this launch are seen there, not in
-// this SM's L1.
-__device__ __forceinline__ unsigned load_l2(const void* p) {
-  unsigned v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+// Two 32-bit words (8 bytes) loaded at L2 (.cg): other SMs' stores of this launch are
+// seen there, not in this SM's L1.
+__device__ __forceinline__ void load_l2_pair(const void* p, unsigned& lo, unsigned& hi) {
+  asm volatile("ld.global.cg.v2.b32 {%0, %1}, [%2];" : "=r"(lo), "=r"(hi) : "l"(p) : "memory");
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
@@ -174,16 +179,18 @@ __device__ __forceinline__ unsigned operand_word(const elem_t* row, int k) {
 #endif
 }
 
-// The operand word at p of a matrix that other CTAs wrote during this launch (h_{t-1},
-// dgates_{t+1}), loaded at L2, or 0 where it is padding (!inside). Callers address it as
-// a lane's base plus a constant, so that the loads need no address arithmetic.
-__device__ __forceinline__ unsigned fresh_word(const elem_t* p, bool inside) {
-  if (!inside) return 0u;
-  const unsigned v = load_l2(p);
-#if LSTM_BF16
-  return v;
-#else
-  return to_tf32(__uint_as_float(v));
+// A lane's two operand words of a row at p (adjacent: see PER_WORD) of a matrix that
+// other CTAs wrote during this launch (h_{t-1}, dgates_{t+1}), loaded at L2, or zeros
+// where they are padding (!inside). Callers address it as a lane's base plus a
+// constant, so that the loads need no address arithmetic.
+__device__ __forceinline__ void fresh_pair(const elem_t* p, bool inside, unsigned& w0,
+                                           unsigned& w1) {
+  w0 = w1 = 0u;
+  if (!inside) return;
+  load_l2_pair(p, w0, w1);
+#if !LSTM_BF16
+  w0 = to_tf32(__uint_as_float(w0));
+  w1 = to_tf32(__uint_as_float(w1));
 #endif
 }
 
@@ -281,11 +288,11 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
   const int lane = threadIdx.x % 32;
   const int group = lane / 4;  // the MMA fragments' row (A, C) or column (B) in the tile
   const int quad = lane % 4;   // and position along K
-  const int k_lane = LSTM_BF16 ? 2 * quad : quad;  // the lane's first k in a k-step
+  const int k_lane = 2 * PER_WORD * quad;  // the lane's first k in a k-step (PER_WORD)
   const int unit0 = blockIdx.x * UNITS;
 
   // This warp's slice of W_hh as A fragments: rows mt*16 + {group, group+8}, k-step
-  // warp + kk*WARPS, k offsets ka (a0, a1) and ka + K_STEP/2 (a2, a3).
+  // warp + kk*WARPS, words at ka (a0, a1) and ka + PER_WORD (a2, a3).
   unsigned w_frag[M_TILES][K_PER_WARP][4];
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
@@ -300,7 +307,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
         const int ka = step * K_STEP + k_lane;
         const bool inside = unit < H && step < K_STEPS;
         w_frag[mt][kk][half] = inside ? operand_word(row, ka) : 0u;
-        w_frag[mt][kk][2 + half] = inside ? operand_word(row, ka + K_STEP / 2) : 0u;
+        w_frag[mt][kk][2 + half] = inside ? operand_word(row, ka + PER_WORD) : 0u;
       }
     }
   }
@@ -327,7 +334,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
 
-    // h_{t-1} as B fragments (column n = batch row, k offsets ka and ka + K_STEP/2): all
+    // h_{t-1} as B fragments (column n = batch row, words at ka and ka + PER_WORD): all
     // of the step's loads before its MMAs, since a warp issues in order (a load after an
     // MMA that waits for an earlier load would wait too: an L2 round trip per k-step).
     const elem_t* h_lane = h_prev + group * H + warp * K_STEP + k_lane;
@@ -336,15 +343,13 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
     for (int kk = 0; kk < K_PER_WARP; ++kk) {
       const int ka = (warp + kk * WARPS) * K_STEP + k_lane;
 #pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int k = ka + half * K_STEP / 2;
-          const bool inside = LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk) &&
-                              nt * 8 + group < B && (H % K_STEP == 0 || k < H);
-          h_frag[kk][nt][half] =
-              fresh_word(h_lane + nt * 8 * H + kk * WARPS * K_STEP + half * K_STEP / 2, inside);
-        }
+      for (int nt = 0; nt < N_TILES; ++nt) {
+        // a lane's pair lies all inside H or all past it (H is a multiple of 8)
+        const bool inside = LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk) &&
+                            nt * 8 + group < B && (H % K_STEP == 0 || ka < H);
+        fresh_pair(h_lane + nt * 8 * H + kk * WARPS * K_STEP, inside, h_frag[kk][nt][0],
+                   h_frag[kk][nt][1]);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < K_PER_WARP; ++kk) {
@@ -447,11 +452,11 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
   const int lane = threadIdx.x % 32;
   const int group = lane / 4;  // the fragments' row (A, C) or column (B) in the tile
   const int quad = lane % 4;   // and position along K
-  const int k_lane = LSTM_BF16 ? 2 * quad : quad;  // the lane's first k in a k-step
+  const int k_lane = 2 * PER_WORD * quad;  // the lane's first k in a k-step (PER_WORD)
   const int unit0 = blockIdx.x * UNITS;
 
   // This warp's slice of W_hh^T as B fragments: column (unit) nt*8 + group, k-step
-  // warp + kk*WARPS, k offsets kb (b0) and kb + K_STEP/2 (b1); zero past the CTA's units.
+  // warp + kk*WARPS, words at kb (b0) and kb + PER_WORD (b1); zero past the CTA's units.
   unsigned w_frag[BWD_K_PER_WARP][BWD_N_TILES][2];
 #pragma unroll
   for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {
@@ -463,7 +468,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
       const bool inside = n < UNITS && unit0 + n < H && step < BWD_K_STEPS;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        w_frag[kk][nt][half] = inside ? column_word(w_hh, kb + half * K_STEP / 2, unit0 + n) : 0u;
+        w_frag[kk][nt][half] = inside ? column_word(w_hh, kb + half * PER_WORD, unit0 + n) : 0u;
     }
   }
 
@@ -489,8 +494,9 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
           for (int j = 0; j < 4; ++j) acc[ch][mt][nt][j] = 0.0f;
 
     if (LSTM_LEAVE_OUT != 2 && t + 1 < T) {
-      // dgates_{t+1} as A fragments: rows m, m + 8 at ka (a0, a1) and ka + K_STEP/2 (a2,
-      // a3), m = mt*16 + group; all of the step's loads before its MMAs, as the forward.
+      // dgates_{t+1} as A fragments: rows m, m + 8 at word ka (a0, a1) and ka + PER_WORD
+      // (a2, a3), m = mt*16 + group; all of the step's loads before its MMAs, as the
+      // forward.
       const elem_t* dg_lane = dgates + (static_cast<long long>(t + 1) * B + group) * G +
                               warp * K_STEP + k_lane;
       unsigned dg_frag[BWD_K_PER_WARP][BWD_M_TILES][4];
@@ -499,11 +505,11 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
 #pragma unroll
         for (int mt = 0; mt < BWD_M_TILES; ++mt)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int rows = mt * 16 + 8 * (r % 2);  // past the lane's row group
+          for (int half = 0; half < 2; ++half) {  // rows m, m + 8
+            const int rows = mt * 16 + 8 * half;  // past the lane's row group
             const bool inside = backward_k_step(warp, kk) && rows + group < B;
-            dg_frag[kk][mt][r] = fresh_word(
-                dg_lane + rows * G + kk * WARPS * K_STEP + (r / 2) * K_STEP / 2, inside);
+            fresh_pair(dg_lane + rows * G + kk * WARPS * K_STEP, inside, dg_frag[kk][mt][half],
+                       dg_frag[kk][mt][2 + half]);
           }
 #pragma unroll
       for (int kk = 0; kk < BWD_K_PER_WARP; ++kk) {

@@ -55,8 +55,10 @@ inline unsigned short to_bf16(float v) {
 // cvt.rna.tf32.f32: 10 mantissa bits, round to nearest, ties away from zero.
 inline unsigned to_tf32(float v) { return (float_bits(v) + 0x1000u) & 0xffffe000u; }
 
-inline unsigned load_l2(const void* p) {
-  return __atomic_load_n(static_cast<const unsigned*>(p), __ATOMIC_RELAXED);
+inline void load_l2_pair(const void* p, unsigned& lo, unsigned& hi) {
+  const auto* words = static_cast<const unsigned*>(p);
+  lo = __atomic_load_n(words, __ATOMIC_RELAXED);
+  hi = __atomic_load_n(words + 1, __ATOMIC_RELAXED);
 }
 
 inline unsigned long long global_ns() {

@@ -73,20 +73,20 @@ def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
                     step = warp + kk * WARPS
                     if step >= k_steps:
                         continue
-                    ka = step * k_step + per_word * QUAD
+                    ka = step * k_step + 2 * per_word * QUAD  # a lane's words: ka, ka + per_word
                     for nt in range(n_tiles):
                         n = nt * 8 + GROUP
                         b_regs = torch.stack([_word(h_prev, n, k, per_word)
-                                              for k in (ka, ka + k_step // 2)], 1)  # fmt: skip
+                                              for k in (ka, ka + per_word)], 1)  # fmt: skip
                         for mt in range(m_tiles):
                             rows = []  # W_hh rows of local rows mt*16 + group (+ 8)
                             for half in range(2):
                                 r = mt * 16 + GROUP + 8 * half
                                 unit = unit0 + r % units
                                 rows.append(torch.where(unit < H, (r // units) * H + unit, -1))
-                            # w_frag[mt][kk]: [half] at ka, [2 + half] at ka + K_STEP/2
+                            # w_frag[mt][kk]: [half] at ka, [2 + half] at ka + PER_WORD
                             a_regs = torch.stack([_word(w_hh, rows[half], k, per_word)
-                                                  for k in (ka, ka + k_step // 2)
+                                                  for k in (ka, ka + per_word)
                                                   for half in range(2)], 1)  # fmt: skip
                             acc = _mma(a_regs, b_regs, per_word, k_step)
                             for j in range(4):
@@ -131,18 +131,18 @@ def backward_kernel_model(w_hh, stash, c0, dy, dh_n, dc_n, *, units: int, bf16: 
                     step = warp + kk * WARPS
                     if step >= k_steps:
                         continue
-                    ka = step * k_step + per_word * QUAD
+                    ka = step * k_step + 2 * per_word * QUAD  # a lane's words: ka, ka + per_word
                     for mt in range(m_tiles):
                         m = mt * 16 + GROUP
-                        # a[0..3]: rows m, m + 8 at ka, then at ka + K_STEP/2
+                        # a[0..3]: rows m, m + 8 at ka, then at ka + PER_WORD
                         a_regs = torch.stack([_word(dgates[t + 1], m + 8 * half, k, per_word)
-                                              for k in (ka, ka + k_step // 2)
+                                              for k in (ka, ka + per_word)
                                               for half in range(2)], 1)  # fmt: skip
                         for nt in range(n_tiles):
                             n = nt * 8 + GROUP
                             unit = torch.where((n < units) & (unit0 + n < H), unit0 + n, -1)
                             b_regs = torch.stack([_word(w_t, unit, k, per_word)
-                                                  for k in (ka, ka + k_step // 2)], 1)  # fmt: skip
+                                                  for k in (ka, ka + per_word)], 1)  # fmt: skip
                             acc = _mma(a_regs, b_regs, per_word, k_step)
                             for j in range(4):
                                 partial[warp, mt * 16 + GROUP + 8 * (j // 2),
