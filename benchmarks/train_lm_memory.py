@@ -1,0 +1,104 @@
+"""Where `mirrorgrad train lm`'s peak comes from, on a GPU: the memory held after the
+first steps, grouped by the code that allocated it, and the final evaluation's own peak.
+
+    PYTHONPATH=src python benchmarks/train_lm_memory.py --data corpus [--batch 20]
+        [--precision fp32] [--steps 50] [--top 14]
+
+Runs `train lm --model medium` (one CUDA Graph per step on one GPU) with the allocator's
+history on. After step 2 it prints the step's peak, what is allocated, the bytes the RNN
+op's loop cache holds, and the live blocks by their innermost mirrorgrad / Inductor /
+autograd frames; then the peak of the remaining steps and of the final evaluation. The
+same model graphed uncompiled (`python -m mirrorgrad.bench.lm_step --rows ours-graphed`)
+is the comparison: what this holds beyond it is the compiled run's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from mirrorgrad import _compat
+from mirrorgrad.ops.rnn import cuda_graphs
+from mirrorgrad.train import evaluation, loop
+from mirrorgrad.train.config import TrainConfig
+
+MiB = 2**20
+FRAMES = ("mirrorgrad", "torch/_inductor", "autograd")
+
+
+def _where(block: dict) -> str:
+    ours = [f for f in block.get("frames", []) if any(k in f["filename"] for k in FRAMES)]
+    frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours]
+    return " <- ".join(frames[:3]) or "(no mirrorgrad, Inductor or autograd frame)"
+
+
+def live_blocks(top: int) -> list[tuple[float, str, str]]:
+    """(MiB, pool, where) of the live blocks, summed by pool and allocating frames."""
+    sizes: Counter[tuple[str, str]] = Counter()
+    for segment in _compat.memory_snapshot()["segments"]:
+        pool = str(segment.get("segment_pool_id"))
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                sizes[(pool, _where(block))] += block["size"]
+    return [(size / MiB, pool, where) for (pool, where), size in sizes.most_common(top)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, required=True, help="corpus folder")
+    parser.add_argument("--batch", type=int, default=20)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--top", type=int, default=14, help="groups of live blocks shown")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    if not args.data.is_dir():
+        parser.error(f"--data {args.data}: no such folder")
+    if args.steps < 3:
+        parser.error("--steps must be >= 3")
+
+    step, final_losses, calls = loop.StepLoop._step, evaluation.final_losses, [0]
+
+    def traced_step(self, x, y):
+        out = step(self, x, y)
+        calls[0] += 1
+        if calls[0] == 2:
+            torch.cuda.synchronize()
+            print(f"after step 2: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB, "
+                  f"allocated {torch.cuda.memory_allocated() / MiB:.0f} MiB, RNN loop cache "
+                  f"{cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
+            for size, pool, where in live_blocks(args.top):
+                print(f"  {size:8.1f} MiB  pool {pool}  {where}")
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    def traced_final_losses(*a, **k):
+        torch.cuda.synchronize()
+        print(f"steps 3-{args.steps}: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB")
+        torch.cuda.reset_peak_memory_stats()
+        losses = final_losses(*a, **k)
+        torch.cuda.synchronize()
+        print(f"final evaluation: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB")
+        return losses
+
+    loop.StepLoop._step, loop.evaluation.final_losses = traced_step, traced_final_losses
+    _compat.record_memory_history(True, max_entries=100_000)
+    with tempfile.TemporaryDirectory() as logdir:
+        config = TrainConfig.from_preset(
+            "medium", data=args.data, device="cuda", batch_size=args.batch, epochs=1,
+            max_steps=args.steps, precision=args.precision, logdir=Path(logdir),
+            log_freq=args.steps, ckpt_every=10**9,
+        )  # fmt: skip
+        summary = loop.train(config)
+    _compat.record_memory_history(False)
+    print(f"whole run: peak {(summary.peak_measured_bytes or 0) / MiB:.0f} MiB, "
+          f"{summary.tokens_per_s / 1e3:.1f}k tokens/s")
+
+
+if __name__ == "__main__":
+    main()
