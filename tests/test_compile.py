@@ -595,3 +595,16 @@ def test_a_post_grad_pass_of_the_user_still_runs():
         step(compiled, inputs)
     assert len(graphs) == 2  # forward and backward
     assert len(compiled._mirrorgrad_plans) == 1
+
+
+def test_backward_guard_copies_what_the_backward_may_free_or_write_but_no_parameter():
+    # The first call of a planned backward runs on host copies of its inputs (the compiled
+    # code frees them and writes into donated ones); parameters it never writes are kept.
+    from mirrorgrad import compiler
+
+    weight, saved = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
+    copies = compiler._HostCopies.of([weight, saved, 2])
+    saved.add_(1)  # as a donated buffer is written
+    restored = copies.restore()
+    assert restored[0] is weight and restored[2] == 2
+    torch.testing.assert_close(restored[1], saved - 1)

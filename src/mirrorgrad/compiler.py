@@ -582,10 +582,33 @@ def _compile_guarding_the_backward(
     graph is ours (a plan was applied) rather than min-cut's."""
     if not kwargs.get("is_backward") or not guarded():
         return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
-    # Inductor's post-grad passes rewrite gm in place: keep the graph as partitioned.
-    as_partitioned = GraphModule(gm, copy.deepcopy(gm.graph))
+    # Inductor's post-grad passes rewrite gm in place: keep the graph as partitioned (a
+    # module is made of it only if the compiled backward fails: that costs a codegen).
+    as_partitioned = PartitionedGraph.of(gm)
     compiled = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
     return BackwardGuard(compiled, as_partitioned, on_failure)
+
+
+@dataclass(slots=True)
+class PartitionedGraph:
+    """A copy of a backward graph as partitioned, and the attributes it reads."""
+
+    graph: torch.fx.Graph
+    attributes: dict[str, Any]
+
+    @classmethod
+    def of(cls, gm: GraphModule) -> PartitionedGraph:
+        targets = {n.target for n in gm.graph.find_nodes(op="get_attr")}
+        return cls(copy.deepcopy(gm.graph), {t: _attribute(gm, t) for t in targets})
+
+    def module(self) -> GraphModule:
+        return GraphModule(self.attributes, self.graph)
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
 
 
 class BackwardGuard:
@@ -600,10 +623,11 @@ class BackwardGuard:
 
     The compiled code frees its inputs as it goes and may write into saved values it
     was donated, so the first call runs on copies in host memory taken before it (no
-    device memory on top of the step's). A failure after a first call that succeeded
-    is raised: that code has run, so it is no plan the code generator could not handle,
-    and there are no copies to run again from; so is running out of memory (the eager
-    graph holds more).
+    device memory on top of the step's); parameters (leaves that require grad), which
+    the model keeps alive and the backward never writes, are kept as they are. A
+    failure after a first call that succeeded is raised: that code has run, so it is
+    no plan the code generator could not handle, and there are no copies to run again
+    from; so is running out of memory (the eager graph holds more).
 
     Under CUDA Graph trees (``mode="reduce-overhead"``) the compiled backward's first
     call is the trees' warm-up run, which executes the same generated kernels outside a
@@ -614,7 +638,7 @@ class BackwardGuard:
     def __init__(
         self,
         compiled: Callable[[list[Any]], Any],
-        graph: GraphModule,
+        graph: PartitionedGraph,
         on_failure: Callable[[str], None],
     ) -> None:
         self.compiled = compiled
@@ -643,7 +667,7 @@ class BackwardGuard:
             self.verified = True
             return out
         args.clear()
-        self.eager = EagerBackward(self.graph)
+        self.eager = EagerBackward(self.graph.module())
         out = self.eager.boxed_run(copies.restore())
         self.on_failure(cause)
         _warn_fallback(
@@ -663,25 +687,28 @@ class BackwardGuard:
 
 @dataclass(slots=True)
 class _HostCopies:
-    """The backward's inputs, tensors copied to host memory (others as they are)."""
+    """The backward's inputs, tensors copied to host memory but for parameters (kept:
+    on a small batch they are most of the bytes), others as they are."""
 
     values: list[Any]
     devices: list[torch.device | None]
 
     @classmethod
     def of(cls, args: Sequence[Any]) -> _HostCopies:
+        copied = [_copied(a) for a in args]
         with torch.no_grad():
-            values = [
-                a.detach().to("cpu", copy=True) if isinstance(a, torch.Tensor) else a
-                for a in args
-            ]
-        devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
+            values = [a.detach().to("cpu", copy=True) if c else a for a, c in zip(args, copied)]
+        devices = [a.device if c else None for a, c in zip(args, copied)]
         return cls(values, devices)
 
     def restore(self) -> list[Any]:
         return [
             v if device is None else v.to(device) for v, device in zip(self.values, self.devices)
         ]
+
+
+def _copied(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not (value.is_leaf and value.requires_grad)
 
 
 class EagerBackward(torch.fx.Interpreter):

@@ -13,6 +13,7 @@ as Inductor does; the cost model does not, as its scheduler may fuse them again)
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -48,23 +49,29 @@ POINTWISE_LOWERINGS = CONSTANT_FILLS | frozenset(
 
 def is_pointwise(node: Node) -> bool:
     """Inductor computes ``node`` as a pointwise kernel (and so may inline it)."""
-    target = node.target
+    kind = _pointwise_kind(node.target)
+    if kind is not _SCATTER_VALUE:
+        return kind
+    # Inductor's scatter_upon_const_tensor: a scalar scattered onto a constant fill (the
+    # loss's nll_loss_backward) is a pointwise select, the fill never allocated.
+    base = node.args[0] if node.args else None
+    return isinstance(base, Node) and op_name(base).split("::")[-1] in CONSTANT_FILLS
+
+
+_SCATTER_VALUE = "scatter.value"  # pointwise depending on its input (is_pointwise)
+
+
+@functools.cache
+def _pointwise_kind(target: object) -> bool | str:
+    """By the op alone (asked per node of every graph planned: cached per op)."""
     if not isinstance(target, _compat.OpOverload):
         return False
     if torch.Tag.pointwise in target.tags:
         return True
-    name = op_name(node).split("::")[-1]
+    name = target.name().split(".")[0].split("::")[-1]
     if name in POINTWISE_LOWERINGS:
         return True
-    # Inductor's scatter_upon_const_tensor: a scalar scattered onto a constant fill (the
-    # loss's nll_loss_backward) is a pointwise select, the fill never allocated.
-    base = node.args[0] if node.args else None
-    return (
-        name == "scatter"
-        and target._overloadname == "value"
-        and isinstance(base, Node)
-        and op_name(base).split("::")[-1] in CONSTANT_FILLS
-    )
+    return _SCATTER_VALUE if name == "scatter" and target._overloadname == "value" else False
 
 
 # Inductor pads the strides of the buffers it lays out on a GPU (comprehensive_padding;
@@ -86,13 +93,18 @@ def strides_as_on_a_gpu() -> Iterator[None]:
         PADDED_STRIDE_DEVICES = saved
 
 
-def padded_strides(val: torch.Tensor) -> tuple[int, ...]:
+def padded_strides(
+    val: torch.Tensor, padding: tuple[bool, int, int] | None = None
+) -> tuple[int, ...]:
     """The strides Inductor gives a buffer it allocates for ``val`` (its own layout, not
     a graph input's or output's): a dense row-major value's strides padded as
-    ``ir.Layout._pad_strides`` does on ``PADDED_STRIDE_DEVICES``, else ``val``'s."""
+    ``ir.Layout._pad_strides`` does on ``PADDED_STRIDE_DEVICES``, else ``val``'s.
+    ``padding``: ``_compat.stride_padding()``, read once by a caller asking for many."""
     strides = tuple(int(s) for s in val.stride())
-    padding, alignment_bytes, threshold = _compat.stride_padding()
-    if not padding or val.device.type not in PADDED_STRIDE_DEVICES or not val.is_contiguous():
+    if val.device.type not in PADDED_STRIDE_DEVICES or not val.is_contiguous():
+        return strides
+    padding_on, alignment_bytes, threshold = padding or _compat.stride_padding()
+    if not padding_on:
         return strides
     align = max(alignment_bytes // val.element_size(), 1)
     padded, stride = [1] * val.dim(), 1

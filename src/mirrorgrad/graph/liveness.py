@@ -122,8 +122,10 @@ class GraphIndex:
             self.view[i], self.storage[i] = True, self.storage[ix[nodes[i].args[0]]]
         # Inductor's strides for a buffer it allocates (equal keys: the same layout).
         layouts: dict[tuple, int] = {}
+        padding = _compat.stride_padding()
         self.np_layout = np.asarray(
-            [layouts.setdefault(_layout(n), len(layouts)) for n in nodes], dtype=np.int64
+            [layouts.setdefault(_layout(n, padding), len(layouts)) for n in nodes],
+            dtype=np.int64,
         )
         # May be computed in its readers' kernels (fusion.inlined, before the readers).
         self.pointwise = [is_pointwise(n) and not self.view[i] for i, n in enumerate(nodes)]
@@ -316,11 +318,11 @@ class _BackwardBase:
 _NO_TRIGGER = 1 << 40
 
 
-def _layout(node: Node) -> tuple:
+def _layout(node: Node, padding: tuple[bool, int, int]) -> tuple:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return ()
-    return (val.dtype, padded_strides(val))
+    return (val.dtype, padded_strides(val, padding))
 
 
 def _leaf_getitems(node: Node) -> list[Node]:
