@@ -38,6 +38,13 @@ METHODS = {
     "budget 0.5": {"mode": "budget", "budget": 0.5},
 }
 PARTS = ("partition", "plan", "fw", "bw", "guards", "rest")
+# Inductor's phases within fw and bw (Dynamo's compile_times keys), for --phases.
+PHASES = {
+    "post-grad": "_recursive_post_grad_passes",
+    "lowering": "GraphLowering.run",
+    "codegen": "GraphLowering.codegen",
+    "kernel wait": "async_compile.wait",
+}
 
 
 def _timed(spent: dict, key: str, fn):
@@ -86,6 +93,8 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
         return compile_fx(gm, example_inputs, inner_compile=compile_inner)
 
     device = args.device
+    if device.startswith("cuda"):
+        torch.set_float32_matmul_precision("high")  # as mirrorgrad bench sets it
     torch.manual_seed(0)
     built = WORKLOADS[workload].build(batch=args.batch, device=device, quick=args.quick)
     batch = built.make_batch()
@@ -106,7 +115,24 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
     inductor_s = spent["fw"] + spent["bw"]
     spent["guards"] += spent.pop("guarded", inductor_s) - inductor_s
     known = sum(spent[k] for k in ("partition", "fw", "bw", "guards"))
-    return {"cold_s": total, **{k: spent[k] for k in PARTS if k != "rest"}, "rest": total - known}
+    return {
+        "cold_s": total,
+        **{k: spent[k] for k in PARTS if k != "rest"},
+        "rest": total - known,
+        "phases": _phases(),
+    }
+
+
+def _phases() -> dict[str, list[float]]:
+    """Seconds of each of ``PHASES``, one entry per graph compiled (forward first)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv")
+    found = dict(zip(names, values))
+    return {
+        phase: [float(v) for v in found[key].split(",")] if key in found else []
+        for phase, key in PHASES.items()
+    }
 
 
 def main() -> None:
@@ -118,6 +144,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="the workload's batch unless given")
     parser.add_argument("--length", type=int, help="tokens: the first LENGTH of each sample")
     parser.add_argument("--quick", action="store_true", help="the workloads' small sizes")
+    parser.add_argument("--phases", action="store_true", help="Inductor's phases per graph")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -152,6 +179,11 @@ def main() -> None:
             ratio = f"{row['cold_s'] / base:.2f}x" if base else ""
             print(f"{workload:12} {method:14} {row['cold_s']:7.1f} {ratio:>6} "
                   + " ".join(f"{row[p]:9.2f}" for p in PARTS), flush=True)  # fmt: skip
+            if args.phases:
+                print(" " * 28 + "  ".join(
+                    f"{phase} {'/'.join(f'{v:.2f}' for v in values)}"
+                    for phase, values in row["phases"].items()
+                ), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
