@@ -13,7 +13,8 @@ forward+backward (device synchronized), and where they went:
 - ``guards``: our first-call guards (the backward graph kept as partitioned, the
   backward's inputs copied to host memory before its first call);
 - ``rest``: the remainder (Dynamo, AOTAutograd's tracing and joint-graph passes, the
-  step itself).
+  step itself);
+- ``kernels``: distinct kernels built (C++ shared objects on a CPU, cubins on a GPU).
 
 Inductor's caches are cold (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per process, FX graph
 and AOTAutograd caches off). ``--device cpu --batch 1 --length 128`` measures on a CPU
@@ -119,8 +120,18 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
         "cold_s": total,
         **{k: spent[k] for k in PARTS if k != "rest"},
         "rest": total - known,
+        "kernels": _kernels_built(),
         "phases": _phases(),
     }
+
+
+def _kernels_built() -> int:
+    """Kernels built in this (fresh) cache: distinct kernels, what costs compile time.
+    The CPU's C++ kernels are shared objects, Triton's cubins."""
+    root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return sum(
+        name.endswith((".so", ".cubin")) for _, _, names in os.walk(root) for name in names
+    )
 
 
 def _phases() -> dict[str, list[float]]:
@@ -153,7 +164,7 @@ def main() -> None:
     forwarded = ["--device", args.device, *(["--quick"] if args.quick else [])]
     forwarded += [f"--{k}={getattr(args, k)}" for k in ("batch", "length") if getattr(args, k)]
     print(f"{'workload':12} {'method':14} {'cold s':>7} {'ratio':>6} "
-          + " ".join(f"{p:>9}" for p in PARTS), flush=True)  # fmt: skip
+          + " ".join(f"{p:>9}" for p in PARTS) + "  kernels", flush=True)  # fmt: skip
     for workload in args.workloads:
         base = None
         for method in args.methods:
@@ -178,7 +189,8 @@ def main() -> None:
                 base = row["cold_s"]
             ratio = f"{row['cold_s'] / base:.2f}x" if base else ""
             print(f"{workload:12} {method:14} {row['cold_s']:7.1f} {ratio:>6} "
-                  + " ".join(f"{row[p]:9.2f}" for p in PARTS), flush=True)  # fmt: skip
+                  + " ".join(f"{row[p]:9.2f}" for p in PARTS)
+                  + f"  {row['kernels']:7d}", flush=True)  # fmt: skip
             if args.phases:
                 print(" " * 28 + "  ".join(
                     f"{phase} {'/'.join(f'{v:.2f}' for v in values)}"
