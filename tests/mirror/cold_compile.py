@@ -45,6 +45,8 @@ PHASES = {
     "lowering": "GraphLowering.run",
     "codegen": "GraphLowering.codegen",
     "kernel wait": "async_compile.wait",
+    # Triton kernels built in this process (the worker pool not up yet), one at a time.
+    "in-process builds": "async_compile.precompile",
 }
 
 
