@@ -131,9 +131,7 @@ def _kernels_built() -> int:
     """Kernels built in this (fresh) cache: distinct kernels, what costs compile time.
     The CPU's C++ kernels are shared objects, Triton's cubins."""
     root = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    return sum(
-        name.endswith((".so", ".cubin")) for _, _, names in os.walk(root) for name in names
-    )
+    return sum(name.endswith((".so", ".cubin")) for _, _, names in os.walk(root) for name in names)
 
 
 def _phases() -> dict[str, list[float]]:
@@ -146,6 +144,13 @@ def _phases() -> dict[str, list[float]]:
         phase: [float(v) for v in found[key].split(",")] if key in found else []
         for phase, key in PHASES.items()
     }
+
+
+def _seconds(values: list[float]) -> str:
+    """Per graph (forward/backward), or the sum of a phase timed per kernel."""
+    if len(values) <= 2:
+        return "/".join(f"{v:.2f}" for v in values) or "-"
+    return f"{sum(values):.2f} ({len(values)} kernels)"
 
 
 def main() -> None:
@@ -195,8 +200,7 @@ def main() -> None:
                   + f"  {row['kernels']:7d}", flush=True)  # fmt: skip
             if args.phases:
                 print(" " * 28 + "  ".join(
-                    f"{phase} {'/'.join(f'{v:.2f}' for v in values)}"
-                    for phase, values in row["phases"].items()
+                    f"{phase} {_seconds(values)}" for phase, values in row["phases"].items()
                 ), flush=True)  # fmt: skip
 
 
