@@ -599,12 +599,15 @@ def test_a_post_grad_pass_of_the_user_still_runs():
 
 def test_backward_guard_copies_what_the_backward_may_free_or_write_but_no_parameter():
     # The first call of a planned backward runs on host copies of its inputs (the compiled
-    # code frees them and writes into donated ones); parameters it never writes are kept.
+    # code frees them and writes into donated ones); the model's parameters, and values
+    # on their storage (a transposed weight), are never written: they are kept.
     from mirrorgrad import compiler
 
-    weight, saved = torch.nn.Parameter(torch.randn(3)), torch.randn(3)
-    copies = compiler._HostCopies.of([weight, saved, 2])
+    weight, saved = torch.nn.Parameter(torch.randn(3, 2)), torch.randn(3)
+    transposed = weight.detach().t()  # as AOTAutograd hands a saved weight to the backward
+    copies = compiler._HostCopies.of([weight, transposed, saved, 2], [weight])
     saved.add_(1)  # as a donated buffer is written
     restored = copies.restore()
-    assert restored[0] is weight and restored[2] == 2
-    torch.testing.assert_close(restored[1], saved - 1)
+    assert restored[0] is weight and restored[1] is transposed and restored[3] == 2
+    torch.testing.assert_close(restored[2], saved - 1)
+    assert compiler._HostCopies.of([transposed], []).restore()[0] is not transposed

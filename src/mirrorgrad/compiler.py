@@ -156,6 +156,7 @@ class MirrorBackend:
             _compile_guarding_the_backward,
             guarded=lambda: bool(applied) and not self.strict,
             on_failure=backward_failed.record,
+            parameters=self._parameters,
         )
         try:
             with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
@@ -184,6 +185,10 @@ class MirrorBackend:
             _compat.mutated_input_indices(context, len(example_inputs)),
             backward_failed,
         )
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The compiled model's parameters as they are now (none known without it)."""
+        return [] if self.root_module is None else list(self.root_module.parameters())
 
     def _aot_eager(self, fused_losses: Sequence[FusedLoss]) -> Callable[..., Any]:
         """AOTAutograd with our partition and no code generation."""
@@ -574,19 +579,21 @@ def _compile_guarding_the_backward(
     *,
     guarded: Callable[[], bool],
     on_failure: Callable[[str], None],
+    parameters: Callable[[], list[torch.Tensor]] = list,
     **kwargs: Any,
 ) -> Any:
     """Inductor's inner compile; a planned backward comes back inside a ``BackwardGuard``.
 
     ``guarded()`` is asked when the backward compiles, after partitioning: whether the
-    graph is ours (a plan was applied) rather than min-cut's."""
+    graph is ours (a plan was applied) rather than min-cut's. ``parameters()``: the
+    model's, which the guard need not copy."""
     if not kwargs.get("is_backward") or not guarded():
         return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
     # Inductor's post-grad passes rewrite gm in place: keep the graph as partitioned (a
     # module is made of it only if the compiled backward fails: that costs a codegen).
     as_partitioned = PartitionedGraph.of(gm)
     compiled = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
-    return BackwardGuard(compiled, as_partitioned, on_failure)
+    return BackwardGuard(compiled, as_partitioned, on_failure, parameters)
 
 
 @dataclass(slots=True)
@@ -623,8 +630,9 @@ class BackwardGuard:
 
     The compiled code frees its inputs as it goes and may write into saved values it
     was donated, so the first call runs on copies in host memory taken before it (no
-    device memory on top of the step's); parameters (leaves that require grad), which
-    the model keeps alive and the backward never writes, are kept as they are. A
+    device memory on top of the step's); values on the storage of a parameter of the
+    model (``parameters()``), which the model keeps alive and the backward never writes
+    (AOTAutograd donates no saved value that aliases an input), are kept as they are. A
     failure after a first call that succeeded is raised: that code has run, so it is
     no plan the code generator could not handle, and there are no copies to run again
     from; so is running out of memory (the eager graph holds more).
@@ -640,10 +648,12 @@ class BackwardGuard:
         compiled: Callable[[list[Any]], Any],
         graph: PartitionedGraph,
         on_failure: Callable[[str], None],
+        parameters: Callable[[], list[torch.Tensor]] = list,
     ) -> None:
         self.compiled = compiled
         self.graph = graph
         self.on_failure = on_failure
+        self.parameters = parameters
         self.verified = False
         self.eager: EagerBackward | None = None
         # AOTAutograd passes the inputs as one list, which the call empties. An instance
@@ -655,7 +665,7 @@ class BackwardGuard:
             return self.eager.boxed_run(args)
         if self.verified:
             return self.compiled(args)
-        copies = _HostCopies.of(args)
+        copies = _HostCopies.of(args, self.parameters())
         try:
             out = self.compiled(args)
         except torch.OutOfMemoryError:
@@ -687,15 +697,18 @@ class BackwardGuard:
 
 @dataclass(slots=True)
 class _HostCopies:
-    """The backward's inputs, tensors copied to host memory but for parameters (kept:
-    on a small batch they are most of the bytes), others as they are."""
+    """The backward's inputs, tensors copied to host memory but for those on a storage of
+    ``parameters`` (kept: on a small batch they are most of the bytes), others as they
+    are."""
 
     values: list[Any]
     devices: list[torch.device | None]
 
     @classmethod
-    def of(cls, args: Sequence[Any]) -> _HostCopies:
-        copied = [_copied(a) for a in args]
+    def of(cls, args: Sequence[Any], parameters: Sequence[torch.Tensor] = ()) -> _HostCopies:
+        # Storages alive now (the parameters hold them): no other tensor is at their address.
+        kept = {_storage_address(p) for p in parameters} - {None, 0}
+        copied = [isinstance(a, torch.Tensor) and _storage_address(a) not in kept for a in args]
         with torch.no_grad():
             values = [a.detach().to("cpu", copy=True) if c else a for a, c in zip(args, copied)]
         devices = [a.device if c else None for a, c in zip(args, copied)]
@@ -707,8 +720,11 @@ class _HostCopies:
         ]
 
 
-def _copied(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and not (value.is_leaf and value.requires_grad)
+def _storage_address(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+        return None
 
 
 class EagerBackward(torch.fx.Interpreter):
