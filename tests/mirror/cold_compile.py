@@ -1,7 +1,9 @@
 """Cold compile time of torch.compile against mirrorgrad.compile, each in a fresh process,
 one after another (a GPU measurement: run by hand, not collected by pytest).
 
-    python tests/mirror/cold_compile.py [--workloads gpt2 transformer] [--repeats 1]
+    python tests/mirror/cold_compile.py [--workloads gpt2 transformer] [--repeats 1] [--phases]
+
+(six fresh processes, one after another.)
 
 Per (workload, method): seconds from the compile call to the end of the first
 forward+backward (device synchronized), and where they went:
