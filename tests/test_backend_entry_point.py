@@ -77,7 +77,10 @@ def test_backend_by_name_validates_its_options():
 @pytest.mark.slow
 def test_registered_backend_plans_and_passes_inductor_settings(monkeypatch):
     seen = []
-    monkeypatch.setattr(compiler.MirrorBackend, "_record", lambda self, p, *_: seen.append((self, p)))
+    def record(self, plan, *_):
+        seen.append((self, plan))
+
+    monkeypatch.setattr(compiler.MirrorBackend, "_record", record)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     compiled = torch.compile(
         model,
