@@ -26,15 +26,19 @@ ALL_WORKLOADS = (
 BASE_METHODS = (
     "eager",
     "compile",
+    "compile-budget-0.7",
     "compile-budget-0.5",
     "compile-budget-0.3",
     "compile-budget-0.1",
     "checkpoint",
     "mirror-balance",
+    "mirror-budget-0.7",
     "mirror-budget-0.5",
     "mirror-budget-0.3",
+    "mirror-budget-0.1",
     "cuda-graph",
 )
+FRONTIER_ONLY = ("compile-budget-0.7", "mirror-budget-0.7", "mirror-budget-0.1")
 
 
 def test_workload_names():
@@ -50,7 +54,7 @@ def test_method_names():
     assert set(METHODS) == set(BASE_METHODS) | mgnn | suites
     assert all(METHODS[f"{m}+mgnn"].swap_rnn for m in BASE_METHODS)
     assert set(MGNN_BASES) <= set(BASE_METHODS)
-    planner = [m for m in BASE_METHODS if m != "cuda-graph"]
+    planner = [m for m in BASE_METHODS if m != "cuda-graph" and m not in FRONTIER_ONLY]
     assert default_methods(recurrent=False) == planner
     assert default_methods(recurrent=True) == [*planner, *(f"{m}+mgnn" for m in MGNN_BASES)]
     assert METHODS["mirror-budget-0.3"].mirror_options == {"mode": "budget", "budget": 0.3}

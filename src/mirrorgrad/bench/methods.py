@@ -104,12 +104,19 @@ def _mirror(options: dict[str, Any]) -> Wrap:
     return wrap
 
 
+# The fractions of the frontier: torch.compile's activation_memory_budget and our budget
+# at each, beside compile itself (fraction 1) and balance.
+FRACTIONS = (0.7, 0.5, 0.3, 0.1)
+# Only in the frontier: the planner suite's default run leaves them out (each is a compile).
+FRONTIER_ONLY = ("compile-budget-0.7", "mirror-budget-0.7", "mirror-budget-0.1")
+
+
 def _base_methods() -> list[Method]:
     budgets = [Method(name=f"compile-budget-{f}", wrap=_torch_compile_budget(f), compiles=True,
                       description=f"torch.compile, activation_memory_budget={f}")
-               for f in (0.5, 0.3, 0.1)]  # fmt: skip
+               for f in FRACTIONS]  # fmt: skip
     mirror_modes: list[tuple[str, dict[str, Any]]] = [("mirror-balance", {"mode": "balance"})]
-    mirror_modes += [(f"mirror-budget-{f}", {"mode": "budget", "budget": f}) for f in (0.5, 0.3)]
+    mirror_modes += [(f"mirror-budget-{f}", {"mode": "budget", "budget": f}) for f in FRACTIONS]
     mirrors = [Method(name=name, wrap=_mirror(options), compiles=True, mirror_options=options,
                       description=f"mirrorgrad.compile({_keywords(options)})")
                for name, options in mirror_modes]  # fmt: skip
@@ -151,7 +158,11 @@ def _registry() -> dict[str, Method]:
 # The general methods; suites.METHODS adds the rnn-kernels and word-lm suites' own.
 BASE_METHODS: dict[str, Method] = _registry()
 # The planner suite's methods (the other suites name their own): all but cuda-graph.
-PLANNER_METHODS = tuple(m.name for m in _base_methods() if m.name != "cuda-graph")
+PLANNER_METHODS = tuple(m.name for m in _base_methods()
+                        if m.name != "cuda-graph" and m.name not in FRONTIER_ONLY)  # fmt: skip
+# The frontier of one workload: `mirrorgrad bench --workloads W --methods *FRONTIER_METHODS`.
+FRONTIER_METHODS = ("compile", *(f"compile-budget-{f}" for f in FRACTIONS), "checkpoint",
+                    "mirror-balance", *(f"mirror-budget-{f}" for f in FRACTIONS))  # fmt: skip
 
 
 def default_methods(recurrent: bool) -> list[str]:

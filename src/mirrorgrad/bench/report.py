@@ -252,9 +252,27 @@ def _ratio_plot(doc: dict[str, Any], measured: dict[str, list], out_dir: Path, p
     return _save(fig, out_dir / "ratios.png", plt)
 
 
+def _frontiers(methods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The budget families a panel joins by a line, from fraction 1 down: min-cut
+    (`compile`, then `compile-budget-F`) and ours (`mirror-budget-F`); two points each
+    at least."""
+    by_name = {m["method"]: m for m in methods}
+
+    def family(prefix: str, first: str | None) -> list[dict[str, Any]]:
+        budgets = sorted((n for n in by_name if n.startswith(prefix)),
+                         key=lambda n: float(n[len(prefix):]), reverse=True)  # fmt: skip
+        names = ([first] if first in by_name else []) + budgets
+        return [by_name[n] for n in names]
+
+    lines = {"torch.compile, activation_memory_budget": family("compile-budget-", "compile"),
+             "mirrorgrad budget": family("mirror-budget-", None)}  # fmt: skip
+    return {label: ms for label, ms in lines.items() if len(ms) >= 2}
+
+
 def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     """``peak_vs_time.png``: peak memory against step time, one panel per workload, one
-    labelled point per method (``ratios.png`` with more than a dozen workloads)."""
+    labelled point per method, and lines through the budget fractions of min-cut and of
+    ours (the frontiers); ``ratios.png`` with more than a dozen workloads."""
     plt = _pyplot()
     written = []
     device = doc["env"].get("gpu") or "CPU"
@@ -272,6 +290,12 @@ def plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         for ax in axes.flat[len(measured) :]:
             ax.set_visible(False)
         for ax, (name, ms) in zip(axes.flat, measured.items()):
+            frontiers = _frontiers(ms)
+            for label, family in frontiers.items():
+                times = [m["median_ms"] for m in family]
+                ax.plot(times, [m["peak_bytes"] / MIB for m in family], alpha=0.5, label=label)
+            if frontiers:
+                ax.legend(fontsize=7)
             for m in ms:
                 x, y = m["median_ms"], m["peak_bytes"] / MIB
                 ax.scatter([x], [y], s=30)

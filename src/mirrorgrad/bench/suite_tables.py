@@ -141,3 +141,55 @@ def word_lm_table(doc: dict[str, Any]) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# Balance's promise: this much of compile's peak at most, at this much of its time.
+BALANCE_PEAK, BALANCE_TIME = 0.8, 1.03
+
+
+def _added(m: dict[str, Any], base: dict[str, Any]) -> float:
+    return m["median_ms"] / base["median_ms"] - 1
+
+
+def frontier_table(doc: dict[str, Any]) -> str:
+    """The planner's frontier, one line per workload and fraction F where both
+    `compile-budget-F` (min-cut with ``activation_memory_budget``) and `mirror-budget-F`
+    ran: peaks and added step time over `compile`, and whether ours dominates (peak at
+    most min-cut's, added time at most half of min-cut's); then balance against its
+    promise (≤ 0.8x compile's peak at ≤ 1.03x its time). Empty without `compile`."""
+    lines = []
+    for name, w in doc["workloads"].items():
+        ok = _ok(w)
+        base = ok.get("compile")
+        if base is None:
+            continue
+        for f in sorted({m.rsplit("-", 1)[1] for m in ok if m.startswith("compile-budget-")},
+                        key=float, reverse=True):  # fmt: skip
+            theirs, ours = ok.get(f"compile-budget-{f}"), ok.get(f"mirror-budget-{f}")
+            if theirs is None or ours is None:
+                continue
+            peak_ok = ours["peak_bytes"] <= theirs["peak_bytes"]
+            time_ok = _added(ours, base) <= max(_added(theirs, base), 0) / 2
+            verdict = "yes" if peak_ok and time_ok else "no: " + " and ".join(
+                why for why, bad in (("peak", not peak_ok), ("time", not time_ok)) if bad
+            )
+            lines.append(
+                f"| {name} | {f} | {format_bytes(theirs['peak_bytes'])}, "
+                f"{_added(theirs, base):+.1%} | {format_bytes(ours['peak_bytes'])}, "
+                f"{_added(ours, base):+.1%} | {verdict} |"
+            )
+        balance = ok.get("mirror-balance")
+        if balance is not None:
+            peak = balance["peak_bytes"] / base["peak_bytes"]
+            time = balance["median_ms"] / base["median_ms"]
+            kept = peak <= BALANCE_PEAK and time <= BALANCE_TIME
+            lines.append(
+                f"| {name} | balance | | {format_bytes(balance['peak_bytes'])} ({peak:.2f}x), "
+                f"{time - 1:+.1%} | {'yes' if kept else 'no'} (≤ {BALANCE_PEAK}x at ≤ "
+                f"{BALANCE_TIME}x) |"
+            )
+    if not lines:
+        return ""
+    head = ("| workload | F | min-cut: peak, added time | ours: peak, added time | "
+            "ours dominates |\n|---|---|---|---|---|")  # fmt: skip
+    return "**The frontier**, against `compile`:\n\n" + head + "\n" + "\n".join(lines)

@@ -82,6 +82,7 @@ register(
         name="planner",
         description="the recompute planner against torch.compile, its budgets, checkpoint",
         workloads=workloads.WORKLOADS,
+        table=suite_tables.frontier_table,
     )
 )
 register(
