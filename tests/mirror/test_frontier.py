@@ -97,6 +97,16 @@ def _joint(name: str) -> JointGraph:
     return GRAPHS[name]()
 
 
+def test_min_cut_saves_forward_values():
+    # Min-cut saves permutes the joint graph puts in its backward (a transposed weight
+    # or activation, a gradient matmul's operand): judged as saved there, the forward
+    # value they view would be left unsaved and its chain counted as recomputed.
+    joint = _joint("gpt2")
+    saved, _ = min_cut_partition(joint, 1.0)
+    assert saved
+    assert all(v.op == "placeholder" or v in joint.forward_set for v in saved)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 @pytest.mark.parametrize("name", [graph_param(name) for name in GRAPHS])

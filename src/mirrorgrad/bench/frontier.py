@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx import Node
 
 from mirrorgrad import _compat
 from mirrorgrad.graph import fusion, liveness
@@ -90,7 +91,12 @@ def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
         )
     by_name = {n.name: n for n in joint.gm.graph.nodes}
     outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-    saved = {by_name[a.name] for a in outputs[joint.num_fwd_outputs :] if a is not None}
+    saved = {
+        v
+        for a in outputs[joint.num_fwd_outputs :]
+        if a is not None
+        for v in _forward_values(joint, by_name[a.name])
+    }
     # What the backward reads and min-cut did not save, it recomputes.
     recomputed, stack = set(), [a for n in joint.backward for a in n.all_input_nodes]
     while stack:
@@ -102,6 +108,26 @@ def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
         recomputed.add(v)
         stack.extend(v.all_input_nodes)
     return saved, recomputed
+
+
+def _forward_values(joint: JointGraph, value: Node) -> set[Node]:
+    """The forward values (or primals) that a value min-cut saves stands for.
+
+    Min-cut may save a value the joint graph puts in its backward but that reads no
+    tangent: its forward module computes it. Most are views (``permute(probs)``, the
+    transposed operand of a gradient matmul), whose storage is the forward value's;
+    judged as the backward's, such a view would leave the forward value unsaved and its
+    whole chain, matmuls included, recomputed. The liveness model runs no backward node
+    in the forward, so a non-view one (``ne(target, ignore_index)``) stands for the
+    forward values it reads: its bytes are taken for theirs."""
+    found, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v.op == "placeholder" or v in joint.forward_set:
+            found.add(v)
+        else:
+            stack.extend(v.all_input_nodes)
+    return found
 
 
 def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
