@@ -36,7 +36,8 @@ def test_ours_dominates_with_no_more_peak_and_at_most_half_the_added_time():
 
 
 def test_a_fraction_needs_both_sides_and_a_table_needs_compile():
-    only_theirs = _doc(_m("compile", 100.0, 1000), _m("compile-budget-0.5", 110.0, 600))
+    only_theirs = _doc(_m("compile", 100.0, 1000), _m("compile-budget-0.5", 110.0, 600),
+                       _m("compile-budget-0.5+mgnn", 110.0, 600))  # a twin is no fraction
     assert "| gpt2 | 0.5" not in frontier_table(only_theirs)
     assert frontier_table(_doc(_m("mirror-budget-0.5", 1.0, 1))) == ""
 
@@ -48,7 +49,8 @@ def test_balance_over_its_time_promise_is_a_no():
 
 def test_plot_lines_run_from_compile_down_the_fractions():
     ms = [_m("mirror-budget-0.3", 3, 3), _m("compile-budget-0.3", 2, 2), _m("compile", 1, 1),
-          _m("compile-budget-0.7", 4, 4), _m("mirror-balance", 5, 5)]  # fmt: skip
+          _m("compile-budget-0.7", 4, 4), _m("mirror-balance", 5, 5),
+          _m("compile-budget-0.5+mgnn", 6, 6)]  # fmt: skip
     lines = report._frontiers(ms)
     assert [m["method"] for m in lines["torch.compile, activation_memory_budget"]] == [
         "compile", "compile-budget-0.7", "compile-budget-0.3"

@@ -257,15 +257,14 @@ def _frontiers(methods: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
     (`compile`, then `compile-budget-F`) and ours (`mirror-budget-F`); two points each
     at least."""
     by_name = {m["method"]: m for m in methods}
-
-    def family(prefix: str, first: str | None) -> list[dict[str, Any]]:
-        budgets = sorted((n for n in by_name if n.startswith(prefix)),
-                         key=lambda n: float(n[len(prefix):]), reverse=True)  # fmt: skip
-        names = ([first] if first in by_name else []) + budgets
-        return [by_name[n] for n in names]
-
-    lines = {"torch.compile, activation_memory_budget": family("compile-budget-", "compile"),
-             "mirrorgrad budget": family("mirror-budget-", None)}  # fmt: skip
+    first = [by_name["compile"]] if "compile" in by_name else []
+    budgets = suite_tables.budgets
+    lines = {
+        "torch.compile, activation_memory_budget": [
+            *first, *budgets(by_name, "compile-budget-").values()
+        ],
+        "mirrorgrad budget": list(budgets(by_name, "mirror-budget-").values()),
+    }
     return {label: ms for label, ms in lines.items() if len(ms) >= 2}
 
 

@@ -147,6 +147,19 @@ def word_lm_table(doc: dict[str, Any]) -> str:
 BALANCE_PEAK, BALANCE_TIME = 0.8, 1.03
 
 
+def budgets(methods: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries of ``methods`` (by name) whose name is ``prefix`` + a fraction, by
+    that fraction's text, largest fraction first (twins such as ``+mgnn`` left out)."""
+    fractions = {}
+    for name in methods:
+        text = name[len(prefix):] if name.startswith(prefix) else ""
+        try:
+            fractions[text] = float(text)
+        except ValueError:
+            continue
+    return {f: methods[prefix + f] for f in sorted(fractions, key=fractions.get, reverse=True)}
+
+
 def _added(m: dict[str, Any], base: dict[str, Any]) -> float:
     return m["median_ms"] / base["median_ms"] - 1
 
@@ -163,10 +176,9 @@ def frontier_table(doc: dict[str, Any]) -> str:
         base = ok.get("compile")
         if base is None:
             continue
-        for f in sorted({m.rsplit("-", 1)[1] for m in ok if m.startswith("compile-budget-")},
-                        key=float, reverse=True):  # fmt: skip
-            theirs, ours = ok.get(f"compile-budget-{f}"), ok.get(f"mirror-budget-{f}")
-            if theirs is None or ours is None:
+        for f, theirs in budgets(ok, "compile-budget-").items():
+            ours = ok.get(f"mirror-budget-{f}")
+            if ours is None:
                 continue
             peak_ok = ours["peak_bytes"] <= theirs["peak_bytes"]
             time_ok = _added(ours, base) <= max(_added(theirs, base), 0) / 2
