@@ -31,6 +31,13 @@ def _word(matrix: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, per_word: i
     return out
 
 
+def _add_tile(partial: torch.Tensor, mt: int, nt: int, acc: torch.Tensor) -> None:
+    """Adds the C registers ``acc`` [32, 4] of tile (mt, nt) into a warp's ``partial``
+    sums, by C's fragment layout (see ``_mma``)."""
+    for j in range(4):
+        partial[mt * 16 + GROUP + 8 * (j // 2), nt * 8 + 2 * QUAD + j % 2] += acc[:, j]
+
+
 def _mma(a_regs, b_regs, per_word: int, k_step: int) -> torch.Tensor:
     """[32, 4] C registers of m16n8k{k_step} from the lanes' A registers [32, 4, w] and B
     registers [32, 2, w], placed by PTX's fragment layouts: A register r of lane l is
@@ -88,10 +95,7 @@ def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
                             a_regs = torch.stack([_word(w_hh, rows[half], k, per_word)
                                                   for k in (ka, ka + per_word)
                                                   for half in range(2)], 1)  # fmt: skip
-                            acc = _mma(a_regs, b_regs, per_word, k_step)
-                            for j in range(4):
-                                partial[warp, mt * 16 + GROUP + 8 * (j // 2),
-                                        nt * 8 + 2 * QUAD + j % 2] += acc[:, j]  # fmt: skip
+                            _add_tile(partial[warp], mt, nt, _mma(a_regs, b_regs, per_word, k_step))
             for cell in range(units * B):
                 unit, b = unit0 + cell % units, cell // units
                 if unit >= H:
@@ -143,10 +147,7 @@ def backward_kernel_model(w_hh, stash, c0, dy, dh_n, dc_n, *, units: int, bf16: 
                             unit = torch.where((n < units) & (unit0 + n < H), unit0 + n, -1)
                             b_regs = torch.stack([_word(w_t, unit, k, per_word)
                                                   for k in (ka, ka + per_word)], 1)  # fmt: skip
-                            acc = _mma(a_regs, b_regs, per_word, k_step)
-                            for j in range(4):
-                                partial[warp, mt * 16 + GROUP + 8 * (j // 2),
-                                        nt * 8 + 2 * QUAD + j % 2] += acc[:, j]  # fmt: skip
+                            _add_tile(partial[warp], mt, nt, _mma(a_regs, b_regs, per_word, k_step))
             for cell in range(units * B):
                 unit, b = unit0 + cell % units, cell // units
                 if unit >= H:
