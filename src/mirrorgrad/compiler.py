@@ -87,7 +87,8 @@ class MirrorBackend:
             # auto: only where memory was asked for. The fused op recomputes the head's
             # GEMM in backward (+8-14% step time on GPT-2 by the cost model), which
             # balance's time cap would not allow and does not see.
-            why = "auto fuses in budget mode; fuse_loss=True to fuse" if mirroring else "mode off"
+            why = "auto fuses in budget mode; fuse_loss=True to fuse"
+            why = why if mirroring else "mirroring off"
             return fuse_lm_head_losses(gm, False, why)
         return fuse_lm_head_losses(gm, fuse)
 
@@ -310,8 +311,8 @@ def compile(
         fuse_loss: rewrite an LM head's ``F.cross_entropy(F.linear(h, w), target)``
             (views, ``.float()``, a shift slice between them allowed) to the fused
             ``linear_cross_entropy``, whose ``[tokens, vocab]`` logits never exist
-            whole. ``None`` (default): when the float32 logits exceed 64 MiB, except
-            with ``mode="off"``; ``True``: always; ``False``: never. Logits that the
+            whole. ``None`` (default): in ``mode="budget"``, when the float32 logits
+            exceed 64 MiB; ``True``: in any mode; ``False``: never. Logits that the
             model also returns or reuses are never rewritten. The plan names each.
         backend: ``"inductor"`` (default) generates fused code; ``"eager"`` runs
             AOTAutograd's forward and backward graphs op by op (CPU examples, tests).
