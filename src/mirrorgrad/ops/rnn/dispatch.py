@@ -339,12 +339,13 @@ def rnn(
         key = _auto_key(x, weights, hx, lengths, mode, num_layers, bidirectional, memory, p,
                         need_saved)  # fmt: skip
         compiling = torch.compiler.is_compiling()
-        impl = _AUTO_CHOICE.get(_choice_key(key)) if not compiling else None
+        # Not asked while Dynamo traces (it reads the stream's capture state).
+        choice_key = _choice_key(key) if not compiling else None
+        impl = _AUTO_CHOICE.get(choice_key) if not compiling else None
         if impl is None:
             # cuDNN has no state clip, and no backward outside training mode (it raises);
             # its dropout state waits on the host, which a CUDA Graph capture forbids.
-            # (Not asked while Dynamo traces: cuDNN is then no candidate anyway.)
-            captured = not compiling and _choice_key(key)[-1] == "captured"
+            captured = choice_key is not None and choice_key[-1] == "captured"
             cudnn_ok = (state_clip is None and (training or not grad_inputs)
                         and not (captured and p > 0))  # fmt: skip
             shape = time_model.Shape(mode=mode, T=x.shape[0], B=x.shape[1],
