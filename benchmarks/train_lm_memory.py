@@ -6,15 +6,17 @@ first steps, grouped by the code that allocated it, and the final evaluation's o
 
 Runs `train lm --model medium` (one CUDA Graph per step on one GPU) with the allocator's
 history on. After step 2 it prints the step's peak, what is allocated, the bytes the RNN
-op's loop cache holds, and the live blocks by their innermost mirrorgrad / Inductor /
-autograd frames; then the peak of the remaining steps and of the final evaluation. The
-same model graphed uncompiled (`python -m mirrorgrad.bench.lm_step --rows ours-graphed`)
-is the comparison: what this holds beyond it is the compiled run's own.
+op's loop cache holds, and the live blocks by the line that allocated them (peak_compare's
+innermost frame outside torch); then the peak of the remaining steps and of the final
+evaluation. The same model graphed uncompiled (`python -m mirrorgrad.bench.lm_step
+--rows ours-graphed`) is the comparison: what this holds beyond it is the compiled run's
+own.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -26,24 +28,21 @@ from mirrorgrad.ops.rnn import cuda_graphs
 from mirrorgrad.train import evaluation, loop
 from mirrorgrad.train.config import TrainConfig
 
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.peak_compare import _source
+
 MiB = 2**20
-FRAMES = ("mirrorgrad", "torch/_inductor", "autograd")
-
-
-def _where(block: dict) -> str:
-    ours = [f for f in block.get("frames", []) if any(k in f["filename"] for k in FRAMES)]
-    frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in ours]
-    return " <- ".join(frames[:3]) or "(no mirrorgrad, Inductor or autograd frame)"
 
 
 def live_blocks(top: int) -> list[tuple[float, str, str]]:
-    """(MiB, pool, where) of the live blocks, summed by pool and allocating frames."""
+    """(MiB, pool, where) of the live blocks, summed by pool and allocating line."""
     sizes: Counter[tuple[str, str]] = Counter()
     for segment in _compat.memory_snapshot()["segments"]:
         pool = str(segment.get("segment_pool_id"))
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                sizes[(pool, _where(block))] += block["size"]
+                sizes[(pool, _source(block))] += block["size"]
     return [(size / MiB, pool, where) for (pool, where), size in sizes.most_common(top)]
 
 
