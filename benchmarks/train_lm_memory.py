@@ -35,15 +35,29 @@ from benchmarks.peak_compare import _source
 MiB = 2**20
 
 
-def live_blocks(top: int) -> list[tuple[float, str, str]]:
-    """(MiB, pool, where) of the live blocks, summed by pool and allocating line."""
-    sizes: Counter[tuple[str, str]] = Counter()
+def _stream_name(stream: int) -> str:
+    """The stream's role: cuBLAS keeps a workspace per (thread's handle, stream)."""
+    from mirrorgrad._cuda_graphs import side_stream
+
+    names = {torch.cuda.default_stream().cuda_stream: "default",
+             side_stream().cuda_stream: "side"}  # fmt: skip
+    return names.get(stream, hex(stream))
+
+
+def live_blocks(top: int) -> list[tuple[float, int, str, str, str]]:
+    """(MiB, blocks, pool, stream, where) of the live blocks, summed by pool, stream and
+    allocating line."""
+    sizes: Counter[tuple[str, str, str]] = Counter()
+    counts: Counter[tuple[str, str, str]] = Counter()
     for segment in _compat.memory_snapshot()["segments"]:
         pool = str(segment.get("segment_pool_id"))
+        stream = _stream_name(segment.get("stream", 0))
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                sizes[(pool, _source(block))] += block["size"]
-    return [(size / MiB, pool, where) for (pool, where), size in sizes.most_common(top)]
+                key = (pool, stream, _source(block))
+                sizes[key] += block["size"]
+                counts[key] += 1
+    return [(size / MiB, counts[key], *key) for key, size in sizes.most_common(top)]
 
 
 def main() -> None:
@@ -71,8 +85,8 @@ def main() -> None:
             print(f"after step 2: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB, "
                   f"allocated {torch.cuda.memory_allocated() / MiB:.0f} MiB, RNN loop cache "
                   f"{cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
-            for size, pool, where in live_blocks(args.top):
-                print(f"  {size:8.1f} MiB  pool {pool}  {where}")
+            for size, blocks, pool, stream, where in live_blocks(args.top):
+                print(f"  {size:8.1f} MiB in {blocks:3d}  pool {pool}  stream {stream:8s}  {where}")
             torch.cuda.reset_peak_memory_stats()
         return out
 
