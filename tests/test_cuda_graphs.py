@@ -1,5 +1,7 @@
 """_cuda_graphs.capture: warm-ups on a side stream, then one CUDA Graph that replays."""
 
+import os
+
 import pytest
 import torch
 
@@ -48,3 +50,23 @@ def test_captures_share_one_stream_so_cublas_keeps_one_workspace():
     grown = torch.cuda.memory_allocated() - before
     assert grown < 10 * 2**20, f"{grown / 2**20:.0f} MiB more after ten captures"
     del graphs
+
+
+def test_small_cublas_workspaces_sets_4_mib_only_where_unset_and_cuda_is_not_started(
+    monkeypatch,
+):
+    from mirrorgrad import _cuda_graphs
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert _cuda_graphs.small_cublas_workspaces()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:1"
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the user's choice stays
+    assert not _cuda_graphs.small_cublas_workspaces()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late to take effect
+    assert not _cuda_graphs.small_cublas_workspaces()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ

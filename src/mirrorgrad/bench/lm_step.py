@@ -4,7 +4,8 @@
                                        [--precision fp32 bf16] [--steps 60]
 
 The medium model (2x650, dropout 0.5, vocabulary 10k, BPTT 35, SGD lr 20, clip 0.25),
-per batch size and precision, in one process:
+per batch size and precision, each row in a process of its own (cuBLAS workspaces,
+compiled code and caches are each row's own, as in a user's run):
 
 - ``pytorch-example``: PyTorch's word_language_model step (``nn.LSTM``, cuDNN), eager;
   bf16 under autocast as AMP runs it.
@@ -17,9 +18,10 @@ per batch size and precision, in one process:
   compile and plan included): tokens/s of the steps after the first, the peak of the run.
 
 Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens.
-A row's peak is the largest ``max_memory_allocated`` while it ran (weights, gradients,
-the graph's memory) less what earlier rows still held when it began. The table is
-printed last; ``lm_step.json`` keeps it.
+A row's peak is its process's largest ``max_memory_allocated`` (weights, gradients,
+the graph's memory, cuBLAS's workspaces). ``train-lm`` makes cuBLAS's workspaces 4 MiB
+where ``CUBLAS_WORKSPACE_CONFIG`` is unset; ``--small-cublas-workspace`` gives every row
+the same. The table is printed last; ``lm_step.json`` keeps it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import dataclasses
 import gc
 import json
 import math
+import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -37,6 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from mirrorgrad._cuda_graphs import SMALL_CUBLAS_WORKSPACE
 from mirrorgrad._timing import time_calls
 from mirrorgrad.bench.word_lm import BPTT, CLIP, LR, VOCAB, ExampleLM, example_step
 from mirrorgrad.train.config import PRECISIONS
@@ -149,6 +154,33 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
     )  # fmt: skip
 
 
+def _measure_in_child(row: str, batch: int, precision: str, steps: int, args) -> Result:
+    """One row in a fresh Python process: its peak starts from nothing, as a user's run."""
+    command = [sys.executable, "-m", "mirrorgrad.bench.lm_step", "--out", str(args.out),
+               "--one-row", row, "--batch", str(batch), "--precision", precision,
+               "--steps", str(steps)]  # fmt: skip
+    if args.data is not None:
+        command += ["--data", str(args.data)]
+    env = dict(os.environ)
+    if args.small_cublas_workspace:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", SMALL_CUBLAS_WORKSPACE)
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the {row} row (batch {batch}, {precision}) failed: exit "
+                           f"{done.returncode}; its error is printed above")  # fmt: skip
+    return Result(**json.loads(lines[-1]))
+
+
+def _measure(row: str, batch: int, precision: str, steps: int, data, device) -> Result:
+    if row == "train-lm":
+        # Its tokens/s are a wall clock over the run, not a median: long enough (about
+        # 3 s) that a hiccup of the host does not decide them.
+        steps = max(steps, math.ceil(20000 / batch))
+        return _train_lm_row(batch, precision, steps, data, device)
+    return _time_step_row(row, batch, precision, steps, device)
+
+
 def _fresh(device) -> int:
     """Peak counters reset; returns the bytes still held from earlier rows (compiled
     code and caches keep some), which the row's peak leaves out."""
@@ -216,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", nargs="+", choices=precisions, default=precisions)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--steps", type=int, default=60, help="timed steps per row (>= 10)")
+    parser.add_argument("--small-cublas-workspace", action="store_true",
+                        help="every row with 4 MiB cuBLAS workspaces, as train-lm's")
+    parser.add_argument("--one-row", choices=ROWS, help=argparse.SUPPRESS)  # a child's row
     args = parser.parse_args(argv)
     if args.steps < 10 or any(b < 1 for b in args.batch):
         parser.error("--steps must be >= 10 and every --batch >= 1")
@@ -226,17 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     torch.set_float32_matmul_precision("high")  # TF32, as `mirrorgrad train lm` runs
+    if args.one_row is not None:
+        result = _measure(args.one_row, args.batch[0], args.precision[0], args.steps,
+                          args.data, device)  # fmt: skip
+        print(json.dumps(dataclasses.asdict(result)))
+        return 0
     results = []
     for batch in args.batch:
         for precision in args.precision:
             for row in args.rows:
-                if row == "train-lm":
-                    # Its tokens/s are a wall clock over the run, not a median: long enough
-                    # (about 3 s) that a hiccup of the host does not decide them.
-                    steps = max(args.steps, math.ceil(20000 / batch))
-                    result = _train_lm_row(batch, precision, steps, args.data, device)
-                else:
-                    result = _time_step_row(row, batch, precision, args.steps, device)
+                result = _measure_in_child(row, batch, precision, args.steps, args)
                 results.append(result)
                 _progress(result)
                 _save(args.out / "lm_step.json", results)

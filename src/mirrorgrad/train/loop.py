@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from mirrorgrad import _cuda_graphs
 from mirrorgrad.callbacks import Callback, perplexity
 from mirrorgrad.train import checkpoint, data, distributed, evaluation, step
 from mirrorgrad.train.config import TrainConfig
@@ -42,7 +43,12 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
     SIGINT/SIGTERM during the steps stop after the current one, save and return a
     summary with ``interrupted=True`` and ``signal`` naming it; before or after the
     steps they raise `mirrorgrad.train.stop.Interrupted` (a KeyboardInterrupt).
+
+    On a GPU, cuBLAS workspaces are 4 MiB unless ``CUBLAS_WORKSPACE_CONFIG`` is set
+    (`_cuda_graphs.small_cublas_workspaces`).
     """
+    if config.device != "cpu" and torch.cuda.is_available():
+        _cuda_graphs.small_cublas_workspaces()
     stop = StopRequest()
     with stop.installed():
         world, device = distributed.init(config.device)
