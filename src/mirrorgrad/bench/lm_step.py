@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mirrorgrad._cuda_graphs import SMALL_CUBLAS_WORKSPACE
+from mirrorgrad._cuda_graphs import SMALL_CUBLAS_WORKSPACE, small_cublas_workspaces
 from mirrorgrad._timing import time_calls
 from mirrorgrad.bench.word_lm import BPTT, CLIP, LR, VOCAB, ExampleLM, example_step
 from mirrorgrad.train.config import PRECISIONS
@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the LM-step table needs a CUDA device (CUDA Graphs)")
     if args.data is not None and not args.data.exists():
         parser.error(f"--data {args.data}: no such file or folder")
+    if args.one_row == "train-lm":  # as `mirrorgrad train lm` runs: before CUDA starts
+        small_cublas_workspaces()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     torch.set_float32_matmul_precision("high")  # TF32, as `mirrorgrad train lm` runs
