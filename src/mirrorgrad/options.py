@@ -63,12 +63,10 @@ class MirrorOptions:
             are parsed into one of those.
         max_overhead: balance mode's cap on added time, a finite fraction >= 0 of the
             estimated step time (default 0.03).
-        fuse_loss: compute an LM head's ``F.cross_entropy(F.linear(h, w), t)`` with the
-            fused ``linear_cross_entropy``, whose logits never exist whole. ``None``
-            (default, auto): in ``"budget"`` mode, when the float32 logits exceed
-            64 MiB (the fused op recomputes the head's GEMM in backward, which
-            ``"balance"``'s time cap would not take); ``True``: every such loss, in
-            any mode; ``False``: never.
+        fuse_loss: ``True`` computes an LM head's ``F.cross_entropy(F.linear(h, w),
+            t)`` with the fused ``linear_cross_entropy``, whose logits never exist
+            whole (it recomputes the head's GEMM in backward: less memory, more time);
+            ``None`` (default) and ``False``: not fused.
 
     Raises:
         ValueError: an unknown mode, a missing or misplaced budget, a budget out of
@@ -119,7 +117,7 @@ class MirrorOptions:
         object.__setattr__(self, "max_overhead", float(overhead))
         if not (self.fuse_loss is None or isinstance(self.fuse_loss, bool)):
             raise ValueError(
-                f"fuse_loss={self.fuse_loss!r}: True, False or None (auto: large logits)"
+                f"fuse_loss={self.fuse_loss!r}: True, False or None (not fused)"
             )
 
     @classmethod

@@ -32,11 +32,6 @@ from mirrorgrad import _compat
 from mirrorgrad._units import format_bytes
 from mirrorgrad.ops.linear_cross_entropy import op as fused_op
 
-# Auto: fuse when the float32 logits are larger than one chunk of the fused op. Below
-# that the op holds all the logits at once in its backward anyway, so the peak gains
-# little while the backward still pays the recomputed GEMM.
-MIN_LOGITS_BYTES = fused_op.CHUNK_BYTES
-
 _LINEARS = set(_compat.DYNAMO_LINEAR_TARGETS)
 _MATMULS = {operator.matmul, torch.matmul}
 _CROSS_ENTROPY = {F.cross_entropy}
@@ -87,12 +82,11 @@ class _Match:
 
 
 def fuse_lm_head_losses(
-    gm: GraphModule, enabled: bool | None, disabled_because: str = "fuse_loss=False"
+    gm: GraphModule, enabled: bool, disabled_because: str = "fuse_loss=False"
 ) -> list[FusedLoss]:
     """Rewrite each LM head + cross-entropy of ``gm`` in place; what was found.
 
-    ``enabled``: True fuses every match, False none (the plan says ``disabled_because``),
-    None (auto) those whose float32 logits exceed ``MIN_LOGITS_BYTES``."""
+    ``enabled``: True fuses every match, False none (the plan says ``disabled_because``)."""
     found: list[FusedLoss] = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _CROSS_ENTROPY:
@@ -102,11 +96,7 @@ def fuse_lm_head_losses(
             if shape is not None:  # the logits of a linear, but a pattern we leave alone
                 found.append(FusedLoss(rows=shape[0], vocab=shape[1], fused=False, reason=reason))
             continue
-        reason = ""
-        if enabled is False:
-            reason = disabled_because
-        elif enabled is None and match.rows * match.vocab * 4 <= MIN_LOGITS_BYTES:
-            reason = f"float32 logits at most {format_bytes(MIN_LOGITS_BYTES)}"
+        reason = "" if enabled else disabled_because
         if not reason:
             _rewrite(gm.graph, match)
         found.append(FusedLoss(rows=match.rows, vocab=match.vocab, fused=not reason, reason=reason))
