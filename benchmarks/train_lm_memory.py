@@ -96,7 +96,11 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         losses = final_losses(*a, **k)
         torch.cuda.synchronize()
-        print(f"final evaluation: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB")
+        print(f"final evaluation: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB, "
+              f"allocated after it {torch.cuda.memory_allocated() / MiB:.0f} MiB, RNN loop "
+              f"cache {cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
+        for size, blocks, pool, stream, where in live_blocks(args.top):
+            print(f"  {size:8.1f} MiB in {blocks:3d}  pool {pool}  stream {stream:8s}  {where}")
         return losses
 
     loop.StepLoop._step, loop.evaluation.final_losses = traced_step, traced_final_losses
