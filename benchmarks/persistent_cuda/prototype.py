@@ -29,18 +29,15 @@ autograd; (3) prints two tables and writes ``prototype.json``.
 Neither TF32 switch is touched: cuDNN's fp32 runs TF32 (``cudnn.allow_tf32`` is on by
 default), as this kernel's fp32 does.
 
-Compilation and launch go through ``cuda.bindings`` (cuda-python's NVRTC and driver
-API): ``cuLaunchCooperativeKernel`` refuses a grid whose CTAs cannot all be resident,
-so the kernel's spin barrier cannot wait on a CTA that never started; the kernel's
-barrier also gives up after 1 s (status flag) and the host waits with a timeout, so no
-mistake hangs. torch's ``torch.cuda._compile_kernel`` compiles with NVRTC too but has no
-cooperative launch and is private. Nothing here is installed with mirrorgrad.
+The kernels, their compilation and their launch are the package's
+(``mirrorgrad.ops.rnn.cuda_lstm_kernel``, what ``mirrorgrad.nn.LSTM(impl="cuda")`` runs);
+this script adds the timing variants, the checks and the tables. It needs cuda-python
+(``pip install mirrorgrad[cuda]``). The host waits with a timeout, so no mistake hangs.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
 import math
@@ -48,18 +45,20 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = Path(__file__).with_name("lstm_layer.cu")
-FORWARD_KERNEL = "lstm_persistent_forward"
-BACKWARD_KERNEL = "lstm_persistent_backward"
-THREADS = 256  # lstm_layer.cu's WARPS * 32
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from mirrorgrad.ops.rnn import cuda_lstm_kernel
+from mirrorgrad.ops.rnn.cuda_lstm_kernel import (
+    BACKWARD_KERNEL,
+    DTYPES,
+    FORWARD_KERNEL,
+    CudaLstmKernel,
+)
+
 # Largest error allowed against the float64 reference, as |ours - ref| / (1 + |ref|):
 # bf16 rounds h to 8 bits every step (2^-9 ~ 2e-3 relative), fp32 runs the products in
 # TF32 (2^-11 ~ 5e-4 relative per operand). A misplaced fragment gives errors of 0.1-1.
@@ -67,7 +66,7 @@ TOLERANCE = {"fp32": 3e-3, "bf16": 3e-2}
 CHECK_HIDDEN = (96, 520, 1024)
 CHECK_BATCH = (1, 3, 20)
 CHECK_T = (1, 35)
-# Variants of the kernel (lstm_layer.cu's macros): without its grid barrier or its
+# Variants of the kernel (cuda_lstm.cu's macros): without its grid barrier or its
 # recurrent product (wrong results: the step's time less theirs is that part's share),
 # and with a barrier of release/acquire alone (no __threadfence; checked and timed).
 VARIANTS = {
@@ -80,93 +79,27 @@ HOST_WAIT_S = 30.0  # the longest the host waits for queued work before giving u
 
 
 # ----------------------------------------------------------------------------------
-# Compilation (no GPU needed)
+# Compilation (no GPU needed): the package's, with the timing variants by name
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How a layer of ``hidden`` units spreads over CTAs: ``units`` per CTA (a multiple
-    of 4, all four gates of each), ``ctas`` of them (one per SM at most)."""
-
-    units: int
-    ctas: int
-
-
-def layout(hidden: int, sms: int) -> Layout:
-    """The fewest units per CTA that a grid of at most ``sms`` CTAs covers ``hidden``
-    with; ValueError where the kernel does not take ``hidden``."""
-    if hidden <= 0 or hidden % 8:
-        raise ValueError(f"hidden must be a positive multiple of 8, got {hidden}")
-    units = 4 * math.ceil(math.ceil(hidden / sms) / 4)
-    return Layout(units=units, ctas=math.ceil(hidden / units))
+def _defines(variant: str) -> dict[str, int]:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    return VARIANTS[variant]
 
 
 def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
                     variant: str = "") -> list[str]:  # fmt: skip
-    """NVRTC options for one configuration of ``lstm_layer.cu`` (``variant``: a key of
+    """NVRTC options for one configuration of ``cuda_lstm.cu`` (``variant``: a key of
     VARIANTS)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-    return [
-        f"--gpu-architecture={arch}",
-        "-std=c++17",
-        "--ptxas-options=-v",  # registers and spills in the log
-        f"-DLSTM_BF16={int(dtype == 'bf16')}",
-        f"-DLSTM_HIDDEN={hidden}",
-        f"-DLSTM_BATCH={batch}",
-        f"-DLSTM_UNITS={units}",
-        *(f"-D{macro}={value}" for macro, value in VARIANTS[variant].items()),
-    ]
-
-
-class CompileError(RuntimeError):
-    """NVRTC rejected the source; the message holds its log."""
-
-
-def _bindings():
-    """cuda-python's (nvrtc, driver) modules: ``cuda.bindings`` (cuda-python 12.6 and
-    later) or the older ``cuda`` names."""
-    try:
-        from cuda.bindings import driver, nvrtc
-    except ImportError:
-        from cuda import cuda as driver
-        from cuda import nvrtc
-    return nvrtc, driver
-
-
-def _nvrtc_check(nvrtc, result):
-    err, *rest = result
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise CompileError(f"NVRTC: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
-    return rest[0] if len(rest) == 1 else rest
+    defines = _defines(variant)
+    return cuda_lstm_kernel.compile_options(dtype, hidden, batch, units, arch, defines)
 
 
 def compile_cubin(dtype: str, hidden: int, batch: int, units: int, arch: str = "sm_90",
                   variant: str = "") -> tuple[bytes, str]:  # fmt: skip
-    """(cubin, NVRTC's log) of ``lstm_layer.cu`` for one configuration; CompileError
-    with the log where it does not compile."""
-    nvrtc, _ = _bindings()
-    options = compile_options(dtype, hidden, batch, units, arch, variant)
-    options = [o.encode() for o in options]
-    program = _nvrtc_check(
-        nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), SOURCE.name.encode(), 0, [], [])
-    )
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
-        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetProgramLogSize(program))
-        log = b" " * size
-        _nvrtc_check(nvrtc, nvrtc.nvrtcGetProgramLog(program, log))
-        log = log.rstrip(b"\x00 ").decode()
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"{SOURCE.name} ({dtype}, H={hidden}, B={batch}):\n{log}")
-        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program))
-        cubin = b" " * size
-        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, cubin))
-        return cubin, log
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+    """(cubin, NVRTC's log) of ``cuda_lstm.cu`` for one configuration and variant."""
+    return cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units, arch, _defines(variant))
 
 
 # ----------------------------------------------------------------------------------
@@ -201,27 +134,9 @@ def reference_backward(x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Te
         return torch.autograd.grad(outputs, inputs, (dy, dh_n, dc_n))
 
 
-def input_and_weight_gradients(x: Tensor, h0: Tensor, y: Tensor, w_ih: Tensor,
-                               dgates: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
-    """(dx, dW_ih, dW_hh, db) from the gradients of every step's gates [T,B,4H]: one GEMM
-    each (db is both biases' gradient), as the backward kernel leaves them."""
-    T, B, G = dgates.shape
-    flat = dgates.reshape(T * B, G)
-    h_prev = torch.cat([h0[None], y[:-1]]).reshape(T * B, -1)  # h_{t-1} of every step
-    dx = (flat @ w_ih).reshape(T, B, -1)
-    return dx, flat.t() @ x.reshape(T * B, -1), flat.t() @ h_prev, flat.sum(0)
-
-
 # ----------------------------------------------------------------------------------
 # The kernel on a GPU
 
-
-def _driver_check(driver, result):
-    err, *rest = result
-    if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1]
-        raise RuntimeError(f"CUDA driver: {name.decode() if name else err}")
-    return rest[0] if len(rest) == 1 else rest
 
 
 def wait(event: torch.cuda.Event, what: str, timeout_s: float = HOST_WAIT_S) -> None:
@@ -233,141 +148,14 @@ def wait(event: torch.cuda.Event, what: str, timeout_s: float = HOST_WAIT_S) -> 
         time.sleep(1e-4)
 
 
-class PersistentLstm:
-    """``lstm_layer.cu`` compiled for one (dtype, hidden, batch) and loaded into torch's
-    context; ``forward`` and ``backward`` run a layer, ``recurrence`` and
-    ``backward_recurrence`` the kernels alone. Hidden sizes up to 1024 keep W_hh in
-    registers without spills on 132 SMs (``spill_bytes``, per kernel)."""
-
-    def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
-                 variant: str = ""):  # fmt: skip
-        _, driver = _bindings()
-        self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
-
-        def call(function, *args):
-            return _driver_check(driver, function(*args))
-
-        props = torch.cuda.get_device_properties(device)
-        arch = f"sm_{props.major}{props.minor}"
-        if props.major < 8:
-            raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
-        sms = props.multi_processor_count
-        self.layout = layout(hidden, sms)
-        torch.zeros(1, device=device)  # torch makes its (primary) context current
-        call(driver.cuInit, 0)
-        dev = call(driver.cuDeviceGet, device.index or 0)
-        if not int(call(driver.cuCtxGetCurrent)):
-            call(driver.cuCtxSetCurrent, call(driver.cuDevicePrimaryCtxRetain, dev))
-        cooperative = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
-        if not call(driver.cuDeviceGetAttribute, cooperative, dev):
-            raise RuntimeError("the device has no cooperative launch")
-        start = time.perf_counter()
-        cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch,
-                                        variant)  # fmt: skip
-        self.compile_s = time.perf_counter() - start
-        self.module = call(driver.cuModuleLoadData, cubin)
-        attribute = driver.CUfunction_attribute
-        self.functions, self.registers, self.spill_bytes = {}, {}, {}
-        for name in (FORWARD_KERNEL, BACKWARD_KERNEL):
-            function = call(driver.cuModuleGetFunction, self.module, name.encode())
-            self.functions[name] = function
-            self.registers[name] = call(driver.cuFuncGetAttribute,
-                                        attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
-            self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
-                                          attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
-                                          function)  # fmt: skip
-            per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function,
-                          THREADS, 0)  # fmt: skip
-            if self.layout.ctas > per_sm * sms:
-                raise RuntimeError(f"{name}: {self.layout.ctas} CTAs cannot all be resident "
-                                   f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
-        self.status = torch.zeros(1, dtype=torch.int32, device=device)
-
-    def _launch(self, name: str, pointers: list[Tensor | None], T: int) -> None:
-        """Launch kernel ``name`` cooperatively on torch's current stream with the
-        tensors' addresses (None: a null pointer), the barrier's counter and status, T."""
-        if any(t is not None and not t.is_contiguous() for t in pointers):
-            raise ValueError("the kernel takes contiguous tensors")
-        self.counter.zero_()
-        values = [ctypes.c_void_p(None if t is None else t.data_ptr())
-                  for t in (*pointers, self.counter, self.status)]  # fmt: skip
-        values.append(ctypes.c_int(T))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
-        _driver_check(self.driver, self.driver.cuLaunchCooperativeKernel(
-            self.functions[name], self.layout.ctas, 1, 1, THREADS, 1, 1, 0, stream,
-            ctypes.addressof(params)))  # fmt: skip
-
-    def _check_steps(self, steps: Tensor, width: int, what: str) -> int:
-        T = steps.shape[0]
-        if steps.shape[1:] != (self.batch, width) or T == 0:
-            raise ValueError(f"compiled for batch {self.batch}, hidden {self.hidden}; "
-                             f"got {what} {tuple(steps.shape)}")  # fmt: skip
-        return T
-
-    def recurrence(self, xw: Tensor, w_hh: Tensor, b_hh: Tensor, h0: Tensor, c0: Tensor,
-                   y: Tensor, h_n: Tensor, c_n: Tensor,
-                   stash: Tensor | None = None) -> None:  # fmt: skip
-        """Launch the forward kernel on torch's current stream: y, h_n, c_n (and the
-        backward's stash [T,B,5H] fp32 where given) from xw = x W_ih^T + b_ih [T,B,4H],
-        W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
-        T = self._check_steps(xw, 4 * self.hidden, "xw")
-        self._launch(FORWARD_KERNEL, [xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash], T)
-
-    def backward_recurrence(self, w_hh: Tensor, stash: Tensor, c0: Tensor, dy: Tensor,
-                            dh_n: Tensor, dc_n: Tensor, dgates: Tensor, dh0: Tensor,
-                            dc0: Tensor) -> None:  # fmt: skip
-        """Launch the backward kernel on torch's current stream: dgates [T,B,4H] and dh0,
-        dc0 [B,H] from W_hh, the forward's stash [T,B,5H] (fp32), c0, dy [T,B,H], and
-        dh_n, dc_n [B,H]."""
-        T = self._check_steps(dy, self.hidden, "dy")
-        if stash.shape != (T, self.batch, 5 * self.hidden) or stash.dtype != torch.float32:
-            raise ValueError(f"stash must be float32 {(T, self.batch, 5 * self.hidden)}, "
-                             f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
-        self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
-
-    def forward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
-                b_ih: Tensor, b_hh: Tensor, *,
-                stash: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
-        """(y, h_n, c_n) of the layer, and the stash for ``backward`` where ``stash``:
-        the input GEMM (cuBLAS), then the kernel."""
-        xw = F.linear(x, w_ih, b_ih)
-        y = torch.empty(x.shape[0], x.shape[1], self.hidden, dtype=x.dtype, device=x.device)
-        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
-        saved = None
-        if stash:
-            saved = torch.empty(x.shape[0], x.shape[1], 5 * self.hidden, device=x.device)
-        self.recurrence(xw, w_hh, b_hh.float(), h0, c0, y, h_n, c_n, saved)
-        return (y, h_n, c_n, saved) if stash else (y, h_n, c_n)
-
-    def backward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
-                 y: Tensor, stash: Tensor, dy: Tensor, dh_n: Tensor,
-                 dc_n: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
-        """(dx, dh0, dc0, dW_ih, dW_hh, db_ih, db_hh) of the layer whose ``forward(...,
-        stash=True)`` gave y and stash: the kernel, then ``input_and_weight_gradients``."""
-        dgates = torch.empty(*dy.shape[:2], 4 * self.hidden, dtype=dy.dtype, device=dy.device)
-        dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
-        self.backward_recurrence(w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0)
-        dx, dw_ih, dw_hh, db = input_and_weight_gradients(x, h0, y, w_ih, dgates)
-        return dx, dh0, dc0, dw_ih, dw_hh, db, db
-
-    def timed_out(self) -> bool:
-        """Whether a barrier of a launch since ``clear_timed_out`` (or the first) gave up
-        (its results are wrong). Sticky: a launch after it stops at its first barrier."""
-        return bool(self.status.item())
-
-    def clear_timed_out(self) -> None:
-        self.status.zero_()
-
-
 @functools.cache
 def compiled(dtype: str, hidden: int, batch: int, device: torch.device,
-             variant: str = "") -> PersistentLstm:  # fmt: skip
-    """PersistentLstm, compiled once a run for each configuration (the checks at T 1 and
-    35 and the timed rows share them; each case clears its timeout flag): NVRTC takes
-    ~0.3-1.5 s for the two kernels."""
-    return PersistentLstm(dtype, hidden, batch, device, variant)
+             variant: str = "") -> CudaLstmKernel:  # fmt: skip
+    """The package's kernel for one configuration and variant, built once a run (the
+    checks at T 1 and 35 and the timed rows share them; each case clears its timeout
+    flag)."""
+    return CudaLstmKernel(dtype, hidden, batch, device, tuple(_defines(variant).items()))
+
 
 
 # ----------------------------------------------------------------------------------
@@ -420,7 +208,7 @@ def _cudnn_gradients(lstm: torch.nn.LSTM, x: Tensor, h0: Tensor, c0: Tensor, dy:
                                    (dy, dh_n, dc_n))  # fmt: skip
 
 
-def _forward_and_backward(kernel: PersistentLstm, x: Tensor, h0: Tensor, c0: Tensor,
+def _forward_and_backward(kernel: CudaLstmKernel, x: Tensor, h0: Tensor, c0: Tensor,
                           weights: tuple[Tensor, ...], dy: Tensor, dh_n: Tensor,
                           dc_n: Tensor) -> tuple[tuple[Tensor, ...], ...]:  # fmt: skip
     """((y, h_n, c_n), gradients in the order of GRADIENTS) from the kernels."""

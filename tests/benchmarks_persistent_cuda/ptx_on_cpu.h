@@ -1,4 +1,4 @@
-// CUDA's built-ins and lstm_layer.cu's PTX functions for a CPU run of its kernels
+// CUDA's built-ins and cuda_lstm.cu's PTX functions for a CPU run of its kernels
 // (run_on_cpu.cpp): one process per CTA, one thread per CUDA thread, so that a
 // function-scope __shared__ (here static) is one CTA's and a CTA's barrier is a
 // std::barrier. The MMAs follow PTX's fragment layouts (which element of the tile each
@@ -26,7 +26,7 @@ struct Dim3 {
 inline thread_local Dim3 threadIdx;
 inline Dim3 blockIdx, gridDim;
 
-constexpr int CPU_WARPS = 8;  // lstm_layer.cu's WARPS
+constexpr int CPU_WARPS = 8;  // cuda_lstm.cu's WARPS
 
 // Made in each CTA's process before its threads start.
 inline std::unique_ptr<std::barrier<>> cta_barrier;

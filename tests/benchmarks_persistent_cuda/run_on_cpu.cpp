@@ -1,4 +1,4 @@
-// Runs lstm_layer.cu's forward or backward kernel on the CPU, its source compiled as it
+// Runs cuda_lstm.cu's forward or backward kernel on the CPU, its source compiled as it
 // is with ptx_on_cpu.h's stand-ins for CUDA's built-ins and its PTX functions: one
 // process per CTA (global memory is one shared mapping, a CTA's __shared__ its process's
 // statics), one thread per CUDA thread. Slow; for small layers in tests.
@@ -10,8 +10,8 @@
 //                   dc_n [B,H]
 //              OUT: dgates [T,B,4H], dh0 [B,H], dc0 [B,H]
 // Files hold the tensors back to back, raw, in the layer's dtype (bf16 bits or fp32)
-// unless marked fp32. Compile with lstm_layer.cu's -D macros and
-// -DLSTM_SOURCE='"path/to/lstm_layer.cu"'.
+// unless marked fp32. Compile with cuda_lstm.cu's -D macros and
+// -DLSTM_SOURCE='"path/to/cuda_lstm.cu"'.
 #include <math.h>
 #include <sys/mman.h>
 #include <sys/wait.h>

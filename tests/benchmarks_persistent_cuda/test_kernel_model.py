@@ -1,4 +1,4 @@
-"""A CPU model of lstm_layer.cu's work split, checked against the float64 reference.
+"""A CPU model of cuda_lstm.cu's work split, checked against the float64 reference.
 
 ``kernel_model`` (forward) and ``backward_kernel_model`` run the kernels' arithmetic as
 the kernels lay it out: per CTA, warp, k-step and tile, every lane gathers the operand
@@ -6,7 +6,7 @@ words the kernel's formulas name; the MMA is modelled from PTX's fragment defini
 (which tile element each register of each lane holds), not from the kernel's; the
 partial sums go where the kernel stores them and the cell reads them back as the kernel
 does. Everything is float64, so any disagreement with the reference is a misplaced
-element, not rounding. Keep it in step with lstm_layer.cu.
+element, not rounding. Keep it in step with cuda_lstm.cu.
 """
 
 import math
@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 from benchmarks.persistent_cuda import prototype
+
+from mirrorgrad.ops.rnn import cuda_lstm_kernel
 
 WARPS = 8
 LANE = torch.arange(32)
@@ -56,7 +58,7 @@ def _mma(a_regs, b_regs, per_word: int, k_step: int) -> torch.Tensor:
 
 
 def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
-    """(y, h_n, c_n, stash) as lstm_layer.cu's forward computes them, one CTA of ``units``
+    """(y, h_n, c_n, stash) as cuda_lstm.cu's forward computes them, one CTA of ``units``
     units at a time; stash [T,B,5H]: the activated gates i, f, g, o and c_t."""
     T, B, _ = xw.shape
     H = w_hh.shape[1]
@@ -113,7 +115,7 @@ def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
 
 
 def backward_kernel_model(w_hh, stash, c0, dy, dh_n, dc_n, *, units: int, bf16: bool):
-    """(dgates, dh0, dc0) as lstm_layer.cu's backward computes them, one CTA of ``units``
+    """(dgates, dh0, dc0) as cuda_lstm.cu's backward computes them, one CTA of ``units``
     units at a time: dgates_{t+1} [B, 4H] is the A operand (batch rows as M), the CTA's
     columns of W_hh the B operand (units as N), K the 4H gate rows."""
     T, B, H = dy.shape
@@ -209,7 +211,7 @@ def test_backward_kernel_model_matches_autograd(bf16, hidden, batch, units, T):
         y, _, _, stash = kernel_model(xw, w_hh, b_hh, h0, c0, units=units, bf16=bf16)
         dgates, dh0, dc0 = backward_kernel_model(w_hh, stash, c0, dy, dh_n, dc_n,
                                                  units=units, bf16=bf16)  # fmt: skip
-        dx, dw_ih, dw_hh, db = prototype.input_and_weight_gradients(x, h0, y, w_ih, dgates)
+        dx, dw_ih, dw_hh, db = cuda_lstm_kernel.input_and_weight_gradients(x, h0, y, w_ih, dgates)
     got = (dx, dh0, dc0, dw_ih, dw_hh, db, db)
     errors = prototype.gradient_errors(got, want)
     assert max(errors.values()) < 1e-12, errors

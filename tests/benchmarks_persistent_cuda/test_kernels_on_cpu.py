@@ -1,4 +1,4 @@
-"""lstm_layer.cu's kernels themselves, run on the CPU (run_on_cpu.cpp, built with g++):
+"""cuda_lstm.cu's kernels themselves, run on the CPU (run_on_cpu.cpp, built with g++):
 their source as NVRTC compiles it, with ptx_on_cpu.h standing in for CUDA's built-ins
 and the few PTX instructions (bf16 and TF32 rounding, the MMAs by PTX's fragment
 layouts, the barrier's atomics). The forward's outputs and the backward's gradients
@@ -13,6 +13,8 @@ import pytest
 import torch
 from benchmarks.persistent_cuda import prototype
 
+from mirrorgrad.ops.rnn import cuda_lstm_kernel
+
 HERE = Path(__file__).parent
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -22,7 +24,7 @@ def _build(tmp_path: Path, dtype: str, hidden: int, batch: int, units: int) -> P
     exe = tmp_path / f"run_on_cpu_{dtype}_{hidden}_{batch}_{units}"
     macros = [f"-DLSTM_BF16={int(dtype == 'bf16')}", f"-DLSTM_HIDDEN={hidden}",
               f"-DLSTM_BATCH={batch}", f"-DLSTM_UNITS={units}",
-              f'-DLSTM_SOURCE="{prototype.SOURCE.resolve()}"']  # fmt: skip
+              f'-DLSTM_SOURCE="{cuda_lstm_kernel.SOURCE.resolve()}"']  # fmt: skip
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror",
                     "-Wno-unknown-pragmas", *macros, f"-I{HERE}", str(HERE / "run_on_cpu.cpp"),
                     "-o", str(exe)], check=True, capture_output=True, text=True)  # fmt: skip
@@ -57,7 +59,7 @@ def _run(exe: Path, direction: str, T: int, inputs, outputs, tmp_path: Path):
 def test_kernels_on_cpu_match_the_reference(tmp_path, dtype, hidden, batch, units, T):
     exe = _build(tmp_path, dtype, hidden, batch, units)
     torch.manual_seed(0)
-    lstm, x, h0, c0 = prototype._layer(hidden, batch, T, prototype.DTYPES[dtype], "cpu")
+    lstm, x, h0, c0 = prototype._layer(hidden, batch, T, cuda_lstm_kernel.DTYPES[dtype], "cpu")
     weights = [w.detach() for w in prototype._weights(lstm)]
     w_ih, w_hh, b_ih, b_hh = weights
     dy, dh_n, dc_n = prototype._output_gradients(x, hidden)
@@ -70,7 +72,7 @@ def test_kernels_on_cpu_match_the_reference(tmp_path, dtype, hidden, batch, unit
     dgates, dh0, dc0 = _run(exe, "backward", T, [w_hh, stash, c0, dy, dh_n, dc_n],
                             [((T, batch, G), dt), ((batch, H), dt), ((batch, H), dt)],
                             tmp_path)  # fmt: skip
-    dx, dw_ih, dw_hh, db = prototype.input_and_weight_gradients(x, h0, y, w_ih, dgates)
+    dx, dw_ih, dw_hh, db = cuda_lstm_kernel.input_and_weight_gradients(x, h0, y, w_ih, dgates)
 
     exact = [t.double() for t in (x, h0, c0, *weights)]
     tolerance = prototype.TOLERANCE[dtype]

@@ -12,6 +12,7 @@ import torch
 from benchmarks.persistent_cuda import prototype
 
 import mirrorgrad.nn
+from mirrorgrad.ops.rnn import cuda_lstm_kernel
 
 
 @pytest.mark.parametrize(("hidden", "batch", "T"), [(8, 1, 1), (16, 3, 7), (24, 20, 5)])
@@ -48,7 +49,7 @@ def test_reference_gradients_match_torch_lstm_in_float64(hidden, batch, T):
     gates = [t.detach().requires_grad_() for t in (x, h0, c0, *weights)]
     outputs = prototype.reference_forward(*gates)
     dgates = _gate_gradients(gates, outputs, (dy, dh_n, dc_n))
-    dx, dw_ih, dw_hh, db = prototype.input_and_weight_gradients(
+    dx, dw_ih, dw_hh, db = cuda_lstm_kernel.input_and_weight_gradients(
         x, h0, outputs[0].detach(), weights[0], dgates)  # fmt: skip
     for a, b in zip((dx, dw_ih, dw_hh, db, db), (want[0], *want[3:])):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -76,7 +77,7 @@ def _gate_gradients(inputs, outputs, output_grads):
 @pytest.mark.parametrize(("hidden", "sms"), [(96, 132), (512, 132), (520, 132), (1024, 132),
                                              (1024, 114), (8, 4), (4096, 132)])  # fmt: skip
 def test_layout_covers_hidden_with_one_cta_per_sm_at_most(hidden, sms):
-    layout = prototype.layout(hidden, sms)
+    layout = cuda_lstm_kernel.layout(hidden, sms)
     assert layout.units % 4 == 0 and layout.ctas <= sms
     assert layout.ctas * layout.units >= hidden > (layout.ctas - 1) * layout.units
     # the fewest units per CTA: four fewer would need more CTAs than SMs
@@ -85,7 +86,7 @@ def test_layout_covers_hidden_with_one_cta_per_sm_at_most(hidden, sms):
 
 def test_layout_and_options_reject_what_the_kernel_does_not_take():
     with pytest.raises(ValueError, match="multiple of 8"):
-        prototype.layout(100, 132)
+        cuda_lstm_kernel.layout(100, 132)
     with pytest.raises(ValueError, match="dtype"):
         prototype.compile_options("fp16", 512, 4, 4, "sm_90")
     with pytest.raises(ValueError, match="variant"):
@@ -94,7 +95,7 @@ def test_layout_and_options_reject_what_the_kernel_does_not_take():
 
 def _nvrtc_or_skip():
     try:
-        nvrtc, _ = prototype._bindings()
+        nvrtc, _ = cuda_lstm_kernel.bindings()
         err, *_ = nvrtc.nvrtcVersion()  # loads libnvrtc
     except Exception as e:  # no cuda-python, or no libnvrtc for it to load
         pytest.skip(f"NVRTC through cuda-python is not available: {type(e).__name__}: {e}")
@@ -111,37 +112,38 @@ def _spill_bytes(log: str) -> dict[str, int]:
 @pytest.mark.parametrize(("hidden", "batch"), [(96, 1), (520, 3), (512, 4), (1024, 20)])
 def test_kernels_compile_for_sm90_without_warnings_or_spills(dtype, hidden, batch):
     _nvrtc_or_skip()
-    layout = prototype.layout(hidden, 132)  # an H100's SMs
+    layout = cuda_lstm_kernel.layout(hidden, 132)  # an H100's SMs
     for variant in prototype.VARIANTS:
         cubin, log = prototype.compile_cubin(dtype, hidden, batch, layout.units, "sm_90",
                                              variant)  # fmt: skip
         assert cubin[:4] == b"\x7fELF"
         assert "warning" not in log.lower(), (variant, log)
         spills = _spill_bytes(log)
-        assert set(spills) == {prototype.FORWARD_KERNEL, prototype.BACKWARD_KERNEL}, log
-        assert spills[prototype.FORWARD_KERNEL] == 0, (variant, log)
+        kernels = {cuda_lstm_kernel.FORWARD_KERNEL, cuda_lstm_kernel.BACKWARD_KERNEL}
+        assert set(spills) == kernels, log
+        assert spills[cuda_lstm_kernel.FORWARD_KERNEL] == 0, (variant, log)
         # The backward at fp32 H = 1024, batch 20 spills a few words of the cell's state
         # around the product (nvdisasm: 36 bytes, none inside the MMA loop); W's
         # fragments alone are 512 bytes a thread there, so they stay in registers.
-        assert spills[prototype.BACKWARD_KERNEL] <= 64, (variant, log)
+        assert spills[cuda_lstm_kernel.BACKWARD_KERNEL] <= 64, (variant, log)
 
 
 def test_compile_error_carries_nvrtc_log(monkeypatch, tmp_path):
     _nvrtc_or_skip()
     broken = tmp_path / "broken.cu"
     broken.write_text('extern "C" __global__ void lstm_persistent_forward() { undeclared; }\n')
-    monkeypatch.setattr(prototype, "SOURCE", broken)
-    with pytest.raises(prototype.CompileError, match="undeclared"):
+    monkeypatch.setattr(cuda_lstm_kernel, "SOURCE", broken)
+    with pytest.raises(cuda_lstm_kernel.CompileError, match="undeclared"):
         prototype.compile_cubin("bf16", 512, 1, 4)
 
 
 class _ReferenceKernel:
-    """Stands in for PersistentLstm on the CPU: the reference's results (the backward's
+    """Stands in for CudaLstmKernel on the CPU: the reference's results (the backward's
     rounded to the tensors' dtype), no launch."""
 
-    def __init__(self, dtype, hidden, batch, device, variant=""):
-        self.layout = prototype.layout(hidden, 132)
-        kernels = (prototype.FORWARD_KERNEL, prototype.BACKWARD_KERNEL)
+    def __init__(self, dtype, hidden, batch, device, defines=()):
+        self.layout = cuda_lstm_kernel.layout(hidden, 132)
+        kernels = (cuda_lstm_kernel.FORWARD_KERNEL, cuda_lstm_kernel.BACKWARD_KERNEL)
         self.registers, self.spill_bytes = dict.fromkeys(kernels, 128), dict.fromkeys(kernels, 0)
         self.compile_s = 0.0
 
@@ -193,7 +195,7 @@ class _Event:
 @pytest.mark.slow
 def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     # The harness's own code (shapes, records, table) runs with the GPU parts replaced.
-    monkeypatch.setattr(prototype, "PersistentLstm", _ReferenceKernel)
+    monkeypatch.setattr(prototype, "CudaLstmKernel", _ReferenceKernel)
     # a cache of this test's own, so that no stand-in outlives it
     monkeypatch.setattr(prototype, "compiled", functools.cache(prototype.compiled.__wrapped__))
     monkeypatch.setattr(torch.cuda, "Event", _Event)
@@ -247,8 +249,8 @@ def test_a_failing_case_is_recorded_and_the_others_still_run(monkeypatch, capsys
 
 
 def _kernel_parameters(name: str) -> list[str]:
-    """The parameter names of kernel ``name`` in lstm_layer.cu, in order."""
-    source = prototype.SOURCE.read_text()
+    """The parameter names of kernel ``name`` in cuda_lstm.cu, in order."""
+    source = cuda_lstm_kernel.SOURCE.read_text()
     start = source.index("(", source.index(f"{name}(")) + 1
     signature = re.sub(r"//[^\n]*", "", source[start : source.index(")", start)])
     return [re.findall(r"\w+", parameter)[-1] for parameter in signature.split(",")]
@@ -280,11 +282,11 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     # Each tensor is named as the kernel's parameter it must arrive as.
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
     hidden, batch, T = 16, 3, 5
-    kernel = object.__new__(prototype.PersistentLstm)
+    kernel = object.__new__(cuda_lstm_kernel.CudaLstmKernel)
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
-    kernel.layout = prototype.layout(hidden, 132)
-    kernel.functions = {name: name for name in (prototype.FORWARD_KERNEL,
-                                                prototype.BACKWARD_KERNEL)}  # fmt: skip
+    kernel.layout = cuda_lstm_kernel.layout(hidden, 132)
+    kernel.functions = {name: name for name in (cuda_lstm_kernel.FORWARD_KERNEL,
+                                                cuda_lstm_kernel.BACKWARD_KERNEL)}  # fmt: skip
     kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
     shapes = {"xw": (T, batch, 4 * hidden), "w_hh": (4 * hidden, hidden), "b_hh": (4 * hidden,),
               "y": (T, batch, hidden), "dy": (T, batch, hidden), "stash": (T, batch, 5 * hidden),
@@ -300,10 +302,10 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     kernel.backward_recurrence(**{name: tensors[name] for name in backward})
 
     launches = kernel.driver.launches
-    assert [launch[0] for launch in launches] == [prototype.FORWARD_KERNEL] * 2 + [
-        prototype.BACKWARD_KERNEL]  # fmt: skip
+    assert [launch[0] for launch in launches] == [cuda_lstm_kernel.FORWARD_KERNEL] * 2 + [
+        cuda_lstm_kernel.BACKWARD_KERNEL]  # fmt: skip
     for i, (function, ctas, threads, values) in enumerate(launches):
-        assert (ctas, threads) == (kernel.layout.ctas, prototype.THREADS)
+        assert (ctas, threads) == (kernel.layout.ctas, cuda_lstm_kernel.THREADS)
         names = _kernel_parameters(function)
         assert names[-1] == "T" and values[-1] == T
         want = [0 if (i, name) == (1, "stash") else tensors[name].data_ptr()

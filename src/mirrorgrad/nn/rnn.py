@@ -214,10 +214,13 @@ class LSTM(_FusedRNN, torch.nn.LSTM):
             third of the stash; the backward rebuilds all gates with one batched
             GEMM) or ``"auto"`` (default: recompute in eager mode; under
             ``mirrorgrad.compile`` the plan chooses).
-        impl: keyword-only. ``"auto"`` (default: on CUDA, time the persistent kernel
-            where it covers the shape, the split Triton kernels and cuDNN once per
-            shape and keep the fastest), ``"triton"``, ``"persistent"``, ``"cudnn"``
-            or ``"reference"`` (plain PyTorch; what runs on the CPU).
+        impl: keyword-only. ``"auto"`` (default: on CUDA, time the persistent
+            kernels where they cover the shape, the split Triton kernels and cuDNN
+            once per shape and keep the fastest), ``"triton"``, ``"persistent"``
+            (Triton), ``"cuda"`` (the CUDA C++ persistent kernel: fp32 or bf16, no
+            projection, lengths or state clip, hidden a multiple of 8 up to about 1024,
+            batch up to 32; needs ``pip install mirrorgrad[cuda]``), ``"cudnn"`` or
+            ``"reference"`` (plain PyTorch; what runs on the CPU).
         state_clip: keyword-only ``(lo, hi)`` or None. Clamps the cell state every
             step (zero gradient where clamped), as MXNet's ``lstm_state_clip_min/max``.
 

@@ -1,7 +1,8 @@
 """Which RNN implementation runs: ``rnn(...)`` resolves ``impl`` and ``memory``.
 
-``impl="auto"`` times the custom op's implementations (the persistent kernel where it
-covers the shape, the split Triton kernels) and torch's own RNN (cuDNN on CUDA) once per
+``impl="auto"`` times the custom op's implementations (the persistent kernels where
+they cover the shape: Triton's and, with ``cuda.bindings``, the CUDA C++ one; the split
+Triton kernels) and torch's own RNN (cuDNN on CUDA) once per
 shape, forward and backward as the call runs them, and keeps the fastest; where it may
 not time (a CUDA Graph capture) it ranks the custom op's implementations by
 ``time_model.py``'s rule. Inside ``dispatch_as_captured()`` the candidates are timed captured
@@ -34,7 +35,7 @@ from mirrorgrad.ops.rnn.op import (
     triton_module,
 )
 
-IMPLS = ("auto", "triton", "reference", "cudnn", "persistent")
+IMPLS = ("auto", "triton", "reference", "cudnn", "persistent", "cuda")
 MEMORY = ("auto", *MEMORY_MODES)
 
 
@@ -269,6 +270,33 @@ def _persistent_supports(mode: str, proj: bool, dtype: torch.dtype, device: torc
     )
 
 
+@torch.compiler.assume_constant_result
+def _cuda_supports(mode: str, proj: bool, dtype: torch.dtype, device: torch.device,
+                   hidden: int, batch: int) -> bool:  # fmt: skip
+    """Whether impl="cuda" (the CUDA C++ persistent LSTM) runs this layer shape here,
+    ``cuda.bindings`` installed."""
+    from mirrorgrad.ops.rnn import cuda_persistent
+
+    return cuda_persistent.supports_shape(mode, proj=proj, dtype=dtype, device=device,
+                                          hidden=hidden, batch=batch)  # fmt: skip
+
+
+def _check_cuda_impl(x: Tensor, weights: Sequence[Tensor], lengths: Tensor | None, mode: str,
+                     proj: bool, state_clip) -> None:  # fmt: skip
+    """impl="cuda"'s checks: ValueError where the kernel cannot run the call, ImportError
+    (naming the extra to install) without ``cuda.bindings``."""
+    from mirrorgrad.ops.rnn import cuda_lstm_kernel, cuda_persistent
+
+    reason = cuda_persistent.unsupported_reason(
+        mode, proj=proj, dtype=x.dtype, device=x.device, hidden=weights[1].shape[1],
+        batch=x.shape[1], varlen=lengths is not None, clip=state_clip is not None,
+    )  # fmt: skip
+    if reason is not None:
+        raise ValueError(f"impl='cuda' cannot run this call: {reason}. Use impl='auto': it "
+                         f"runs the fastest implementation that can")  # fmt: skip
+    cuda_lstm_kernel.bindings()
+
+
 def rnn(
     x: Tensor,
     weights: Sequence[Tensor],
@@ -297,6 +325,8 @@ def rnn(
     may choose (``mirror/op_memory.py``), the same default otherwise.
     """
     _check_arguments(x, mode, memory, impl, state_clip, proj_size > 0)
+    if impl == "cuda" and not torch.compiler.is_compiling():
+        _check_cuda_impl(x, weights, lengths, mode, proj_size > 0, state_clip)
     p = float(dropout) if training and num_layers > 1 else 0.0
     tensors = [x, hx, *weights] + ([cx] if cx is not None else [])
     grad_inputs = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else []
@@ -391,6 +421,11 @@ def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custo
            or time_model.predicted_ms("persistent", memory, x.dtype, shape) is not None)
     if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
+    # The CUDA C++ kernel has no cost-rule constants: asked where the batch is static.
+    plain = not key[10] and not (call and call[4] is not None)  # no lengths, no state clip
+    if (plain and (not compiling or static)
+            and _cuda_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B))):
+        fused.append("cuda")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
 
     def rule() -> str:

@@ -2,8 +2,9 @@
 
 ``mirrorgrad::rnn_forward`` / ``mirrorgrad::rnn_backward`` take the flat weight list in
 torch.nn's order (per layer and direction: w_ih, w_hh, [b_ih, b_hh], [w_hr]) and run
-one of the per-layer implementations (``reference`` on any device, ``kernels`` (Triton)
-on CUDA) for every layer and direction (handing them contiguous tensors). Fake kernels,
+one of the per-layer implementations (``reference`` on any device; on CUDA ``kernels``
+and ``persistent`` (Triton) and ``cuda_persistent`` (CUDA C++)) for every layer and
+direction (handing them contiguous tensors). Fake kernels,
 an autograd formula and FLOP formulas make ``torch.compile`` capture the recurrence as
 one node. Which implementation runs is ``dispatch``'s decision.
 """
@@ -47,6 +48,10 @@ def _kernels(impl: str) -> ModuleType:
         from mirrorgrad.ops.rnn import persistent  # Triton: imported where it runs
 
         return persistent
+    if impl == "cuda":
+        from mirrorgrad.ops.rnn import cuda_persistent
+
+        return cuda_persistent
     module = triton_module()
     if module is None:
         raise RuntimeError("impl='triton' needs triton and mirrorgrad.ops.rnn.kernels")
@@ -669,7 +674,7 @@ def _hint(size) -> int:
 def _captures(impl: str, proj_size: int) -> ModuleType | None:
     """The layer module that ``impl`` runs where it may capture its layers in CUDA Graphs
     (kernels.py, persistent.py), else None."""
-    if impl == "reference" or proj_size or triton_module() is None:
+    if impl not in ("triton", "persistent") or proj_size or triton_module() is None:
         return None
     return _kernels(impl)
 

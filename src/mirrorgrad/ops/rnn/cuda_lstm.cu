@@ -32,7 +32,7 @@
 // CTA is resident and the spin barrier cannot wait on a CTA that never runs; it also
 // gives up after BARRIER_TIMEOUT_NS (status = 1) so that no mistake can hang the GPU.
 //
-// Compile-time configuration (-D from prototype.py):
+// Compile-time configuration (-D from cuda_lstm_kernel.py):
 //   LSTM_BF16    1: bf16 tensors; 0: fp32 tensors (TF32 products, fp32 accumulation)
 //   LSTM_HIDDEN  H (a multiple of 8)
 //   LSTM_BATCH   B

@@ -1,0 +1,359 @@
+"""The persistent CUDA C++ LSTM kernels (``cuda_lstm.cu``): compiled at run time with
+NVRTC and launched cooperatively through ``cuda.bindings`` (cuda-python), on torch's
+current stream.
+
+``cuda_lstm.cu`` runs one layer's recurrence, all T steps in one launch, forward
+(writing the backward's stash where asked) and backward; its comments are the design.
+This module builds it for one (dtype, hidden, batch) on one GPU (``compiled``: once a
+process), launches it (``CudaLstmKernel``) and runs a layer with the GEMMs around the
+launches (``forward``, ``backward``); cuda_persistent.py plugs it into the RNN op and
+benchmarks/persistent_cuda/ measures it.
+
+Why ``cuda.bindings``: ``cuLaunchCooperativeKernel`` refuses a grid whose CTAs cannot all
+be resident, so the kernel's spin barrier cannot wait on a CTA that never started; the
+barrier also gives up after 1 s (a status flag, ``timed_out``). torch's own NVRTC entry
+(``torch.cuda._compile_kernel``) has no cooperative launch and is private. Nothing here
+imports ``cuda.bindings`` until a kernel is built: without it ``bindings()`` raises
+ImportError naming ``pip install mirrorgrad[cuda]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("cuda_lstm.cu")
+FORWARD_KERNEL = "lstm_persistent_forward"
+BACKWARD_KERNEL = "lstm_persistent_backward"
+THREADS = 256  # cuda_lstm.cu's WARPS * 32
+WARPS = 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The most 32-bit words of W_hh (forward) or W_hh^T (backward) a thread holds as MMA
+# fragments: 128 is fp32 at H = 1024 on 132 SMs, the largest layer measured without
+# spilling W (ptxas, sm_90). Larger slices would need W in shared memory: not built.
+MAX_W_WORDS = 128
+# The largest batch taken: each batch tile of 8 rows adds a step's h fragments to the
+# forward's registers (fp32 H = 1024 at batch 20 used 202-240 registers).
+MAX_BATCH = 32
+SHARED_BYTES = 48 * 1024  # static shared memory a CTA may declare (cuda_lstm.cu asserts it)
+INSTALL_HINT = "pip install mirrorgrad[cuda]"
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected the source; the message holds its log."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a layer of ``hidden`` units spreads over CTAs: ``units`` per CTA (a multiple
+    of 4, all four gates of each), ``ctas`` of them (one per SM at most)."""
+
+    units: int
+    ctas: int
+
+
+def layout(hidden: int, sms: int) -> Layout:
+    """The fewest units per CTA that a grid of at most ``sms`` CTAs covers ``hidden``
+    with; ValueError where the kernel does not take ``hidden``."""
+    if hidden <= 0 or hidden % 8:
+        raise ValueError(f"hidden must be a positive multiple of 8, got {hidden}")
+    units = 4 * math.ceil(math.ceil(hidden / sms) / 4)
+    return Layout(units=units, ctas=math.ceil(hidden / units))
+
+
+def w_words(dtype: str, hidden: int, units: int) -> int:
+    """32-bit words of W a thread keeps in registers, the larger of the two kernels'
+    (cuda_lstm.cu's w_frag arrays): forward M_TILES x K_PER_WARP x 4, backward
+    BWD_K_PER_WARP x BWD_N_TILES x 2."""
+    k_step = 16 if dtype == "bf16" else 8
+    forward = (units // 4) * math.ceil(math.ceil(hidden / k_step) / WARPS) * 4
+    backward = math.ceil(4 * hidden // k_step / WARPS) * math.ceil(units / 8) * 2
+    return max(forward, backward)
+
+
+def unfit(dtype: str, hidden: int, batch: int, sms: int) -> str | None:
+    """Why the kernels do not take this layer on a GPU of ``sms`` SMs, or None where they
+    do: H a multiple of 8, W's slice within MAX_W_WORDS registers a thread, batch 1 to
+    MAX_BATCH, the warps' partial sums within 48 KiB of shared memory."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype!r} (the kernels take {sorted(DTYPES)})"
+    try:
+        units = layout(hidden, sms).units
+    except ValueError as e:
+        return str(e)
+    if (words := w_words(dtype, hidden, units)) > MAX_W_WORDS:
+        return (f"hidden {hidden} in {dtype} on {sms} SMs needs {words} registers of W a "
+                f"thread (at most {MAX_W_WORDS})")  # fmt: skip
+    if not 1 <= batch <= MAX_BATCH:
+        return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
+    forward = 4 * WARPS * 4 * units * 8 * math.ceil(batch / 8)
+    backward = 4 * WARPS * 16 * math.ceil(batch / 16) * 8 * math.ceil(units / 8)
+    if max(forward, backward) > SHARED_BYTES:
+        return f"batch {batch} at hidden {hidden}: partial sums past {SHARED_BYTES} bytes"
+    return None
+
+
+def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
+                    defines: dict[str, int] | None = None) -> list[str]:  # fmt: skip
+    """NVRTC options for one configuration of ``cuda_lstm.cu``; ``defines``: more of its
+    macros (benchmarks' timing variants)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return [
+        f"--gpu-architecture={arch}",
+        "-std=c++17",
+        "--ptxas-options=-v",  # registers and spills in the log
+        f"-DLSTM_BF16={int(dtype == 'bf16')}",
+        f"-DLSTM_HIDDEN={hidden}",
+        f"-DLSTM_BATCH={batch}",
+        f"-DLSTM_UNITS={units}",
+        *(f"-D{macro}={value}" for macro, value in (defines or {}).items()),
+    ]
+
+
+def bindings():
+    """cuda-python's (nvrtc, driver) modules: ``cuda.bindings`` (cuda-python 12.6 and
+    later) or the older ``cuda`` names; ImportError naming the extra to install."""
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError:
+        try:
+            from cuda import cuda as driver
+            from cuda import nvrtc
+        except ImportError as e:
+            raise ImportError(f"the CUDA C++ LSTM kernel needs cuda-python's bindings: "
+                              f"{INSTALL_HINT}") from e  # fmt: skip
+    return nvrtc, driver
+
+
+def available() -> bool:
+    """Whether ``cuda.bindings`` imports (the kernels can be built)."""
+    try:
+        bindings()
+    except ImportError:
+        return False
+    return True
+
+
+def _nvrtc_check(nvrtc, result):
+    err, *rest = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"NVRTC: {nvrtc.nvrtcGetErrorString(err)[1].decode()}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def compile_cubin(dtype: str, hidden: int, batch: int, units: int, arch: str = "sm_90",
+                  defines: dict[str, int] | None = None) -> tuple[bytes, str]:  # fmt: skip
+    """(cubin, NVRTC's log) of ``cuda_lstm.cu`` for one configuration; CompileError
+    with the log where it does not compile."""
+    nvrtc, _ = bindings()
+    options = [o.encode() for o in compile_options(dtype, hidden, batch, units, arch, defines)]
+    program = _nvrtc_check(
+        nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), SOURCE.name.encode(), 0, [], [])
+    )
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetProgramLog(program, log))
+        log = log.rstrip(b"\x00 ").decode()
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"{SOURCE.name} ({dtype}, H={hidden}, B={batch}):\n{log}")
+        size = _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBINSize(program))
+        cubin = b" " * size
+        _nvrtc_check(nvrtc, nvrtc.nvrtcGetCUBIN(program, cubin))
+        return cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def _driver_check(driver, result):
+    err, *rest = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"CUDA driver: {name.decode() if name else err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def input_and_weight_gradients(x: Tensor, h0: Tensor, y: Tensor, w_ih: Tensor,
+                               dgates: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+    """(dx, dW_ih, dW_hh, db) from the gradients of every step's gates [T,B,4H]: one GEMM
+    each (db is both biases' gradient), as the backward kernel leaves them."""
+    T, B, G = dgates.shape
+    flat = dgates.reshape(T * B, G)
+    h_prev = torch.cat([h0[None], y[:-1]]).reshape(T * B, -1)  # h_{t-1} of every step
+    dx = (flat @ w_ih).reshape(T, B, -1)
+    return dx, flat.t() @ x.reshape(T * B, -1), flat.t() @ h_prev, flat.sum(0)
+
+
+class CudaLstmKernel:
+    """``cuda_lstm.cu`` compiled for one (dtype, hidden, batch) and loaded into torch's
+    context; ``forward`` and ``backward`` run a layer, ``recurrence`` and
+    ``backward_recurrence`` the kernels alone. Launches share one barrier counter and
+    status flag, so they must follow each other on one stream (as a layer stack's do)."""
+
+    def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
+                 defines: tuple[tuple[str, int], ...] = ()):  # fmt: skip
+        _, driver = bindings()
+        self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
+
+        def call(function, *args):
+            return _driver_check(driver, function(*args))
+
+        props = torch.cuda.get_device_properties(device)
+        arch = f"sm_{props.major}{props.minor}"
+        if props.major < 8:
+            raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
+        sms = props.multi_processor_count
+        self.layout = layout(hidden, sms)
+        torch.zeros(1, device=device)  # torch makes its (primary) context current
+        call(driver.cuInit, 0)
+        dev = call(driver.cuDeviceGet, device.index or 0)
+        if not int(call(driver.cuCtxGetCurrent)):
+            call(driver.cuCtxSetCurrent, call(driver.cuDevicePrimaryCtxRetain, dev))
+        cooperative = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
+        if not call(driver.cuDeviceGetAttribute, cooperative, dev):
+            raise RuntimeError("the device has no cooperative launch")
+        start = time.perf_counter()
+        cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch,
+                                        dict(defines))  # fmt: skip
+        self.compile_s = time.perf_counter() - start
+        self.module = call(driver.cuModuleLoadData, cubin)
+        attribute = driver.CUfunction_attribute
+        self.functions, self.registers, self.spill_bytes = {}, {}, {}
+        for name in (FORWARD_KERNEL, BACKWARD_KERNEL):
+            function = call(driver.cuModuleGetFunction, self.module, name.encode())
+            self.functions[name] = function
+            self.registers[name] = call(driver.cuFuncGetAttribute,
+                                        attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
+            self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
+                                          attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                          function)  # fmt: skip
+            per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function,
+                          THREADS, 0)  # fmt: skip
+            if self.layout.ctas > per_sm * sms:
+                raise RuntimeError(f"{name}: {self.layout.ctas} CTAs cannot all be resident "
+                                   f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        # The status as the host last saw it (``note_status``): read without a sync.
+        self.status_seen = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+    def _launch(self, name: str, pointers: list[Tensor | None], T: int) -> None:
+        """Launch kernel ``name`` cooperatively on torch's current stream with the
+        tensors' addresses (None: a null pointer), the barrier's counter and status, T."""
+        if any(t is not None and not t.is_contiguous() for t in pointers):
+            raise ValueError("the kernel takes contiguous tensors")
+        self.counter.zero_()
+        values = [ctypes.c_void_p(None if t is None else t.data_ptr())
+                  for t in (*pointers, self.counter, self.status)]  # fmt: skip
+        values.append(ctypes.c_int(T))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
+        _driver_check(self.driver, self.driver.cuLaunchCooperativeKernel(
+            self.functions[name], self.layout.ctas, 1, 1, THREADS, 1, 1, 0, stream,
+            ctypes.addressof(params)))  # fmt: skip
+
+    def _check_steps(self, steps: Tensor, width: int, what: str) -> int:
+        T = steps.shape[0]
+        if steps.shape[1:] != (self.batch, width) or T == 0:
+            raise ValueError(f"compiled for batch {self.batch}, hidden {self.hidden}; "
+                             f"got {what} {tuple(steps.shape)}")  # fmt: skip
+        return T
+
+    def recurrence(self, xw: Tensor, w_hh: Tensor, b_hh: Tensor, h0: Tensor, c0: Tensor,
+                   y: Tensor, h_n: Tensor, c_n: Tensor,
+                   stash: Tensor | None = None) -> None:  # fmt: skip
+        """Launch the forward kernel on torch's current stream: y, h_n, c_n (and the
+        backward's stash [T,B,5H] fp32 where given) from xw = x W_ih^T + b_ih [T,B,4H],
+        W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
+        T = self._check_steps(xw, 4 * self.hidden, "xw")
+        self._launch(FORWARD_KERNEL, [xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash], T)
+
+    def backward_recurrence(self, w_hh: Tensor, stash: Tensor, c0: Tensor, dy: Tensor,
+                            dh_n: Tensor, dc_n: Tensor, dgates: Tensor, dh0: Tensor,
+                            dc0: Tensor) -> None:  # fmt: skip
+        """Launch the backward kernel on torch's current stream: dgates [T,B,4H] and dh0,
+        dc0 [B,H] from W_hh, the forward's stash [T,B,5H] (fp32), c0, dy [T,B,H], and
+        dh_n, dc_n [B,H]."""
+        T = self._check_steps(dy, self.hidden, "dy")
+        if stash.shape != (T, self.batch, 5 * self.hidden) or stash.dtype != torch.float32:
+            raise ValueError(f"stash must be float32 {(T, self.batch, 5 * self.hidden)}, "
+                             f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
+        self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
+
+    def forward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
+                b_ih: Tensor, b_hh: Tensor, *,
+                stash: bool = False) -> tuple[Tensor, ...]:  # fmt: skip
+        """(y, h_n, c_n) of the layer, and the stash for ``backward`` where ``stash``:
+        the input GEMM (cuBLAS), then the kernel."""
+        xw = F.linear(x, w_ih, b_ih)
+        y = torch.empty(x.shape[0], x.shape[1], self.hidden, dtype=x.dtype, device=x.device)
+        h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
+        saved = None
+        if stash:
+            saved = torch.empty(x.shape[0], x.shape[1], 5 * self.hidden, device=x.device)
+        self.recurrence(xw, w_hh, b_hh.float(), h0, c0, y, h_n, c_n, saved)
+        return (y, h_n, c_n, saved) if stash else (y, h_n, c_n)
+
+    def backward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
+                 y: Tensor, stash: Tensor, dy: Tensor, dh_n: Tensor,
+                 dc_n: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+        """(dx, dh0, dc0, dW_ih, dW_hh, db_ih, db_hh) of the layer whose ``forward(...,
+        stash=True)`` gave y and stash: the kernel, then ``input_and_weight_gradients``."""
+        dgates = torch.empty(*dy.shape[:2], 4 * self.hidden, dtype=dy.dtype, device=dy.device)
+        dh0, dc0 = torch.empty_like(h0), torch.empty_like(c0)
+        self.backward_recurrence(w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0)
+        dx, dw_ih, dw_hh, db = input_and_weight_gradients(x, h0, y, w_ih, dgates)
+        return dx, dh0, dc0, dw_ih, dw_hh, db, db
+
+    def timed_out(self) -> bool:
+        """Whether a barrier of a launch since ``clear_timed_out`` (or the first) gave up
+        (its results are wrong; waits for the GPU). Sticky: every later launch's barriers
+        give up at their next poll of the flag."""
+        return bool(self.status.item())
+
+    def clear_timed_out(self) -> None:
+        self.status.zero_()
+        self.status_seen.zero_()
+
+    def note_status(self) -> None:
+        """Queue a copy of the status flag to the host after the launches queued so far
+        (no sync; not while a CUDA Graph is captured, whose replays the flag's NaNs
+        cover), for ``raise_if_timed_out`` to read later."""
+        if not torch.cuda.is_current_stream_capturing():
+            self.status_seen.copy_(self.status, non_blocking=True)
+
+    def raise_if_timed_out(self) -> None:
+        """RuntimeError where an earlier launch's barrier gave up, as far as the host has
+        seen (``note_status``): that launch's outputs were NaN (``poison``)."""
+        if self.status_seen.item():
+            raise RuntimeError(
+                f"the CUDA LSTM kernel ({self.dtype}, hidden {self.hidden}, batch "
+                f"{self.batch}) timed out at a grid barrier in an earlier call: its CTAs "
+                f"did not all run at once (another kernel held SMs?). That call's outputs "
+                f"were NaN; use impl='persistent' or impl='auto'."
+            )
+
+    def poison(self, *outputs: Tensor) -> None:
+        """NaN over ``outputs`` where a barrier gave up (the status flag is set): on the
+        GPU, without a sync, so a timed-out launch never hands on finite garbage."""
+        failed = self.status.bool()
+        for tensor in outputs:
+            tensor.masked_fill_(failed, float("nan"))
+
+
+@functools.cache
+def compiled(dtype: str, hidden: int, batch: int, device: torch.device,
+             defines: tuple[tuple[str, int], ...] = ()) -> CudaLstmKernel:  # fmt: skip
+    """CudaLstmKernel, built once a process for each configuration (NVRTC takes ~0.3-1.5
+    s for the two kernels)."""
+    return CudaLstmKernel(dtype, hidden, batch, device, defines)

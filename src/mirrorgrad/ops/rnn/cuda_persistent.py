@@ -1,0 +1,189 @@
+"""``impl="cuda"``: an LSTM layer whose recurrence is the persistent CUDA C++ kernel
+(cuda_lstm.cu through cuda_lstm_kernel.py): all T steps in one cooperative launch, W_hh
+in registers, one grid barrier a step.
+
+The per-layer contract of ``reference.py``'s docstring. Forward: the input GEMM over all
+steps (cuBLAS), then ONE launch writing y, h_n, c_n and the stash. Backward: ONE launch
+from the stash (the gate gradients of every step, dh0, dc0), then dx, dW_ih, dW_hh and
+the bias gradients as one GEMM (or sum) each. Dropout between layers and bidirectional
+stacks are op.py's (it calls the layer per layer and direction); the dropout masks are
+the Triton kernels' (kernels.py), whose seed stays on the GPU.
+
+What it runs: mode "lstm", fp32 (the recurrent products in TF32, as cuDNN's default) or
+bf16, no projection, no sequence lengths, no state clip, on CUDA, at hidden sizes and
+batches the kernel's layout fits (``cuda_lstm_kernel.unfit``: H a multiple of 8 up to
+1024 in fp32 on an H100's 132 SMs, batch up to 32). ``unsupported_reason`` says why not;
+``impl="cuda"`` raises it, ``impl="auto"`` leaves the candidate out.
+
+SAVED LAYOUT (both memory modes): the stash [T,B,5H] float32, the activated gates i, f,
+g, o and c_t of every step, as the backward kernel reads it. memory="recompute" runs as
+"stash" (the kernel has no recomputing backward): its saved bytes are the stash's, and
+``saved_layout`` says so to the op's memory formulas and the planner.
+
+A grid barrier that waits more than 1 s gives up (the launch could not run all its CTAs
+at once): the call's outputs become NaN on the GPU (no sync) and the next call of that
+kernel configuration raises RuntimeError.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mirrorgrad.ops.rnn import cuda_lstm_kernel
+from mirrorgrad.ops.rnn.cuda_lstm_kernel import CudaLstmKernel
+from mirrorgrad.ops.rnn.layer_call import LayerCall
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def saved_layout(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The stash [T,B,5H] float32 in either memory mode (the module's docstring)."""
+    return [((T, B, 5 * H), torch.float32)]
+
+
+def workspace_bytes(
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
+) -> int:
+    """Peak bytes a layer call allocates beyond its inputs, outputs and stash: forward the
+    input GEMM's [T,B,4H] and b_hh in float32; backward the gate gradients [T,B,4H] with
+    dh0 and dc0, the zeros of absent output gradients, and h_{t-1} of every step [T,B,H]
+    for dW_hh's GEMM."""
+    size = dtype.itemsize
+    if not backward:
+        return T * B * 4 * H * size + 4 * H * 4
+    return (T * B * 4 * H + 2 * B * H) * size + (T * B * H + 2 * B * H) * size + T * B * H * size
+
+
+def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
+    """LSTM without projection, fp32 or bf16, on CUDA (the shape: ``unsupported_reason``)."""
+    return mode == "lstm" and not proj and dtype in _DTYPE_NAMES and device.type == "cuda"
+
+
+def available() -> bool:
+    """Whether the kernel can be built here: ``cuda.bindings`` imports."""
+    return cuda_lstm_kernel.available()
+
+
+def unsupported_reason(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device,
+                       hidden: int, batch: int, varlen: bool = False,
+                       clip: bool = False) -> str | None:  # fmt: skip
+    """Why the kernel cannot run this layer, or None where it can."""
+    if device.type != "cuda":
+        return f"it needs CUDA tensors, got {device.type}"
+    if mode != "lstm":
+        return f"it runs mode='lstm' only, got {mode!r}"
+    if proj:
+        return "it has no projection (proj_size)"
+    if varlen:
+        return "it takes no sequence lengths (packed or padded batches)"
+    if clip:
+        return "it has no state_clip"
+    if dtype not in _DTYPE_NAMES:
+        return f"it runs float32 and bfloat16, got {dtype}"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return cuda_lstm_kernel.unfit(_DTYPE_NAMES[dtype], hidden, batch, sms)
+
+
+def supports_shape(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device,
+                   hidden: int, batch: int) -> bool:  # fmt: skip
+    """Whether impl="cuda" can run this layer here (``cuda.bindings`` included): what
+    ``impl="auto"`` asks before timing it."""
+    return available() and unsupported_reason(mode, proj=proj, dtype=dtype, device=device,
+                                              hidden=hidden, batch=batch) is None  # fmt: skip
+
+
+def dropout(x: Tensor, p: float, seed: Tensor, offset: int = 0) -> Tensor:
+    """kernels.py's dropout (Philox from a seed tensor on the GPU: no host sync)."""
+    from mirrorgrad.ops.rnn import kernels  # Triton: imported where it runs
+
+    return kernels.dropout(x, p, seed, offset)
+
+
+def _kernel(call: LayerCall) -> CudaLstmKernel:
+    """The compiled kernel for the call's layer (once a process per dtype, hidden, batch
+    and device); ValueError where it cannot run the call, ImportError without
+    ``cuda.bindings``, RuntimeError where an earlier launch timed out."""
+    x, hidden = call.x, call.w_hh.shape[1]
+    reason = unsupported_reason(call.mode, proj=call.w_hr is not None, dtype=x.dtype,
+                                device=x.device, hidden=hidden, batch=x.shape[1],
+                                varlen=call.lengths is not None,
+                                clip=call.state_clip is not None)  # fmt: skip
+    if reason is not None:
+        raise ValueError(f"impl='cuda' cannot run this layer: {reason}. Use impl='auto', "
+                         f"'persistent' or 'triton'")  # fmt: skip
+    kernel = cuda_lstm_kernel.compiled(_DTYPE_NAMES[x.dtype], hidden, x.shape[1], x.device)
+    kernel.raise_if_timed_out()
+    return kernel
+
+
+@torch.no_grad()
+def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
+    """One layer, one direction: ``(y [T,B,H], h_n, c_n, (stash,))``."""
+    kernel = _kernel(call)
+    x, h0, c0 = call.x.contiguous(), call.h0.contiguous(), call.c0.contiguous()
+    w_ih, w_hh, b_ih, b_hh, _ = call.weights
+    T, B, H = x.shape[0], x.shape[1], kernel.hidden
+    xw = F.linear(x, w_ih, b_ih)
+    b_hh = b_hh.float() if b_hh is not None else x.new_zeros(4 * H, dtype=torch.float32)
+    # y, h_n and c_n in one block: one NaN fill covers them where a barrier gave up.
+    out = torch.empty(T + 2, B, H, dtype=x.dtype, device=x.device)
+    y, h_n, c_n = out[:T], out[T], out[T + 1]
+    stash = torch.empty(T, B, 5 * H, dtype=torch.float32, device=x.device)
+    kernel.recurrence(xw, w_hh.contiguous(), b_hh.contiguous(), h0, c0, y, h_n, c_n, stash)
+    kernel.poison(out)
+    kernel.note_status()
+    return y, h_n, c_n, (stash,)
+
+
+@torch.no_grad()
+def layer_backward(
+    call: LayerCall,
+    saved: tuple[Tensor, ...],
+    y: Tensor,
+    grad_y: Tensor | None,
+    grad_hn: Tensor | None,
+    grad_cn: Tensor | None,
+    *,
+    needs_input_grad: tuple[bool, ...] = (True,) * 8,
+) -> tuple[Tensor | None, ...]:
+    """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed): the
+    backward launch, then one GEMM (or sum) for each input and weight gradient."""
+    need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
+    need_bih, need_bhh = need_bih and call.b_ih is not None, need_bhh and call.b_hh is not None
+    if not (need_x or need_h0 or need_c0 or need_wih or need_whh or need_bih or need_bhh):
+        return (None,) * 8
+    kernel = _kernel(call)
+    x, h0, c0 = call.x.contiguous(), call.h0.contiguous(), call.c0.contiguous()
+    w_ih, w_hh = call.w_ih, call.w_hh.contiguous()
+    (stash,) = saved
+    T, B, H = x.shape[0], x.shape[1], kernel.hidden
+
+    def given(grad: Tensor | None, *shape: int) -> Tensor:
+        return x.new_zeros(shape) if grad is None else grad.contiguous()
+
+    dgates = torch.empty(T, B, 4 * H, dtype=x.dtype, device=x.device)
+    # dh0 and dc0 apart from dgates: the op holds them until the stack's backward ends.
+    state = torch.empty(2, B, H, dtype=x.dtype, device=x.device)
+    dh0, dc0 = state.unbind(0)
+    kernel.backward_recurrence(w_hh, stash.contiguous(), c0, given(grad_y, T, B, H),
+                               given(grad_hn, B, H), given(grad_cn, B, H), dgates, dh0,
+                               dc0)  # fmt: skip
+    kernel.poison(dgates, state)
+    kernel.note_status()
+    flat = dgates.view(T * B, 4 * H)
+    grad_x = (flat @ w_ih).view(T, B, -1) if need_x else None
+    grad_wih = flat.t() @ x.view(T * B, -1) if need_wih else None
+    grad_whh = None
+    if need_whh:
+        h_prev = torch.cat([h0[None], y[:-1]]).view(T * B, H)  # h_{t-1} of every step
+        grad_whh = flat.t() @ h_prev
+    bias = flat.sum(0) if need_bih or need_bhh else None
+    # A custom op's outputs may share no storage: the two bias gradients are two tensors.
+    grad_bih = bias if need_bih else None
+    grad_bhh = (bias.clone() if need_bih else bias) if need_bhh else None
+    return (grad_x, dh0 if need_h0 else None, dc0 if need_c0 else None, grad_wih, grad_whh,
+            grad_bih, grad_bhh, None)  # fmt: skip
