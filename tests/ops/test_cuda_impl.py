@@ -1,0 +1,283 @@
+"""impl="cuda" (the CUDA C++ persistent LSTM) on the CPU: what it takes (``supports``,
+the layout's limits), its saved layout, its errors (no CUDA tensors, no cuda.bindings,
+a shape it does not take), the dispatcher listing it and leaving it out where it cannot
+run, and the layer's GEMMs and stacking around a stand-in of the kernel, against
+torch.nn.LSTM. The kernel's own source runs on the CPU in
+tests/benchmarks_persistent_cuda/test_kernels_on_cpu.py; on a GPU in
+test_cuda_impl_gpu.py."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mirrorgrad.nn
+from mirrorgrad.ops.rnn import IMPLS, cuda_lstm_kernel, cuda_persistent, dispatch, op, time_model
+
+CUDA = torch.device("cuda", 0)
+H100 = SimpleNamespace(multi_processor_count=132, major=9, minor=0)
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """torch.cuda answers as an H100 (132 SMs) would, for the shape checks."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H100)
+
+
+@pytest.fixture
+def no_bindings(monkeypatch):
+    """cuda-python is not installed (an import of it fails)."""
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver", "cuda.bindings.nvrtc"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_supports_lstm_in_fp32_and_bf16_on_cuda_only():
+    assert cuda_persistent.supports("lstm", proj=False, dtype=torch.float32, device=CUDA)
+    assert cuda_persistent.supports("lstm", proj=False, dtype=torch.bfloat16, device=CUDA)
+    assert not cuda_persistent.supports("gru", proj=False, dtype=torch.float32, device=CUDA)
+    assert not cuda_persistent.supports("lstm", proj=True, dtype=torch.float32, device=CUDA)
+    assert not cuda_persistent.supports("lstm", proj=False, dtype=torch.float16, device=CUDA)
+    cpu = torch.device("cpu")
+    assert not cuda_persistent.supports("lstm", proj=False, dtype=torch.float32, device=cpu)
+
+
+def test_w_words_are_the_kernels_register_counts():
+    # benchmarks/persistent_cuda/README.md: 64 registers of W a thread at bf16 H = 1024,
+    # 128 at fp32 (8 units a CTA on 132 SMs), forward and backward alike; 4 units at
+    # H = 512 halve the forward's tiles.
+    assert cuda_lstm_kernel.layout(1024, 132).units == 8
+    assert cuda_lstm_kernel.w_words("bf16", 1024, 8) == 64
+    assert cuda_lstm_kernel.w_words("fp32", 1024, 8) == 128
+    assert cuda_lstm_kernel.w_words("bf16", 512, 4) == 32
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "sms"), [
+    ("bf16", 1024, 20, 132), ("fp32", 1024, 32, 132), ("fp32", 96, 1, 132),
+    ("bf16", 520, 3, 132), ("bf16", 1032, 1, 132), ("fp32", 8, 1, 4),
+])  # fmt: skip
+def test_layouts_the_kernels_take(dtype, hidden, batch, sms):
+    assert cuda_lstm_kernel.unfit(dtype, hidden, batch, sms) is None
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "sms", "reason"), [
+    ("fp32", 1032, 1, 132, "registers of W"),  # 9 units a CTA: past 128 words
+    ("bf16", 2048, 1, 132, "registers of W"),
+    ("fp32", 1024, 1, 114, "registers of W"),  # fewer SMs: 12 units a CTA
+    ("bf16", 100, 1, 132, "multiple of 8"),
+    ("bf16", 512, 0, 132, "batch 0"),
+    ("bf16", 512, 33, 132, "batch 33"),
+    ("fp16", 512, 1, 132, "dtype"),
+])  # fmt: skip
+def test_layouts_the_kernels_do_not_take_say_why(dtype, hidden, batch, sms, reason):
+    assert reason in cuda_lstm_kernel.unfit(dtype, hidden, batch, sms)
+
+
+def test_unsupported_reason_names_what_the_kernel_lacks(h100):
+    def reason(mode="lstm", **kw):
+        args = dict(proj=False, dtype=torch.bfloat16, device=CUDA, hidden=512, batch=4) | kw
+        return cuda_persistent.unsupported_reason(mode, **args)
+
+    assert reason() is None
+    assert "CUDA tensors" in reason(device=torch.device("cpu"))
+    assert "lstm" in reason("gru")
+    assert "projection" in reason(proj=True)
+    assert "lengths" in reason(varlen=True)
+    assert "state_clip" in reason(clip=True)
+    assert "float32 and bfloat16" in reason(dtype=torch.float16)
+    assert "registers of W" in reason(hidden=4096)
+
+
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
+def test_saved_layout_is_the_float32_stash_in_both_memory_modes(memory):
+    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 16, torch.bfloat16) == [
+        ((7, 3, 80), torch.float32)]  # fmt: skip
+    assert op._saved_per_layer("cuda", "lstm", memory) == 1
+    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 16, torch.bfloat16) == 7 * 3 * 80 * 4
+
+
+def test_fake_kernel_saves_one_stash_per_layer_direction():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T, B, H, layers = 5, 3, 16, 2
+    with FakeTensorMode():
+        x = torch.empty(T, B, 8)
+        weights = []
+        for layer in range(layers):
+            for _ in range(2):
+                n_in = 8 if layer == 0 else 2 * H
+                weights += [torch.empty(4 * H, n_in), torch.empty(4 * H, H),
+                            torch.empty(4 * H), torch.empty(4 * H)]  # fmt: skip
+        hx = torch.empty(2 * layers, B, H)
+        _, _, _, saved = op.rnn_forward_fake(
+            x, weights, hx, hx, None, torch.empty((), dtype=torch.int64), "lstm", layers, True,
+            True, 0, 0.0, "recompute", None, "cuda", True,
+        )  # fmt: skip
+    # per layer: two stashes, then (but after the last) the layer's output
+    assert [tuple(s.shape) for s in saved] == [(T, B, 5 * H)] * 2 + [(T, B, 2 * H)] + [
+        (T, B, 5 * H)] * 2  # fmt: skip
+    assert all(s.dtype == torch.float32 for s in saved[:2])
+
+
+def test_impl_cuda_on_cpu_tensors_says_it_needs_cuda():
+    lstm = mirrorgrad.nn.LSTM(8, 16, impl="cuda")
+    with pytest.raises(ValueError, match=r"impl='cuda'.*needs CUDA tensors"):
+        lstm(torch.randn(3, 2, 8))
+
+
+def test_impl_cuda_without_cuda_bindings_says_what_to_install(no_bindings, h100):
+    x = SimpleNamespace(dtype=torch.bfloat16, device=CUDA, shape=(5, 3, 16))
+    weights = [None, SimpleNamespace(shape=(4 * 512, 512))]
+    with pytest.raises(ImportError, match=r"pip install mirrorgrad\[cuda\]"):
+        dispatch._check_cuda_impl(x, weights, None, "lstm", False, None)
+    assert not cuda_lstm_kernel.available()
+
+
+def test_impl_cuda_on_a_shape_it_does_not_take_says_why(h100):
+    x = SimpleNamespace(dtype=torch.float32, device=CUDA, shape=(5, 3, 16))
+    big = [None, SimpleNamespace(shape=(4 * 2048, 2048))]
+    with pytest.raises(ValueError, match="impl='cuda' cannot run this call: hidden 2048"):
+        dispatch._check_cuda_impl(x, big, None, "lstm", False, None)
+    small = [None, SimpleNamespace(shape=(4 * 64, 64))]
+    with pytest.raises(ValueError, match="sequence lengths"):
+        dispatch._check_cuda_impl(x, small, torch.ones(3), "lstm", False, None)
+    with pytest.raises(ValueError, match="state_clip"):
+        dispatch._check_cuda_impl(x, small, None, "lstm", False, (-1.0, 1.0))
+
+
+def test_dispatch_lists_cuda_and_asks_for_cuda_bindings(monkeypatch, h100):
+    assert "cuda" in IMPLS
+    ask = dispatch._cuda_supports
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
+    assert ask("lstm", False, torch.bfloat16, CUDA, 512, 4)
+    assert not ask("lstm", False, torch.bfloat16, CUDA, 4096, 4)
+    assert not ask("gru", False, torch.bfloat16, CUDA, 512, 4)
+
+    def missing():
+        raise ImportError("no cuda.bindings")
+
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", missing)
+    assert not ask("lstm", False, torch.bfloat16, CUDA, 512, 4)
+
+
+@pytest.mark.parametrize(("cuda_runs", "varlen", "clip"), [
+    (True, False, None), (False, False, None), (True, True, None), (True, False, (-1.0, 1.0)),
+])  # fmt: skip
+def test_auto_times_cuda_only_where_it_runs(monkeypatch, cuda_runs, varlen, clip):
+    """The candidates impl="auto" times: cuda beside the others where it runs the call."""
+    monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: False)
+    monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_cuda_supports", lambda *args: cuda_runs)
+    monkeypatch.setattr(dispatch, "_choose_auto", lambda key, candidates, rule: list(candidates))
+    x = torch.randn(5, 3, 8)
+    shape = time_model.Shape(mode="lstm", T=5, B=3, H=16, layers=1, directions=1)
+    key = ("lstm", x.device, x.dtype, 5, 3, 8, 64, 16, 1, False, varlen, "stash", False, True)
+    call = (8, 16, True, 0.0, clip)
+    chosen = dispatch._auto_impl(x, False, shape, key, lambda name: None, lambda: None, [],
+                                 "stash", call)  # fmt: skip
+    wanted = cuda_runs and not varlen and clip is None
+    assert chosen == (["cuda", "triton", "cudnn"] if wanted else ["triton", "cudnn"])
+
+
+class _StandInKernel:
+    """cuda_lstm.cu's two kernels in plain PyTorch (same arguments, same stash), so that
+    the layer around them (the input GEMM, the gradient GEMMs, the biases, the stack)
+    runs on the CPU."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+        self.launches = 0
+
+    def recurrence(self, xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash):
+        h, c = h0, c0
+        for t in range(xw.shape[0]):
+            pre = xw[t] + h @ w_hh.t() + b_hh
+            i, f, g, o = pre.sigmoid().chunk(4, 1)
+            g = pre.chunk(4, 1)[2].tanh()
+            c = f * c + i * g
+            h = o * c.tanh()
+            y[t] = h
+            stash[t] = torch.cat([i, f, g, o, c], 1)
+        h_n.copy_(h)
+        c_n.copy_(c)
+        self.launches += 1
+
+    def backward_recurrence(self, w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0):
+        T, H = dy.shape[0], self.hidden
+        dh_next = dh_n
+        dc = dc_n
+        for t in reversed(range(T)):
+            dh = dy[t] + (dh_next if t == T - 1 else dgates[t + 1] @ w_hh)
+            i, f, g, o, c = stash[t].split(H, 1)
+            c_prev = c0 if t == 0 else stash[t - 1][:, 4 * H :]
+            dc = dc + dh * o * (1 - c.tanh() ** 2)
+            parts = (dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),
+                     dh * c.tanh() * o * (1 - o))  # fmt: skip
+            dgates[t] = torch.cat(parts, 1)
+            dc = dc * f
+        dh0.copy_(dgates[0] @ w_hh)
+        dc0.copy_(dc)
+        self.launches += 1
+
+    def poison(self, *outputs):
+        pass
+
+    def note_status(self):
+        pass
+
+    def raise_if_timed_out(self):
+        pass
+
+
+@pytest.mark.parametrize(("layers", "bidirectional", "bias"),
+                         [(1, False, True), (2, True, True), (1, False, False)])  # fmt: skip
+def test_layer_around_the_kernel_matches_torch_nn(monkeypatch, layers, bidirectional, bias):
+    H = 16
+    kernel = _StandInKernel(H)
+    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+    torch.manual_seed(0)
+    want = torch.nn.LSTM(8, H, layers, bias=bias, bidirectional=bidirectional).double()
+    ours = mirrorgrad.nn.LSTM(8, H, layers, bias=bias, bidirectional=bidirectional,
+                              impl="cuda").double()  # fmt: skip
+    ours.load_state_dict(want.state_dict())
+    D = 2 if bidirectional else 1
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
+    outputs = {}
+    for name, module in (("ours", ours), ("want", want)):
+        y, (h_n, c_n) = module(x, (h0, c0))
+        loss = y.square().sum() + h_n.sin().sum() + c_n.cos().sum()
+        outputs[name] = [y, h_n, c_n, *torch.autograd.grad(loss, [x, h0, c0, *module.parameters()])]
+    assert kernel.launches == 2 * layers * D  # forward and backward of each layer-direction
+    for got, expected in zip(outputs["ours"], outputs["want"]):
+        # b_hh reaches the kernel in float32, as cuda_lstm.cu takes it
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_gives_no_gradient_it_is_not_asked_for(monkeypatch):
+    H = 8
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: _StandInKernel(H))
+    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
+    from mirrorgrad.ops.rnn.layer_call import LayerCall
+
+    x, h0, c0 = torch.randn(4, 2, 3), torch.randn(2, H), torch.randn(2, H)
+    call = LayerCall("lstm", x, h0, c0, torch.randn(4 * H, 3), torch.randn(4 * H, H),
+                     torch.randn(4 * H), torch.randn(4 * H))  # fmt: skip
+    y, _, _, saved = cuda_persistent.layer_forward(call)
+    only_h0 = (False, True) + (False,) * 6
+    grads = cuda_persistent.layer_backward(call, saved, y, torch.randn_like(y), None, None,
+                                           needs_input_grad=only_h0)  # fmt: skip
+    assert grads[1] is not None and all(g is None for i, g in enumerate(grads) if i != 1)
+    both = cuda_persistent.layer_backward(call, saved, y, torch.randn_like(y), None, None)
+    # the two bias gradients are equal, and two tensors (a custom op's outputs share none)
+    torch.testing.assert_close(both[5], both[6])
+    assert both[5].data_ptr() != both[6].data_ptr()
+    assert all(g is None for g in cuda_persistent.layer_backward(
+        call, saved, y, None, None, None, needs_input_grad=(False,) * 8))  # fmt: skip
