@@ -1,0 +1,190 @@
+"""``mirrorgrad.nn.LSTM(impl="cuda")`` on a GPU: outputs and every gradient against
+torch.nn.LSTM in float64 on the CPU (odd hidden sizes, batch 1 and 3, T 1 and 35, fp32
+with TF32 products and bf16, the prototype's tolerances), two layers with dropout (the
+masks of impl="triton", which shares them), bidirectional, a CUDA Graph capture and its
+replays, the op's opcheck, a barrier that gives up, and impl="auto" timing it beside the
+others. Skipped without CUDA or cuda.bindings; about a minute on an H100:
+
+    PYTHONPATH=src python -m pytest -q tests/ops/test_cuda_impl_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mirrorgrad.nn
+from mirrorgrad._cuda_graphs import capture
+from mirrorgrad.ops.rnn import cuda_lstm_kernel, dispatch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not cuda_lstm_kernel.available(), reason="needs cuda.bindings"),
+]
+
+DEVICE = "cuda"
+# max |ours - ref| / (1 + |ref|) per tensor (benchmarks/persistent_cuda/prototype.py):
+# bf16 rounds h and the gate gradients every step, fp32 runs the products in TF32.
+TOLERANCE = {torch.float32: 3e-3, torch.bfloat16: 3e-2}
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.double().cpu() - ref).abs() / (1 + ref.abs())).max().item()
+
+
+def _pair(n_in, hidden, layers=1, bidirectional=False, dropout=0.0, dtype=torch.float32,
+          impl="cuda"):  # fmt: skip
+    """(ours on the GPU in ``dtype``, torch.nn.LSTM in float64 on the CPU with ours'
+    rounded weights)."""
+    ours = mirrorgrad.nn.LSTM(n_in, hidden, layers, bidirectional=bidirectional,
+                              dropout=dropout, impl=impl).to(DEVICE, dtype)  # fmt: skip
+    ref = torch.nn.LSTM(n_in, hidden, layers, bidirectional=bidirectional).double()
+    ref.load_state_dict({k: v.double().cpu() for k, v in ours.state_dict().items()})
+    return ours, ref
+
+
+def _inputs(T, B, n_in, hidden, dtype, *, layers=1, D=1, seed=0):
+    """x, h0, c0 (not zero) on the GPU in ``dtype``, and output gradients."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
+
+    states = (layers * D, B, hidden)
+    inputs = rand(T, B, n_in), rand(*states, scale=0.5), rand(*states, scale=0.5)
+    return inputs, (rand(T, B, D * hidden), rand(*states), rand(*states))
+
+
+def _run(module, inputs, grads):
+    """(y, h_n, c_n, dx, dh0, dc0, d(each parameter)) of ``module``."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    y, (h_n, c_n) = module(leaves[0], (leaves[1], leaves[2]))
+    grad = torch.autograd.grad((y, h_n, c_n), [*leaves, *module.parameters()], grads)
+    return [y, h_n, c_n, *grad]
+
+
+def _check_against_float64(ours, ref, inputs, grads, tolerance):
+    got = _run(ours, inputs, grads)
+    want = _run(ref, [t.double().cpu() for t in inputs], [t.double().cpu() for t in grads])
+    names = ["y", "h_n", "c_n", "dx", "dh0", "dc0", *(n for n, _ in ours.named_parameters())]
+    errors = {n: relative_error(a, b) for n, a, b in zip(names, got, want)}
+    assert max(errors.values()) <= tolerance, errors
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hidden", [96, 520])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("T", [1, 35])
+def test_one_layer_matches_float64(dtype, hidden, batch, T):
+    torch.manual_seed(0)
+    ours, ref = _pair(40, hidden, dtype=dtype)
+    inputs, grads = _inputs(T, batch, 40, hidden, dtype)
+    _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_largest_layout_matches_float64(dtype):
+    """Hidden 1024 at batch 32: the most registers of W and of h a thread holds."""
+    torch.manual_seed(0)
+    ours, ref = _pair(64, 1024, dtype=dtype)
+    inputs, grads = _inputs(9, 32, 64, 1024, dtype)
+    _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
+
+
+def test_bidirectional_two_layers_match_float64():
+    torch.manual_seed(0)
+    ours, ref = _pair(24, 96, layers=2, bidirectional=True)
+    inputs, grads = _inputs(35, 3, 24, 96, torch.float32, layers=2, D=2)
+    _check_against_float64(ours, ref, inputs, grads, 2 * TOLERANCE[torch.float32])
+
+
+def test_dropout_between_layers_uses_the_triton_masks():
+    """Dropout's masks are kernels.py's: impl="triton" with the same seed drops the same
+    elements, so the two agree within the products' rounding; two calls with one seed
+    agree exactly (the kernel sums in a fixed order)."""
+    results = {}
+    inputs, grads = _inputs(35, 3, 24, 96, torch.float32, layers=2)
+    for impl in ("cuda", "cuda", "triton"):
+        torch.manual_seed(0)
+        module = mirrorgrad.nn.LSTM(24, 96, 2, dropout=0.5, impl=impl).to(DEVICE).train()
+        torch.manual_seed(1)  # the dropout seed
+        results.setdefault(impl, []).append(_run(module, inputs, grads))
+    first, second = results["cuda"]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    for a, b in zip(first, results["triton"][0]):
+        assert relative_error(a, b.double().cpu()) <= 2 * TOLERANCE[torch.float32]
+    no_dropout = mirrorgrad.nn.LSTM(24, 96, 2, impl="cuda").to(DEVICE)
+    no_dropout.load_state_dict(module.state_dict())
+    assert relative_error(first[0], _run(no_dropout, inputs, grads)[0].double().cpu()) > 1e-2
+
+
+def test_captured_step_replays_with_new_inputs():
+    torch.manual_seed(0)
+    ours, ref = _pair(40, 520, dtype=torch.bfloat16)
+    inputs, grads = _inputs(35, 3, 40, 520, torch.bfloat16)
+    static = [t.clone() for t in (*inputs, *grads)]
+    graph, outputs = capture(lambda: _run(ours, static[:3], static[3:]))
+    for seed in (1, 2):
+        new_inputs, new_grads = _inputs(35, 3, 40, 520, torch.bfloat16, seed=seed)
+        for slot, value in zip(static, (*new_inputs, *new_grads)):
+            slot.copy_(value)
+        graph.replay()
+        eager = _run(ours, new_inputs, new_grads)
+        # the same kernels on the same inputs (cuBLAS may pick other GEMM algorithms)
+        for a, b in zip(outputs, eager):
+            assert relative_error(a, b.double().cpu()) <= 1e-2 * TOLERANCE[torch.bfloat16]
+    want = _run(ref, [t.double().cpu() for t in new_inputs], [t.double().cpu() for t in new_grads])
+    assert max(relative_error(a, b) for a, b in zip(outputs, want)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_op_passes_opcheck():
+    from .test_rnn_contract import UTILS, _backward_args
+    from .test_rnn_op import forward_args, stack_inputs
+
+    def gpu(t):
+        return t.detach().to(DEVICE).requires_grad_()
+
+    x, weights, hx, cx = stack_inputs("lstm", layers=2, bidirectional=True, T=3, B=3, n_in=8,
+                                      H=16, dtype=torch.float32)  # fmt: skip
+    args = list(forward_args("lstm", gpu(x), [gpu(w) for w in weights], gpu(hx), gpu(cx),
+                             layers=2, bidirectional=True, dropout=0.5, impl="cuda"))  # fmt: skip
+    args[5] = args[5].to(DEVICE)  # the dropout seed lives on the GPU
+    args = tuple(args)
+    torch.library.opcheck(torch.ops.mirrorgrad.rnn_forward.default, args, test_utils=UTILS)
+    torch.library.opcheck(torch.ops.mirrorgrad.rnn_backward.default, _backward_args(args),
+                          test_utils=UTILS)  # fmt: skip
+
+
+def test_a_barrier_that_gives_up_gives_nan_then_raises():
+    """The status flag set (as a timed-out barrier sets it): the launch stops at its
+    barriers, the call's outputs are NaN, and the next call raises."""
+    ours = mirrorgrad.nn.LSTM(40, 96, impl="cuda").to(DEVICE)
+    x = torch.randn(35, 3, 40, device=DEVICE)
+    ours(x)
+    kernel = cuda_lstm_kernel.compiled("fp32", 96, 3, torch.device(DEVICE, 0))
+    kernel.status.fill_(1)
+    try:
+        with torch.no_grad():
+            y, (h_n, c_n) = ours(x)
+        torch.cuda.synchronize()
+        assert y.isnan().all() and h_n.isnan().all() and c_n.isnan().all()
+        with pytest.raises(RuntimeError, match="timed out"):
+            ours(x)
+    finally:
+        kernel.clear_timed_out()
+    y, _ = ours(x)
+    assert not y.isnan().any()
+
+
+def test_auto_times_cuda_beside_the_others():
+    dispatch._AUTO_CHOICE.clear()
+    ours = mirrorgrad.nn.LSTM(64, 512, impl="auto").to(DEVICE, torch.bfloat16)
+    x = torch.randn(50, 4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    y, _ = ours(x)
+    y.float().sum().backward()
+    (row,) = [r for r in dispatch.auto_choices() if r["state"] == 512 and r["B"] == 4]
+    assert "cuda" in row["times"] and row["choice"] in row["times"], row
+    assert {"triton", "cudnn"} <= set(row["times"]), row
