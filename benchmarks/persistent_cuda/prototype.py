@@ -22,7 +22,8 @@ shares of a step), the kernel whose barrier runs no ``__threadfence``
 (``cuda-kernel-no-fences``; the check reports its error too), the forward kernel
 writing the backward's stash (``cuda-kernel-stash``), the layer with its GEMMs
 (``cuda-layer``: the input GEMM before the forward kernel; the dx and weight GEMMs after
-the backward kernel), ``mirrorgrad.nn.LSTM(impl="persistent")`` (``triton-persistent``)
+the backward kernel), ``mirrorgrad.nn.LSTM(impl="cuda")`` (``cuda-module``: this kernel
+as users get it), ``mirrorgrad.nn.LSTM(impl="persistent")`` (``triton-persistent``)
 and ``torch.nn.LSTM`` (``cudnn``), called and captured in CUDA Graphs (``-graphed``: no
 host time), whose backward is (forward and backward) less the forward, both recording
 autograd; (3) prints two tables and writes ``prototype.json``.
@@ -76,6 +77,8 @@ VARIANTS = {
     "no-fences": {"LSTM_BARRIER_FENCES": 0},
 }
 HOST_WAIT_S = 30.0  # the longest the host waits for queued work before giving up
+# mirrorgrad.nn.LSTM's implementations timed (column name -> impl), beside cuDNN
+MODULE_IMPLS = {"cuda-module": "cuda", "triton-persistent": "persistent"}
 
 
 # ----------------------------------------------------------------------------------
@@ -338,8 +341,11 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     variants = {name: compiled(dtype, hidden, batch, device, name) for name in VARIANTS if name}
     for launched in (kernel, *variants.values()):
         launched.clear_timed_out()
-    ours = mirrorgrad.nn.LSTM(hidden, hidden, impl="persistent").to(device=device, dtype=x.dtype)
-    ours.load_state_dict(lstm.state_dict())
+    modules = {}  # what users call: mirrorgrad.nn.LSTM with each impl, and cuDNN
+    for name, impl in MODULE_IMPLS.items():
+        modules[name] = mirrorgrad.nn.LSTM(hidden, hidden, impl=impl).to(device, x.dtype)
+        modules[name].load_state_dict(lstm.state_dict())
+    modules["cudnn"] = lstm
     xw = F.linear(x, weights[0], weights[2])
     h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     y = torch.empty(T, batch, hidden, device=device, dtype=x.dtype)
@@ -353,9 +359,9 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     forward |= {
         "cuda-kernel-stash": functools.partial(kernel.recurrence, *recurrence_args, stash),
         "cuda-layer": lambda: kernel.forward(x, h0, c0, *weights),
-        "triton-persistent": lambda: ours(x, state),
-        "cudnn": lambda: lstm(x, state),
     }
+    called = {name: functools.partial(module, x, state) for name, module in modules.items()}
+    forward |= called
     row = {"dtype": dtype, "hidden": hidden, "batch": batch, "T": T, "us_per_step": {},
            "backward_us_per_step": {}, "autograd_us_per_step": {},
            "graphed_autograd_us_per_step": {}, "errors": {},
@@ -363,9 +369,8 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
            "ctas": kernel.layout.ctas, "compile_s": round(kernel.compile_s, 2)}  # fmt: skip
     with torch.no_grad():
         _time_methods(forward, T, row["us_per_step"], row["errors"])
-        _time_methods({"triton-persistent-graphed": lambda: ours(x, state),
-                       "cudnn-graphed": lambda: lstm(x, state)}, T, row["us_per_step"],
-                      row["errors"], graph=True)  # fmt: skip
+        _time_methods({f"{name}-graphed": call for name, call in called.items()}, T,
+                      row["us_per_step"], row["errors"], graph=True)  # fmt: skip
 
     # Backward: the kernel alone on the stash of a forward, its variants, and the layer's
     # backward (the kernel, then the GEMMs of dx and the weights).
@@ -383,10 +388,10 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
                                                      stash, dy, dh_n, dc_n)  # fmt: skip
     with torch.no_grad():
         _time_methods(backward, T, row["backward_us_per_step"], row["errors"], "backward ")
-    # Triton's and cuDNN's backward: (forward and backward) less the forward, both with
-    # autograd recording, timed alike: called back to back, and captured in CUDA Graphs.
+    # The modules' backward: (forward and backward) less the forward, both with autograd
+    # recording, timed alike: called back to back, and captured in CUDA Graphs.
     autograd = {}
-    for name, module in (("triton-persistent", ours), ("cudnn", lstm)):
+    for name, module in modules.items():
         one, both = _autograd_calls(module, x, h0, c0, dy, dh_n, dc_n)
         autograd |= {f"{name}-forward": one, f"{name}-forward-backward": both}
     with torch.enable_grad():
@@ -394,7 +399,7 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
         _time_methods(autograd, T, row["graphed_autograd_us_per_step"], row["errors"],
                       "graphed ", graph=True)  # fmt: skip
     for key, suffix in (("autograd_us_per_step", ""), ("graphed_autograd_us_per_step", "-graphed")):
-        for name in ("triton-persistent", "cudnn"):
+        for name in modules:
             one, both = (row[key][f"{name}-{part}"] for part in ("forward", "forward-backward"))
             row["backward_us_per_step"][name + suffix] = (None if one is None or both is None
                                                           else round(both - one, 3))  # fmt: skip
@@ -405,12 +410,12 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     return row
 
 
+_MODULE_COLUMNS = (*MODULE_IMPLS, "cudnn",
+                   *(f"{name}-graphed" for name in (*MODULE_IMPLS, "cudnn")))  # fmt: skip
 FORWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
-                   "cuda-kernel-stash", "cuda-layer", "triton-persistent", "cudnn",
-                   "triton-persistent-graphed", "cudnn-graphed")  # fmt: skip
+                   "cuda-kernel-stash", "cuda-layer", *_MODULE_COLUMNS)  # fmt: skip
 BACKWARD_COLUMNS = ("cuda-kernel", *(f"cuda-kernel-{v}" for v in VARIANTS if v),
-                    "cuda-layer", "triton-persistent", "cudnn", "triton-persistent-graphed",
-                    "cudnn-graphed")  # fmt: skip
+                    "cuda-layer", *_MODULE_COLUMNS)  # fmt: skip
 
 
 def _table(rows: list[dict], key: str = "us_per_step") -> str:
@@ -421,7 +426,7 @@ def _table(rows: list[dict], key: str = "us_per_step") -> str:
     kernel = FORWARD_KERNEL if forward else BACKWARD_KERNEL
     title = ("us per step (forward, T steps; median; -graphed: captured in a CUDA Graph):"
              if forward else
-             "us per step (backward, T steps; median; triton-persistent and cudnn: "
+             "us per step (backward, T steps; median; the modules and cudnn: "
              "forward+backward less forward, both recording autograd; -graphed: each "
              "captured in a CUDA Graph):")  # fmt: skip
     lines = [title, "| dtype | H | B | " + " | ".join(names) + " | regs | spill B |",

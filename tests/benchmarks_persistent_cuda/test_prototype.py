@@ -216,13 +216,15 @@ def test_check_and_timing_rows_from_the_harness_on_cpu(monkeypatch, capsys):
     assert set(row["us_per_step"].values()) == {10.0} and not row["errors"]
     assert set(row["us_per_step"]) == set(prototype.FORWARD_COLUMNS) == {
         "cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
-        "cuda-kernel-no-fences", "cuda-kernel-stash", "cuda-layer", "triton-persistent",
-        "cudnn", "triton-persistent-graphed", "cudnn-graphed"}  # fmt: skip
-    # Triton's and cuDNN's backward: (forward and backward) less forward, 10 - 10
+        "cuda-kernel-no-fences", "cuda-kernel-stash", "cuda-layer", "cuda-module",
+        "triton-persistent", "cudnn", "cuda-module-graphed", "triton-persistent-graphed",
+        "cudnn-graphed"}  # fmt: skip
+    # The modules' backward: (forward and backward) less forward, 10 - 10
     assert row["backward_us_per_step"] == {**dict.fromkeys(
         ("cuda-kernel", "cuda-kernel-no-barrier", "cuda-kernel-no-product",
-         "cuda-kernel-no-fences", "cuda-layer"), 10.0), "triton-persistent": 0.0,
-        "cudnn": 0.0, "triton-persistent-graphed": 0.0, "cudnn-graphed": 0.0}  # fmt: skip
+         "cuda-kernel-no-fences", "cuda-layer"), 10.0), "cuda-module": 0.0,
+        "triton-persistent": 0.0, "cudnn": 0.0, "cuda-module-graphed": 0.0,
+        "triton-persistent-graphed": 0.0, "cudnn-graphed": 0.0}  # fmt: skip
     assert set(row["graphed_autograd_us_per_step"].values()) == {10.0}
     assert set(row["backward_us_per_step"]) == set(prototype.BACKWARD_COLUMNS)
     assert "| fp32 | 16 | 2 | 10.00 |" in prototype._table([row])
