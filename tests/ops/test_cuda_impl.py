@@ -121,6 +121,13 @@ def test_fake_kernel_saves_one_stash_per_layer_direction():
     assert all(s.dtype == torch.float32 for s in saved[:2])
 
 
+def test_impl_cuda_refuses_gru_and_rnn_modules():
+    with pytest.raises(ValueError, match="LSTMs only"):
+        mirrorgrad.nn.GRU(8, 16, impl="cuda")
+    with pytest.raises(ValueError, match="LSTMs only"):
+        mirrorgrad.nn.RNN(8, 16, impl="cuda")
+
+
 def test_impl_cuda_on_cpu_tensors_says_it_needs_cuda():
     lstm = mirrorgrad.nn.LSTM(8, 16, impl="cuda")
     with pytest.raises(ValueError, match=r"impl='cuda'.*needs CUDA tensors"):
@@ -162,11 +169,10 @@ def test_dispatch_lists_cuda_and_asks_for_cuda_bindings(monkeypatch, h100):
     assert not ask("lstm", False, torch.bfloat16, CUDA, 512, 4)
 
 
-@pytest.mark.parametrize(("cuda_runs", "varlen", "clip"), [
-    (True, False, None), (False, False, None), (True, True, None), (True, False, (-1.0, 1.0)),
-])  # fmt: skip
-def test_auto_times_cuda_only_where_it_runs(monkeypatch, cuda_runs, varlen, clip):
-    """The candidates impl="auto" times: cuda beside the others where it runs the call."""
+@pytest.mark.parametrize(("cuda_runs", "plain_lstm"), [(True, True), (False, True), (True, False)])
+def test_auto_times_cuda_only_where_it_runs(monkeypatch, cuda_runs, plain_lstm):
+    """The candidates impl="auto" times: cuda beside the others where it runs the shape
+    and the call has no lengths and no state clip (``plain_lstm``)."""
     monkeypatch.setattr(dispatch, "_on_gpu", lambda x: True)
     monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: False)
     monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
@@ -174,12 +180,29 @@ def test_auto_times_cuda_only_where_it_runs(monkeypatch, cuda_runs, varlen, clip
     monkeypatch.setattr(dispatch, "_choose_auto", lambda key, candidates, rule: list(candidates))
     x = torch.randn(5, 3, 8)
     shape = time_model.Shape(mode="lstm", T=5, B=3, H=16, layers=1, directions=1)
-    key = ("lstm", x.device, x.dtype, 5, 3, 8, 64, 16, 1, False, varlen, "stash", False, True)
-    call = (8, 16, True, 0.0, clip)
+    key = ("lstm", x.device, x.dtype, 5, 3, 8, 64, 16, 1, False, False, "stash", False, True)
+    call = (8, 16, True, 0.0, None)
     chosen = dispatch._auto_impl(x, False, shape, key, lambda name: None, lambda: None, [],
-                                 "stash", call)  # fmt: skip
-    wanted = cuda_runs and not varlen and clip is None
+                                 "stash", call, plain_lstm=plain_lstm)  # fmt: skip
+    wanted = cuda_runs and plain_lstm
     assert chosen == (["cuda", "triton", "cudnn"] if wanted else ["triton", "cudnn"])
+
+
+def test_auto_asks_for_cuda_only_without_lengths_and_state_clip(monkeypatch):
+    """rnn() tells _auto_impl whether the call is a plain LSTM (the kernel's only kind)."""
+    seen = []
+
+    def auto_impl(*args, plain_lstm, **kw):
+        seen.append(plain_lstm)
+        return "reference"
+
+    monkeypatch.setattr(dispatch, "_auto_impl", auto_impl)
+    x, h, weights = torch.randn(3, 2, 4), torch.zeros(1, 2, 5), list(mirrorgrad.nn.LSTM(4, 5)
+                                                                     .parameters())  # fmt: skip
+    dispatch.rnn(x, weights, h, h, mode="lstm")
+    dispatch.rnn(x, weights, h, h, mode="lstm", lengths=torch.tensor([3, 2]))
+    dispatch.rnn(x, weights, h, h, mode="lstm", state_clip=(-1.0, 1.0))
+    assert seen == [True, False, False]
 
 
 class _StandInKernel:

@@ -30,6 +30,9 @@ class _FusedRNN:
             raise ValueError(f"memory must be one of {MEMORY}, got {memory!r}")
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "cuda" and self.mode != "LSTM":
+            raise ValueError(f"impl='cuda' (the CUDA C++ persistent LSTM) runs LSTMs only; "
+                             f"use impl='auto' for {type(self).__name__}")  # fmt: skip
         if state_clip is not None:
             lo, hi = (float(v) for v in state_clip)
             if not lo < hi:

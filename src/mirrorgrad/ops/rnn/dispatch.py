@@ -384,7 +384,8 @@ def rnn(
             call = (x.shape[2], shape.H, has_biases, p,
                     None if state_clip is None else tuple(state_clip))  # fmt: skip
             impl = _auto_impl(x, proj_size > 0, shape, key, custom,
-                              cudnn if cudnn_ok else None, grad_inputs, memory, call)  # fmt: skip
+                              cudnn if cudnn_ok else None, grad_inputs, memory, call,
+                              plain_lstm=lengths is None and state_clip is None)  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
 
 
@@ -401,13 +402,14 @@ def _auto_key(x: Tensor, weights: Sequence[Tensor], hx: Tensor, lengths: Tensor 
 
 def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custom: Callable,
                cudnn: Callable | None, grad_inputs: list[Tensor], memory: str,
-               call: tuple = ()) -> str:  # fmt: skip
+               call: tuple = (), plain_lstm: bool = False) -> str:  # fmt: skip
     """What impl="auto" runs: the reference on CPU or for an empty batch; on CUDA the
     fastest step of the custom op's implementations and cuDNN (None: not a candidate),
     timed once per ``key`` (shape and configuration). While torch.compile traces, cuDNN
     is no candidate (torch's RNN is no graph node), the custom op's implementations are
     timed as in eager (``_timed_while_tracing``, ``call`` its other arguments) where
-    the shapes are static, and ranked by the cost rule otherwise."""
+    the shapes are static, and ranked by the cost rule otherwise. ``plain_lstm``: no
+    lengths and no state clip (what the CUDA C++ kernel takes)."""
     if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
     memory = resolve_memory(memory, shape.mode)
@@ -422,8 +424,7 @@ def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custo
     if ask and _persistent_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B)):
         fused.append("persistent")
     # The CUDA C++ kernel has no cost-rule constants: asked where the batch is static.
-    plain = not key[10] and not (call and call[4] is not None)  # no lengths, no state clip
-    if (plain and (not compiling or static)
+    if (plain_lstm and (not compiling or static)
             and _cuda_supports(shape.mode, proj, x.dtype, x.device, shape.H, int(shape.B))):
         fused.append("cuda")
     fused.append("triton" if _triton_supports(shape.mode, proj, x.dtype, x.device) else "reference")
