@@ -1,6 +1,6 @@
 """Measured prototype: one LSTM layer's recurrence as persistent CUDA C++ kernels,
-forward and backward (``lstm_layer.cu``), compiled at run time with NVRTC, against the
-plain-PyTorch reference, our Triton persistent kernel and cuDNN.
+forward and backward (the package's ``cuda_lstm.cu``), compiled at run time with NVRTC,
+against the plain-PyTorch reference, our Triton persistent kernel and cuDNN.
 
     PYTHONPATH=src python benchmarks/persistent_cuda/prototype.py --out DIR
         [--dtypes bf16,fp32] [--hidden 512,1024] [--batch 1,4,20] [--T 100]
