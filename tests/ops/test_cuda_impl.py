@@ -70,6 +70,7 @@ def test_layouts_the_kernels_take(dtype, hidden, batch, sms):
     ("bf16", 512, 0, 132, "batch 0"),
     ("bf16", 512, 33, 132, "batch 33"),
     ("fp16", 512, 1, 132, "dtype"),
+    ("bf16", 1024, 32, 108, "partial sums"),  # 12 units: 48 KiB of sums and the barrier's flag
 ])  # fmt: skip
 def test_layouts_the_kernels_do_not_take_say_why(dtype, hidden, batch, sms, reason):
     assert reason in cuda_lstm_kernel.unfit(dtype, hidden, batch, sms)
@@ -304,3 +305,31 @@ def test_layer_gives_no_gradient_it_is_not_asked_for(monkeypatch):
     assert both[5].data_ptr() != both[6].data_ptr()
     assert all(g is None for g in cuda_persistent.layer_backward(
         call, saved, y, None, None, None, needs_input_grad=(False,) * 8))  # fmt: skip
+
+
+def _nvrtc_or_skip():
+    try:
+        nvrtc, _ = cuda_lstm_kernel.bindings()
+        nvrtc.nvrtcVersion()  # loads libnvrtc
+    except Exception as e:  # no cuda-python, or no libnvrtc for it to load
+        pytest.skip(f"NVRTC through cuda-python is not available: {type(e).__name__}: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sms", "arch"), [(132, "sm_90"), (108, "sm_80")])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_largest_layers_taken_compile(sms, arch, dtype):
+    """What ``unfit`` takes, NVRTC compiles: for each units-per-CTA count, the largest
+    hidden size it takes, at batch 1, 17 and the most it takes (ptxas refuses more shared
+    memory than a CTA has; W past the registers would spill heavily, not fail)."""
+    _nvrtc_or_skip()
+    largest = {}
+    for hidden in range(8, 2048, 8):
+        if cuda_lstm_kernel.unfit(dtype, hidden, 1, sms) is None:
+            largest[cuda_lstm_kernel.layout(hidden, sms).units] = hidden
+    assert largest
+    for units, hidden in largest.items():
+        batches = [b for b in (1, 17, 32) if cuda_lstm_kernel.unfit(dtype, hidden, b, sms) is None]
+        for batch in batches:
+            cubin, _ = cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units, arch)
+            assert cubin[:4] == b"\x7fELF"

@@ -44,7 +44,10 @@ MAX_W_WORDS = 128
 # forward's registers. At 32, fp32 H = 1024 uses 246 (forward) and 250 (backward) of
 # 255 registers without spills (NVRTC 13.5, sm_90).
 MAX_BATCH = 32
-SHARED_BYTES = 48 * 1024  # static shared memory a CTA may declare (cuda_lstm.cu asserts it)
+# Static shared memory a CTA may declare: 48 KiB, less the grid barrier's flag (an int,
+# beside the partial sums: ptxas refused 49,152 bytes of sums at bf16 H = 1024, batch 32,
+# 12 units a CTA on 108 SMs).
+SHARED_BYTES = 48 * 1024 - 4
 INSTALL_HINT = "pip install mirrorgrad[cuda]"
 
 
