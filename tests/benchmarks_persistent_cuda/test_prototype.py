@@ -284,7 +284,9 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     # Each tensor is named as the kernel's parameter it must arrive as.
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
     hidden, batch, T = 16, 3, 5
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = object.__new__(cuda_lstm_kernel.CudaLstmKernel)
+    kernel.device_index = 0
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
     kernel.layout = cuda_lstm_kernel.layout(hidden, 132)
     kernel.functions = {name: name for name in (cuda_lstm_kernel.FORWARD_KERNEL,

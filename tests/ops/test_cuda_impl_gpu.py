@@ -188,3 +188,17 @@ def test_auto_times_cuda_beside_the_others():
     (row,) = [r for r in dispatch.auto_choices() if r["state"] == 512 and r["B"] == 4]
     assert "cuda" in row["times"] and row["choice"] in row["times"], row
     assert {"triton", "cudnn"} <= set(row["times"]), row
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_layer_on_the_second_gpu_while_the_first_is_current():
+    """The kernel is loaded into, and launched in, its tensors' device's context."""
+    torch.manual_seed(0)
+    ref = torch.nn.LSTM(40, 96).double()
+    ours = mirrorgrad.nn.LSTM(40, 96, impl="cuda").to("cuda:1")
+    ours.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    ref.load_state_dict({k: v.double().cpu() for k, v in ours.state_dict().items()})
+    x = torch.randn(35, 3, 40)
+    with torch.cuda.device(0):
+        y, _ = ours(x.to("cuda:1"))
+    assert relative_error(y, ref(x.double())[0]) <= TOLERANCE[torch.float32]

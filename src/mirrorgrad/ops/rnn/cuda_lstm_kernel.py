@@ -206,6 +206,14 @@ class CudaLstmKernel:
 
     def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
                  defines: tuple[tuple[str, int], ...] = ()):  # fmt: skip
+        device = torch.device(device)
+        self.device_index = device.index if device.index is not None else 0
+        # The driver loads the module into the current context: the device's own.
+        with torch.cuda.device(self.device_index):
+            self._load(dtype, hidden, batch, torch.device("cuda", self.device_index), defines)
+
+    def _load(self, dtype: str, hidden: int, batch: int, device: torch.device,
+              defines: tuple[tuple[str, int], ...]) -> None:  # fmt: skip
         _, driver = bindings()
         self.driver, self.dtype, self.hidden, self.batch = driver, dtype, hidden, batch
 
@@ -220,7 +228,7 @@ class CudaLstmKernel:
         self.layout = layout(hidden, sms)
         torch.zeros(1, device=device)  # torch makes its (primary) context current
         call(driver.cuInit, 0)
-        dev = call(driver.cuDeviceGet, device.index or 0)
+        dev = call(driver.cuDeviceGet, device.index)
         if not int(call(driver.cuCtxGetCurrent)):
             call(driver.cuCtxSetCurrent, call(driver.cuDevicePrimaryCtxRetain, dev))
         cooperative = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH
@@ -254,6 +262,9 @@ class CudaLstmKernel:
     def _launch(self, name: str, pointers: list[Tensor | None], T: int) -> None:
         """Launch kernel ``name`` cooperatively on torch's current stream with the
         tensors' addresses (None: a null pointer), the barrier's counter and status, T."""
+        if torch.cuda.current_device() != self.device_index:  # the module's context current
+            with torch.cuda.device(self.device_index):
+                return self._launch(name, pointers, T)
         if any(t is not None and not t.is_contiguous() for t in pointers):
             raise ValueError("the kernel takes contiguous tensors")
         self.counter.zero_()
