@@ -305,6 +305,8 @@ def test_layer_gives_no_gradient_it_is_not_asked_for(monkeypatch):
     assert both[5].data_ptr() != both[6].data_ptr()
     assert all(g is None for g in cuda_persistent.layer_backward(
         call, saved, y, None, None, None, needs_input_grad=(False,) * 8))  # fmt: skip
+    with pytest.raises(ValueError, match="in the input's dtype"):
+        cuda_persistent.layer_forward(call._replace(h0=h0.double()))
 
 
 def _nvrtc_or_skip():

@@ -112,9 +112,12 @@ def _kernel(call: LayerCall) -> CudaLstmKernel:
                                 device=x.device, hidden=hidden, batch=x.shape[1],
                                 varlen=call.lengths is not None,
                                 clip=call.state_clip is not None)  # fmt: skip
+    others = {t.dtype for t in (call.h0, call.c0, call.w_ih, call.w_hh)} - {x.dtype}
+    if reason is None and others:
+        reason = f"it takes states and weights in the input's dtype {x.dtype}, got {others}"
     if reason is not None:
-        raise ValueError(f"impl='cuda' cannot run this layer: {reason}. Use impl='auto', "
-                         f"'persistent' or 'triton'")  # fmt: skip
+        raise ValueError(f"impl='cuda' cannot run this layer: {reason}. Use impl='auto': it "
+                         f"runs the fastest implementation that can")  # fmt: skip
     kernel = cuda_lstm_kernel.compiled(_DTYPE_NAMES[x.dtype], hidden, x.shape[1], x.device)
     kernel.raise_if_timed_out()
     return kernel
