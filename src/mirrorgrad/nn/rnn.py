@@ -220,9 +220,10 @@ class LSTM(_FusedRNN, torch.nn.LSTM):
         impl: keyword-only. ``"auto"`` (default: on CUDA, time the persistent
             kernels where they cover the shape, the split Triton kernels and cuDNN
             once per shape and keep the fastest), ``"triton"``, ``"persistent"``
-            (Triton), ``"cuda"`` (the CUDA C++ persistent kernel: fp32 or bf16, no
-            projection, lengths or state clip, hidden a multiple of 8 up to about 1024,
-            batch up to 32; needs ``pip install mirrorgrad[cuda]``), ``"cudnn"`` or
+            (Triton), ``"cuda"`` (the CUDA C++ persistent kernel: bf16, or fp32 with
+            TF32 recurrent products as cuDNN's default; no projection, lengths or state
+            clip; hidden a multiple of 8 up to about 1024, batch up to 32; needs
+            ``pip install mirrorgrad[cuda]``), ``"cudnn"`` or
             ``"reference"`` (plain PyTorch; what runs on the CPU).
         state_clip: keyword-only ``(lo, hi)`` or None. Clamps the cell state every
             step (zero gradient where clamped), as MXNet's ``lstm_state_clip_min/max``.
