@@ -102,9 +102,12 @@ constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
 
 static_assert(H % 8 == 0, "H must be a multiple of 8 (aligned 32-bit fragment loads)");
 static_assert(UNITS % 4 == 0, "UNITS must be a multiple of 4");
-static_assert(sizeof(float) * WARPS * ROWS * COLS <= 48 * 1024, "partial sums exceed 48 KiB");
-static_assert(sizeof(float) * WARPS * BWD_M_TILES * 16 * BWD_N_TILES * 8 <= 48 * 1024,
-              "backward partial sums exceed 48 KiB");
+// A CTA's static shared memory: 48 KiB for the partial sums and the grid barrier's flag.
+constexpr int SHARED_FOR_SUMS = 48 * 1024 - static_cast<int>(sizeof(int));
+static_assert(sizeof(float) * WARPS * ROWS * COLS <= SHARED_FOR_SUMS,
+              "partial sums and the barrier's flag exceed 48 KiB");
+static_assert(sizeof(float) * WARPS * BWD_M_TILES * 16 * BWD_N_TILES * 8 <= SHARED_FOR_SUMS,
+              "backward partial sums and the barrier's flag exceed 48 KiB");
 
 // PTX, one instruction a function: the rest of this file is plain CUDA C++.
 // tests/benchmarks_persistent_cuda/ptx_on_cpu.h defines the same functions (and CUDA's
