@@ -179,13 +179,20 @@ def test_a_barrier_that_gives_up_gives_nan_then_raises():
     assert not y.isnan().any()
 
 
-def test_auto_times_cuda_beside_the_others():
+@pytest.mark.parametrize("captured", [False, True], ids=["called", "captured"])
+def test_auto_times_cuda_beside_the_others(captured):
+    """Called, and inside dispatch_as_captured() (each candidate timed captured in a CUDA
+    Graph, as `mirrorgrad train lm` with CUDA Graphs chooses)."""
+    import contextlib
+
     dispatch._AUTO_CHOICE.clear()
     ours = mirrorgrad.nn.LSTM(64, 512, impl="auto").to(DEVICE, torch.bfloat16)
     x = torch.randn(50, 4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-    y, _ = ours(x)
+    with dispatch.dispatch_as_captured() if captured else contextlib.nullcontext():
+        y, _ = ours(x)
     y.float().sum().backward()
     (row,) = [r for r in dispatch.auto_choices() if r["state"] == 512 and r["B"] == 4]
+    assert row["captured"] == captured
     assert "cuda" in row["times"] and row["choice"] in row["times"], row
     assert {"triton", "cudnn"} <= set(row["times"]), row
 
