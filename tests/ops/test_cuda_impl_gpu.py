@@ -2,8 +2,9 @@
 torch.nn.LSTM in float64 on the CPU (odd hidden sizes, batch 1 and 3, T 1 and 35, fp32
 with TF32 products and bf16, the prototype's tolerances), two layers with dropout (the
 masks of impl="triton", which shares them), bidirectional, a CUDA Graph capture and its
-replays, the op's opcheck, a barrier that gives up, and impl="auto" timing it beside the
-others. Skipped without CUDA or cuda.bindings; about a minute on an H100:
+replays, the op's opcheck, the op's temporaries against its memory formulas, a barrier
+that gives up, and impl="auto" timing it beside the others (called and captured).
+Skipped without CUDA or cuda.bindings; about a minute on an H100:
 
     PYTHONPATH=src python -m pytest -q tests/ops/test_cuda_impl_gpu.py
 """
@@ -209,3 +210,62 @@ def test_a_layer_on_the_second_gpu_while_the_first_is_current():
     with torch.cuda.device(0):
         y, _ = ours(x.to("cuda:1"))
     assert relative_error(y, ref(x.double())[0]) <= TOLERANCE[torch.float32]
+
+
+def _requested() -> int:
+    """Bytes requested from the caching allocator and not freed (exact sizes)."""
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
+
+
+def _peak_beyond(call, *, outputs_of) -> tuple[int, object]:
+    """(peak bytes ``call()`` requested beyond what it returned, its result)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = _requested()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.memory_stats()["requested_bytes.all.peak"] - before
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in outputs_of(result) if t is not None and t.numel()}  # fmt: skip
+    return peak - sum(storages.values()), result
+
+
+def test_op_temporaries_within_the_memory_formulas():
+    """The forward's and the backward's peak beyond their inputs and outputs (the saved
+    stash included) is what op.py's memory formulas say, from the layer's
+    workspace_bytes: at most, and not far below."""
+    from mirrorgrad.ops.rnn import op
+
+    T, B, n_in, H, dtype = 100, 20, 256, 512, torch.bfloat16
+    x = torch.randn(T, B, n_in, device=DEVICE, dtype=dtype)
+    weights = [torch.randn(4 * H, n_in, device=DEVICE, dtype=dtype) / 16,
+               torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,
+               torch.randn(4 * H, device=DEVICE, dtype=dtype),
+               torch.randn(4 * H, device=DEVICE, dtype=dtype)]  # fmt: skip
+    hx = torch.randn(1, B, H, device=DEVICE, dtype=dtype)
+    seed = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    config = ("lstm", 1, False, True, 0, 0.0, "stash", None, "cuda")
+    forward_args = (x, weights, hx, hx, None, seed, *config, True)
+    grads = [torch.randn(T, B, H, device=DEVICE, dtype=dtype), torch.randn_like(hx),
+             torch.randn_like(hx)]  # fmt: skip
+
+    def forward():
+        return torch.ops.mirrorgrad.rnn_forward(*forward_args)
+
+    def backward(y, saved):
+        return torch.ops.mirrorgrad.rnn_backward(*grads, x, weights, hx, hx, None, seed, y,
+                                                 saved, *config, [True] * 7)  # fmt: skip
+
+    def flat(result):
+        return [t for item in result for t in (item if isinstance(item, list) else [item])]
+
+    y, _, _, saved = forward()
+    backward(y, saved)  # first calls: NVRTC, cuBLAS's workspace
+    forward_peak, (y, _, _, saved) = _peak_beyond(forward, outputs_of=flat)
+    backward_peak, _ = _peak_beyond(lambda: backward(y, saved), outputs_of=flat)
+    forward_formula = op._rnn_forward_temporary_bytes(*forward_args)
+    backward_formula = op._rnn_backward_temporary_bytes(
+        *grads, x, weights, hx, hx, None, seed, y, saved, *config, [True] * 7)  # fmt: skip
+    slack = 64 * 1024  # small tensors: the barrier's flag as bool, a stacked state
+    assert forward_formula / 2 <= forward_peak <= forward_formula + slack
+    assert backward_formula / 2 <= backward_peak <= backward_formula + slack
