@@ -66,11 +66,22 @@ def _run(module, inputs, grads):
 
 
 def _check_against_float64(ours, ref, inputs, grads, tolerance):
+    """Every output and gradient within ``tolerance`` of float64, or (bf16) within
+    cuDNN's own error on it: bf16 weight gradients sum T x B rounded products, and
+    cuDNN's miss 3e-2 at these shapes too."""
     got = _run(ours, inputs, grads)
     want = _run(ref, [t.double().cpu() for t in inputs], [t.double().cpu() for t in grads])
     names = ["y", "h_n", "c_n", "dx", "dh0", "dc0", *(n for n, _ in ours.named_parameters())]
     errors = {n: relative_error(a, b) for n, a, b in zip(names, got, want)}
-    assert max(errors.values()) <= tolerance, errors
+    bars = dict.fromkeys(names, tolerance)
+    if inputs[0].dtype == torch.bfloat16:
+        cudnn = torch.nn.LSTM(ref.input_size, ref.hidden_size, ref.num_layers,
+                              bidirectional=ref.bidirectional)  # fmt: skip
+        cudnn = cudnn.to(DEVICE, torch.bfloat16)
+        cudnn.load_state_dict(ours.state_dict())
+        cudnn_errors = [relative_error(a, b) for a, b in zip(_run(cudnn, inputs, grads), want)]
+        bars = {n: max(tolerance, e) for n, e in zip(names, cudnn_errors)}
+    assert all(errors[n] <= bars[n] for n in names), (errors, bars)
     return got
 
 
@@ -267,5 +278,7 @@ def test_op_temporaries_within_the_memory_formulas():
     backward_formula = op._rnn_backward_temporary_bytes(
         *grads, x, weights, hx, hx, None, seed, y, saved, *config, [True] * 7)  # fmt: skip
     slack = 64 * 1024  # small tensors: the barrier's flag as bool, a stacked state
-    assert forward_formula / 2 <= forward_peak <= forward_formula + slack
-    assert backward_formula / 2 <= backward_peak <= backward_formula + slack
+    measured = {"forward": (forward_peak, forward_formula),
+                "backward": (backward_peak, backward_formula)}  # fmt: skip
+    assert forward_formula / 2 <= forward_peak <= forward_formula + slack, measured
+    assert backward_formula / 2 <= backward_peak <= backward_formula + slack, measured
