@@ -189,8 +189,9 @@ def test_auto_times_cuda_only_where_it_runs(monkeypatch, cuda_runs, plain_lstm):
     assert chosen == (["cuda", "triton", "cudnn"] if wanted else ["triton", "cudnn"])
 
 
-def test_auto_asks_for_cuda_only_without_lengths_and_state_clip(monkeypatch):
-    """rnn() tells _auto_impl whether the call is a plain LSTM (the kernel's only kind)."""
+def test_auto_asks_for_cuda_only_without_lengths_state_clip_or_recompute(monkeypatch):
+    """rnn() tells _auto_impl whether the call is a plain LSTM (the kernel's only kind)
+    whose caller did not ask for recompute by name (the kernel always stashes)."""
     seen = []
 
     def auto_impl(*args, plain_lstm, **kw):
@@ -203,7 +204,9 @@ def test_auto_asks_for_cuda_only_without_lengths_and_state_clip(monkeypatch):
     dispatch.rnn(x, weights, h, h, mode="lstm")
     dispatch.rnn(x, weights, h, h, mode="lstm", lengths=torch.tensor([3, 2]))
     dispatch.rnn(x, weights, h, h, mode="lstm", state_clip=(-1.0, 1.0))
-    assert seen == [True, False, False]
+    dispatch.rnn(x, weights, h, h, mode="lstm", memory="recompute")
+    dispatch.rnn(x, weights, h, h, mode="lstm", memory="stash")
+    assert seen == [True, False, False, False, True]
 
 
 class _StandInKernel:

@@ -325,6 +325,9 @@ def rnn(
     may choose (``mirror/op_memory.py``), the same default otherwise.
     """
     _check_arguments(x, mode, memory, impl, state_clip, proj_size > 0)
+    # The CUDA C++ kernel always stashes (its saved bytes are ~10x recompute's cells):
+    # auto offers it unless the caller asked for recompute by name.
+    recompute_asked = memory == "recompute"
     if impl == "cuda" and not torch.compiler.is_compiling():
         _check_cuda_impl(x, weights, lengths, mode, proj_size > 0, state_clip)
     p = float(dropout) if training and num_layers > 1 else 0.0
@@ -385,7 +388,8 @@ def rnn(
                     None if state_clip is None else tuple(state_clip))  # fmt: skip
             impl = _auto_impl(x, proj_size > 0, shape, key, custom,
                               cudnn if cudnn_ok else None, grad_inputs, memory, call,
-                              plain_lstm=lengths is None and state_clip is None)  # fmt: skip
+                              plain_lstm=(lengths is None and state_clip is None
+                                          and not recompute_asked))  # fmt: skip
     return cudnn() if impl == "cudnn" else custom(impl)()
 
 
@@ -409,7 +413,8 @@ def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custo
     is no candidate (torch's RNN is no graph node), the custom op's implementations are
     timed as in eager (``_timed_while_tracing``, ``call`` its other arguments) where
     the shapes are static, and ranked by the cost rule otherwise. ``plain_lstm``: no
-    lengths and no state clip (what the CUDA C++ kernel takes)."""
+    lengths, no state clip and no recompute asked for (what the CUDA C++ kernel takes
+    and keeps)."""
     if not _on_gpu(x) or x.shape[1] == 0:
         return "reference"
     memory = resolve_memory(memory, shape.mode)
