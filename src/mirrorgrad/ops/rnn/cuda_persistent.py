@@ -4,10 +4,10 @@ in registers, one grid barrier a step.
 
 The per-layer contract of ``reference.py``'s docstring. Forward: the input GEMM over all
 steps (cuBLAS), then ONE launch writing y, h_n, c_n and the stash. Backward: ONE launch
-from the stash (the gate gradients of every step, dh0, dc0), then dx, dW_ih, dW_hh and
-the bias gradients as one GEMM (a GEMV for the biases) each. Dropout between layers and bidirectional
-stacks are op.py's (it calls the layer per layer and direction); the dropout masks are
-the Triton kernels' (kernels.py), whose seed stays on the GPU.
+from the stash (the gate gradients of every step, dh0, dc0), then dx, dW_ih and dW_hh
+as one GEMM each and the bias gradients as one GEMV. Dropout between layers and
+bidirectional stacks are op.py's (it calls the layer per layer and direction); the
+dropout masks are the Triton kernels' (kernels.py), whose seed stays on the GPU.
 
 What it runs: mode "lstm", fp32 (the recurrent products in TF32, as cuDNN's default) or
 bf16, no projection, no sequence lengths, no state clip, on CUDA, at hidden sizes and
