@@ -762,7 +762,7 @@ def test_captured_and_uncaptured_choices_are_timed_and_cached_apart(monkeypatch)
 
 def test_auto_choices_names_each_key_and_its_timings(monkeypatch):
     key = ("lstm", torch.device("cuda", 0), torch.bfloat16, 35, 20, 650, 2600, 650, 2, False,
-           False, "recompute", True, True)  # fmt: skip
+           False, "recompute", True, True, False, False)  # fmt: skip
     choices = {key: "cudnn", (*key, "captured", "compiled"): "persistent"}
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", choices)
     monkeypatch.setattr(dispatch, "AUTO_TIMES", {key: {"cudnn": 1.0, "triton": 2.0}})
@@ -774,3 +774,19 @@ def test_auto_choices_names_each_key_and_its_timings(monkeypatch):
     assert (captured["captured"], captured["compiled"]) == (True, True)
     assert captured["choice"] == "persistent"
     assert captured["times"] == {}
+
+
+def test_auto_key_tells_clipped_and_recompute_asked_calls_apart():
+    """A choice made for a plain call (cuDNN, or the CUDA C++ kernel) must not serve a
+    call with a state clip (cuDNN has none) or one asking for recompute by name (the
+    CUDA C++ kernel always stashes)."""
+    x, hx = torch.randn(5, 2, 3), torch.zeros(1, 2, 4)
+    weights = list(mnn.LSTM(3, 4).parameters())
+
+    def key(**kw):
+        return dispatch._auto_key(x, weights, hx, None, "lstm", 1, False, "auto", 0.0, True, **kw)
+
+    plain = key()
+    assert key(clipped=True) != plain
+    assert key(recompute_asked=True) != plain
+    assert len(plain) == len(dispatch._KEY_FIELDS)  # auto_choices() names every field

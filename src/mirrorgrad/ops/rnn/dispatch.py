@@ -58,13 +58,14 @@ def _cudnn(x, weights, hx, cx, lengths, *, mode, num_layers, bidirectional, has_
 
 
 # (mode, device, dtype, T, B, I, G*H, Hr, layers, bidirectional, varlen, memory, dropout,
-#  training) -> the chosen impl; and the ms each candidate measured
+#  grads, clipped, recompute asked) -> the chosen impl; and the ms each candidate measured
 _AUTO_CHOICE: dict[tuple, str] = {}
 AUTO_TIMES: dict[tuple, dict[str, float]] = {}
 
 
 _KEY_FIELDS = ("mode", "device", "dtype", "T", "B", "input", "gates_x_hidden", "state",
-               "layers", "bidirectional", "varlen", "memory", "dropout", "grads")  # fmt: skip
+               "layers", "bidirectional", "varlen", "memory", "dropout", "grads", "clipped",
+               "recompute_asked")  # fmt: skip
 
 
 def auto_choices() -> list[dict]:
@@ -370,7 +371,7 @@ def rnn(
 
     if impl == "auto":
         key = _auto_key(x, weights, hx, lengths, mode, num_layers, bidirectional, memory, p,
-                        need_saved)  # fmt: skip
+                        need_saved, state_clip is not None, recompute_asked)  # fmt: skip
         compiling = torch.compiler.is_compiling()
         # Not asked while Dynamo traces (it reads the stream's capture state).
         choice_key = _choice_key(key) if not compiling else None
@@ -395,13 +396,17 @@ def rnn(
 
 def _auto_key(x: Tensor, weights: Sequence[Tensor], hx: Tensor, lengths: Tensor | None,
               mode: str, num_layers: int, bidirectional: bool, memory: str, p: float,
-              need_saved: bool) -> tuple:  # fmt: skip
+              need_saved: bool, clipped: bool = False,
+              recompute_asked: bool = False) -> tuple:  # fmt: skip
     """impl="auto"'s cache key of a call (the shape and configuration). Under compile
     memory "auto" (the planner's to decide) counts as what eager resolves it to, so that
-    compiled and eager calls find one choice."""
+    compiled and eager calls find one choice. A state clip and a recompute asked for by
+    name are in it: they take candidates away (cuDNN has no clip; the CUDA C++ kernel
+    takes neither), so a choice made without them must not serve a call with them."""
     memory = resolve_memory(memory, mode) if need_saved else memory
     return (mode, x.device, x.dtype, *x.shape, weights[0].shape[0], hx.shape[-1], num_layers,
-            bidirectional, lengths is not None, memory, p > 0, need_saved)  # fmt: skip
+            bidirectional, lengths is not None, memory, p > 0, need_saved, clipped,
+            recompute_asked)  # fmt: skip
 
 
 def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custom: Callable,
