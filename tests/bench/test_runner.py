@@ -228,7 +228,7 @@ def test_auto_picks_are_the_choices_timed_as_the_method_runs(monkeypatch):
     from mirrorgrad.ops.rnn import dispatch
 
     key = ("lstm", torch.device("cpu"), torch.float32, 3, 2, 4, 32, 8, 1, False, False,
-           "stash", False, True)  # fmt: skip
+           "stash", False, True, False, False)  # fmt: skip
     monkeypatch.setattr(dispatch, "_AUTO_CHOICE", {key: "triton", (*key, "captured"): "cudnn"})
     monkeypatch.setattr(dispatch, "AUTO_TIMES", {(*key, "captured"): {"cudnn": 1.0, "triton": 2.5}})
     assert runner._auto_picks(captured=True) == ["cudnn (cudnn 1.00, triton 2.50)"]
