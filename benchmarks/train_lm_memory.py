@@ -8,9 +8,9 @@ Runs `train lm --model medium` (one CUDA Graph per step on one GPU) with the all
 history on. After step 2 it prints the step's peak, what is allocated, the bytes the RNN
 op's loop cache holds, and the live blocks by the line that allocated them (peak_compare's
 innermost frame outside torch); then the peak of the remaining steps and of the final
-evaluation. The same model graphed uncompiled (`python -m mirrorgrad.bench.lm_step
---rows ours-graphed`) is the comparison: what this holds beyond it is the compiled run's
-own.
+evaluation, with the blocks it allocated that were alive at its peak. The same model
+graphed uncompiled (`python -m mirrorgrad.bench.lm_step --rows ours-graphed`) is the
+comparison: what this holds beyond it is the compiled run's own.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mirrorgrad.train.config import TrainConfig
 
 # Run as a script, the repository root is not on the path: its sibling comes from there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.peak_compare import _source
+from benchmarks.peak_compare import _replay, _source
 
 MiB = 2**20
 
@@ -58,6 +58,22 @@ def live_blocks(top: int) -> list[tuple[float, int, str, str, str]]:
                 sizes[key] += block["size"]
                 counts[key] += 1
     return [(size / MiB, counts[key], *key) for key, size in sizes.most_common(top)]
+
+
+def blocks_at_peak(start: int, top: int) -> list[tuple[float, int, str]]:
+    """(MiB, blocks, where) of the blocks alive at the recording's peak from trace
+    position ``start`` on that were allocated after it, by allocating line."""
+    snapshot = _compat.memory_snapshot()
+    trace = snapshot["device_traces"][0]
+    _, _, blocks = _replay(snapshot, 0, start)
+    sizes: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for size, at in blocks.values():
+        if at >= start:
+            where = _source(trace[at])
+            sizes[where] += size
+            counts[where] += 1
+    return [(size / MiB, counts[where], where) for where, size in sizes.most_common(top)]
 
 
 def main() -> None:
@@ -94,8 +110,14 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"steps 3-{args.steps}: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB")
         torch.cuda.reset_peak_memory_stats()
+        _compat.record_memory_history(False)  # a fresh history: the evaluation's alone
+        _compat.record_memory_history(True, max_entries=1_000_000)
+        start = len(_compat.memory_snapshot()["device_traces"][0])
         losses = final_losses(*a, **k)
         torch.cuda.synchronize()
+        print("at the evaluation's peak, allocated during it:")
+        for size, blocks, where in blocks_at_peak(start, args.top):
+            print(f"  {size:8.1f} MiB in {blocks:3d}  {where}")
         print(f"final evaluation: peak {torch.cuda.max_memory_allocated() / MiB:.0f} MiB, "
               f"allocated after it {torch.cuda.memory_allocated() / MiB:.0f} MiB, RNN loop "
               f"cache {cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
