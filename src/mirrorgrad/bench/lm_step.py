@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -121,13 +120,12 @@ def _tokens(batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def _time_step_row(row: str, batch: int, precision: str, steps: int, device) -> Result:
-    before = _fresh(device)
     if row == "pytorch-example":
         step = _example_step(batch, precision, device)
     else:
         step = _graphed_step(batch, precision, device, cudnn=row == "cudnn-graphed")
     timing = time_calls(step, repeats=steps, warmup=5, device=device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak = torch.cuda.max_memory_allocated(device)  # the row's process: nothing before it
     del step
     return Result(
         row=row, batch=batch, precision=precision, step_ms=timing.median_ms,
@@ -140,7 +138,6 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
     from mirrorgrad.train.config import TrainConfig
     from mirrorgrad.train.loop import train
 
-    before = _fresh(device)
     with tempfile.TemporaryDirectory() as logdir:
         config = TrainConfig.from_preset(
             "medium", data=data, device="cuda", batch_size=batch, epochs=1, max_steps=steps,
@@ -149,7 +146,7 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
         summary = train(config)
     return Result(
         row="train-lm", batch=batch, precision=precision, tokens_per_s=summary.tokens_per_s,
-        peak_bytes=(summary.peak_measured_bytes or before) - before,
+        peak_bytes=summary.peak_measured_bytes or 0,
         step_ms=batch * BPTT / summary.tokens_per_s * 1e3,
     )  # fmt: skip
 
@@ -179,15 +176,6 @@ def _measure(row: str, batch: int, precision: str, steps: int, data, device) -> 
         steps = max(steps, math.ceil(20000 / batch))
         return _train_lm_row(batch, precision, steps, data, device)
     return _time_step_row(row, batch, precision, steps, device)
-
-
-def _fresh(device) -> int:
-    """Peak counters reset; returns the bytes still held from earlier rows (compiled
-    code and caches keep some), which the row's peak leaves out."""
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
 
 
 def table(results: list[Result]) -> str:

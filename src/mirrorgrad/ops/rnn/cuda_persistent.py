@@ -154,7 +154,8 @@ def layer_backward(
     needs_input_grad: tuple[bool, ...] = (True,) * 8,
 ) -> tuple[Tensor | None, ...]:
     """Gradients of x, h0, c0, w_ih, w_hh, b_ih, b_hh, w_hr (None where not needed): the
-    backward launch, then one GEMM (or sum) for each input and weight gradient."""
+    backward launch, then one GEMM for each input and weight gradient and one GEMV for
+    the biases."""
     need_x, need_h0, need_c0, need_wih, need_whh, need_bih, need_bhh, _ = needs_input_grad
     need_bih, need_bhh = need_bih and call.b_ih is not None, need_bhh and call.b_hh is not None
     if not (need_x or need_h0 or need_c0 or need_wih or need_whh or need_bih or need_bhh):
