@@ -155,6 +155,9 @@ class Plan:
     limits: list[str] = field(default_factory=list)
     # The LM heads + cross-entropies found before planning, fused or not (fused_loss.py).
     fused_losses: list = field(default_factory=list)
+    # What became of Inductor's seeded random draws (dropout masks): how many the
+    # backward recomputes from their seeds, and why any stay stashed (seeded_masks.py).
+    seeded_random: str = ""
 
     @property
     def step_peak(self) -> int:
@@ -190,6 +193,7 @@ class Plan:
             "step_peak": self.step_peak,
             "limits": list(self.limits),
             "fused_losses": [str(f) for f in self.fused_losses],
+            "seeded_random": self.seeded_random,
         }
 
     def floor_summary(self) -> str:
@@ -271,6 +275,8 @@ class Plan:
         lines += [f"op memory:      {c}" for c in self.op_memory]
         lines += [f"held up by:     {why}" for why in self.limits]
         lines += [f"loss:           {f}" for f in self.fused_losses]
+        if self.seeded_random:
+            lines.append(f"dropout masks:  {self.seeded_random}")
         return "\n".join(lines)
 
 

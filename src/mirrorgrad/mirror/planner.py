@@ -6,8 +6,10 @@ judged by the step's simulated peak, in one of three modes:
 - ``budget`` (budget_search.py): the least added time that meets a peak budget.
 
 The chosen plan is then made the same in every copy of a repeated block where that
-keeps the mode's promise (``Planner.uniform``), and checked before it is returned: no
-random op recomputed, every backward read either saved or recomputed from saved values.
+keeps the mode's promise (``Planner.uniform``), recomputes its dropout masks from their
+seeds where that raises no peak (seeded_masks.py), and is checked before it is returned:
+no random op recomputed, every backward read either saved or recomputed from saved
+values.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from mirrorgrad.mirror.plan import (
     budget_message,
 )
 from mirrorgrad.mirror.policy import MirrorPolicy, is_random
+from mirrorgrad.mirror.seeded_masks import recompute_masks
 from mirrorgrad.mirror.storage_balance import UnitGraph
 
 
@@ -42,13 +45,17 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     graph = UnitGraph(joint, policy)
     planner = Planner(joint, graph, rates, fusion=options.fusion)
     before = planner.evaluate(set())
-    budget_bytes, scale = None, None
+    budget_bytes, scale, seeded = None, None, ""
     if options.mode == "off" or not policy.enabled:
         chosen = before
     elif options.mode == "balance":
         chosen = plan_balance(planner, options.max_overhead, before)
+        cap_s = options.max_overhead * planner.step_time_s
+        chosen, seeded = recompute_masks(planner, chosen, lambda c: c.added_time_s <= cap_s)
     else:
         chosen, budget_bytes, scale = plan_budget(planner, options.budget, before)
+        # The peak does not rise, so the budget stays as met as it was.
+        chosen, seeded = recompute_masks(planner, chosen, lambda c: True)
     _check(joint, chosen.partition, planner.index)
     sizes = {n: joint.nbytes(n) for n in chosen.partition.mirrored if not is_view(n)}
     sizes |= {n: 0 for n in chosen.partition.mirrored if is_view(n)}
@@ -80,6 +87,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         budget_met=met,
         floor=floor,
         sizes=sizes,
+        seeded_random=seeded,
     )
     if options.mode == "balance" and policy.enabled:
         result.limits = limits(planner, chosen, before, options.max_overhead, floor)

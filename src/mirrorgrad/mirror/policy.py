@@ -133,10 +133,20 @@ def _namespace(node: Node) -> str:
 _SEEDED_NAMESPACES = ("prims", "rngprims", "")  # Inductor's prims, functionalized RNG, HOPs
 
 
+def is_seeded_random(node: Node) -> bool:
+    """A random op whose draw a seed input fixes (``OpClasses.seeded_random``):
+    recomputed from the same seed, it draws the same numbers."""
+    return (
+        node.op == "call_function"
+        and _packet(node) in DEFAULT_CLASSES.seeded_random
+        and _namespace(node) in _SEEDED_NAMESPACES
+    )
+
+
 def is_random(node: Node) -> bool:
     """A random op: recomputing it draws fresh random numbers (an op whose draw a seed
-    input fixes, ``OpClasses.seeded_random``, is not)."""
-    if _packet(node) in DEFAULT_CLASSES.seeded_random and _namespace(node) in _SEEDED_NAMESPACES:
+    input fixes, ``is_seeded_random``, is not)."""
+    if is_seeded_random(node):
         return False
     if _packet(node) in DEFAULT_CLASSES.attention and _namespace(node) == "aten":
         return schema_arg(node, "dropout_p") != 0  # no dropout: nothing drawn
