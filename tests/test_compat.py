@@ -334,6 +334,12 @@ def test_inductor_seeded_random_ops_ignore_the_seed_when_run_eagerly():
     assert not torch.equal(random([64], seed, "rand"), random([64], seed, "rand"))
 
 
+def test_inductor_lookup_seed_op_reads_the_kth_seed():
+    lookup = _compat.inductor_lookup_seed_op()
+    assert isinstance(lookup, _compat.OpOverload)
+    assert lookup(torch.tensor([5, 7, 9]), 1).item() == 7
+
+
 def test_static_sizes_tells_symbolic_sizes_apart_while_dynamo_traces():
     seen = {}
 

@@ -126,6 +126,14 @@ def inductor_seeded_random_ops() -> tuple[OpOverload, ...]:
     return (torch.ops.prims.inductor_random.default, torch.ops.prims.inductor_randint.default)
 
 
+def inductor_lookup_seed_op() -> OpOverload:
+    """``prims.inductor_lookup_seed(seeds, k)``: the k-th of a graph's seeds, which
+    Inductor's joint-graph passes give each draw (``inductor_random(shape, seed)``)."""
+    import torch._inductor.inductor_prims  # registers the prims
+
+    return torch.ops.prims.inductor_lookup_seed.default
+
+
 # --- storage references (used by ops/rnn/cuda_graphs.py) -------------------------------------
 def storage_use_count(t: torch.Tensor) -> int:
     """How many references (tensors, views, storage objects) hold ``t``'s storage; the
@@ -255,6 +263,7 @@ __all__ = [
     "gpu_shape_padding",
     "inductor_config",
     "inductor_decompositions",
+    "inductor_lookup_seed_op",
     "inductor_mode_options",
     "inductor_seeded_random_ops",
     "inductor_setting_names",

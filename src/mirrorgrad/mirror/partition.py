@@ -29,6 +29,7 @@ from mirrorgrad.mirror.late_gemm import PLANNED_BACKWARD, split_late_addmms
 from mirrorgrad.mirror.op_memory import plan_joint
 from mirrorgrad.mirror.plan import Plan, PlanOptions
 from mirrorgrad.mirror.policy import is_random, policy_for
+from mirrorgrad.mirror.seed_buffers import give_seeds_their_own_buffers
 
 Partitioner = Callable[..., tuple[GraphModule, GraphModule]]
 PlanCallback = Callable[[Plan], None]
@@ -134,6 +135,7 @@ def _split(
     # autograd engine would run them), not all at the start of the backward.
     bw_gm = _compat.reordering_to_mimic_autograd_engine(bw_gm)
     fw_gm = _compat.raise_getitems(fw_gm)
+    give_seeds_their_own_buffers(fw_gm)
     _mark_view_read_outputs(fw_gm)
     bw_gm = _compat.raise_getitems(bw_gm)
     bw_gm.graph.find_nodes(op="output")[0].meta[PLANNED_BACKWARD] = True
