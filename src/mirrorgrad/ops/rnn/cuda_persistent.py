@@ -20,10 +20,10 @@ H runs padded to Hp = ``padded_hidden(H)``: each gate block (i, f, g, o) of x W_
 b_ih, of W_hh (its columns too) and of b_hh gets Hp - H zero rows, h0 and c0 zero
 columns. Exact: a padded unit's pre-activations are zero, so i = f = o = 0.5 and g = 0;
 its c stays 0 from c0 = 0 and its h = 0.5 tanh(0) = 0; W_hh's padded columns are zero,
-so real units never see it. In the backward its dh and dc stay zero, so are its gate
-gradients. Outputs and gradients are sliced back to H. The padded copies are made per
-call (nothing cached goes stale when the optimizer updates W in place) and counted as
-workspace.
+so real units never see it. In the backward its dh (through those zero columns) and dc
+stay zero, and so its gate gradients. Outputs and gradients are sliced back to H. The
+padded copies are made per call (nothing cached goes stale when the optimizer updates W
+in place) and counted as workspace.
 
 SAVED LAYOUT (both memory modes): the stash [T,B,5Hp] float32, the activated gates i,
 f, g, o and c_t of every step, as the backward kernel reads it (Hp = H where H is a
