@@ -216,8 +216,8 @@ def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor
     return out[:T], out[T], out[T + 1], (stash,)
 
 
-def _gate_gradients(kernel, call: LayerCall, stash: Tensor, grad_y: Tensor | None,
-                    grad_hn: Tensor | None,
+def _gate_gradients(kernel: CudaLstmKernel, call: LayerCall, stash: Tensor,
+                    grad_y: Tensor | None, grad_hn: Tensor | None,
                     grad_cn: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The backward launch: (the gate gradients [T,B,4H] of every step, [dh0, dc0]
     [2,B,H]), run padded where the kernel's Hp is past H (its padded copies freed on
