@@ -1,14 +1,16 @@
 """impl="cuda" (the CUDA C++ persistent LSTM) on the CPU: what it takes (``supports``,
 the layout's limits), its saved layout, its errors (no CUDA tensors, no cuda.bindings,
 a shape it does not take), the dispatcher listing it and leaving it out where it cannot
-run, and the layer's GEMMs and stacking around a stand-in of the kernel, against
-torch.nn.LSTM. The kernel's own source runs on the CPU in
+run, and the layer's GEMMs, hidden sizes padded to a multiple of 8 and stacking around a
+stand-in of the kernel, against torch.nn.LSTM, with its workspace against its memory
+formula. The kernel's own source runs on the CPU in
 tests/benchmarks_persistent_cuda/test_kernels_on_cpu.py; on a GPU in
 test_cuda_impl_gpu.py."""
 
 from __future__ import annotations
 
 import sys
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,8 @@ import torch
 
 import mirrorgrad.nn
 from mirrorgrad.ops.rnn import IMPLS, cuda_lstm_kernel, cuda_persistent, dispatch, op, time_model
+
+from .memory_tracker import PeakTracker
 
 CUDA = torch.device("cuda", 0)
 H100 = SimpleNamespace(multi_processor_count=132, major=9, minor=0)
@@ -76,6 +80,25 @@ def test_layouts_the_kernels_do_not_take_say_why(dtype, hidden, batch, sms, reas
     assert reason in cuda_lstm_kernel.unfit(dtype, hidden, batch, sms)
 
 
+@pytest.mark.parametrize(("hidden", "padded"), [(1, 8), (8, 8), (13, 16), (650, 656), (1024, 1024)])
+def test_hidden_sizes_pad_to_the_next_multiple_of_8(hidden, padded):
+    assert cuda_persistent.padded_hidden(hidden) == padded
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 20, 32])
+def test_the_word_lm_hidden_size_runs_padded(h100, dtype, batch):
+    reason = cuda_persistent.unsupported_reason("lstm", proj=False, dtype=dtype, device=CUDA,
+                                                hidden=650, batch=batch)  # fmt: skip
+    assert reason is None
+
+
+def test_a_padded_size_the_layout_does_not_take_says_so(h100):
+    reason = cuda_persistent.unsupported_reason("lstm", proj=False, dtype=torch.bfloat16,
+                                                device=CUDA, hidden=1500, batch=20)  # fmt: skip
+    assert reason.startswith("hidden 1500 runs padded to 1504, and hidden 1504 in bf16")
+
+
 def test_unsupported_reason_names_what_the_kernel_lacks(h100):
     def reason(mode="lstm", **kw):
         args = dict(proj=False, dtype=torch.bfloat16, device=CUDA, hidden=512, batch=4) | kw
@@ -97,12 +120,17 @@ def test_saved_layout_is_the_float32_stash_in_both_memory_modes(memory):
         ((7, 3, 80), torch.float32)]  # fmt: skip
     assert op._saved_per_layer("cuda", "lstm", memory) == 1
     assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 16, torch.bfloat16) == 7 * 3 * 80 * 4
+    # hidden 13 runs padded to 16: the stash the kernel writes, as the planner must see it
+    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 13, torch.bfloat16) == [
+        ((7, 3, 80), torch.float32)]  # fmt: skip
+    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 13, torch.bfloat16) == 7 * 3 * 80 * 4
 
 
-def test_fake_kernel_saves_one_stash_per_layer_direction():
+@pytest.mark.parametrize(("H", "Hp"), [(16, 16), (13, 16)])
+def test_fake_kernel_saves_one_stash_per_layer_direction(H, Hp):
     from mirrorgrad import _compat
 
-    T, B, H, layers = 5, 3, 16, 2
+    T, B, layers = 5, 3, 2
     with _compat.fake_tensors():
         x = torch.empty(T, B, 8)
         weights = []
@@ -117,8 +145,8 @@ def test_fake_kernel_saves_one_stash_per_layer_direction():
             True, 0, 0.0, "recompute", None, "cuda", True,
         )  # fmt: skip
     # per layer: two stashes, then (but after the last) the layer's output
-    assert [tuple(s.shape) for s in saved] == [(T, B, 5 * H)] * 2 + [(T, B, 2 * H)] + [
-        (T, B, 5 * H)] * 2  # fmt: skip
+    assert [tuple(s.shape) for s in saved] == [(T, B, 5 * Hp)] * 2 + [(T, B, 2 * H)] + [
+        (T, B, 5 * Hp)] * 2  # fmt: skip
     assert all(s.dtype == torch.float32 for s in saved[:2])
 
 
@@ -160,6 +188,7 @@ def test_dispatch_lists_cuda_and_asks_for_cuda_bindings(monkeypatch, h100):
     ask = dispatch._cuda_supports
     monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
     assert ask("lstm", False, torch.bfloat16, CUDA, 512, 4)
+    assert ask("lstm", False, torch.float32, CUDA, 650, 20)  # padded to 656
     assert not ask("lstm", False, torch.bfloat16, CUDA, 4096, 4)
     assert not ask("gru", False, torch.bfloat16, CUDA, 512, 4)
 
@@ -218,7 +247,19 @@ class _StandInKernel:
         self.hidden = hidden
         self.launches = 0
 
+    def _check(self, T, B, w_hh, b_hh=None, **states):
+        """The shapes the real kernel is compiled for (it reads no others)."""
+        H = self.hidden
+        assert w_hh.shape == (4 * H, H) and w_hh.is_contiguous()
+        assert b_hh is None or (b_hh.shape == (4 * H,) and b_hh.dtype == torch.float32)
+        steps = {"xw": 4 * H, "y": H, "stash": 5 * H, "dy": H, "dgates": 4 * H}
+        for name, t in states.items():
+            shape = (T, B, steps[name]) if name in steps else (B, H)
+            assert t.shape == shape and t.is_contiguous(), (name, tuple(t.shape), shape)
+
     def recurrence(self, xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash):
+        T, B = xw.shape[:2]
+        self._check(T, B, w_hh, b_hh, xw=xw, h0=h0, c0=c0, y=y, h_n=h_n, c_n=c_n, stash=stash)
         h, c = h0, c0
         for t in range(xw.shape[0]):
             pre = xw[t] + h @ w_hh.t() + b_hh
@@ -234,6 +275,8 @@ class _StandInKernel:
 
     def backward_recurrence(self, w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0):
         T, H = dy.shape[0], self.hidden
+        self._check(T, dy.shape[1], w_hh, stash=stash, c0=c0, dy=dy, dh_n=dh_n, dc_n=dc_n,
+                    dgates=dgates, dh0=dh0, dc0=dc0)  # fmt: skip
         dh_next = dh_n
         dc = dc_n
         for t in reversed(range(T)):
@@ -259,11 +302,15 @@ class _StandInKernel:
         pass
 
 
-@pytest.mark.parametrize(("layers", "bidirectional", "bias"),
-                         [(1, False, True), (2, True, True), (1, False, False)])  # fmt: skip
-def test_layer_around_the_kernel_matches_torch_nn(monkeypatch, layers, bidirectional, bias):
-    H = 16
-    kernel = _StandInKernel(H)
+@pytest.mark.parametrize(("H", "Hp", "layers", "bidirectional", "bias"), [
+    (16, 16, 1, False, True), (16, 16, 2, True, True), (16, 16, 1, False, False),
+    (13, 16, 1, False, True), (13, 16, 2, True, True), (13, 16, 1, False, False),
+    (20, 24, 2, True, True), (37, 40, 2, True, True),
+])  # fmt: skip
+def test_layer_around_the_kernel_matches_torch_nn(monkeypatch, H, Hp, layers, bidirectional,
+                                                  bias):  # fmt: skip
+    """Hp > H: the kernel runs the layer zero-padded to Hp units per gate."""
+    kernel = _StandInKernel(Hp)
     monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
     monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
     monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
@@ -286,6 +333,96 @@ def test_layer_around_the_kernel_matches_torch_nn(monkeypatch, layers, bidirecti
     for got, expected in zip(outputs["ours"], outputs["want"]):
         # b_hh reaches the kernel in float32, as cuda_lstm.cu takes it
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+class _AllocationTimeline(PeakTracker):
+    """PeakTracker that also keeps the order: every storage an ATen call returns and
+    when it is freed, so that ``temporary_peak`` is the peak of those freed by the end
+    (the call's temporaries, its outputs still held). Storages of ``existing`` tensors
+    are not counted."""
+
+    def __init__(self, *existing):
+        super().__init__(*existing)
+        self.events: list[tuple[int, int]] = []  # (allocation, +bytes or -bytes)
+        self._allocations: dict[int, int] = {}  # data_ptr -> allocation, while alive
+
+    def _free_allocation(self, ptr, allocation, nbytes):
+        self._allocations.pop(ptr, None)
+        self.events.append((allocation, -nbytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or ptr in self._allocations or ptr in self._existing:
+                continue
+            allocation = len(self.events)
+            self._allocations[ptr] = allocation
+            self.events.append((allocation, nbytes))
+            weakref.finalize(storage, self._free_allocation, ptr, allocation, nbytes)
+        return out
+
+    def temporary_peak(self) -> int:
+        freed = {a for a, nbytes in self.events if nbytes < 0}
+        live = peak = 0
+        for allocation, nbytes in self.events:
+            if allocation in freed:
+                live += nbytes
+                peak = max(peak, live)
+        return peak
+
+
+class _QuietKernel(_StandInKernel):
+    """Checks the shapes, writes nothing and allocates nothing: what the layer around it
+    allocates is the layer's own."""
+
+    def recurrence(self, xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash):
+        self._check(xw.shape[0], xw.shape[1], w_hh, b_hh, xw=xw, y=y, stash=stash)
+
+    def backward_recurrence(self, w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0):
+        self._check(dy.shape[0], dy.shape[1], w_hh, stash=stash, dy=dy, dgates=dgates)
+
+
+@pytest.mark.parametrize(("T", "B", "H", "Hp"), [
+    (5, 3, 13, 16),  # the forward's peak at the launch
+    (40, 6, 13, 16),  # at the input GEMM's padded copy
+    (7, 2, 37, 40),
+    (5, 3, 16, 16),  # unpadded: the formula is a bound (the zeros and h_{t-1} apart)
+])  # fmt: skip
+def test_workspace_is_what_the_layer_allocates(monkeypatch, T, B, H, Hp):
+    kernel = _QuietKernel(Hp)
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
+    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+    from mirrorgrad.ops.rnn.layer_call import LayerCall
+
+    dtype = torch.float64
+    tensors = [torch.randn(T, B, 9, dtype=dtype), torch.randn(B, H, dtype=dtype),
+               torch.randn(B, H, dtype=dtype), torch.randn(4 * H, 9, dtype=dtype),
+               torch.randn(4 * H, H, dtype=dtype), torch.randn(4 * H, dtype=dtype),
+               torch.randn(4 * H, dtype=dtype)]  # fmt: skip
+    grad_y = torch.randn(T, B, H, dtype=dtype)
+    call = LayerCall("lstm", *tensors)
+    with _AllocationTimeline(*tensors) as timeline:
+        y, _, _, saved = cuda_persistent.layer_forward(call)
+    forward = cuda_persistent.workspace_bytes("lstm", "stash", T, B, H, dtype, backward=False)
+    assert [(tuple(t.shape), t.dtype) for t in saved] == cuda_persistent.saved_layout(
+        "lstm", "stash", T, B, H, dtype)  # fmt: skip
+    with _AllocationTimeline(*tensors, y, grad_y, *saved) as back:
+        grads = cuda_persistent.layer_backward(call, saved, y, grad_y, None, None)
+    backward = cuda_persistent.workspace_bytes("lstm", "stash", T, B, H, dtype, backward=True)
+    assert [g.shape for g in grads[:7]] == [t.shape for t in tensors]
+    if Hp == H:
+        assert timeline.temporary_peak() <= forward
+        assert back.temporary_peak() <= backward
+        return
+    assert timeline.temporary_peak() == forward
+    # The formula counts dh0 and dc0 as held (the op keeps them to the stack's end); here
+    # they are the call's outputs.
+    assert backward - 2 * B * H * dtype.itemsize <= back.temporary_peak() <= backward
 
 
 def test_layer_gives_no_gradient_it_is_not_asked_for(monkeypatch):

@@ -1,6 +1,7 @@
 """``mirrorgrad.nn.LSTM(impl="cuda")`` on a GPU: outputs and every gradient against
 torch.nn.LSTM in float64 on the CPU (odd hidden sizes, batch 1 and 3, T 1 and 35, fp32
-with TF32 products and bf16, the prototype's tolerances), two layers with dropout (the
+with TF32 products and bf16, the prototype's tolerances), hidden sizes off the multiple
+of 8 (run zero-padded: 13, and the word LM's 650 at batch 20), two layers with dropout (the
 masks of impl="triton", which shares them), bidirectional, a CUDA Graph capture and its
 replays, the op's opcheck, the op's temporaries against its memory formulas, a barrier
 that gives up, and impl="auto" timing it beside the others (called and captured).
@@ -105,10 +106,22 @@ def test_largest_layout_matches_float64(dtype):
     _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
 
 
-def test_bidirectional_two_layers_match_float64():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("hidden", "batch"), [(13, 3), (650, 20)])
+def test_padded_hidden_sizes_match_float64(dtype, hidden, batch):
+    """Run padded to 16 (one CTA, 3 zero units a gate) and 656 (the word LM's layer at
+    its batch and BPTT length)."""
     torch.manual_seed(0)
-    ours, ref = _pair(24, 96, layers=2, bidirectional=True)
-    inputs, grads = _inputs(35, 3, 24, 96, torch.float32, layers=2, D=2)
+    ours, ref = _pair(40, hidden, dtype=dtype)
+    inputs, grads = _inputs(35, batch, 40, hidden, dtype)
+    _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("hidden", [96, 13])
+def test_bidirectional_two_layers_match_float64(hidden):
+    torch.manual_seed(0)
+    ours, ref = _pair(24, hidden, layers=2, bidirectional=True)
+    inputs, grads = _inputs(35, 3, 24, hidden, torch.float32, layers=2, D=2)
     _check_against_float64(ours, ref, inputs, grads, 2 * TOLERANCE[torch.float32])
 
 
@@ -133,14 +146,21 @@ def test_dropout_between_layers_uses_the_triton_masks():
     assert relative_error(first[0], _run(no_dropout, inputs, grads)[0].double().cpu()) > 1e-2
 
 
-def test_captured_step_replays_with_new_inputs():
+@pytest.mark.parametrize("hidden", [520, 650])
+def test_captured_step_replays_with_new_inputs(hidden):
+    """650: the padded copies are made inside the capture, and replays see new weights
+    (nothing cached from the captured ones' values)."""
     torch.manual_seed(0)
-    ours, ref = _pair(40, 520, dtype=torch.bfloat16)
-    inputs, grads = _inputs(35, 3, 40, 520, torch.bfloat16)
+    ours, ref = _pair(40, hidden, dtype=torch.bfloat16)
+    inputs, grads = _inputs(35, 3, 40, hidden, torch.bfloat16)
     static = [t.clone() for t in (*inputs, *grads)]
     graph, outputs = capture(lambda: _run(ours, static[:3], static[3:]))
     for seed in (1, 2):
-        new_inputs, new_grads = _inputs(35, 3, 40, 520, torch.bfloat16, seed=seed)
+        with torch.no_grad():  # an optimizer's in-place step, between replays
+            for weight in ours.parameters():
+                weight.mul_(1.01)
+        ref.load_state_dict({k: v.double().cpu() for k, v in ours.state_dict().items()})
+        new_inputs, new_grads = _inputs(35, 3, 40, hidden, torch.bfloat16, seed=seed)
         for slot, value in zip(static, (*new_inputs, *new_grads)):
             slot.copy_(value)
         graph.replay()
@@ -152,7 +172,9 @@ def test_captured_step_replays_with_new_inputs():
     assert max(relative_error(a, b) for a, b in zip(outputs, want)) <= TOLERANCE[torch.bfloat16]
 
 
-def test_op_passes_opcheck():
+@pytest.mark.parametrize("H", [16, 13])
+def test_op_passes_opcheck(H):
+    """13: the fake kernel's stash is the padded one the layer saves."""
     from .test_rnn_contract import UTILS, _backward_args
     from .test_rnn_op import forward_args, stack_inputs
 
@@ -160,7 +182,7 @@ def test_op_passes_opcheck():
         return t.detach().to(DEVICE).requires_grad_()
 
     x, weights, hx, cx = stack_inputs("lstm", layers=2, bidirectional=True, T=3, B=3, n_in=8,
-                                      H=16, dtype=torch.float32)  # fmt: skip
+                                      H=H, dtype=torch.float32)  # fmt: skip
     args = list(forward_args("lstm", gpu(x), [gpu(w) for w in weights], gpu(hx), gpu(cx),
                              layers=2, bidirectional=True, dropout=0.5, impl="cuda"))  # fmt: skip
     args[5] = args[5].to(DEVICE)  # the dropout seed lives on the GPU
@@ -241,13 +263,14 @@ def _peak_beyond(call, *, outputs_of) -> tuple[int, object]:
     return peak - sum(storages.values()), result
 
 
-def test_op_temporaries_within_the_memory_formulas():
+@pytest.mark.parametrize("H", [512, 650])
+def test_op_temporaries_within_the_memory_formulas(H):
     """The forward's and the backward's peak beyond their inputs and outputs (the saved
     stash included) is what op.py's memory formulas say, from the layer's
-    workspace_bytes: at most, and not far below."""
+    workspace_bytes: at most, and not far below (650: its padded copies counted)."""
     from mirrorgrad.ops.rnn import op
 
-    T, B, n_in, H, dtype = 100, 20, 256, 512, torch.bfloat16
+    T, B, n_in, dtype = 100, 20, 256, torch.bfloat16
     x = torch.randn(T, B, n_in, device=DEVICE, dtype=dtype)
     weights = [torch.randn(4 * H, n_in, device=DEVICE, dtype=dtype) / 16,
                torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,

@@ -11,14 +11,25 @@ dropout masks are the Triton kernels' (kernels.py), whose seed stays on the GPU.
 
 What it runs: mode "lstm", fp32 (the recurrent products in TF32, as cuDNN's default) or
 bf16, no projection, no sequence lengths, no state clip, on CUDA, at hidden sizes and
-batches the kernel's layout fits (``cuda_lstm_kernel.unfit``: H a multiple of 8 up to
-1024 in fp32 on an H100's 132 SMs, batch up to 32). ``unsupported_reason`` says why not;
-``impl="cuda"`` raises it, ``impl="auto"`` leaves the candidate out.
+batches the kernel's layout fits (``cuda_lstm_kernel.unfit``: up to 1024 in fp32 on an
+H100's 132 SMs, batch up to 32). ``unsupported_reason`` says why not; ``impl="cuda"``
+raises it, ``impl="auto"`` leaves the candidate out.
 
-SAVED LAYOUT (both memory modes): the stash [T,B,5H] float32, the activated gates i, f,
-g, o and c_t of every step, as the backward kernel reads it. memory="recompute" runs as
-"stash" (the kernel has no recomputing backward): its saved bytes are the stash's, and
-``saved_layout`` says so to the op's memory formulas and the planner.
+PADDED HIDDEN SIZES: the kernel's layout takes H a multiple of 8, so a layer of another
+H runs padded to Hp = ``padded_hidden(H)``: each gate block (i, f, g, o) of x W_ih^T +
+b_ih, of W_hh (its columns too) and of b_hh gets Hp - H zero rows, h0 and c0 zero
+columns. Exact: a padded unit's pre-activations are zero, so i = f = o = 0.5 and g = 0;
+its c stays 0 from c0 = 0 and its h = 0.5 tanh(0) = 0; W_hh's padded columns are zero,
+so real units never see it. In the backward its dh (through those zero columns) and dc
+stay zero, and so its gate gradients. Outputs and gradients are sliced back to H. The
+padded copies are made per call (nothing cached goes stale when the optimizer updates W
+in place) and counted as workspace.
+
+SAVED LAYOUT (both memory modes): the stash [T,B,5Hp] float32, the activated gates i,
+f, g, o and c_t of every step, as the backward kernel reads it (Hp = H where H is a
+multiple of 8). memory="recompute" runs as "stash" (the kernel has no recomputing
+backward): its saved bytes are the stash's, and ``saved_layout`` says so to the op's
+memory formulas and the planner.
 
 A grid barrier that waits more than 1 s gives up (the launch could not run all its CTAs
 at once): the call's outputs become NaN on the GPU (no sync) and the next call of that
@@ -38,24 +49,50 @@ from mirrorgrad.ops.rnn.layer_call import LayerCall
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
+def padded_hidden(hidden: int) -> int:
+    """The hidden size the kernel runs a layer of ``hidden`` units at: the next multiple
+    of 8 (the module's docstring, PADDED HIDDEN SIZES)."""
+    return -(-hidden // 8) * 8
+
+
 def saved_layout(
     mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The stash [T,B,5H] float32 in either memory mode (the module's docstring)."""
-    return [((T, B, 5 * H), torch.float32)]
+    """The stash [T,B,5Hp] float32 in either memory mode (the module's docstring)."""
+    return [((T, B, 5 * padded_hidden(H)), torch.float32)]
 
 
 def workspace_bytes(
     mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
 ) -> int:
-    """Peak bytes a layer call allocates beyond its inputs, outputs and stash: forward the
-    input GEMM's [T,B,4H] and b_hh in float32; backward the gate gradients [T,B,4H] with
-    dh0 and dc0, the zeros of absent output gradients, and h_{t-1} of every step [T,B,H]
-    for dW_hh's GEMM."""
+    """Peak bytes a layer call allocates beyond its inputs, outputs and stash.
+
+    H a multiple of 8: forward the input GEMM's [T,B,4H] and b_hh in float32; backward
+    the gate gradients [T,B,4H] with dh0 and dc0, the zeros of absent output gradients,
+    and h_{t-1} of every step [T,B,H] for dW_hh's GEMM.
+
+    Padded (Hp > H), as ``layer_forward`` and ``layer_backward`` allocate: forward the
+    larger of (the input GEMM's [T,B,4H] beside its padded copy) and (at the launch: the
+    padded xw, W_hh [4Hp,Hp], b_hh in float32, h0, c0 and the padded y, h_n, c_n before
+    they are sliced back); backward the larger of (at the launch: the padded W_hh, c0,
+    output gradients, gate gradients and dh0, dc0) and (the padded gate gradients, dh0
+    and dc0 beside their slices); h_{t-1} comes after the padded copies are freed."""
     size = dtype.itemsize
+    Hp = padded_hidden(H)
+    if Hp == H:
+        if not backward:
+            return T * B * 4 * H * size + 4 * H * 4
+        return ((T * B * 4 * H + 2 * B * H) * size + (T * B * H + 2 * B * H) * size
+                + T * B * H * size)  # fmt: skip
+    xw_padded = T * B * 4 * Hp * size
+    w_hh_padded = 4 * Hp * Hp * size
     if not backward:
-        return T * B * 4 * H * size + 4 * H * 4
-    return (T * B * 4 * H + 2 * B * H) * size + (T * B * H + 2 * B * H) * size + T * B * H * size
+        launch = (xw_padded + w_hh_padded + 4 * Hp * 4 + 2 * B * Hp * size
+                  + (T + 2) * B * Hp * size)  # fmt: skip
+        return max(T * B * 4 * H * size + xw_padded, launch)
+    gradients_padded = (T * B * 4 * Hp + 2 * B * Hp) * size
+    launch = w_hh_padded + (B * Hp + (T * B + 2 * B) * Hp) * size + gradients_padded
+    return max(launch, gradients_padded + (T * B * 4 * H + 2 * B * H) * size)
 
 
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
@@ -85,7 +122,11 @@ def unsupported_reason(mode: str, *, proj: bool, dtype: torch.dtype, device: tor
     if dtype not in _DTYPE_NAMES:
         return f"it runs float32 and bfloat16, got {dtype}"
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return cuda_lstm_kernel.unfit(_DTYPE_NAMES[dtype], hidden, batch, sms)
+    padded = padded_hidden(hidden)
+    reason = cuda_lstm_kernel.unfit(_DTYPE_NAMES[dtype], padded, batch, sms)
+    if reason is not None and padded != hidden:
+        return f"hidden {hidden} runs padded to {padded}, and {reason}"
+    return reason
 
 
 def supports_shape(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device,
@@ -118,28 +159,83 @@ def _kernel(call: LayerCall) -> CudaLstmKernel:
     if reason is not None:
         raise ValueError(f"impl='cuda' cannot run this layer: {reason}. Use impl='auto': it "
                          f"runs the fastest implementation that can")  # fmt: skip
-    kernel = cuda_lstm_kernel.compiled(_DTYPE_NAMES[x.dtype], hidden, x.shape[1], x.device)
+    kernel = cuda_lstm_kernel.compiled(_DTYPE_NAMES[x.dtype], padded_hidden(hidden), x.shape[1],
+                                       x.device)  # fmt: skip
     kernel.raise_if_timed_out()
     return kernel
 
 
+def _pad(t: Tensor, H: int, Hp: int, gates: int = 1) -> Tensor:
+    """[..., gates*H] -> [..., gates*Hp] contiguous: each gate block gets Hp - H zero
+    columns at its end (``t`` itself, made contiguous, where Hp = H)."""
+    if Hp == H:
+        return t.contiguous()
+    out = t.new_zeros(*t.shape[:-1], gates, Hp)
+    out[..., :H] = t.unflatten(-1, (gates, H))
+    return out.flatten(-2)
+
+
+def _pad_w_hh(w_hh: Tensor, H: int, Hp: int) -> Tensor:
+    """W_hh [4H,H] -> [4Hp,Hp]: each gate block's rows and the columns padded with zeros
+    (the zero columns keep the padded units' h out of the real units' products)."""
+    if Hp == H:
+        return w_hh.contiguous()
+    out = w_hh.new_zeros(4, Hp, Hp)
+    out[:, :H, :H] = w_hh.unflatten(0, (4, H))
+    return out.flatten(0, 1)
+
+
+def _unpad(t: Tensor, H: int, Hp: int, gates: int = 1) -> Tensor:
+    """[..., gates*Hp] -> [..., gates*H] contiguous: the real units of each gate block."""
+    if Hp == H:
+        return t
+    return t.unflatten(-1, (gates, Hp))[..., :H].flatten(-2).contiguous()
+
+
 @torch.no_grad()
 def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
-    """One layer, one direction: ``(y [T,B,H], h_n, c_n, (stash,))``."""
+    """One layer, one direction: ``(y [T,B,H], h_n, c_n, (stash [T,B,5Hp],))``."""
     kernel = _kernel(call)
-    x, h0, c0 = call.x.contiguous(), call.h0.contiguous(), call.c0.contiguous()
+    x = call.x.contiguous()
     w_ih, w_hh, b_ih, b_hh, _ = call.weights
-    T, B, H = x.shape[0], x.shape[1], kernel.hidden
-    xw = F.linear(x, w_ih, b_ih)
-    b_hh = b_hh.float() if b_hh is not None else x.new_zeros(4 * H, dtype=torch.float32)
+    T, B, H, Hp = x.shape[0], x.shape[1], w_hh.shape[1], kernel.hidden
+    # The product padded, not W_ih: its size does not depend on the input width.
+    xw = _pad(F.linear(x, w_ih, b_ih), H, Hp, gates=4)
+    if b_hh is None:
+        b_hh = x.new_zeros(4 * Hp, dtype=torch.float32)
+    else:
+        b_hh = _pad(b_hh.float(), H, Hp, gates=4)
     # y, h_n and c_n in one block: one NaN fill covers them where a barrier gave up.
-    out = torch.empty(T + 2, B, H, dtype=x.dtype, device=x.device)
-    y, h_n, c_n = out[:T], out[T], out[T + 1]
-    stash = torch.empty(T, B, 5 * H, dtype=torch.float32, device=x.device)
-    kernel.recurrence(xw, w_hh.contiguous(), b_hh.contiguous(), h0, c0, y, h_n, c_n, stash)
+    out = torch.empty(T + 2, B, Hp, dtype=x.dtype, device=x.device)
+    stash = torch.empty(T, B, 5 * Hp, dtype=torch.float32, device=x.device)
+    kernel.recurrence(xw, _pad_w_hh(w_hh, H, Hp), b_hh, _pad(call.h0, H, Hp),
+                      _pad(call.c0, H, Hp), out[:T], out[T], out[T + 1], stash)  # fmt: skip
     kernel.poison(out)
     kernel.note_status()
-    return y, h_n, c_n, (stash,)
+    out = _unpad(out, H, Hp)
+    return out[:T], out[T], out[T + 1], (stash,)
+
+
+def _gate_gradients(kernel: CudaLstmKernel, call: LayerCall, stash: Tensor,
+                    grad_y: Tensor | None, grad_hn: Tensor | None,
+                    grad_cn: Tensor | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The backward launch: (the gate gradients [T,B,4H] of every step, [dh0, dc0]
+    [2,B,H]), run padded where the kernel's Hp is past H (its padded copies freed on
+    return)."""
+    x = call.x
+    T, B, H, Hp = x.shape[0], x.shape[1], call.w_hh.shape[1], kernel.hidden
+
+    def given(grad: Tensor | None, *shape: int) -> Tensor:
+        return x.new_zeros(*shape, Hp) if grad is None else _pad(grad, H, Hp)
+
+    dgates = torch.empty(T, B, 4 * Hp, dtype=x.dtype, device=x.device)
+    state = torch.empty(2, B, Hp, dtype=x.dtype, device=x.device)
+    kernel.backward_recurrence(_pad_w_hh(call.w_hh, H, Hp), stash.contiguous(),
+                               _pad(call.c0, H, Hp), given(grad_y, T, B), given(grad_hn, B),
+                               given(grad_cn, B), dgates, state[0], state[1])  # fmt: skip
+    kernel.poison(dgates, state)
+    kernel.note_status()
+    return _unpad(dgates, H, Hp, gates=4), _unpad(state, H, Hp)
 
 
 @torch.no_grad()
@@ -161,23 +257,12 @@ def layer_backward(
     if not (need_x or need_h0 or need_c0 or need_wih or need_whh or need_bih or need_bhh):
         return (None,) * 8
     kernel = _kernel(call)
-    x, h0, c0 = call.x.contiguous(), call.h0.contiguous(), call.c0.contiguous()
-    w_ih, w_hh = call.w_ih, call.w_hh.contiguous()
     (stash,) = saved
-    T, B, H = x.shape[0], x.shape[1], kernel.hidden
-
-    def given(grad: Tensor | None, *shape: int) -> Tensor:
-        return x.new_zeros(shape) if grad is None else grad.contiguous()
-
-    dgates = torch.empty(T, B, 4 * H, dtype=x.dtype, device=x.device)
     # dh0 and dc0 apart from dgates: the op holds them until the stack's backward ends.
-    state = torch.empty(2, B, H, dtype=x.dtype, device=x.device)
+    dgates, state = _gate_gradients(kernel, call, stash, grad_y, grad_hn, grad_cn)
     dh0, dc0 = state.unbind(0)
-    kernel.backward_recurrence(w_hh, stash.contiguous(), c0, given(grad_y, T, B, H),
-                               given(grad_hn, B, H), given(grad_cn, B, H), dgates, dh0,
-                               dc0)  # fmt: skip
-    kernel.poison(dgates, state)
-    kernel.note_status()
+    x, h0, w_ih = call.x.contiguous(), call.h0.contiguous(), call.w_ih
+    T, B, H = x.shape[0], x.shape[1], call.w_hh.shape[1]
     flat = dgates.view(T * B, 4 * H)
     grad_x = (flat @ w_ih).view(T, B, -1) if need_x else None
     grad_wih = flat.t() @ x.view(T * B, -1) if need_wih else None
