@@ -112,7 +112,8 @@ def test_modes_agree_with_each_other_under_inductor(device):
         assert ("prims.inductor_random.default" in recomputed) == (options["mode"] == "budget")
         results.append((out.detach(), [p.grad for p in model.parameters()]))
     (out_a, grads_a), (out_b, grads_b) = results
-    # a different mask would differ by O(1); kernels fused differently by rounding
+    # a different mask would differ by O(1); kernels fused differently by rounding (on an
+    # H200 one weight gradient of 1,024 differed by 8e-6: reductions split differently)
     torch.testing.assert_close(out_a, out_b, rtol=1e-6, atol=1e-7)
     for a, b in zip(grads_a, grads_b):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

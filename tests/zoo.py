@@ -188,7 +188,8 @@ def build(
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:
     """A scalar that weights every output element differently."""
-    weights = torch.linspace(-1.0, 2.0, output.numel(), dtype=output.dtype).view_as(output)
+    weights = torch.linspace(-1.0, 2.0, output.numel(), dtype=output.dtype, device=output.device)
+    weights = weights.view_as(output)
     return (output * weights).sum() + 0.1 * (output**2).mean()
 
 
