@@ -3,9 +3,10 @@ the GPU, in one command (about 5 minutes on an H100 with 16 cores).
 
     python tests/gpu_matrix.py --out OUT [--jobs 14] [--modes LSTM,GRU,RNN]
                                [--dtypes fp32,bf16] [--batches 1,4,20,128,256]
+                               [--impls reference,triton,persistent,cudnn,auto,cuda]
 
 Cases: LSTM/GRU/RNN x fp32/bf16 x batch x impl (reference, triton, persistent, cudnn,
-auto) x path:
+auto, and cuda for LSTMs at the batches it takes) x path:
 - ``eager``: the module as it is;
 - ``compile``: ``torch.compile`` (Inductor, its defaults);
 - ``reduce-overhead``: ``torch.compile(mode="reduce-overhead")`` (CUDA Graph trees);
@@ -39,9 +40,12 @@ import time
 import traceback
 from pathlib import Path
 
-IMPLS = ("reference", "triton", "persistent", "cudnn", "auto")
+IMPLS = ("reference", "triton", "persistent", "cudnn", "auto", "cuda")
 PATHS = ("eager", "compile", "reduce-overhead", "mirrorgrad-cudagraphs", "step-graph")
 TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
+# impl="cuda" runs fp32 with TF32 recurrent products (as cuDNN's default), whatever
+# allow_tf32 says: 10 mantissa bits against bf16's 7, so a tolerance between the two.
+CUDA_FP32_TOLERANCE = 1e-2
 T, INPUT, HIDDEN, CLASSES, LAYERS = 8, 96, 256, 50, 2
 
 
@@ -173,6 +177,12 @@ def worker(mode: str, dtype_name: str, impl: str, batches: list[int], result_pat
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    tolerance = TOLERANCE[dtype_name]
+    if impl == "cuda":
+        from mirrorgrad.ops.rnn.cuda_lstm_kernel import MAX_BATCH
+
+        batches = [b for b in batches if b <= MAX_BATCH]
+        tolerance = CUDA_FP32_TOLERANCE if dtype_name == "fp32" else tolerance
     references = {b: _reference_grads(_model(mode, "cudnn", dtype), mode, *_inputs(b, dtype))
                   for b in batches}  # fmt: skip
     results = []
@@ -191,7 +201,7 @@ def worker(mode: str, dtype_name: str, impl: str, batches: list[int], result_pat
                 else:
                     outcome = _run_eager_or_compiled(model, fn, path, x, y, references[batch])
                 case.update(outcome)
-                if "failure" not in case and not case["error"] <= TOLERANCE[dtype_name]:
+                if "failure" not in case and not case["error"] <= tolerance:
                     case["failure"] = f"gradient error {case['error']:.2e}"
             except Exception as e:  # a case that raises is a failure, reported whole
                 case["failure"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -266,6 +276,7 @@ def main() -> int:
     parser.add_argument("--modes", default="LSTM,GRU,RNN")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--batches", default="1,4,20,128,256")
+    parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -278,7 +289,9 @@ def main() -> int:
         return 0
     work = args.out / "workers"  # one log and one JSON per worker
     work.mkdir(parents=True, exist_ok=True)
-    jobs = [(m, d, i) for m in args.modes.split(",") for d in args.dtypes.split(",") for i in IMPLS]
+    # the CUDA C++ kernel runs LSTMs only
+    jobs = [(m, d, i) for m in args.modes.split(",") for d in args.dtypes.split(",")
+            for i in args.impls.split(",") if i != "cuda" or m == "LSTM"]
     jobs.sort(key=lambda job: job[2] != "cudnn")  # the longest first: torch's RNN compiles unrolled
     jobs.insert(1, ("snippet", "fp32", "auto"))
     pending, running, start = list(jobs), [], time.perf_counter()
