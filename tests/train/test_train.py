@@ -203,3 +203,18 @@ def test_runs_in_one_process_do_not_pile_compiles_on_the_model(corpus, tmp_path)
         for run in range(3):
             summary = train(make_config(corpus, tmp_path / str(run), epochs=1, max_steps=2))
             assert summary.steps == 2
+
+
+def test_summary_reports_the_steps_peak_apart_from_the_whole_run():
+    """The final evaluation can raise a run's peak above its steps': both are printed."""
+    from mirrorgrad.train.summary import Summary
+
+    fields = {f: None for f in Summary.__dataclass_fields__}
+    fields.update(model="medium", mirror="balance", device="cuda", world_size=1,
+                  parameters=10**6, steps=10, epochs_done=0.5, seconds=1.0,
+                  samples_per_s=1.0, tokens_per_s=35.0, interrupted=False,
+                  precision="fp32", peak_loop_bytes=190 * 2**20,
+                  peak_measured_bytes=246 * 2**20)  # fmt: skip
+    text = str(Summary(**fields))
+    assert "training steps: 190 MiB" in text
+    assert "whole run (final evaluation included): 246 MiB" in text

@@ -15,7 +15,8 @@ compiled code and caches are each row's own, as in a user's run):
   (``train.step.GraphedStep``).
 - ``ours-graphed``: the same model with ``mirrorgrad.nn.LSTM``, the same whole-step graph.
 - ``train-lm``: ``mirrorgrad train lm --model medium`` itself on ``--data`` (its loop,
-  compile and plan included): tokens/s of the steps after the first, the peak of the run.
+  compile and plan included): tokens/s of the steps after the first, the peak of the run
+  and that of its steps (its final evaluation excluded).
 
 Step rows: median step time of ``--steps`` steps after a warm-up, from random tokens.
 A row's peak is its process's largest ``max_memory_allocated`` (weights, gradients,
@@ -56,6 +57,9 @@ class Result:
     tokens_per_s: float
     peak_bytes: int
     step_ms: float
+    # The steps' own peak: a step row's process runs nothing else; train-lm's excludes
+    # its final evaluation (its setup too: peaks are reset when the steps start).
+    steps_peak_bytes: int = 0
 
 
 def _example_step(batch: int, precision: str, device: torch.device) -> Callable[[], Tensor]:
@@ -130,6 +134,7 @@ def _time_step_row(row: str, batch: int, precision: str, steps: int, device) -> 
     return Result(
         row=row, batch=batch, precision=precision, step_ms=timing.median_ms,
         tokens_per_s=batch * BPTT / timing.median_ms * 1e3, peak_bytes=peak,
+        steps_peak_bytes=peak,
     )  # fmt: skip
 
 
@@ -147,6 +152,7 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
     return Result(
         row="train-lm", batch=batch, precision=precision, tokens_per_s=summary.tokens_per_s,
         peak_bytes=summary.peak_measured_bytes or 0,
+        steps_peak_bytes=summary.peak_loop_bytes or 0,
         step_ms=batch * BPTT / summary.tokens_per_s * 1e3,
     )  # fmt: skip
 
@@ -182,17 +188,20 @@ def table(results: list[Result]) -> str:
     """Markdown: per (batch, precision) every row's tokens/s and peak, with ratios to
     the graphed cuDNN step."""
     lines = [
-        "| batch | precision | step | tokens/s | vs cudnn-graphed | peak MiB | peak vs it |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| batch | precision | step | tokens/s | vs cudnn-graphed | peak MiB | peak vs it "
+        "| steps' peak MiB | vs it |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for (batch, precision), group in _groups(results).items():
         base = next((r for r in group if r.row == "cudnn-graphed"), None)
         for r in group:
             speed = "" if base is None else f"{r.tokens_per_s / base.tokens_per_s:.2f}x"
             memory = "" if base is None else f"{r.peak_bytes / base.peak_bytes:.2f}x"
+            steps = "" if base is None else f"{r.steps_peak_bytes / base.steps_peak_bytes:.2f}x"
             lines.append(
                 f"| {batch} | {precision} | {r.row} | {r.tokens_per_s / 1e3:.1f}k | {speed} "
-                f"| {r.peak_bytes / 2**20:.0f} | {memory} |"
+                f"| {r.peak_bytes / 2**20:.0f} | {memory} | {r.steps_peak_bytes / 2**20:.0f} "
+                f"| {steps} |"
             )
     return "\n".join(lines)
 

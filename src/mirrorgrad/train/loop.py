@@ -26,7 +26,7 @@ from mirrorgrad.train.model import State
 from mirrorgrad.train.progress import Position, Progress, checkpoint_state, first_line
 from mirrorgrad.train.setup import Setup, set_up
 from mirrorgrad.train.stop import StopRequest
-from mirrorgrad.train.summary import Summary, summarize
+from mirrorgrad.train.summary import Summary, peak_per_gpu, summarize
 
 
 class Diverged(RuntimeError):
@@ -83,6 +83,7 @@ class Trained:
     last_validation: tuple[int, float] | None  # step, loss
     signum: int | None  # the signal that stopped the steps
     checkpoint: str | None  # the last one saved
+    peak_loop_bytes: int | None = None  # the steps' peak per GPU (largest rank), CUDA only
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -143,6 +144,7 @@ class StepLoop:
         with bar, stop.deferring():
             signum = self._train_steps(total_steps, stop, clock, bar)
             self._synchronize()
+            peak_loop = peak_per_gpu(setup.world, setup.device)  # before the final evaluation
             seconds = time.perf_counter() - clock.started
             steps_per_s = clock.steps_per_s(pos.step, self.eval_seconds)
             first_step_s = None if clock.timed_from is None else clock.timed_from[1] - clock.started
@@ -158,6 +160,7 @@ class StepLoop:
             # A signal that came while the last checkpoint was written also skips evaluation.
             signum=signum or stop.signum,
             checkpoint=path,
+            peak_loop_bytes=peak_loop,
         )
 
     def _train_steps(

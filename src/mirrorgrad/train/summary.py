@@ -39,6 +39,7 @@ class Summary:
     samples_per_s: float
     tokens_per_s: float
     peak_measured_bytes: int | None
+    peak_loop_bytes: int | None  # the steps' (and mid-run validations'), before the final ones
     peak_step_without: int | None
     peak_step_with: int | None
     peak_estimated_without: int | None
@@ -82,10 +83,15 @@ class Summary:
                 f"               measured, one step: without {size(self.peak_step_without)}, "
                 f"with {size(self.peak_step_with)}"
             )
+        if self.peak_loop_bytes is not None:
+            lines.append(
+                f"               measured, training steps: {size(self.peak_loop_bytes)} per GPU "
+                "(the largest of all GPUs)"
+            )
         if self.peak_measured_bytes is not None:
             lines.append(
-                f"               measured, whole run: {size(self.peak_measured_bytes)} per GPU "
-                "(the largest of all GPUs)"
+                f"               measured, whole run (final evaluation included): "
+                f"{size(self.peak_measured_bytes)} per GPU"
             )
         if self.step:
             lines.append(f"  step         {self.step}")
@@ -120,7 +126,8 @@ def summarize(
         seconds=trained.seconds,
         samples_per_s=samples_per_s,
         tokens_per_s=samples_per_s * cfg.bptt,
-        peak_measured_bytes=_peak_per_gpu(setup.world, setup.device),
+        peak_measured_bytes=peak_per_gpu(setup.world, setup.device),
+        peak_loop_bytes=trained.peak_loop_bytes,
         peak_step_without=None if step_peaks is None else step_peaks[0],
         peak_step_with=None if step_peaks is None else step_peaks[1],
         peak_estimated_without=getattr(plan, "peak_before", None),
@@ -136,7 +143,7 @@ def summarize(
     )
 
 
-def _peak_per_gpu(world: distributed.World, device: torch.device) -> int | None:
+def peak_per_gpu(world: distributed.World, device: torch.device) -> int | None:
     """The largest ``max_memory_allocated`` of all ranks (collective)."""
     if device.type != "cuda":
         return None
