@@ -76,6 +76,19 @@ def blocks_at_peak(start: int, top: int) -> list[tuple[float, int, str]]:
     return [(size / MiB, counts[where], where) for where, size in sizes.most_common(top)]
 
 
+def print_auto_choices() -> None:
+    """impl="auto"'s choice and the ms each candidate measured, per shape key: the final
+    evaluation times its candidates afresh at the eval batch (cuDNN's among them)."""
+    from mirrorgrad.ops.rnn import dispatch
+
+    for key, choice in dispatch._AUTO_CHOICE.items():
+        fields = dict(zip(dispatch._KEY_FIELDS, key))
+        captured = "captured" if key[-1] == "captured" else "uncaptured"
+        times = ", ".join(f"{k} {v:.3f}" for k, v in dispatch.AUTO_TIMES.get(key, {}).items())
+        print(f"  T {fields['T']} B {fields['B']} grads {fields['grads']} {captured}: "
+              f"{choice} ({times} ms)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, required=True, help="corpus folder")
@@ -123,6 +136,8 @@ def main() -> None:
               f"cache {cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
         for size, blocks, pool, stream, where in live_blocks(args.top):
             print(f"  {size:8.1f} MiB in {blocks:3d}  pool {pool}  stream {stream:8s}  {where}")
+        print("impl='auto' choices:")
+        print_auto_choices()
         return losses
 
     loop.StepLoop._step, loop.evaluation.final_losses = traced_step, traced_final_losses
