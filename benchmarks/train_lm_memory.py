@@ -60,6 +60,19 @@ def live_blocks(top: int) -> list[tuple[float, int, str, str, str]]:
     return [(size / MiB, counts[key], *key) for key, size in sizes.most_common(top)]
 
 
+def chain_of(pattern: str, limit: int = 14) -> list[str]:
+    """The frames outside torch (innermost first) that allocated the first live block whose
+    allocating line contains ``pattern``: who holds memory that no step should."""
+    for segment in _compat.memory_snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and pattern in _source(block):
+                frames = [f for f in block.get("frames") or []
+                          if "/torch/" not in f["filename"] or "mirrorgrad" in f["filename"]]
+                return [f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+                        for f in frames[:limit]]  # fmt: skip
+    return []
+
+
 def blocks_at_peak(start: int, top: int) -> list[tuple[float, int, str]]:
     """(MiB, blocks, where) of the blocks alive at the recording's peak from trace
     position ``start`` on that were allocated after it, by allocating line."""
@@ -96,6 +109,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--top", type=int, default=14, help="groups of live blocks shown")
+    parser.add_argument("--chain", default="input_gemm",
+                        help="after step 2, the call chain of a live block allocated by a "
+                             "line containing this")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -116,6 +132,10 @@ def main() -> None:
                   f"{cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
             for size, blocks, pool, stream, where in live_blocks(args.top):
                 print(f"  {size:8.1f} MiB in {blocks:3d}  pool {pool}  stream {stream:8s}  {where}")
+            if args.chain:
+                print(f"call chain of a live block from {args.chain!r}:")
+                for frame in chain_of(args.chain):
+                    print(f"    {frame}")
             torch.cuda.reset_peak_memory_stats()
         return out
 
