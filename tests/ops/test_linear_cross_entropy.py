@@ -193,12 +193,12 @@ def _call_args(dtype, n=100, h=16, v=300, needs=(True, True, True)):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
-def test_memory_formulas_cover_what_the_op_allocates(dtype, needs):
+@pytest.mark.parametrize("chunk", [32, 100])  # four chunks of 100 rows, or one
+def test_memory_formulas_cover_what_the_op_allocates(dtype, needs, chunk):
     """The declared temporaries against the allocations the op makes through ATen:
     backward exactly (all its temporaries are ATen results), forward at least (plus
     logsumexp's internal [C, V], which the tracker cannot see)."""
     fwd_args, bwd_args, _ = _call_args(dtype)
-    chunk = 32
     with PeakTracker(*fwd_args) as tracker:
         out = op.linear_cross_entropy_forward._init_fn(*fwd_args, chunk)
     declared = formulas.memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)

@@ -78,8 +78,17 @@ def linear_cross_entropy_backward(
 
     Unneeded gradients come back as empty tensors (an op cannot return None)."""
     acc = lse.dtype
+    # Half-precision operands: the weight gradient's products run in their dtype on
+    # tensor cores (accumulating in float32 inside, as autocast's Linear backward); a
+    # float32 product here ran as a SIMT kernel, ~250 us of a 2.5 ms bf16 LM step (H200,
+    # hidden 650: rows not 16-byte aligned). Chunks are summed in float32; one chunk's
+    # product is the gradient itself.
+    half = weight.dtype != acc
+    one_chunk = hidden.shape[0] <= chunk_size
     grad_hidden = hidden.new_empty(hidden.shape if need_hidden else 0)
-    grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    grad_weight = None
+    if need_weight and not (half and one_chunk):
+        grad_weight = weight.new_zeros(weight.shape, dtype=acc)
     grad_bias = weight.new_zeros(weight.shape[0], dtype=acc) if need_bias else None
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
@@ -88,10 +97,16 @@ def linear_cross_entropy_backward(
         grad_logits = F.linear(h, weight, bias).to(acc)
         grad_logits.sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
         grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
+        low = grad_logits.to(weight.dtype) if half and (need_hidden or need_weight) else None
         if need_hidden:
-            grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight  # [C, V] @ [V, H]
-        if grad_weight is not None:
-            grad_weight.addmm_(grad_logits.T, h.to(acc))  # [V, C] @ [C, H]
+            grad_hidden[rows] = (low if half else grad_logits) @ weight  # [C, V] @ [V, H]
+        if need_weight and not half:
+            grad_weight.addmm_(grad_logits.T, h)  # [V, C] @ [C, H]
+        elif need_weight and one_chunk:
+            grad_weight = low.T @ h
+        elif need_weight:
+            grad_weight += low.T @ h
+        del low
         if grad_bias is not None:
             grad_bias += grad_logits.sum(0)
         del grad_logits  # one chunk alive at a time
@@ -188,18 +203,22 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
     """Peak during the chunk loop minus the outputs: one chunk of logit gradients [C, V]
     and what each phase adds to it, beside grad_hidden and the accumulators of the
     weight and bias gradients (the outputs themselves unless cast at the end)."""
-    n, h, v, c, _, d, dw, a = _sizes(hidden, weight, chunk_size)
+    n, h, v, c, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
     db = bias.dtype.itemsize if need_bias else 0
+    half = dw != a
+    low = c * v * dw * (half and (need_hidden or need_weight))  # the chunk cast to dw
+    accumulated = need_weight and not (half and chunks == 1)  # a float weight accumulator
+    made = v * h * dw * (need_weight and half and chunks == 1)  # one chunk's product: the output
     outputs = n * h * d * need_hidden + v * h * dw * need_weight + v * db
-    early = n * h * d * need_hidden + v * h * a * need_weight + v * a * need_bias
+    early = n * h * d * need_hidden + v * h * a * accumulated + v * a * need_bias
     # The chunk's phases: recompute (and cast), grad_hidden's GEMM, grad_weight's, bias sum.
     loop = max(
         c * v * (a + (d if d != a else 0)),
-        need_hidden * (c * v * (a + (dw if dw != a else 0)) + c * h * dw),
-        need_weight * (c * v * a + (c * h * a if d != a else 0)),
-        need_bias * (c * v * a + v * a),
+        need_hidden * (c * v * a + low + c * h * dw),
+        need_weight * (c * v * a + low + v * h * dw * half),
+        need_bias * (c * v * a + v * a + made),
     )
-    late = v * h * dw * (need_weight and dw != a) + v * db * (need_bias and db != a)
+    late = made + v * h * dw * (accumulated and half) + v * db * (need_bias and db != a)
     return max(early + loop, early + late) - outputs
 
 
@@ -218,13 +237,19 @@ def _backward_bytes(grad_lse, grad_target_logit, hidden, weight, bias, target, l
     """The forward's logits again, three in-place passes (subtract, exp, scale), one read
     per gradient GEMM or sum, and the weight (gradient) read (and written) per chunk."""
     n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    half = dw != a
     cast = n * v * (d + a) if d != a else 0
-    reads = bool(need_hidden) + bool(need_weight) + bool(need_bias)
+    # Reads of the float chunk: the bias sum's, and the GEMMs' unless they read it cast down.
+    reads = bool(need_bias) + (0 if half else bool(need_hidden) + bool(need_weight))
     total = n * h * d + chunks * v * h * dw + n * v * d + cast + (6 + reads) * n * v * a
+    if half and (need_hidden or need_weight):  # the chunk cast down, read by each GEMM
+        total += n * v * (a + dw) + (bool(need_hidden) + bool(need_weight)) * n * v * dw
     if need_hidden:
         total += chunks * v * h * dw + n * h * d
-    if need_weight:
+    if need_weight and not half:
         total += 2 * chunks * v * h * a + n * h * d
+    elif need_weight:  # each chunk's product written, then summed in float32 past one
+        total += chunks * v * h * dw + (2 * chunks * v * h * a if chunks > 1 else 0) + n * h * d
     return total
 
 
