@@ -208,9 +208,12 @@ class GraphedStep:
             [p for p in group["params"] if p.grad is not None]
             for group in self.optimizer.param_groups
         ]
-        norm = nn.utils.clip_grad_norm_([p for g in groups for p in g], self.clip)
+        # clip_grad_norm_'s scale folded into SGD's lr (p -= lr * coef * g): one pass over
+        # the gradients fewer than scaling them in place first (40 us of a 2 ms LM step).
+        norm = nn.utils.get_total_norm([p.grad for g in groups for p in g])
+        coef = (self.clip / (norm + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ computes it
         for params, lr in zip(groups, self._lrs):
-            _compat.sgd_update_(params, [p.grad for p in params], lr)
+            _compat.sgd_update_(params, [p.grad for p in params], lr * coef)
         return loss, norm, next_state
 
     def _read_lr(self) -> None:
