@@ -35,6 +35,7 @@ from mirrorgrad.mirror.partition import (
 from mirrorgrad.mirror.plan import Plan, PlanOptions
 from mirrorgrad.mirror.policy import policy_for
 from mirrorgrad.options import DEFAULT_MAX_OVERHEAD, MirrorOptions, Mode
+from mirrorgrad.safety_copies import Room, SafetyCopies, device_room
 
 CODEGENS = ("inductor", "eager")
 
@@ -155,6 +156,7 @@ class MirrorBackend:
             guarded=lambda: bool(applied) and not self.strict,
             on_failure=backward_failed.record,
             parameters=self._parameters,
+            room=device_room(lambda: applied[-1] if applied else None),
         )
         try:
             with _compat.inductor_config.patch(patch), _compat.eager_backward_compile():
@@ -579,20 +581,22 @@ def _compile_guarding_the_backward(
     guarded: Callable[[], bool],
     on_failure: Callable[[str], None],
     parameters: Callable[[], list[torch.Tensor]] = list,
+    room: Room | None = None,
     **kwargs: Any,
 ) -> Any:
     """Inductor's inner compile; a planned backward comes back inside a ``BackwardGuard``.
 
     ``guarded()`` is asked when the backward compiles, after partitioning: whether the
     graph is ours (a plan was applied) rather than min-cut's. ``parameters()``: the
-    model's, which the guard need not copy."""
+    model's, which the guard need not copy; ``room``: how much of the copies may go on
+    the device (``safety_copies.device_room``)."""
     if not kwargs.get("is_backward") or not guarded():
         return _compat.compile_fx_inner(gm, example_inputs, **kwargs)
     # Inductor's post-grad passes rewrite gm in place: keep the graph as partitioned (a
     # module is made of it only if the compiled backward fails: that costs a codegen).
     as_partitioned = PartitionedGraph.of(gm)
     compiled = _compat.compile_fx_inner(gm, example_inputs, **kwargs)
-    return BackwardGuard(compiled, as_partitioned, on_failure, parameters)
+    return BackwardGuard(compiled, as_partitioned, on_failure, parameters, room)
 
 
 @dataclass(slots=True)
@@ -609,6 +613,10 @@ class PartitionedGraph:
 
     def module(self) -> GraphModule:
         return GraphModule(self.attributes, self.graph)
+
+    def read_inputs(self) -> list[bool]:
+        """Per input, whether the graph reads it."""
+        return [bool(n.users) for n in self.graph.find_nodes(op="placeholder")]
 
 
 def _attribute(module: nn.Module, target: str) -> Any:
@@ -628,9 +636,10 @@ class BackwardGuard:
     A backward of a forward that ran before then (gradient accumulation) runs eagerly.
 
     The compiled code frees its inputs as it goes and may write into saved values it
-    was donated, so the first call runs on copies in host memory taken before it (no
-    device memory on top of the step's); values on the storage of a parameter of the
-    model (``parameters()``), which the model keeps alive and the backward never writes
+    was donated, so copies of them are taken before the first call (``SafetyCopies``:
+    on the device as far as ``room`` allows, else in page-locked host memory) and
+    dropped when it returns; values on the storage of a parameter of the model
+    (``parameters()``), which the model keeps alive and the backward never writes
     (AOTAutograd donates no saved value that aliases an input), are kept as they are. A
     failure after a first call that succeeded is raised: that code has run, so it is
     no plan the code generator could not handle, and there are no copies to run again
@@ -648,11 +657,13 @@ class BackwardGuard:
         graph: PartitionedGraph,
         on_failure: Callable[[str], None],
         parameters: Callable[[], list[torch.Tensor]] = list,
+        room: Room | None = None,
     ) -> None:
         self.compiled = compiled
         self.graph = graph
         self.on_failure = on_failure
         self.parameters = parameters
+        self.room = room if room is not None else device_room(lambda: None)
         self.verified = False
         self.eager: EagerBackward | None = None
         # AOTAutograd passes the inputs as one list, which the call empties. An instance
@@ -664,20 +675,24 @@ class BackwardGuard:
             return self.eager.boxed_run(args)
         if self.verified:
             return self.compiled(args)
-        copies = _HostCopies.of(args, self.parameters())
+        copies = self._copies(args)
         try:
             out = self.compiled(args)
         except torch.OutOfMemoryError:
+            copies.release()
             raise  # not a plan the code generator cannot handle: eager holds more
         except Exception as exc:
             # Outside this block the failed call's frames (and their buffers) are freed.
             cause = f"the plan's compiled backward failed on its first call ({_describe(exc)})"
         else:
+            copies.release()  # before the step goes on: they may hold GBs
             self.verified = True
             return out
         args.clear()
         self.eager = EagerBackward(self.graph.module())
-        out = self.eager.boxed_run(copies.restore())
+        inputs = copies.restore()
+        copies.release()
+        out = self.eager.boxed_run(inputs)
         self.on_failure(cause)
         _warn_fallback(
             cause,
@@ -687,36 +702,18 @@ class BackwardGuard:
         )
         return out
 
+    def _copies(self, args: list[Any]) -> SafetyCopies:
+        """Copies of what the eager graph reads but for the parameters' storages."""
+        # Storages alive now (the parameters hold them): no other tensor is at their address.
+        kept = {_storage_address(p) for p in self.parameters()} - {None, 0}
+        keep = [isinstance(a, torch.Tensor) and _storage_address(a) in kept for a in args]
+        return SafetyCopies.of(args, keep=keep, needed=self.graph.read_inputs(), room=self.room)
+
     def __getattr__(self, name: str) -> Any:
         # What AOTAutograd reads off the compiled backward (compile times, cache keys).
         if name == "compiled":
             raise AttributeError(name)
         return getattr(self.compiled, name)
-
-
-@dataclass(slots=True)
-class _HostCopies:
-    """The backward's inputs, tensors copied to host memory but for those on a storage of
-    ``parameters`` (kept: on a small batch they are most of the bytes), others as they
-    are."""
-
-    values: list[Any]
-    devices: list[torch.device | None]
-
-    @classmethod
-    def of(cls, args: Sequence[Any], parameters: Sequence[torch.Tensor] = ()) -> _HostCopies:
-        # Storages alive now (the parameters hold them): no other tensor is at their address.
-        kept = {_storage_address(p) for p in parameters} - {None, 0}
-        copied = [isinstance(a, torch.Tensor) and _storage_address(a) not in kept for a in args]
-        with torch.no_grad():
-            values = [a.detach().to("cpu", copy=True) if c else a for a, c in zip(args, copied)]
-        devices = [a.device if c else None for a, c in zip(args, copied)]
-        return cls(values, devices)
-
-    def restore(self) -> list[Any]:
-        return [
-            v if device is None else v.to(device) for v, device in zip(self.values, self.devices)
-        ]
 
 
 def _storage_address(t: torch.Tensor) -> int | None:

@@ -13,10 +13,12 @@ forward+backward (device synchronized), and where they went:
 - ``fw``/``bw``: Inductor compiling the forward and the backward graph
   (``compile_fx_inner``: post-grad passes, lowering, code generation, kernel builds);
 - ``guards``: our first-call guards (the backward graph kept as partitioned, the
-  backward's inputs copied to host memory before its first call);
+  backward's inputs copied before its first call and dropped after it: the copies
+  timed to their end on the device);
 - ``rest``: the remainder (Dynamo, AOTAutograd's tracing and joint-graph passes, the
   step itself);
-- ``kernels``: distinct kernels built (C++ shared objects on a CPU, cubins on a GPU).
+- ``kernels``: distinct kernels built (C++ shared objects on a CPU, cubins on a GPU);
+- ``copies``: where the guards' copies went (MiB on the device, in host memory).
 
 Inductor's caches are cold (a fresh ``TORCHINDUCTOR_CACHE_DIR`` per process, FX graph
 and AOTAutograd caches off). ``--device cpu --batch 1 --length 128`` measures on a CPU
@@ -69,11 +71,13 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
     from torch._inductor.compile_fx import compile_fx
 
     import mirrorgrad
-    from mirrorgrad import _compat, compiler
+    from mirrorgrad import _compat, compiler, safety_copies
     from mirrorgrad.bench.workloads import WORKLOADS
     from mirrorgrad.mirror import partition, planner
 
     spent: dict[str, float] = defaultdict(float)
+    device = args.device
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     inner = _compat.compile_fx_inner
 
     def compile_inner(gm, example_inputs, **kwargs):
@@ -85,7 +89,18 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
     compiler._compile_guarding_the_backward = _timed(
         spent, "guarded", compiler._compile_guarding_the_backward
     )
-    compiler._HostCopies.of = classmethod(_timed(spent, "guards", compiler._HostCopies.of.__func__))
+    copies, take_copies = safety_copies.SafetyCopies, safety_copies.SafetyCopies.of.__func__
+    placed: dict[str, int] = defaultdict(int)
+
+    def take(cls, args, **kwargs):
+        taken = take_copies(cls, args, **kwargs)
+        sync()  # device copies run asynchronously: count them here, not in the backward
+        for where, nbytes in taken.placed().items():
+            placed[where] += nbytes
+        return taken
+
+    copies.of = classmethod(_timed(spent, "guards", take))
+    copies.release = _timed(spent, "guards", copies.release)
     planner.plan = _timed(spent, "plan", planner.plan)
     partition.partition = _timed(spent, "partition", partition.partition)
     # torch.compile's: min-cut, as Inductor calls it.
@@ -97,7 +112,6 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
     def inductor(gm, example_inputs):  # torch.compile's default backend, its parts timed
         return compile_fx(gm, example_inputs, inner_compile=compile_inner)
 
-    device = args.device
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # as mirrorgrad bench sets it
     torch.manual_seed(0)
@@ -105,7 +119,6 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
     batch = built.make_batch()
     if args.length:
         batch = tuple(t[:, : args.length] for t in batch)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     sync()
     start = time.perf_counter()
     options = METHODS[method]
@@ -125,6 +138,7 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
         **{k: spent[k] for k in PARTS if k != "rest"},
         "rest": total - known,
         "kernels": _kernels_built(),
+        "copied_mib": {k: round(v / 2**20) for k, v in placed.items()},
         "phases": _phases(),
     }
 
@@ -146,6 +160,11 @@ def _phases() -> dict[str, list[float]]:
         phase: [float(v) for v in found[key].split(",")] if key in found else []
         for phase, key in PHASES.items()
     }
+
+
+def _copied(row: dict) -> str:
+    """Where the guard's copies went (MiB on the device, in host memory)."""
+    return " ".join(f"{where} {mib} MiB" for where, mib in sorted(row["copied_mib"].items()))
 
 
 def _seconds(values: list[float]) -> str:
@@ -173,7 +192,7 @@ def main() -> None:
     forwarded = ["--device", args.device, *(["--quick"] if args.quick else [])]
     forwarded += [f"--{k}={getattr(args, k)}" for k in ("batch", "length") if getattr(args, k)]
     print(f"{'workload':12} {'method':14} {'cold s':>7} {'ratio':>6} "
-          + " ".join(f"{p:>9}" for p in PARTS) + "  kernels", flush=True)  # fmt: skip
+          + " ".join(f"{p:>9}" for p in PARTS) + "  kernels  copies", flush=True)  # fmt: skip
     for workload in args.workloads:
         base = None
         for method in args.methods:
@@ -199,7 +218,7 @@ def main() -> None:
             ratio = f"{row['cold_s'] / base:.2f}x" if base else ""
             print(f"{workload:12} {method:14} {row['cold_s']:7.1f} {ratio:>6} "
                   + " ".join(f"{row[p]:9.2f}" for p in PARTS)
-                  + f"  {row['kernels']:7d}", flush=True)  # fmt: skip
+                  + f"  {row['kernels']:7d}  {_copied(row)}", flush=True)  # fmt: skip
             if args.phases:
                 print(" " * 28 + "  ".join(
                     f"{phase} {_seconds(values)}" for phase, values in row["phases"].items()
