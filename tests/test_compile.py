@@ -6,7 +6,7 @@ import copy
 import json
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -454,12 +454,19 @@ def test_plan_running_fine_keeps_its_code(monkeypatch):
 
 
 def _fail_the_plans_backward(
-    monkeypatch, *, on_call: int, error: type[Exception] = RuntimeError
+    monkeypatch,
+    *,
+    on_call: int,
+    error: type[Exception] = RuntimeError,
+    sparing: Callable[[], Iterable[torch.Tensor]] | None = None,
 ) -> list[weakref.ref | None]:
     """Make every planned backward raise ``error`` on its ``on_call``-th call, after
     running its compiled code to the end (which frees its inputs and may overwrite
-    donated ones). Returns a list with an entry per call of the planned backward: for
-    the failing one, a weak reference to a gradient it computed before raising."""
+    donated ones); with ``sparing``, after overwriting every input tensor but those on
+    the storage of one of ``sparing()`` (the graph's inputs: parameters, data, which the
+    backward never writes). Returns a list with an entry per call of the planned
+    backward: for the failing one, a weak reference to a gradient it computed before
+    raising."""
     from mirrorgrad import compiler
 
     real_compile_fx_inner = _compat.compile_fx_inner
@@ -467,11 +474,16 @@ def _fail_the_plans_backward(
 
     def fail_after_running(compiled):
         def run(args):
+            inputs = list(args) if sparing is not None else []
             out = compiled(args)
             if len(calls) + 1 != on_call:
                 calls.append(None)
                 return out
             calls.append(weakref.ref(next(g for g in out if isinstance(g, torch.Tensor))))
+            spared = {t.untyped_storage().data_ptr() for t in (sparing or tuple)()}
+            for x in inputs:
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in spared:
+                    x.fill_(float("nan") if x.is_floating_point() else 7)
             raise error("injected: backward kernel cannot take this shape")
 
         run._boxed_call = True
@@ -522,10 +534,12 @@ def test_plan_backward_failing_on_its_first_call_runs_eagerly_then_min_cut(monke
         guards.append(self)
 
     monkeypatch.setattr(compiler.BackwardGuard, "__init__", record)
-    planned_backward_calls = _fail_the_plans_backward(monkeypatch, on_call=1)
     reference = _dropout_batchnorm_net()
     model = copy.deepcopy(reference)
     microbatches = [torch.randn(32, 8), torch.randn(32, 8)]
+    planned_backward_calls = _fail_the_plans_backward(
+        monkeypatch, on_call=1, sparing=lambda: [*model.parameters(), *microbatches]
+    )
     # Budget 0.3 recomputes the first Linear and the dropout mask in the backward.
     compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
     with warnings.catch_warnings(record=True) as caught:
@@ -548,6 +562,51 @@ def test_plan_backward_failing_on_its_first_call_runs_eagerly_then_min_cut(monke
     (guard,) = guards
     recomputed = {n.target for n in guard.graph.graph.nodes}
     assert torch.ops.prims.inductor_random.default in recomputed
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+# Room for the safety copies on the device: all, none, or a part (the rest in host memory).
+COPY_ROOMS = {"device": 1 << 62, "host": 0, "split": 3000}
+
+
+@pytest.mark.parametrize("where", list(COPY_ROOMS))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_plan_backward_failing_after_overwriting_its_inputs_runs_from_the_copies(
+    monkeypatch, device, where
+):
+    # Wherever the first call's copies are (on the device, in host memory, split), the
+    # eager backward gets what the compiled one was given, though that overwrote all of
+    # it but the parameters: the gradients and statistics are torch.compile's.
+    from mirrorgrad import compiler, safety_copies
+
+    placed = []
+    real_of = safety_copies.SafetyCopies.of.__func__
+
+    def recording(cls, args, **kwargs):
+        copies = real_of(cls, args, **kwargs)
+        placed.append(copies.placed())
+        return copies
+
+    monkeypatch.setattr(safety_copies.SafetyCopies, "of", classmethod(recording))
+    monkeypatch.setattr(compiler, "device_room", lambda plan: lambda d: COPY_ROOMS[where])
+    reference = _dropout_batchnorm_net().to(device)
+    model = copy.deepcopy(reference)
+    microbatches = [torch.randn(32, 8, device=device), torch.randn(32, 8, device=device)]
+    _fail_the_plans_backward(
+        monkeypatch, on_call=1, sparing=lambda: [*model.parameters(), *microbatches]
+    )
+    compiled = mirrorgrad.compile(model, mode="budget", budget=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MirrorgradFallbackWarning)
+        steps = _train(compiled, microbatches, steps=2)
+    expected = _train(torch.compile(reference), microbatches, steps=2)
+    for step_number, (got, want) in enumerate(zip(steps, expected)):
+        for i, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"step {step_number}, {i}")
+    (first,) = placed  # one first call
+    assert (first["device"] > 0, first["host"] > 0) == {
+        "device": (True, False), "host": (False, True), "split": (True, True)
+    }[where]  # fmt: skip
 
 
 def test_plan_backward_failing_after_a_first_call_that_succeeded_is_raised(monkeypatch):
@@ -595,19 +654,3 @@ def test_a_post_grad_pass_of_the_user_still_runs():
         step(compiled, inputs)
     assert len(graphs) == 2  # forward and backward
     assert len(compiled._mirrorgrad_plans) == 1
-
-
-def test_backward_guard_copies_what_the_backward_may_free_or_write_but_no_parameter():
-    # The first call of a planned backward runs on host copies of its inputs (the compiled
-    # code frees them and writes into donated ones); the model's parameters, and values
-    # on their storage (a transposed weight), are never written: they are kept.
-    from mirrorgrad import compiler
-
-    weight, saved = torch.nn.Parameter(torch.randn(3, 2)), torch.randn(3)
-    transposed = weight.detach().t()  # as AOTAutograd hands a saved weight to the backward
-    copies = compiler._HostCopies.of([weight, transposed, saved, 2], [weight])
-    saved.add_(1)  # as a donated buffer is written
-    restored = copies.restore()
-    assert restored[0] is weight and restored[1] is transposed and restored[3] == 2
-    torch.testing.assert_close(restored[2], saved - 1)
-    assert compiler._HostCopies.of([transposed], []).restore()[0] is not transposed
