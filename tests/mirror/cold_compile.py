@@ -138,7 +138,7 @@ def _one(workload: str, method: str, args: argparse.Namespace) -> dict:
         **{k: spent[k] for k in PARTS if k != "rest"},
         "rest": total - known,
         "kernels": _kernels_built(),
-        "copied_mib": {k: round(v / 2**20) for k, v in placed.items()},
+        "copied_mib": {k: round(v / 2**20, 1) for k, v in placed.items()},
         "phases": _phases(),
     }
 
