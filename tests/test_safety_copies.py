@@ -107,10 +107,12 @@ def _plan(**fields) -> types.SimpleNamespace:
 
 
 def test_device_room_is_the_free_memory_less_the_backwards_growth_and_a_margin(monkeypatch):
-    # free 50,000 of 100,000 on the device, 5,000 cached by the allocator but unused
+    # free 50,000 of 100,000 on the device, 5,000 cached by the allocator but unused; an
+    # earlier peak far above the memory in use (its headroom does not bind here)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50_000, 100_000))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30_000)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 25_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 10**6)
     cuda = torch.device("cuda", 0)
     margin = int(DEVICE_MARGIN * 100_000)
     growth = 10_000 - 4_000  # the plan's peak less its stash
@@ -121,6 +123,20 @@ def test_device_room_is_the_free_memory_less_the_backwards_growth_and_a_margin(m
     assert device_room(lambda: _plan(budget_bytes=8_000))(cuda) == 0  # budget missed
     assert device_room(lambda: _plan(step_peak=200_000))(cuda) == 0
     assert device_room(lambda: _plan())(torch.device("cpu")) == 0  # host memory anyway
+
+
+def test_device_room_never_raises_the_process_peak(monkeypatch):
+    """Copies on the device only in what an earlier peak left above the memory in use
+    and the backward's growth: the first step's peak stays where it would be."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50_000, 100_000))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30_000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 25_000)
+    cuda = torch.device("cuda", 0)
+    growth = 10_000 - 4_000
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 40_000)
+    assert device_room(lambda: _plan())(cuda) == 40_000 - 25_000 - growth
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 25_000)
+    assert device_room(lambda: _plan())(cuda) == 0  # at its peak now: all to the host
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")

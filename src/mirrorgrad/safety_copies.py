@@ -37,12 +37,14 @@ Room = Callable[[torch.device], int]
 
 
 def device_room(plan: Callable[[], Plan | None]) -> Room:
-    """Bytes of copies that may go on ``device``: on CUDA, its free memory (the
-    driver's and the caching allocator's unused blocks) less the plan's estimated
-    growth in the backward (its peak less its stash: an upper bound) and
-    ``DEVICE_MARGIN`` of the device; under a budget, at most what the plan's peak
-    leaves of it. The copies live through the first backward, so they raise the first
-    step's peak by up to what they hold. Other devices: none (host memory)."""
+    """Bytes of copies that may go on ``device`` without raising the process's peak: on
+    CUDA, what the peak so far (``max_memory_allocated``) leaves above the memory in use
+    and the plan's estimated growth in the backward (its peak less its stash: an upper
+    bound); within the device's free memory (the driver's and the caching allocator's
+    unused blocks) less ``DEVICE_MARGIN`` of it; under a budget, at most what the plan's
+    peak leaves of it. The copies live through the first backward: a copy beyond that
+    headroom would raise the first step's peak by its size (GBs on GPT-2), so the rest
+    goes to host memory. Other devices: none (host memory)."""
 
     def room(device: torch.device) -> int:
         if device.type != "cuda":
@@ -52,6 +54,8 @@ def device_room(plan: Callable[[], Plan | None]) -> Room:
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         growth = 0 if known is None else max(0, known.step_peak - known.stash_bytes_after)
         fits = free + cached - growth - int(DEVICE_MARGIN * total)
+        in_use = torch.cuda.memory_allocated(device)
+        fits = min(fits, torch.cuda.max_memory_allocated(device) - in_use - growth)
         if known is not None and known.budget_bytes is not None:
             fits = min(fits, known.budget_bytes - known.peak_after)
         return max(0, fits)
