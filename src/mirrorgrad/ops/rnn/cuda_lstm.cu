@@ -652,6 +652,12 @@ constexpr int CTAS_PER_LAYER = (H + UNITS - 1) / UNITS;
 constexpr int W_IH_TILES = M_TILES * K_PER_WARP;  // a thread's A fragments of W_ih
 static_assert(LAYERS >= 2, "a wavefront needs two layers or more");
 
+// Each layer's outputs apart (passed by value): the op keeps them as tensors of their own.
+struct LayerOutputs {
+  elem_t* y[LAYERS];     // [T, B, H]: h_t of every step
+  float* stash[LAYERS];  // [T, B, 5H] for the backward, or null
+};
+
 // A thread's W_ih fragment (mt, kk) in the dynamic shared memory: the 4 words of thread
 // i at [(mt * K_PER_WARP + kk) * THREADS + i]: a warp's loads are 512 contiguous bytes.
 struct alignas(16) FragmentWords {
@@ -693,10 +699,9 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
                        const elem_t* __restrict__ mask,  // [L-1, T, B, H]: dropout's 0 or
                                                          // 1/(1-p) on layer l+1's input; null: none
                        elem_t* dropped,                  // [L-1, T, B, H]: h * mask (with mask)
-                       elem_t* y,                        // [L, T, B, H]: h_t of every layer, step
+                       const LayerOutputs outputs,       // y and stash of each layer
                        elem_t* __restrict__ h_n,         // [L, B, H]
                        elem_t* __restrict__ c_n,         // [L, B, H]
-                       float* __restrict__ stash,        // [L, T, B, 5H] for the backward, or null
                        unsigned* counter,                // barrier arrivals, zero at launch
                        int* status,                      // set to 1 where a barrier timed out
                        int T) {
@@ -705,11 +710,11 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
   const int unit0 = (blockIdx.x % CTAS_PER_LAYER) * UNITS;
   const long long steps = static_cast<long long>(T) * B * H;  // one layer's y
   const elem_t* my_w_hh = w_hh + static_cast<long long>(layer) * 4 * H * H;
-  elem_t* my_y = y + layer * steps;
-  float* my_stash = stash == nullptr ? nullptr : stash + layer * steps * 5;
+  elem_t* my_y = outputs.y[layer];
+  float* my_stash = outputs.stash[layer];
   // Layer l > 0 reads layer l-1's output, dropped where a mask is given.
   const elem_t* input = layer == 0 ? nullptr
-                        : mask == nullptr ? y + (layer - 1) * steps
+                        : mask == nullptr ? outputs.y[layer - 1]
                                           : dropped + (layer - 1) * steps;
   // Layer l < L-1 writes its output dropped for layer l+1.
   const elem_t* my_mask = mask == nullptr || layer == LAYERS - 1 ? nullptr : mask + layer * steps;
