@@ -123,13 +123,14 @@ def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, 
     """The wavefront forward of a stack (its every layer's y, h_n, c_n and stash) against
     the float64 layers, with dropout's mask between them where ``dropout``."""
     exe = _build(tmp_path, dtype, hidden, batch, units, layers)
-    dt, H, G, L = cuda_lstm_kernel.DTYPES[dtype], hidden, 4 * hidden, layers
+    dt, H, L = cuda_lstm_kernel.DTYPES[dtype], hidden, layers
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(7, H, L).to(dt)
     x = torch.randn(T, batch, 7).to(dt)
     h0, c0 = (0.5 * torch.randn(L, batch, H)).to(dt), (0.5 * torch.randn(L, batch, H)).to(dt)
-    weights = [[getattr(lstm, f"{name}_l{layer}").detach() for name in
-                ("weight_ih", "weight_hh", "bias_ih", "bias_hh")] for layer in range(L)]  # fmt: skip
+    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    weights = [[getattr(lstm, f"{name}_l{layer}").detach() for name in names]
+               for layer in range(L)]  # fmt: skip
     masks = torch.ones(L - 1, T, batch, H, dtype=dt)
     if dropout:  # as dropout(ones): 0 or 1/(1 - p), p = 0.4
         masks = (torch.rand(L - 1, T, batch, H) >= 0.4).to(dt) / 0.6

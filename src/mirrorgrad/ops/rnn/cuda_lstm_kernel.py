@@ -287,9 +287,12 @@ class CudaLstmKernel:
             raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
         sms = props.multi_processor_count
         wavefront = self.layers > 1
-        self.layout = wavefront_layout(hidden, self.layers, sms) if wavefront else layout(hidden, sms)
+        if wavefront:
+            self.layout = wavefront_layout(hidden, self.layers, sms)
+            self.shared_bytes = wavefront_shared_bytes(dtype, hidden, self.layout.units)
+        else:
+            self.layout, self.shared_bytes = layout(hidden, sms), 0
         self.grid = self.layout.ctas * self.layers
-        self.shared_bytes = wavefront_shared_bytes(dtype, hidden, self.layout.units) if wavefront else 0
         torch.zeros(1, device=device)  # torch makes its (primary) context current
         call(driver.cuInit, 0)
         dev = call(driver.cuDeviceGet, device.index)
@@ -310,7 +313,8 @@ class CudaLstmKernel:
             self.functions[name] = function
             if self.shared_bytes:  # past 48 KiB a CTA's dynamic shared memory is opt-in
                 call(driver.cuFuncSetAttribute, function,
-                     attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.shared_bytes)
+                     attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                     self.shared_bytes)  # fmt: skip
             self.registers[name] = call(driver.cuFuncGetAttribute,
                                         attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
             self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
@@ -326,7 +330,7 @@ class CudaLstmKernel:
         # The status as the host last saw it (``note_status``): read without a sync.
         self.status_seen = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
-    def _launch(self, name: str, pointers: list[Tensor | None | list[Tensor | None]],
+    def _launch(self, name: str, pointers: list[Tensor | list[Tensor | None] | None],
                 T: int) -> None:  # fmt: skip
         """Launch kernel ``name`` cooperatively on torch's current stream with the
         tensors' addresses (None: a null pointer; a list: a struct of addresses, by

@@ -278,3 +278,97 @@ def layer_backward(
     grad_bhh = (bias.clone() if need_bih else bias) if need_bhh else None
     return (grad_x, dh0 if need_h0 else None, dc0 if need_c0 else None, grad_wih, grad_whh,
             grad_bih, grad_bhh, None)  # fmt: skip
+
+
+def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mode: str,
+                     num_layers: int, bidirectional: bool, proj_size: int,
+                     state_clip) -> str | None:  # fmt: skip
+    """Why ``stack_forward`` leaves this stack to the layers, or None where the wavefront
+    runs it: a unidirectional LSTM stack of 2 layers or more, no lengths, no state clip,
+    weights and states in the input's dtype, and the wavefront's layout fits
+    (``cuda_lstm_kernel.wavefront_unfit``)."""
+    if bidirectional or num_layers < 2 or proj_size:
+        return "it runs unidirectional stacks of 2 layers or more without projection"
+    if mode != "lstm" or lengths is not None or state_clip is not None:
+        return "it runs plain LSTMs (no sequence lengths, no state clip)"
+    if x.device.type != "cuda" or x.dtype not in _DTYPE_NAMES or not available():
+        return "it runs float32 and bfloat16 on CUDA, with cuda.bindings"
+    if any(w.dtype != x.dtype for w in weights) or hx.dtype != x.dtype:
+        return f"it takes weights and states in the input's dtype {x.dtype}"
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return cuda_lstm_kernel.wavefront_unfit(_DTYPE_NAMES[x.dtype], padded_hidden(hx.shape[-1]),
+                                            x.shape[1], num_layers, sms)  # fmt: skip
+
+
+def _dropout_masks(like: Tensor, layers: int, p: float, seed: Tensor, H: int,
+                   Hp: int) -> Tensor | None:  # fmt: skip
+    """The masks (0 or 1/(1-p)) on the inputs of layers 1.. [L-1,T,B,Hp], as op.py's
+    dropout draws them for those layers (``dropout`` with the layer as offset, on ones),
+    or None without dropout."""
+    if p <= 0:
+        return None
+    if p >= 1:
+        return like.new_zeros(layers - 1, *like.shape[:2], Hp)
+    ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
+    return torch.stack([_pad(dropout(ones, p, seed, layer), H, Hp)
+                        for layer in range(1, layers)])  # fmt: skip
+
+
+@torch.no_grad()
+def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                  has_biases, proj_size, dropout, memory, state_clip, need_saved):  # fmt: skip
+    """The op's forward of a whole stack (its arguments, its return: y, h_n, c_n and
+    saved, per layer the stash then, but after the last, the layer's output) as ONE
+    wavefront launch; None where ``wavefront_reason`` leaves it to the layers.
+
+    The dropout masks are drawn before the launch on ones (a layer's input is then its
+    previous layer's y times the mask, as ``op.differentiable_stack`` computes it; the
+    backward's ``dropout`` of y agrees with it but for rounding where 1/(1-p) is not
+    exact in the dtype)."""
+    if wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional, proj_size,
+                        state_clip) is not None:  # fmt: skip
+        return None
+    L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
+    Hp = padded_hidden(H)
+    kernel = cuda_lstm_kernel.compiled_wavefront(_DTYPE_NAMES[x.dtype], Hp, B, L, x.device)
+    kernel.raise_if_timed_out()
+    n = 4 if has_biases else 2
+    layer_weights = [weights[i * n : (i + 1) * n] for i in range(L)]
+    w_ih0 = layer_weights[0][0]
+    xw = _pad(F.linear(x.contiguous(), w_ih0, layer_weights[0][2] if has_biases else None),
+              H, Hp, gates=4)  # fmt: skip
+    w_ih = torch.stack([_pad_w_hh(w[0], H, Hp) for w in layer_weights[1:]])
+    w_hh = torch.stack([_pad_w_hh(w[1], H, Hp) for w in layer_weights])
+    bias = x.new_zeros(L, 4 * Hp, dtype=torch.float32)
+    if has_biases:
+        for layer, w in enumerate(layer_weights):
+            bias[layer] = _pad(w[3].float() + (w[2].float() if layer else 0), H, Hp, gates=4)
+    mask = _dropout_masks(x, L, dropout, seed, H, Hp)
+    dropped = None if mask is None else torch.empty_like(mask)
+    # Every layer's y, then h_n and c_n, in one block: one NaN fill covers them where a
+    # barrier gave up. Padded, the y's are sliced into tensors of their own below;
+    # unpadded, the op keeps them (a custom op's outputs share no storage).
+    if Hp == H:
+        ys = [x.new_empty(T, B, H) for _ in range(L)]
+        state = x.new_empty(2, L, B, H)
+    else:
+        block = x.new_empty(L * T + 2 * L, B, Hp)
+        ys = list(block[: L * T].view(L, T, B, Hp).unbind(0))
+        state = block[L * T :].view(2, L, B, Hp)
+    stash = None
+    if need_saved:
+        stash = [x.new_empty(T, B, 5 * Hp, dtype=torch.float32) for _ in range(L)]
+    kernel.wavefront(xw, w_ih, w_hh, bias, _pad(hx, H, Hp), _pad(cx, H, Hp), mask, dropped,
+                     ys, state[0], state[1], stash)  # fmt: skip
+    for t in (*ys, state) if Hp == H else (block,):
+        kernel.poison(t)
+    kernel.note_status()
+    ys = [_unpad(y, H, Hp) for y in ys]
+    state = _unpad(state, H, Hp)
+    saved = []
+    if need_saved:
+        for layer in range(L):
+            saved.append(stash[layer])
+            if layer < L - 1:
+                saved.append(ys[layer])
+    return ys[-1], state[0], state[1], saved

@@ -130,6 +130,14 @@ def _forward_impl(
     memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     seed_value = _seed(kernels, seed, dropout)
+    # An implementation may run a whole stack at once (cuda_persistent's wavefront): it
+    # returns None where it leaves the stack to its layers.
+    if hasattr(kernels, "stack_forward"):
+        whole = kernels.stack_forward(x, weights, hx, cx, lengths, seed_value, mode, num_layers,
+                                      bidirectional, has_biases, proj_size, dropout, memory,
+                                      state_clip, need_saved)  # fmt: skip
+        if whole is not None:
+            return whole
 
     def drop(layer_out: Tensor, layer: int) -> Tensor:
         return _dropout(kernels, layer_out, dropout, seed_value, layer)
