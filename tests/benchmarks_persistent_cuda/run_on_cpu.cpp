@@ -131,15 +131,18 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < in[6]; ++i) masked = masked || memory.at[6][i] != 0;
   auto el = [&](size_t i) { return reinterpret_cast<elem_t*>(memory.at[i]); };
   auto fp = [&](size_t i) { return reinterpret_cast<float*>(memory.at[i]); };
+  LayerWeights weights;
   LayerOutputs outputs;
   for (int l = 0; l < LAYERS; ++l) {
+    weights.w_ih[l] = l == 0 ? nullptr : el(1) + (l - 1) * G * H;
+    weights.w_hh[l] = el(2) + l * G * H;
     outputs.y[l] = el(7) + l * t * B * H;
     outputs.stash[l] = fp(10) + l * t * B * STASH;
   }
   const bool ran = run_grid(
       LAYERS * CTAS_PER_LAYER,
       [&] {
-        lstm_wavefront_forward(el(0), el(1), el(2), fp(3), el(4), el(5), masked ? el(6) : nullptr,
+        lstm_wavefront_forward(el(0), weights, fp(3), el(4), el(5), masked ? el(6) : nullptr,
                                masked ? el(11) : nullptr, outputs, el(8), el(9), memory.counter,
                                memory.status, T);
       },

@@ -488,7 +488,9 @@ class _StandInWavefront(_StandInKernel):
     def wavefront(self, xw, w_ih, w_hh, bias, h0, c0, mask, dropped, y, h_n, c_n, stash):
         L, H = self.layers, self.hidden
         assert (len(y), len(stash)) == (L, L) and bias.dtype == torch.float32
-        assert w_ih.shape == (L - 1, 4 * H, H) and w_hh.shape == (L, 4 * H, H)
+        assert (len(w_ih), len(w_hh)) == (L - 1, L)
+        assert all(w.shape == (4 * H, H) and w.is_contiguous() for w in (*w_ih, *w_hh))
+        w_ih = [None, *w_ih]
         for layer in range(L):
             xw_l = xw
             if layer > 0:
@@ -496,7 +498,7 @@ class _StandInWavefront(_StandInKernel):
                 if mask is not None:
                     dropped[layer - 1] = y[layer - 1] * mask[layer - 1]
                     layer_in = dropped[layer - 1]
-                xw_l = layer_in @ w_ih[layer - 1].t()
+                xw_l = layer_in @ w_ih[layer].t()
             self.recurrence(xw_l, w_hh[layer], bias[layer], h0[layer], c0[layer], y[layer],
                             h_n[layer], c_n[layer], stash[layer])  # fmt: skip
         self.launches += 1 - L  # one launch

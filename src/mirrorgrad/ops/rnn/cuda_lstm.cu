@@ -652,7 +652,12 @@ constexpr int CTAS_PER_LAYER = (H + UNITS - 1) / UNITS;
 constexpr int W_IH_TILES = M_TILES * K_PER_WARP;  // a thread's A fragments of W_ih
 static_assert(LAYERS >= 2, "a wavefront needs two layers or more");
 
-// Each layer's outputs apart (passed by value): the op keeps them as tensors of their own.
+// Each layer's weights and outputs apart (passed by value): the parameters as they are,
+// and outputs the op keeps as tensors of their own.
+struct LayerWeights {
+  const elem_t* w_ih[LAYERS];  // [4H, H] of layers 1..L-1 (w_ih[0] is not read)
+  const elem_t* w_hh[LAYERS];  // [4H, H]
+};
 struct LayerOutputs {
   elem_t* y[LAYERS];     // [T, B, H]: h_t of every step
   float* stash[LAYERS];  // [T, B, 5H] for the backward, or null
@@ -691,8 +696,7 @@ extern __shared__ FragmentWords dynamic_shared[];  // W_IH_TILES * THREADS of th
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0's x W_ih^T + b_ih
-                       const elem_t* __restrict__ w_ih,  // [L-1, 4H, H]: layers 1..L-1
-                       const elem_t* __restrict__ w_hh,  // [L, 4H, H]
+                       const LayerWeights weights,       // W_ih and W_hh of each layer
                        const float* __restrict__ bias,   // [L, 4H] fp32: b_hh (+ b_ih, l > 0)
                        const elem_t* __restrict__ h0,    // [L, B, H]
                        const elem_t* __restrict__ c0,    // [L, B, H]
@@ -709,7 +713,6 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
   const int layer = blockIdx.x / CTAS_PER_LAYER;
   const int unit0 = (blockIdx.x % CTAS_PER_LAYER) * UNITS;
   const long long steps = static_cast<long long>(T) * B * H;  // one layer's y
-  const elem_t* my_w_hh = w_hh + static_cast<long long>(layer) * 4 * H * H;
   elem_t* my_y = outputs.y[layer];
   float* my_stash = outputs.stash[layer];
   // Layer l > 0 reads layer l-1's output, dropped where a mask is given.
@@ -721,10 +724,10 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
   elem_t* my_dropped = my_mask == nullptr ? nullptr : dropped + layer * steps;
 
   unsigned w_frag[M_TILES][K_PER_WARP][4];  // W_hh: in registers for all ticks
-  load_row_fragments(w_frag, my_w_hh, unit0);
+  load_row_fragments(w_frag, weights.w_hh[layer], unit0);
   if (layer > 0) {  // W_ih to shared memory, through the same registers' layout
     unsigned w_ih_frag[M_TILES][K_PER_WARP][4];
-    load_row_fragments(w_ih_frag, w_ih + static_cast<long long>(layer - 1) * 4 * H * H, unit0);
+    load_row_fragments(w_ih_frag, weights.w_ih[layer], unit0);
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll

@@ -384,22 +384,25 @@ class CudaLstmKernel:
                              f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
         self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
 
-    def wavefront(self, xw: Tensor, w_ih: Tensor, w_hh: Tensor, bias: Tensor, h0: Tensor,
-                  c0: Tensor, mask: Tensor | None, dropped: Tensor | None, y: list[Tensor],
-                  h_n: Tensor, c_n: Tensor, stash: list[Tensor] | None) -> None:  # fmt: skip
+    def wavefront(self, xw: Tensor, w_ih: list[Tensor], w_hh: list[Tensor], bias: Tensor,
+                  h0: Tensor, c0: Tensor, mask: Tensor | None, dropped: Tensor | None,
+                  y: list[Tensor], h_n: Tensor, c_n: Tensor,
+                  stash: list[Tensor] | None) -> None:  # fmt: skip
         """Launch the wavefront on torch's current stream: each layer's y [T,B,H] (and the
         backward's stash [T,B,5H] fp32 where given), h_n and c_n [L,B,H] from layer 0's
-        xw = x W_ih^T + b_ih [T,B,4H], W_ih of layers 1.. [L-1,4H,H], W_hh [L,4H,H], the
-        biases (fp32) [L,4H] (b_hh, plus b_ih past layer 0), h0 and c0 [L,B,H], and where
-        dropout runs between the layers its mask (0 or 1/(1-p)) [L-1,T,B,H] and scratch
-        ``dropped`` of that shape."""
+        xw = x W_ih^T + b_ih [T,B,4H], W_ih of layers 1.. and W_hh of every layer [4H,H]
+        each, the biases (fp32) [L,4H] (b_hh, plus b_ih past layer 0), h0 and c0 [L,B,H],
+        and where dropout runs between the layers its mask (0 or 1/(1-p)) [L-1,T,B,H] and
+        scratch ``dropped`` of that shape."""
         T = self._check_steps(xw, 4 * self.hidden, "xw")
         L, H = self.layers, self.hidden
-        if (len(y), len(stash or y)) != (L, L) or (mask is None) != (dropped is None):
-            raise ValueError(f"compiled for {L} layers: a y and a stash each, and a mask "
-                             f"with its scratch or neither")  # fmt: skip
-        for name, t, shape in (("w_ih", w_ih, (L - 1, 4 * H, H)), ("w_hh", w_hh, (L, 4 * H, H)),
-                               ("bias", bias, (L, 4 * H)), ("h0", h0, (L, self.batch, H)),
+        if (len(w_ih), len(w_hh), len(y), len(stash or y)) != (L - 1, L, L, L) or (
+                mask is None) != (dropped is None):  # fmt: skip
+            raise ValueError(f"compiled for {L} layers: W_ih past layer 0, W_hh, y and stash "
+                             f"of each, and a mask with its scratch or neither")  # fmt: skip
+        if any(w.shape != (4 * H, H) for w in (*w_ih, *w_hh)):
+            raise ValueError(f"W_ih past layer 0 and W_hh must be {(4 * H, H)}")
+        for name, t, shape in (("bias", bias, (L, 4 * H)), ("h0", h0, (L, self.batch, H)),
                                ("c0", c0, (L, self.batch, H)), ("h_n", h_n, (L, self.batch, H)),
                                ("c_n", c_n, (L, self.batch, H)),
                                ("mask", mask, (L - 1, T, self.batch, H)),
@@ -407,7 +410,7 @@ class CudaLstmKernel:
             if t is not None and tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
         stash = stash or [None] * L
-        self._launch(WAVEFRONT_KERNEL, [xw, w_ih, w_hh, bias, h0, c0, mask, dropped,
+        self._launch(WAVEFRONT_KERNEL, [xw, [None, *w_ih, *w_hh], bias, h0, c0, mask, dropped,
                                         [*y, *stash], h_n, c_n], T)  # fmt: skip
 
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,

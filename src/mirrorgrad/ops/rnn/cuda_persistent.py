@@ -47,6 +47,9 @@ from mirrorgrad.ops.rnn.cuda_lstm_kernel import CudaLstmKernel
 from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# Whether a stack the wavefront fits runs as one launch (``stack_forward``); off, every
+# stack runs layer by layer (benchmarks/cuda_impl_lm_shapes.py times both).
+WAVEFRONT = True
 
 
 def padded_hidden(hidden: int) -> int:
@@ -302,16 +305,17 @@ def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mod
 
 def _dropout_masks(like: Tensor, layers: int, p: float, seed: Tensor, H: int,
                    Hp: int) -> Tensor | None:  # fmt: skip
-    """The masks (0 or 1/(1-p)) on the inputs of layers 1.. [L-1,T,B,Hp], as op.py's
-    dropout draws them for those layers (``dropout`` with the layer as offset, on ones),
-    or None without dropout."""
+    """The masks (0 or 1/(1-p)) on the inputs of layers 1.. [L-1,T,B,Hp] (zero past H), as
+    op.py's dropout draws them for those layers (``dropout`` with the layer as offset, on
+    ones), or None without dropout."""
     if p <= 0:
         return None
-    if p >= 1:
-        return like.new_zeros(layers - 1, *like.shape[:2], Hp)
-    ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
-    return torch.stack([_pad(dropout(ones, p, seed, layer), H, Hp)
-                        for layer in range(1, layers)])  # fmt: skip
+    masks = like.new_zeros(layers - 1, *like.shape[:2], Hp)
+    if p < 1:
+        ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
+        for layer in range(1, layers):
+            masks[layer - 1, ..., :H] = dropout(ones, p, seed, layer)
+    return masks
 
 
 @torch.no_grad()
@@ -319,56 +323,49 @@ def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirecti
                   has_biases, proj_size, dropout, memory, state_clip, need_saved):  # fmt: skip
     """The op's forward of a whole stack (its arguments, its return: y, h_n, c_n and
     saved, per layer the stash then, but after the last, the layer's output) as ONE
-    wavefront launch; None where ``wavefront_reason`` leaves it to the layers.
+    wavefront launch; None where ``wavefront_reason`` leaves it to the layers (or
+    ``WAVEFRONT`` is off).
 
     The dropout masks are drawn before the launch on ones (a layer's input is then its
     previous layer's y times the mask, as ``op.differentiable_stack`` computes it; the
     backward's ``dropout`` of y agrees with it but for rounding where 1/(1-p) is not
     exact in the dtype)."""
-    if wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional, proj_size,
-                        state_clip) is not None:  # fmt: skip
+    reason = wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional,
+                              proj_size, state_clip)  # fmt: skip
+    if not WAVEFRONT or reason is not None:
         return None
     L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
     Hp = padded_hidden(H)
     kernel = cuda_lstm_kernel.compiled_wavefront(_DTYPE_NAMES[x.dtype], Hp, B, L, x.device)
     kernel.raise_if_timed_out()
     n = 4 if has_biases else 2
-    layer_weights = [weights[i * n : (i + 1) * n] for i in range(L)]
-    w_ih0 = layer_weights[0][0]
-    xw = _pad(F.linear(x.contiguous(), w_ih0, layer_weights[0][2] if has_biases else None),
-              H, Hp, gates=4)  # fmt: skip
-    w_ih = torch.stack([_pad_w_hh(w[0], H, Hp) for w in layer_weights[1:]])
-    w_hh = torch.stack([_pad_w_hh(w[1], H, Hp) for w in layer_weights])
-    bias = x.new_zeros(L, 4 * Hp, dtype=torch.float32)
-    if has_biases:
-        for layer, w in enumerate(layer_weights):
-            bias[layer] = _pad(w[3].float() + (w[2].float() if layer else 0), H, Hp, gates=4)
+    w = [weights[i * n : (i + 1) * n] for i in range(L)]  # each layer's
+    xw = _pad(F.linear(x.contiguous(), w[0][0], w[0][2] if has_biases else None), H, Hp,
+              gates=4)  # fmt: skip
+    bias = x.new_zeros(L, 4, Hp, dtype=torch.float32)
+    if has_biases:  # in place: no temporaries
+        for layer in range(L):
+            bias[layer, :, :H] += w[layer][3].view(4, H)
+            if layer > 0:
+                bias[layer, :, :H] += w[layer][2].view(4, H)
     mask = _dropout_masks(x, L, dropout, seed, H, Hp)
     dropped = None if mask is None else torch.empty_like(mask)
-    # Every layer's y, then h_n and c_n, in one block: one NaN fill covers them where a
-    # barrier gave up. Padded, the y's are sliced into tensors of their own below;
-    # unpadded, the op keeps them (a custom op's outputs share no storage).
-    if Hp == H:
-        ys = [x.new_empty(T, B, H) for _ in range(L)]
-        state = x.new_empty(2, L, B, H)
-    else:
-        block = x.new_empty(L * T + 2 * L, B, Hp)
-        ys = list(block[: L * T].view(L, T, B, Hp).unbind(0))
-        state = block[L * T :].view(2, L, B, Hp)
+    ys = [x.new_empty(T, B, Hp) for _ in range(L)]
+    h_n, c_n = x.new_empty(L, B, Hp), x.new_empty(L, B, Hp)
     stash = None
     if need_saved:
         stash = [x.new_empty(T, B, 5 * Hp, dtype=torch.float32) for _ in range(L)]
-    kernel.wavefront(xw, w_ih, w_hh, bias, _pad(hx, H, Hp), _pad(cx, H, Hp), mask, dropped,
-                     ys, state[0], state[1], stash)  # fmt: skip
-    for t in (*ys, state) if Hp == H else (block,):
-        kernel.poison(t)
+    kernel.wavefront(xw, [_pad_w_hh(w[layer][0], H, Hp) for layer in range(1, L)],
+                     [_pad_w_hh(w[layer][1], H, Hp) for layer in range(L)], bias.view(L, 4 * Hp),
+                     _pad(hx, H, Hp), _pad(cx, H, Hp), mask, dropped, ys, h_n, c_n,
+                     stash)  # fmt: skip
+    kernel.poison(*ys, h_n, c_n)
     kernel.note_status()
     ys = [_unpad(y, H, Hp) for y in ys]
-    state = _unpad(state, H, Hp)
     saved = []
     if need_saved:
         for layer in range(L):
             saved.append(stash[layer])
             if layer < L - 1:
                 saved.append(ys[layer])
-    return ys[-1], state[0], state[1], saved
+    return ys[-1], _unpad(h_n, H, Hp), _unpad(c_n, H, Hp), saved
