@@ -594,3 +594,46 @@ def test_wavefront_layouts_that_fit_on_132_sms(dtype, hidden, batch, layers):
 ])  # fmt: skip
 def test_wavefront_layouts_that_do_not_fit_say_why(dtype, hidden, batch, layers, reason):
     assert reason in cuda_lstm_kernel.wavefront_unfit(dtype, hidden, batch, layers, 132)
+
+
+class _QuietWavefront(_StandInWavefront):
+    """Checks the counts, writes nothing and allocates nothing."""
+
+    def wavefront(self, xw, w_ih, w_hh, bias, h0, c0, mask, dropped, y, h_n, c_n, stash):
+        assert (len(w_ih), len(w_hh), len(y)) == (self.layers - 1, self.layers, self.layers)
+
+
+@pytest.mark.parametrize(("T", "B", "H", "layers", "dropout", "need_saved"), [
+    (5, 3, 13, 2, 0.5, True),  # padded: the launch's copies
+    (40, 6, 13, 3, 0.5, False),
+    (7, 2, 37, 2, 0.0, True),
+    (5, 3, 16, 2, 0.5, True),  # unpadded
+    (5, 3, 16, 3, 0.0, False),  # the intermediate y's are temporaries
+    (5, 3, 16, 2, 1.0, True),
+])  # fmt: skip
+def test_wavefront_temporaries_are_the_memory_formula(monkeypatch, T, B, H, layers, dropout,
+                                                      need_saved):  # fmt: skip
+    Hp = cuda_persistent.padded_hidden(H)
+    kernel = _QuietWavefront(Hp, layers)
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled_wavefront", lambda *args: kernel)
+    monkeypatch.setattr(cuda_persistent, "wavefront_reason", lambda *args, **kw: None)
+    # kernels.py's dropout allocates its output alone
+    monkeypatch.setattr(cuda_persistent, "dropout", lambda x, *args: torch.empty_like(x))
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+    dtype = torch.float64
+    x = torch.randn(T, B, 9, dtype=dtype)
+    weights = []
+    for layer in range(layers):
+        weights += [torch.randn(4 * H, 9 if layer == 0 else H, dtype=dtype),
+                    torch.randn(4 * H, H, dtype=dtype), torch.randn(4 * H, dtype=dtype),
+                    torch.randn(4 * H, dtype=dtype)]  # fmt: skip
+    hx, cx = torch.randn(layers, B, H, dtype=dtype), torch.randn(layers, B, H, dtype=dtype)
+    seed = torch.zeros((), dtype=torch.int64)
+    args = (x, weights, hx, cx, None, seed, "lstm", layers, False, True, 0, dropout, "stash",
+            None, "cuda", need_saved)  # fmt: skip
+    with _AllocationTimeline(x, *weights, hx, cx, seed) as timeline:
+        outputs = cuda_persistent.stack_forward(*args[:14], need_saved)  # held: not counted
+        assert [tuple(t.shape) for t in outputs[3]] == ([(T, B, 5 * Hp), (T, B, H)] * (layers - 1)
+                                                   + [(T, B, 5 * Hp)] if need_saved else [])
+    formula = op._rnn_forward_temporary_bytes(*args)
+    assert timeline.temporary_peak() == formula

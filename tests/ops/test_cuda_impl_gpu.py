@@ -265,22 +265,27 @@ def _peak_beyond(call, *, outputs_of) -> tuple[int, object]:
     return peak - sum(storages.values()), result
 
 
-@pytest.mark.parametrize("H", [512, 650])
-def test_op_temporaries_within_the_memory_formulas(H):
+@pytest.mark.parametrize(("H", "layers"), [(512, 1), (650, 1), (512, 2), (650, 2)])
+def test_op_temporaries_within_the_memory_formulas(H, layers):
     """The forward's and the backward's peak beyond their inputs and outputs (the saved
     stash included) is what op.py's memory formulas say, from the layer's
-    workspace_bytes: at most, and not far below (650: its padded copies counted)."""
+    workspace_bytes or (2 layers, dropout: the wavefront) the stack's: at most, and not
+    far below (650: its padded copies counted)."""
     from mirrorgrad.ops.rnn import op
 
     T, B, n_in, dtype = 100, 20, 256, torch.bfloat16
     x = torch.randn(T, B, n_in, device=DEVICE, dtype=dtype)
-    weights = [torch.randn(4 * H, n_in, device=DEVICE, dtype=dtype) / 16,
-               torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,
-               torch.randn(4 * H, device=DEVICE, dtype=dtype),
-               torch.randn(4 * H, device=DEVICE, dtype=dtype)]  # fmt: skip
-    hx = torch.randn(1, B, H, device=DEVICE, dtype=dtype)
+    weights = []
+    for layer in range(layers):
+        weights += [torch.randn(4 * H, n_in if layer == 0 else H, device=DEVICE, dtype=dtype) / 16,
+                    torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,
+                    torch.randn(4 * H, device=DEVICE, dtype=dtype),
+                    torch.randn(4 * H, device=DEVICE, dtype=dtype)]  # fmt: skip
+    hx = torch.randn(layers, B, H, device=DEVICE, dtype=dtype)
     seed = torch.zeros((), dtype=torch.int64, device=DEVICE)
-    config = ("lstm", 1, False, True, 0, 0.0, "stash", None, "cuda")
+    dropout = 0.5 if layers > 1 else 0.0
+    config = ("lstm", layers, False, True, 0, dropout, "stash", None, "cuda")
+    assert _wavefront_runs(x, layers, H) == (layers > 1)
     forward_args = (x, weights, hx, hx, None, seed, *config, True)
     grads = [torch.randn(T, B, H, device=DEVICE, dtype=dtype), torch.randn_like(hx),
              torch.randn_like(hx)]  # fmt: skip
@@ -290,7 +295,9 @@ def test_op_temporaries_within_the_memory_formulas(H):
 
     def backward(y, saved):
         return torch.ops.mirrorgrad.rnn_backward(*grads, x, weights, hx, hx, None, seed, y,
-                                                 saved, *config, [True] * 7)  # fmt: skip
+                                                 saved, *config, needs)  # fmt: skip
+
+    needs = [True] * (3 + len(weights))
 
     def flat(result):
         return [t for item in result for t in (item if isinstance(item, list) else [item])]
@@ -301,7 +308,7 @@ def test_op_temporaries_within_the_memory_formulas(H):
     backward_peak, _ = _peak_beyond(lambda: backward(y, saved), outputs_of=flat)
     forward_formula = op._rnn_forward_temporary_bytes(*forward_args)
     backward_formula = op._rnn_backward_temporary_bytes(
-        *grads, x, weights, hx, hx, None, seed, y, saved, *config, [True] * 7)  # fmt: skip
+        *grads, x, weights, hx, hx, None, seed, y, saved, *config, needs)  # fmt: skip
     slack = 64 * 1024  # small tensors: the barrier's flag as bool, a stacked state
     measured = {"forward": (forward_peak, forward_formula),
                 "backward": (backward_peak, backward_formula)}  # fmt: skip

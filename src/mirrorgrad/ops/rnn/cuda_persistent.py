@@ -286,10 +286,10 @@ def layer_backward(
 def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mode: str,
                      num_layers: int, bidirectional: bool, proj_size: int,
                      state_clip) -> str | None:  # fmt: skip
-    """Why ``stack_forward`` leaves this stack to the layers, or None where the wavefront
-    runs it: a unidirectional LSTM stack of 2 layers or more, no lengths, no state clip,
-    weights and states in the input's dtype, and the wavefront's layout fits
-    (``cuda_lstm_kernel.wavefront_unfit``)."""
+    """Why ``stack_forward`` leaves this stack of the op (its arguments) to the layers,
+    or None where the wavefront runs it: a unidirectional LSTM stack of 2 layers or more,
+    no lengths, no state clip, weights and states in the input's dtype, and the
+    wavefront's layout fits (``cuda_lstm_kernel.wavefront_unfit``)."""
     if bidirectional or num_layers < 2 or proj_size:
         return "it runs unidirectional stacks of 2 layers or more without projection"
     if mode != "lstm" or lengths is not None or state_clip is not None:
@@ -299,8 +299,48 @@ def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mod
     if any(w.dtype != x.dtype for w in weights) or hx.dtype != x.dtype:
         return f"it takes weights and states in the input's dtype {x.dtype}"
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    batch = x.shape[1]
+    if not isinstance(batch, int):  # a symbolic size (the planner's formulas): its hint
+        from mirrorgrad import _compat
+
+        batch = int(_compat.optimization_hint(batch, fallback=1))
     return cuda_lstm_kernel.wavefront_unfit(_DTYPE_NAMES[x.dtype], padded_hidden(hx.shape[-1]),
-                                            x.shape[1], num_layers, sms)  # fmt: skip
+                                            batch, num_layers, sms)  # fmt: skip
+
+
+def stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers, bidirectional, proj_size,
+                          dropout, state_clip, need_saved) -> int | None:  # fmt: skip
+    """Peak bytes ``stack_forward`` allocates beyond the op's inputs and outputs, or None
+    where the wavefront does not run the stack (op.py's formula then sums the layers).
+
+    In order: the input GEMM's [T,B,4H] (beside its padded copy); held from then on, the
+    padded product, the biases [L,4Hp] in float32, the masks [L-1,T,B,Hp] (drawn beside
+    a [T,B,H] of ones and one layer's mask) and their scratch ``dropped``; at the launch
+    every layer's y, h_n and c_n where padded (else the intermediate y's where nothing is
+    saved) and the padded W_ih, W_hh, h0 and c0; after it the unpadded y's where nothing
+    is saved, beside the padded ones."""
+    reason = wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional,
+                              proj_size, state_clip)  # fmt: skip
+    if not WAVEFRONT or reason is not None:
+        return None
+    L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
+    Hp, size = padded_hidden(H), x.dtype.itemsize
+    padded = Hp != H
+    step = T * B * Hp * size  # one layer's y
+    xw = 4 * T * B * Hp * size
+    held = xw + L * 4 * Hp * 4
+    peak = xw + (4 * T * B * H * size if padded else 0)
+    if dropout > 0:
+        masks = (L - 1) * step
+        drawn = 2 * T * B * H * size if dropout < 1 else 0
+        peak = max(peak, held + masks + drawn)
+        held += 2 * masks  # and ``dropped``
+    unpadded_ys = 0 if need_saved else (L - 1) * T * B * H * size
+    if padded:
+        held += L * step + 2 * L * B * Hp * size  # y, h_n and c_n padded
+        copies = (2 * L - 1) * 4 * Hp * Hp * size + 2 * L * B * Hp * size
+        return max(peak, held + copies, held + unpadded_ys)
+    return max(peak, held + unpadded_ys)
 
 
 def _dropout_masks(like: Tensor, layers: int, p: float, seed: Tensor, H: int,

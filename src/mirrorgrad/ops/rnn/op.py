@@ -613,7 +613,15 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
     workspace beside its dropped-out input, the previous layer's output and the stash
     where nothing is saved, a bidirectional layer's reversed input and its directions'
-    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    outputs before they are concatenated; plus each layer-direction's [B, H] states. An
+    implementation that runs the whole stack at once says its own (``stack_forward``)."""
+    kernels = _kernels(impl)
+    if hasattr(kernels, "stack_temporary_bytes"):
+        whole = kernels.stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers,
+                                              bidirectional, proj_size, dropout, state_clip,
+                                              need_saved)  # fmt: skip
+        if whole is not None:
+            return whole
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
     memory = resolve_memory(memory, mode)
