@@ -668,6 +668,8 @@ struct LayerOutputs {
 struct alignas(16) FragmentWords {
   unsigned word[4];
 };
+static_assert(sizeof(FragmentWords) * W_IH_TILES * THREADS <= 227 * 1024,
+              "W_ih's fragments exceed the shared memory a CTA may opt in to (sm_90)");
 
 __device__ __forceinline__ void mma_shared(float (&acc)[M_TILES][N_TILES][4],
                                            const FragmentWords* w_shared,

@@ -49,6 +49,11 @@ MAX_BATCH = 32
 # beside the partial sums: ptxas refused 49,152 bytes of sums at bf16 H = 1024, batch 32,
 # 12 units a CTA on 108 SMs).
 SHARED_BYTES = 48 * 1024 - 4
+# The wavefront's registers, in 32-bit words a thread: W_hh's fragments counted twice
+# plus a step's two inputs' fragments (h_{t-1} and the layer's input, K_PER_WARP x
+# N_TILES x 2 each). Fit to ptxas (NVRTC 13.5, sm_90) over H 256-1024, batch 8-32, 2 and
+# 3 layers: every layout at or under 256 spilled nothing, every one over spilled.
+MAX_WAVEFRONT_WORDS = 256
 # The wavefront's W_ih fragments are dynamic shared memory beside the static sums: at
 # most what a CTA may opt in to on sm_90 (227 KiB; the driver's attribute decides at load).
 SHARED_OPTIN_BYTES = 227 * 1024
@@ -107,7 +112,8 @@ def wavefront_unfit(dtype: str, hidden: int, batch: int, layers: int, sms: int,
                     shared_optin: int = SHARED_OPTIN_BYTES) -> str | None:  # fmt: skip
     """Why the wavefront does not take this stack of ``layers`` layers of ``hidden``
     units on a GPU of ``sms`` SMs, or None where it does: ``unfit``'s rules on the
-    wavefront's layout (the forward's registers), and W_ih's slice in shared memory."""
+    wavefront's layout, its registers (MAX_WAVEFRONT_WORDS), and W_ih's slice in shared
+    memory."""
     if dtype not in DTYPES:
         return f"dtype {dtype!r} (the kernels take {sorted(DTYPES)})"
     try:
@@ -115,11 +121,15 @@ def wavefront_unfit(dtype: str, hidden: int, batch: int, layers: int, sms: int,
         layout(hidden, sms)  # the hidden size's own rule
     except ValueError as e:
         return str(e)
-    if (words := forward_w_words(dtype, hidden, units)) > MAX_W_WORDS:
-        return (f"{layers} layers of {hidden} in {dtype} on {sms} SMs need {words} "
-                f"registers of W a thread (at most {MAX_W_WORDS})")  # fmt: skip
     if not 1 <= batch <= MAX_BATCH:
         return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
+    k_step = 16 if dtype == "bf16" else 8
+    inputs = 2 * math.ceil(math.ceil(hidden / k_step) / WARPS) * math.ceil(batch / 8) * 2
+    words = 2 * forward_w_words(dtype, hidden, units) + inputs
+    if words > MAX_WAVEFRONT_WORDS:
+        return (f"{layers} layers of {hidden} at batch {batch} in {dtype} on {sms} SMs need "
+                f"{words} registers of W (twice) and inputs a thread (at most "
+                f"{MAX_WAVEFRONT_WORDS})")  # fmt: skip
     sums = _partial_sums_bytes(units, batch)
     if sums > SHARED_BYTES:
         return f"batch {batch} at hidden {hidden}: partial sums past {SHARED_BYTES} bytes"
