@@ -640,3 +640,21 @@ def test_wavefront_temporaries_are_the_memory_formula(monkeypatch, T, B, H, laye
                                                    + [(T, B, 5 * Hp)] if need_saved else [])
     formula = op._rnn_forward_temporary_bytes(*args)
     assert timeline.temporary_peak() == formula
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("batch", [1, 20, 32])
+def test_the_largest_wavefronts_taken_compile_without_spills(dtype, layers, batch):
+    """The largest hidden size ``wavefront_unfit`` takes on 132 SMs compiles for sm_90
+    with no register spilled (its registers rule is fit to ptxas)."""
+    import re
+
+    _nvrtc_or_skip()
+    unfit = cuda_lstm_kernel.wavefront_unfit
+    hidden = max(h for h in range(8, 2048, 8) if unfit(dtype, h, batch, layers, 132) is None)
+    units = cuda_lstm_kernel.wavefront_layout(hidden, layers, 132).units
+    _, log = cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units,
+                                            defines={"LSTM_LAYERS": layers})  # fmt: skip
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log
