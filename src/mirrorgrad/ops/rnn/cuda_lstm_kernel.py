@@ -3,7 +3,8 @@ NVRTC and launched cooperatively through ``cuda.bindings`` (cuda-python), on tor
 current stream.
 
 ``cuda_lstm.cu`` runs one layer's recurrence, all T steps in one launch, forward
-(writing the backward's stash where asked) and backward; its comments are the design.
+(writing the backward's stash where asked) and backward, or (compiled with
+LSTM_LAYERS) a stack's forward as one wavefront launch; its comments are the design.
 This module builds it for one (dtype, hidden, batch) on one GPU (``compiled``: once a
 process), launches it (``CudaLstmKernel``) and runs a layer with the GEMMs around the
 launches (``forward``, ``backward``); cuda_persistent.py plugs it into the RNN op and

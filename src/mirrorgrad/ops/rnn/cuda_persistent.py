@@ -31,6 +31,13 @@ multiple of 8). memory="recompute" runs as "stash" (the kernel has no recomputin
 backward): its saved bytes are the stash's, and ``saved_layout`` says so to the op's
 memory formulas and the planner.
 
+STACKS AS ONE LAUNCH: op.py asks ``stack_forward`` first; a unidirectional stack of 2
+layers or more whose layout fits (``wavefront_reason``) runs its forward as one
+wavefront launch (cuda_lstm.cu's LSTM_LAYERS kernel: layer l runs step t at tick t + l),
+with the same outputs and saved tensors as the layers would give (so the backward is
+the layers' own), dropout's masks drawn before the launch. ``WAVEFRONT = False`` runs
+every stack layer by layer.
+
 A grid barrier that waits more than 1 s gives up (the launch could not run all its CTAs
 at once): the call's outputs become NaN on the GPU (no sync) and the next call of that
 kernel configuration raises RuntimeError.
