@@ -379,8 +379,8 @@ def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirecti
     exact in the dtype)."""
     reason = wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional,
                               proj_size, state_clip)  # fmt: skip
-    if not WAVEFRONT or reason is not None:
-        return None
+    if not WAVEFRONT or reason is not None or cx.dtype != x.dtype:
+        return None  # the layers run it (or raise, as for a c0 in another dtype)
     L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
     Hp = padded_hidden(H)
     kernel = cuda_lstm_kernel.compiled_wavefront(_DTYPE_NAMES[x.dtype], Hp, B, L, x.device)
@@ -392,9 +392,9 @@ def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirecti
     bias = x.new_zeros(L, 4, Hp, dtype=torch.float32)
     if has_biases:  # in place: no temporaries
         for layer in range(L):
-            bias[layer, :, :H] += w[layer][3].view(4, H)
+            bias[layer, :, :H] += w[layer][3].reshape(4, H)
             if layer > 0:
-                bias[layer, :, :H] += w[layer][2].view(4, H)
+                bias[layer, :, :H] += w[layer][2].reshape(4, H)
     mask = _dropout_masks(x, L, dropout, seed, H, Hp)
     dropped = None if mask is None else torch.empty_like(mask)
     ys = [x.new_empty(T, B, Hp) for _ in range(L)]
