@@ -696,15 +696,16 @@ extern __shared__ FragmentWords dynamic_shared[];  // W_IH_TILES * THREADS of th
 #define dynamic_shared static_cast<FragmentWords*>(dynamic_shared_memory)
 #endif
 
+// No parentheses in the parameters' comments: tests read the signature up to the first.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0's x W_ih^T + b_ih
                        const LayerWeights weights,       // W_ih and W_hh of each layer
-                       const float* __restrict__ bias,   // [L, 4H] fp32: b_hh (+ b_ih, l > 0)
+                       const float* __restrict__ bias,   // [L, 4H] fp32: b_hh, plus b_ih past 0
                        const elem_t* __restrict__ h0,    // [L, B, H]
                        const elem_t* __restrict__ c0,    // [L, B, H]
-                       const elem_t* __restrict__ mask,  // [L-1, T, B, H]: dropout's 0 or
-                                                         // 1/(1-p) on layer l+1's input; null: none
-                       elem_t* dropped,                  // [L-1, T, B, H]: h * mask (with mask)
+                       const elem_t* __restrict__ mask,  // [L-1, T, B, H]: dropout's mask, 0 or
+                                                         // 1/[1-p], on layer l+1's input; or null
+                       elem_t* dropped,                  // [L-1, T, B, H]: y * mask, where masked
                        const LayerOutputs outputs,       // y and stash of each layer
                        elem_t* __restrict__ h_n,         // [L, B, H]
                        elem_t* __restrict__ c_n,         // [L, B, H]
