@@ -357,11 +357,13 @@ def _dropout_masks(like: Tensor, layers: int, p: float, seed: Tensor, H: int,
     ones), or None without dropout."""
     if p <= 0:
         return None
-    masks = like.new_zeros(layers - 1, *like.shape[:2], Hp)
-    if p < 1:
-        ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
-        for layer in range(1, layers):
-            masks[layer - 1, ..., :H] = dropout(ones, p, seed, layer)
+    shape = (layers - 1, *like.shape[:2], Hp)
+    if p >= 1:
+        return like.new_zeros(shape)
+    masks = like.new_empty(shape) if Hp == H else like.new_zeros(shape)  # all drawn, or not
+    ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
+    for layer in range(1, layers):
+        masks[layer - 1, ..., :H] = dropout(ones, p, seed, layer)
     return masks
 
 
