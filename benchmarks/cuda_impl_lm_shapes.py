@@ -1,8 +1,10 @@
 """The word LM's LSTM stack (``mirrorgrad train lm --model medium``: 2x650, input 650,
 batch 20, BPTT 35, dropout 0.5 between the layers) forward and backward, each module
 captured whole in one CUDA Graph: ``mirrorgrad.nn.LSTM(impl="cuda")`` (hidden 650 runs
-zero-padded to 656), ``impl="persistent"`` (Triton) and ``torch.nn.LSTM`` (cuDNN), in
-bf16 and fp32 (TF32 products for all three, cuDNN's default).
+zero-padded to 656) as one wavefront launch (``cuda-wavefront``; where it does not fit the
+row says why and runs layer by layer) and layer by layer (``cuda``), ``impl="persistent"``
+(Triton) and ``torch.nn.LSTM`` (cuDNN), in bf16 and fp32 (TF32 products for all, cuDNN's
+default).
 
     PYTHONPATH=src python benchmarks/cuda_impl_lm_shapes.py [--dtypes bf16,fp32]
         [--batch 20] [--T 35] [--out results.json]
@@ -13,7 +15,9 @@ First each module's outputs and gradients (eval mode: no dropout) against
 (cuDNN's beside ours). Then, in train mode (dropout on), the replay of the captured
 forward (autograd recording) and of the captured forward and backward (the gradients of
 x and every weight from a given dy): milliseconds per call, the median of rounds of
-back-to-back replays between CUDA events. About a minute on an H100.
+back-to-back replays between CUDA events; and the forward's time a step: per tick of the
+wavefront (forward / (L + T - 1)), per layer-step of the others (forward / (L x T)).
+About a minute on an H100.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import torch
 
 import mirrorgrad.nn
 from mirrorgrad._cuda_graphs import capture
+from mirrorgrad.ops.rnn import cuda_persistent
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-METHODS = ("cuda", "persistent", "cudnn")
+METHODS = ("cuda-wavefront", "cuda", "persistent", "cudnn")
 LAYERS, N_IN, HIDDEN, DROPOUT = 2, 650, 650, 0.5
 
 
@@ -40,7 +45,8 @@ def module(method: str, dtype: torch.dtype) -> torch.nn.Module:
     cudnn = torch.nn.LSTM(N_IN, HIDDEN, LAYERS, dropout=DROPOUT)
     if method == "cudnn":
         return cudnn.to("cuda", dtype)
-    ours = mirrorgrad.nn.LSTM(N_IN, HIDDEN, LAYERS, dropout=DROPOUT, impl=method)
+    impl = "cuda" if method == "cuda-wavefront" else method
+    ours = mirrorgrad.nn.LSTM(N_IN, HIDDEN, LAYERS, dropout=DROPOUT, impl=impl)
     ours.load_state_dict(cudnn.state_dict())
     return ours.to("cuda", dtype)
 
@@ -93,9 +99,27 @@ def ms_per_call(replay, *, calls: int = 20, rounds: int = 7) -> float:
 
 
 def measure(method: str, dtype: torch.dtype, T: int, B: int) -> dict:
+    """The row of one method; ``cuda`` and ``cuda-wavefront`` set the wavefront's switch."""
+    cuda_persistent.WAVEFRONT = method == "cuda-wavefront"
+    try:
+        return _measure(method, dtype, T, B)
+    finally:
+        cuda_persistent.WAVEFRONT = True
+
+
+def _measure(method: str, dtype: torch.dtype, T: int, B: int) -> dict:
     m = module(method, dtype)
     x, h0, c0, dy = tensors = inputs(T, B, dtype)
     row = {"error_vs_float64": error_vs_float64(m, tensors)}
+    steps = LAYERS * T
+    if method == "cuda-wavefront":
+        hx = h0.new_empty(LAYERS, B, HIDDEN)
+        reason = cuda_persistent.wavefront_reason(x, list(m.parameters()), hx, None, "lstm",
+                                                  LAYERS, False, 0, None)  # fmt: skip
+        if reason is None:
+            steps = LAYERS + T - 1  # ticks
+        else:
+            row["layer_by_layer"] = reason
     leaves = [t.detach().requires_grad_() for t in (x, h0, c0)]
     params = list(m.parameters())
 
@@ -108,6 +132,7 @@ def measure(method: str, dtype: torch.dtype, T: int, B: int) -> dict:
     for name, call in (("forward_ms", forward), ("forward_backward_ms", forward_and_backward)):
         graph, _ = capture(call)
         row[name] = ms_per_call(graph.replay)
+    row["forward_us_per_step"] = 1000 * row["forward_ms"] / steps
     return row
 
 
@@ -136,17 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{LAYERS}x{HIDDEN} LSTM, input {N_IN}, batch {args.batch}, T {args.T}, dropout "
           f"{DROPOUT}; {torch.cuda.get_device_name()}, torch {torch.__version__}; ms per "
           f"call of the captured graph (median)\n")  # fmt: skip
-    print("| dtype | method | fwd | fwd+bwd | vs cuDNN (fwd+bwd) | error vs float64 |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| dtype | method | fwd | fwd+bwd | vs cuDNN (fwd+bwd) | fwd µs a step or tick "
+          "| error vs float64 |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
         if "error" in row:
-            print(f"| {row['dtype']} | {row['method']} | failed: {row['error']} | | | |")
+            print(f"| {row['dtype']} | {row['method']} | failed: {row['error']} | | | | |")
             continue
         cudnn = next(r for r in rows if r["dtype"] == row["dtype"] and r["method"] == "cudnn")
         ratio = cudnn.get("forward_backward_ms", float("nan")) / row["forward_backward_ms"]
-        print(f"| {row['dtype']} | {row['method']} | {row['forward_ms']:.3f} | "
+        method = row["method"] + (" (layer by layer)" if "layer_by_layer" in row else "")
+        print(f"| {row['dtype']} | {method} | {row['forward_ms']:.3f} | "
               f"{row['forward_backward_ms']:.3f} | {ratio:.2f}x | "
-              f"{row['error_vs_float64']:.1e} |")  # fmt: skip
+              f"{row['forward_us_per_step']:.2f} | {row['error_vs_float64']:.1e} |")  # fmt: skip
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()  # fmt: skip

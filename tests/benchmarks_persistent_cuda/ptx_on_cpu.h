@@ -32,6 +32,9 @@ constexpr int CPU_WARPS = 8;  // cuda_lstm.cu's WARPS
 inline std::unique_ptr<std::barrier<>> cta_barrier;
 inline std::unique_ptr<std::barrier<>> warp_barriers[CPU_WARPS];
 
+// A CTA's dynamic shared memory (cuda_lstm.cu's wavefront), allocated in its process.
+inline void* dynamic_shared_memory = nullptr;
+
 inline void __syncthreads() { cta_barrier->arrive_and_wait(); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }

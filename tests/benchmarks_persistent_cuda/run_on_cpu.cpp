@@ -9,6 +9,10 @@
 //     backward  IN: w_hh [4H,H], stash [T,B,5H] (fp32), c0 [B,H], dy [T,B,H], dh_n [B,H],
 //                   dc_n [B,H]
 //              OUT: dgates [T,B,4H], dh0 [B,H], dc0 [B,H]
+//   run_on_cpu wavefront T IN OUT   (built with -DLSTM_LAYERS=L; mask: all zero = none)
+//     IN: xw [T,B,4H], w_ih [L-1,4H,H], w_hh [L,4H,H], bias [L,4H] (fp32), h0 [L,B,H],
+//         c0 [L,B,H], mask [L-1,T,B,H]
+//    OUT: y [L,T,B,H], h_n [L,B,H], c_n [L,B,H], stash [L,T,B,5H] (fp32)
 // Files hold the tensors back to back, raw, in the layer's dtype (bf16 bits or fp32)
 // unless marked fp32. Compile with cuda_lstm.cu's -D macros and
 // -DLSTM_SOURCE='"path/to/cuda_lstm.cu"'.
@@ -18,6 +22,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,7 +39,7 @@ int fail(const std::string& message) {
 
 // Runs body() as every thread of every CTA: a process per CTA, THREADS threads in each.
 template <typename Body>
-bool run_grid(int ctas, Body body) {
+bool run_grid(int ctas, Body body, size_t dynamic_bytes = 0) {
   gridDim.x = ctas;
   std::vector<pid_t> children;
   for (int p = 0; p < ctas; ++p) {
@@ -42,6 +47,7 @@ bool run_grid(int ctas, Body body) {
     if (pid < 0) return false;
     if (pid == 0) {
       blockIdx.x = p;
+      dynamic_shared_memory = dynamic_bytes ? std::aligned_alloc(16, dynamic_bytes) : nullptr;
       cta_barrier = std::make_unique<std::barrier<>>(THREADS);
       for (auto& barrier : warp_barriers) barrier = std::make_unique<std::barrier<>>(32);
       std::vector<std::thread> threads;
@@ -63,8 +69,91 @@ bool run_grid(int ctas, Body body) {
   return ok;
 }
 
+// All tensors (IN's, then OUT's), the barrier's counter and the status flag in one
+// shared mapping.
+struct Memory {
+  std::vector<char*> at;
+  unsigned* counter = nullptr;
+  int* status = nullptr;
+
+  bool make(const std::vector<size_t>& in, const std::vector<size_t>& out) {
+    size_t total = 0;
+    for (size_t bytes : in) total += (bytes + 15) / 16 * 16;
+    for (size_t bytes : out) total += (bytes + 15) / 16 * 16;
+    char* base = static_cast<char*>(
+        mmap(nullptr, total + 16, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+    if (base == MAP_FAILED) return false;
+    size_t offset = 0;
+    for (size_t bytes : in) at.push_back(base + offset), offset += (bytes + 15) / 16 * 16;
+    for (size_t bytes : out) at.push_back(base + offset), offset += (bytes + 15) / 16 * 16;
+    counter = reinterpret_cast<unsigned*>(base + total);
+    status = reinterpret_cast<int*>(base + total + 4);
+    return true;
+  }
+
+  // IN's tensors from the file, which must hold exactly them.
+  bool read(const char* path, const std::vector<size_t>& in) {
+    FILE* file = std::fopen(path, "rb");
+    if (!file) return false;
+    bool ok = true;
+    for (size_t i = 0; i < in.size(); ++i) ok = ok && std::fread(at[i], 1, in[i], file) == in[i];
+    ok = ok && std::fgetc(file) == EOF;
+    std::fclose(file);
+    return ok;
+  }
+
+  // OUT's first out.size() tensors (at[first], ...) to the file.
+  bool write(const char* path, size_t first, const std::vector<size_t>& out) {
+    FILE* file = std::fopen(path, "wb");
+    if (!file) return false;
+    for (size_t i = 0; i < out.size(); ++i) std::fwrite(at[first + i], 1, out[i], file);
+    return std::fclose(file) == 0;
+  }
+};
+
 }  // namespace
 
+#ifdef LSTM_LAYERS
+int main(int argc, char** argv) {
+  if (argc != 5 || std::string(argv[1]) != "wavefront")
+    return fail("usage: run_on_cpu wavefront T IN OUT (built with LSTM_LAYERS)");
+  const int T = std::stoi(argv[2]);
+  const size_t e = sizeof(elem_t), f = sizeof(float), t = T, L = LAYERS;
+  const std::vector<size_t> in{t * B * G * e,     (L - 1) * G * H * e, L * G * H * e,
+                               L * G * f,         L * B * H * e,       L * B * H * e,
+                               (L - 1) * t * B * H * e};
+  const std::vector<size_t> out{L * t * B * H * e, L * B * H * e, L * B * H * e,
+                                L * t * B * STASH * f, (L - 1) * t * B * H * e};
+  Memory memory;
+  if (!memory.make(in, out)) return fail("mmap failed");
+  if (!memory.read(argv[3], in)) return fail("IN is not its tensors' size");
+  bool masked = false;
+  for (size_t i = 0; i < in[6]; ++i) masked = masked || memory.at[6][i] != 0;
+  auto el = [&](size_t i) { return reinterpret_cast<elem_t*>(memory.at[i]); };
+  auto fp = [&](size_t i) { return reinterpret_cast<float*>(memory.at[i]); };
+  LayerWeights weights;
+  LayerOutputs outputs;
+  for (int l = 0; l < LAYERS; ++l) {
+    weights.w_ih[l] = l == 0 ? nullptr : el(1) + (l - 1) * G * H;
+    weights.w_hh[l] = el(2) + l * G * H;
+    outputs.y[l] = el(7) + l * t * B * H;
+    outputs.stash[l] = fp(10) + l * t * B * STASH;
+  }
+  const bool ran = run_grid(
+      LAYERS * CTAS_PER_LAYER,
+      [&] {
+        lstm_wavefront_forward(el(0), weights, fp(3), el(4), el(5), masked ? el(6) : nullptr,
+                               masked ? el(11) : nullptr, outputs, el(8), el(9), memory.counter,
+                               memory.status, T);
+      },
+      sizeof(FragmentWords) * W_IH_TILES * THREADS);
+  if (!ran) return fail("a CTA's process failed");
+  if (*memory.status != 0) return fail("a grid barrier timed out");
+  // the dropped copies are the kernel's scratch: not written out
+  return memory.write(argv[4], in.size(), {out.begin(), out.end() - 1}) ? 0
+                                                                        : fail("cannot write OUT");
+}
+#else
 int main(int argc, char** argv) {
   if (argc != 5) return fail("usage: run_on_cpu forward|backward T IN OUT");
   const std::string direction = argv[1];
@@ -80,30 +169,13 @@ int main(int argc, char** argv) {
       ? std::vector<size_t>{t * B * H * e, B * H * e, B * H * e, t * B * STASH * f}
       : std::vector<size_t>{t * B * G * e, B * H * e, B * H * e};
 
-  // All tensors, the barrier's counter and the status flag in one shared mapping.
-  std::vector<char*> at;
-  size_t total = 0;
-  for (size_t bytes : in) total += (bytes + 15) / 16 * 16;
-  for (size_t bytes : out) total += (bytes + 15) / 16 * 16;
-  char* memory = static_cast<char*>(mmap(nullptr, total + 16, PROT_READ | PROT_WRITE,
-                                         MAP_SHARED | MAP_ANONYMOUS, -1, 0));
-  if (memory == MAP_FAILED) return fail("mmap failed");
-  size_t offset = 0;
-  for (size_t bytes : in) at.push_back(memory + offset), offset += (bytes + 15) / 16 * 16;
-  for (size_t bytes : out) at.push_back(memory + offset), offset += (bytes + 15) / 16 * 16;
-  auto* counter = reinterpret_cast<unsigned*>(memory + total);
-  auto* status = reinterpret_cast<int*>(memory + total + 4);
-
-  FILE* file = std::fopen(argv[3], "rb");
-  if (!file) return fail(std::string("cannot open ") + argv[3]);
-  for (size_t i = 0; i < in.size(); ++i)
-    if (std::fread(at[i], 1, in[i], file) != in[i]) return fail("IN is shorter than its tensors");
-  const bool longer = std::fgetc(file) != EOF;
-  std::fclose(file);
-  if (longer) return fail("IN is longer than its tensors");
-
-  auto el = [&](size_t i) { return reinterpret_cast<elem_t*>(at[i]); };
-  auto fp = [&](size_t i) { return reinterpret_cast<float*>(at[i]); };
+  Memory memory;
+  if (!memory.make(in, out)) return fail("mmap failed");
+  if (!memory.read(argv[3], in)) return fail("IN is not its tensors' size");
+  auto* counter = memory.counter;
+  auto* status = memory.status;
+  auto el = [&](size_t i) { return reinterpret_cast<elem_t*>(memory.at[i]); };
+  auto fp = [&](size_t i) { return reinterpret_cast<float*>(memory.at[i]); };
   const int ctas = (H + UNITS - 1) / UNITS;
   const bool ran = forward
       ? run_grid(ctas, [&] {
@@ -117,8 +189,6 @@ int main(int argc, char** argv) {
   if (!ran) return fail("a CTA's process failed");
   if (*status != 0) return fail("a grid barrier timed out");
 
-  file = std::fopen(argv[4], "wb");
-  if (!file) return fail(std::string("cannot open ") + argv[4]);
-  for (size_t i = 0; i < out.size(); ++i) std::fwrite(at[in.size() + i], 1, out[i], file);
-  return std::fclose(file) == 0 ? 0 : fail("cannot write OUT");
+  return memory.write(argv[4], in.size(), out) ? 0 : fail("cannot write OUT");
 }
+#endif

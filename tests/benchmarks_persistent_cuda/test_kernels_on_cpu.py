@@ -20,11 +20,15 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def _build(tmp_path: Path, dtype: str, hidden: int, batch: int, units: int) -> Path:
-    exe = tmp_path / f"run_on_cpu_{dtype}_{hidden}_{batch}_{units}"
+def _build(tmp_path: Path, dtype: str, hidden: int, batch: int, units: int,
+           layers: int = 1) -> Path:  # fmt: skip
+    """run_on_cpu for one configuration; ``layers`` > 1: the wavefront's."""
+    exe = tmp_path / f"run_on_cpu_{dtype}_{hidden}_{batch}_{units}_{layers}"
     macros = [f"-DLSTM_BF16={int(dtype == 'bf16')}", f"-DLSTM_HIDDEN={hidden}",
               f"-DLSTM_BATCH={batch}", f"-DLSTM_UNITS={units}",
               f'-DLSTM_SOURCE="{cuda_lstm_kernel.SOURCE.resolve()}"']  # fmt: skip
+    if layers > 1:
+        macros.append(f"-DLSTM_LAYERS={layers}")
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror",
                     "-Wno-unknown-pragmas", *macros, f"-I{HERE}", str(HERE / "run_on_cpu.cpp"),
                     "-o", str(exe)], check=True, capture_output=True, text=True)  # fmt: skip
@@ -84,3 +88,66 @@ def test_kernels_on_cpu_match_the_reference(tmp_path, dtype, hidden, batch, unit
     assert max(errors.values()) < tolerance, errors
     # the stash is what the backward reads: the activated gates and c_t
     assert torch.allclose(stash[-1, :, 4 * H :].to(dt), c_n)
+
+
+def _stack_reference(x, h0, c0, weights, masks):
+    """Per layer (float64): y, h_n, c_n and the stash the backward reads (the activated
+    gates and c_t of every step), layer l > 0 reading layer l-1's y times masks[l-1]."""
+    layer_in, out = x, []
+    for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
+        if layer > 0:
+            layer_in = out[-1][0] * masks[layer - 1]
+        y, h_n, c_n = prototype.reference_forward(layer_in, h0[layer], c0[layer], w_ih, w_hh,
+                                                  b_ih, b_hh)  # fmt: skip
+        h_prev = torch.cat([h0[layer][None], y[:-1]])
+        pre = layer_in @ w_ih.t() + b_ih + h_prev @ w_hh.t() + b_hh
+        i, f, g, o = pre.chunk(4, -1)
+        c = torch.cat([c0[layer][None], torch.zeros_like(y)])
+        for t in range(y.shape[0]):
+            c[t + 1] = f[t].sigmoid() * c[t] + i[t].sigmoid() * g[t].tanh()
+        stash = torch.cat([i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid(), c[1:]], -1)
+        out.append((y, h_n, c_n, stash))
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "units", "layers", "T", "dropout"), [
+    ("bf16", 32, 3, 8, 2, 5, True),
+    ("fp32", 32, 1, 16, 3, 5, False),
+    ("bf16", 40, 3, 12, 3, 1, True),  # K padded, units past H, 3 M tiles
+    ("fp32", 24, 3, 12, 2, 1, False),
+    ("fp32", 16, 1, 4, 2, 5, True),
+    ("bf16", 16, 1, 8, 3, 5, False),
+])  # fmt: skip
+def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, units, layers,
+                                                T, dropout):  # fmt: skip
+    """The wavefront forward of a stack (its every layer's y, h_n, c_n and stash) against
+    the float64 layers, with dropout's mask between them where ``dropout``."""
+    exe = _build(tmp_path, dtype, hidden, batch, units, layers)
+    dt, H, L = cuda_lstm_kernel.DTYPES[dtype], hidden, layers
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(7, H, L).to(dt)
+    x = torch.randn(T, batch, 7).to(dt)
+    h0, c0 = (0.5 * torch.randn(L, batch, H)).to(dt), (0.5 * torch.randn(L, batch, H)).to(dt)
+    names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+    weights = [[getattr(lstm, f"{name}_l{layer}").detach() for name in names]
+               for layer in range(L)]  # fmt: skip
+    masks = torch.ones(L - 1, T, batch, H, dtype=dt)
+    if dropout:  # as dropout(ones): 0 or 1/(1 - p), p = 0.4
+        masks = (torch.rand(L - 1, T, batch, H) >= 0.4).to(dt) / 0.6
+    xw = torch.nn.functional.linear(x, weights[0][0], weights[0][2])
+    w_ih = torch.stack([w[0] for w in weights[1:]])
+    w_hh = torch.stack([w[1] for w in weights])
+    bias = torch.stack([w[3].float() + (w[2].float() if layer else 0)
+                        for layer, w in enumerate(weights)])  # fmt: skip
+    given_mask = masks if dropout else torch.zeros_like(masks)  # all zero: none
+    y, h_n, c_n, stash = _run(exe, "wavefront", T, [xw, w_ih, w_hh, bias, h0, c0, given_mask],
+                              [((L, T, batch, H), dt), ((L, batch, H), dt), ((L, batch, H), dt),
+                               ((L, T, batch, 5 * H), torch.float32)], tmp_path)  # fmt: skip
+
+    exact = [[t.double() for t in w] for w in weights]
+    want = _stack_reference(x.double(), h0.double(), c0.double(), exact, masks.double())
+    tolerance = prototype.TOLERANCE[dtype]
+    for layer, (want_y, want_h, want_c, want_stash) in enumerate(want):
+        got = (y[layer], h_n[layer], c_n[layer], stash[layer])
+        error = prototype.relative_error(got, (want_y, want_h, want_c, want_stash))
+        assert error < tolerance, (layer, error)

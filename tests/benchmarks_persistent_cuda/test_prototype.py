@@ -260,23 +260,33 @@ def _kernel_parameters(name: str) -> list[str]:
 
 class _RecordingDriver:
     """Stands in for cuda.bindings' driver: records each launch's argument values (the
-    addresses the kernel would get, and T)."""
+    addresses the kernel would get, and T; a struct of ``struct_words`` addresses where
+    the parameter is one of ``structs``)."""
+
+    structs = ("weights", "outputs")
 
     class CUresult:
         CUDA_SUCCESS = 0
 
-    def __init__(self):
+    def __init__(self, struct_words: int = 0):
         self.launches = []
+        self.struct_words = struct_words
 
     def CUstream(self, handle):
         return handle
 
     def cuLaunchCooperativeKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params):
-        count = len(_kernel_parameters(function))
-        slots = (ctypes.c_void_p * count).from_address(params)
-        values = [ctypes.c_void_p.from_address(slot).value or 0 for slot in slots[:-1]]
+        names = _kernel_parameters(function)
+        slots = (ctypes.c_void_p * len(names)).from_address(params)
+        values = []
+        for name, slot in zip(names[:-1], slots[:-1]):
+            if name in self.structs:
+                words = (ctypes.c_void_p * self.struct_words).from_address(slot)
+                values.append([w or 0 for w in words])
+            else:
+                values.append(ctypes.c_void_p.from_address(slot).value or 0)
         values.append(ctypes.c_int.from_address(slots[-1]).value)
-        self.launches.append((function, gx, bx, values))
+        self.launches.append((function, gx, bx, smem, values))
         return (self.CUresult.CUDA_SUCCESS,)
 
 
@@ -289,6 +299,7 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     kernel.device_index = 0
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
     kernel.layout = cuda_lstm_kernel.layout(hidden, 132)
+    kernel.grid, kernel.shared_bytes = kernel.layout.ctas, 0
     kernel.functions = {name: name for name in (cuda_lstm_kernel.FORWARD_KERNEL,
                                                 cuda_lstm_kernel.BACKWARD_KERNEL)}  # fmt: skip
     kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
@@ -308,10 +319,58 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     launches = kernel.driver.launches
     assert [launch[0] for launch in launches] == [cuda_lstm_kernel.FORWARD_KERNEL] * 2 + [
         cuda_lstm_kernel.BACKWARD_KERNEL]  # fmt: skip
-    for i, (function, ctas, threads, values) in enumerate(launches):
-        assert (ctas, threads) == (kernel.layout.ctas, cuda_lstm_kernel.THREADS)
+    for i, (function, ctas, threads, shared, values) in enumerate(launches):
+        assert (ctas, threads, shared) == (kernel.layout.ctas, cuda_lstm_kernel.THREADS, 0)
         names = _kernel_parameters(function)
         assert names[-1] == "T" and values[-1] == T
         want = [0 if (i, name) == (1, "stash") else tensors[name].data_ptr()
                 for name in names[:-1]]  # fmt: skip
         assert values[:-1] == want, (function, names)
+
+
+def test_the_wavefront_launch_passes_its_parameters_in_their_order(monkeypatch):
+    """Each layer's weights and outputs as the structs the kernel takes by value, its grid
+    (every layer's CTAs) and its dynamic shared memory."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    hidden, batch, T, L = 16, 3, 5, 3
+    kernel = object.__new__(cuda_lstm_kernel.CudaLstmKernel)
+    kernel.device_index, kernel.layers = 0, L
+    kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(2 * L), hidden, batch
+    kernel.layout = cuda_lstm_kernel.wavefront_layout(hidden, L, 132)
+    kernel.grid = kernel.layout.ctas * L
+    kernel.shared_bytes = cuda_lstm_kernel.wavefront_shared_bytes("bf16", hidden, 4)
+    kernel.functions = {cuda_lstm_kernel.WAVEFRONT_KERNEL: cuda_lstm_kernel.WAVEFRONT_KERNEL}
+    kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
+
+    def zeros(*shape):
+        return torch.zeros(shape)
+
+    w_ih = [zeros(4 * hidden, hidden) for _ in range(L - 1)]
+    w_hh = [zeros(4 * hidden, hidden) for _ in range(L)]
+    ys = [zeros(T, batch, hidden) for _ in range(L)]
+    stash = [zeros(T, batch, 5 * hidden) for _ in range(L)]
+    tensors = {"xw": zeros(T, batch, 4 * hidden), "bias": zeros(L, 4 * hidden),
+               "h0": zeros(L, batch, hidden), "c0": zeros(L, batch, hidden),
+               "mask": zeros(L - 1, T, batch, hidden), "dropped": zeros(L - 1, T, batch, hidden),
+               "h_n": zeros(L, batch, hidden), "c_n": zeros(L, batch, hidden),
+               "counter": kernel.counter, "status": kernel.status}  # fmt: skip
+    args = {name: tensors[name] for name in ("xw", "bias", "h0", "c0", "mask", "dropped",
+                                              "h_n", "c_n")}  # fmt: skip
+    kernel.wavefront(w_ih=w_ih, w_hh=w_hh, y=ys, stash=stash, **args)
+    unmasked = args | {"mask": None, "dropped": None}
+    kernel.wavefront(w_ih=w_ih, w_hh=w_hh, y=ys, stash=None, **unmasked)
+
+    tensors["weights"] = [0] + [t.data_ptr() for t in (*w_ih, *w_hh)]  # W_ih of layer 0: null
+    for i, (function, ctas, threads, shared, values) in enumerate(kernel.driver.launches):
+        assert (ctas, threads, shared) == (kernel.grid, cuda_lstm_kernel.THREADS,
+                                           kernel.shared_bytes)  # fmt: skip
+        tensors["outputs"] = [t.data_ptr() for t in ys] + (
+            [t.data_ptr() for t in stash] if i == 0 else [0] * L)  # fmt: skip
+        names = _kernel_parameters(function)
+        assert names[-1] == "T" and values[-1] == T
+
+        want = [0 if i == 1 and name in ("mask", "dropped") else
+                tensors[name] if isinstance(tensors[name], list) else tensors[name].data_ptr()
+                for name in names[:-1]]  # fmt: skip
+        assert values[:-1] == want, names

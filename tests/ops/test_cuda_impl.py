@@ -475,3 +475,186 @@ def test_the_largest_layers_taken_compile(sms, arch, dtype):
         for batch in batches:
             cubin, _ = cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units, arch)
             assert cubin[:4] == b"\x7fELF"
+
+
+class _StandInWavefront(_StandInKernel):
+    """The wavefront kernel in plain PyTorch (same arguments, same outputs): layer by
+    layer, layer l > 0's input product from layer l-1's y (times the mask)."""
+
+    def __init__(self, hidden: int, layers: int):
+        super().__init__(hidden)
+        self.layers = layers
+
+    def wavefront(self, xw, w_ih, w_hh, bias, h0, c0, mask, dropped, y, h_n, c_n, stash):
+        L, H = self.layers, self.hidden
+        assert (len(y), len(stash)) == (L, L) and bias.dtype == torch.float32
+        assert (len(w_ih), len(w_hh)) == (L - 1, L)
+        assert all(w.shape == (4 * H, H) and w.is_contiguous() for w in (*w_ih, *w_hh))
+        w_ih = [None, *w_ih]
+        for layer in range(L):
+            xw_l = xw
+            if layer > 0:
+                layer_in = y[layer - 1]
+                if mask is not None:
+                    dropped[layer - 1] = y[layer - 1] * mask[layer - 1]
+                    layer_in = dropped[layer - 1]
+                xw_l = layer_in @ w_ih[layer].t()
+            self.recurrence(xw_l, w_hh[layer], bias[layer], h0[layer], c0[layer], y[layer],
+                            h_n[layer], c_n[layer], stash[layer])  # fmt: skip
+        self.launches += 1 - L  # one launch
+
+
+def _mask_on_cpu(x, p, seed, offset=0):
+    """cuda_persistent.dropout's stand-in: a mask fixed by (offset, shape), 0 or 1/(1-p)."""
+    g = torch.Generator().manual_seed(1000 + offset)
+    return x * ((torch.rand(x.shape, generator=g) >= p).to(x.dtype) / (1 - p))
+
+
+@pytest.mark.parametrize(("H", "layers", "dropout"), [
+    (16, 2, 0.0), (16, 3, 0.4), (13, 2, 0.4), (13, 3, 0.0), (16, 2, 1.0),
+])  # fmt: skip
+def test_stack_through_the_wavefront_matches_torch_nn(monkeypatch, H, layers, dropout):
+    """A unidirectional stack runs as one wavefront launch (then the layers' backward
+    launches): outputs and every gradient against float64 torch.nn.LSTM, or with dropout
+    the op's differentiable stack with the same masks."""
+    Hp = cuda_persistent.padded_hidden(H)
+    kernel = _StandInWavefront(Hp, layers)
+    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
+    monkeypatch.setattr(cuda_persistent, "wavefront_reason", lambda *args, **kw: None)
+    monkeypatch.setattr(cuda_persistent, "dropout", _mask_on_cpu)
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled_wavefront", lambda *args: kernel)
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+    torch.manual_seed(0)
+    want = torch.nn.LSTM(8, H, layers).double()
+    ours = mirrorgrad.nn.LSTM(8, H, layers, dropout=dropout, impl="cuda").double()
+    ours.load_state_dict(want.state_dict())
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(layers, 3, H, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(layers, 3, H, dtype=torch.float64, requires_grad=True)
+    weights = list(want.parameters())
+
+    def reference(x, state):
+        h0, c0 = state
+        if dropout == 0:
+            return want(x, (h0, c0))
+        y, h_n, c_n = op.differentiable_stack(x, weights, h0, c0, None, torch.tensor(0),
+                                              "lstm", layers, False, True, 0, dropout, None,
+                                              "cuda")  # fmt: skip
+        return y, (h_n, c_n)
+
+    outputs = {}
+    for name, module in (("ours", ours), ("want", reference)):
+        y, (h_n, c_n) = module(x, (h0, c0))
+        loss = y.square().sum() + h_n.sin().sum() + c_n.cos().sum()
+        params = list(ours.parameters() if name == "ours" else weights)
+        outputs[name] = [y, h_n, c_n, *torch.autograd.grad(loss, [x, h0, c0, *params])]
+    assert kernel.launches == 1 + layers  # the wavefront, then each layer's backward
+    for got, expected in zip(outputs["ours"], outputs["want"]):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_wavefront_leaves_other_stacks_to_the_layers(h100, monkeypatch):
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
+    x = SimpleNamespace(device=CUDA, dtype=torch.bfloat16, shape=(35, 20, 650))
+    hx = SimpleNamespace(dtype=torch.bfloat16, shape=(2, 20, 650))
+    w = [SimpleNamespace(dtype=torch.bfloat16)]
+
+    def reason(**kw):
+        args = dict(lengths=None, mode="lstm", num_layers=2, bidirectional=False, proj_size=0,
+                    state_clip=None) | kw  # fmt: skip
+        return cuda_persistent.wavefront_reason(x, w, hx, **args)
+
+    assert reason() is None
+    assert "unidirectional" in reason(bidirectional=True)
+    assert "2 layers or more" in reason(num_layers=1)
+    assert "lengths" in reason(lengths=torch.ones(20))
+    assert "state clip" in reason(state_clip=(-1.0, 1.0))
+    x.dtype = hx.dtype = w[0].dtype = torch.float32  # 12 units a CTA: 132 registers of W
+    assert "registers of W" in reason()
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "layers"), [
+    ("bf16", 656, 20, 2), ("bf16", 256, 20, 3), ("fp32", 256, 20, 3), ("fp32", 512, 32, 2),
+    ("bf16", 896, 8, 2), ("bf16", 656, 8, 3), ("bf16", 512, 16, 4),
+])  # fmt: skip
+def test_wavefront_layouts_that_fit_on_132_sms(dtype, hidden, batch, layers):
+    """Each compiled without spills (ptxas, sm_90): benchmarks/persistent_cuda/README.md."""
+    assert cuda_lstm_kernel.wavefront_unfit(dtype, hidden, batch, layers, 132) is None
+    lay = cuda_lstm_kernel.wavefront_layout(hidden, layers, 132)
+    assert lay.ctas * layers <= 132 and lay.ctas * lay.units >= hidden
+
+
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "layers", "reason"), [
+    ("fp32", 656, 20, 2, "registers of W"),  # 12 units: 132 words of W (ptxas spills)
+    ("bf16", 1024, 8, 2, "registers of W"),  # 128 words of W: 208 bytes spilled
+    ("bf16", 768, 8, 3, "registers of W"),  # 20 units: 24 bytes spilled
+    ("fp32", 512, 20, 3, "registers of W"),  # 12 units, 3 batch tiles: 32 bytes spilled
+    ("bf16", 1024, 20, 2, "registers of W"),
+    ("bf16", 656, 20, 1, "2 to 132 layers"),
+    ("bf16", 512, 20, 4, "partial sums"),  # 16 units a CTA
+])  # fmt: skip
+def test_wavefront_layouts_that_do_not_fit_say_why(dtype, hidden, batch, layers, reason):
+    assert reason in cuda_lstm_kernel.wavefront_unfit(dtype, hidden, batch, layers, 132)
+
+
+class _QuietWavefront(_StandInWavefront):
+    """Checks the counts, writes nothing and allocates nothing."""
+
+    def wavefront(self, xw, w_ih, w_hh, bias, h0, c0, mask, dropped, y, h_n, c_n, stash):
+        assert (len(w_ih), len(w_hh), len(y)) == (self.layers - 1, self.layers, self.layers)
+
+
+@pytest.mark.parametrize(("T", "B", "H", "layers", "dropout", "need_saved"), [
+    (5, 3, 13, 2, 0.5, True),  # padded: the launch's copies
+    (40, 6, 13, 3, 0.5, False),
+    (7, 2, 37, 2, 0.0, True),
+    (5, 3, 16, 2, 0.5, True),  # unpadded
+    (5, 3, 16, 3, 0.0, False),  # the intermediate y's are temporaries
+    (5, 3, 16, 2, 1.0, True),
+])  # fmt: skip
+def test_wavefront_temporaries_are_the_memory_formula(monkeypatch, T, B, H, layers, dropout,
+                                                      need_saved):  # fmt: skip
+    Hp = cuda_persistent.padded_hidden(H)
+    kernel = _QuietWavefront(Hp, layers)
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled_wavefront", lambda *args: kernel)
+    monkeypatch.setattr(cuda_persistent, "wavefront_reason", lambda *args, **kw: None)
+    # kernels.py's dropout allocates its output alone
+    monkeypatch.setattr(cuda_persistent, "dropout", lambda x, *args: torch.empty_like(x))
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+    dtype = torch.float64
+    x = torch.randn(T, B, 9, dtype=dtype)
+    weights = []
+    for layer in range(layers):
+        weights += [torch.randn(4 * H, 9 if layer == 0 else H, dtype=dtype),
+                    torch.randn(4 * H, H, dtype=dtype), torch.randn(4 * H, dtype=dtype),
+                    torch.randn(4 * H, dtype=dtype)]  # fmt: skip
+    hx, cx = torch.randn(layers, B, H, dtype=dtype), torch.randn(layers, B, H, dtype=dtype)
+    seed = torch.zeros((), dtype=torch.int64)
+    args = (x, weights, hx, cx, None, seed, "lstm", layers, False, True, 0, dropout, "stash",
+            None, "cuda", need_saved)  # fmt: skip
+    with _AllocationTimeline(x, *weights, hx, cx, seed) as timeline:
+        outputs = cuda_persistent.stack_forward(*args[:14], need_saved)  # held: not counted
+        assert [tuple(t.shape) for t in outputs[3]] == ([(T, B, 5 * Hp), (T, B, H)] * (layers - 1)
+                                                   + [(T, B, 5 * Hp)] if need_saved else [])
+    formula = op._rnn_forward_temporary_bytes(*args)
+    assert timeline.temporary_peak() == formula
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("batch", [1, 20, 32])
+def test_the_largest_wavefronts_taken_compile_without_spills(dtype, layers, batch):
+    """The largest hidden size ``wavefront_unfit`` takes on 132 SMs compiles for sm_90
+    with no register spilled (its registers rule is fit to ptxas)."""
+    import re
+
+    _nvrtc_or_skip()
+    unfit = cuda_lstm_kernel.wavefront_unfit
+    hidden = max(h for h in range(8, 2048, 8) if unfit(dtype, h, batch, layers, 132) is None)
+    units = cuda_lstm_kernel.wavefront_layout(hidden, layers, 132).units
+    _, log = cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units,
+                                            defines={"LSTM_LAYERS": layers})  # fmt: skip
+    assert re.findall(r"(\d+) bytes spill stores", log) == ["0"], log

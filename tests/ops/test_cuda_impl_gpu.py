@@ -3,8 +3,10 @@ torch.nn.LSTM in float64 on the CPU (odd hidden sizes, batch 1 and 3, T 1 and 35
 with TF32 products and bf16, the prototype's tolerances), hidden sizes off the multiple
 of 8 (run zero-padded: 13, and the word LM's 650 at batch 20), two layers with dropout (the
 masks of impl="triton", which shares them), bidirectional, a CUDA Graph capture and its
-replays, the op's opcheck, the op's temporaries against its memory formulas, a barrier
-that gives up, and impl="auto" timing it beside the others (called and captured).
+replays, the op's opcheck, unidirectional stacks as one wavefront launch (2x650 and
+3x256, with and without dropout, captured), the op's temporaries against its memory
+formulas, a barrier that gives up, and impl="auto" timing it beside the others (called
+and captured).
 Skipped without CUDA or cuda.bindings; about a minute on an H100:
 
     PYTHONPATH=src python -m pytest -q tests/ops/test_cuda_impl_gpu.py
@@ -263,22 +265,27 @@ def _peak_beyond(call, *, outputs_of) -> tuple[int, object]:
     return peak - sum(storages.values()), result
 
 
-@pytest.mark.parametrize("H", [512, 650])
-def test_op_temporaries_within_the_memory_formulas(H):
+@pytest.mark.parametrize(("H", "layers"), [(512, 1), (650, 1), (512, 2), (650, 2)])
+def test_op_temporaries_within_the_memory_formulas(H, layers):
     """The forward's and the backward's peak beyond their inputs and outputs (the saved
     stash included) is what op.py's memory formulas say, from the layer's
-    workspace_bytes: at most, and not far below (650: its padded copies counted)."""
+    workspace_bytes or (2 layers, dropout: the wavefront) the stack's: at most, and not
+    far below (650: its padded copies counted)."""
     from mirrorgrad.ops.rnn import op
 
     T, B, n_in, dtype = 100, 20, 256, torch.bfloat16
     x = torch.randn(T, B, n_in, device=DEVICE, dtype=dtype)
-    weights = [torch.randn(4 * H, n_in, device=DEVICE, dtype=dtype) / 16,
-               torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,
-               torch.randn(4 * H, device=DEVICE, dtype=dtype),
-               torch.randn(4 * H, device=DEVICE, dtype=dtype)]  # fmt: skip
-    hx = torch.randn(1, B, H, device=DEVICE, dtype=dtype)
+    weights = []
+    for layer in range(layers):
+        weights += [torch.randn(4 * H, n_in if layer == 0 else H, device=DEVICE, dtype=dtype) / 16,
+                    torch.randn(4 * H, H, device=DEVICE, dtype=dtype) / 16,
+                    torch.randn(4 * H, device=DEVICE, dtype=dtype),
+                    torch.randn(4 * H, device=DEVICE, dtype=dtype)]  # fmt: skip
+    hx = torch.randn(layers, B, H, device=DEVICE, dtype=dtype)
     seed = torch.zeros((), dtype=torch.int64, device=DEVICE)
-    config = ("lstm", 1, False, True, 0, 0.0, "stash", None, "cuda")
+    dropout = 0.5 if layers > 1 else 0.0
+    config = ("lstm", layers, False, True, 0, dropout, "stash", None, "cuda")
+    assert _wavefront_runs(x, layers, H) == (layers > 1)
     forward_args = (x, weights, hx, hx, None, seed, *config, True)
     grads = [torch.randn(T, B, H, device=DEVICE, dtype=dtype), torch.randn_like(hx),
              torch.randn_like(hx)]  # fmt: skip
@@ -288,7 +295,9 @@ def test_op_temporaries_within_the_memory_formulas(H):
 
     def backward(y, saved):
         return torch.ops.mirrorgrad.rnn_backward(*grads, x, weights, hx, hx, None, seed, y,
-                                                 saved, *config, [True] * 7)  # fmt: skip
+                                                 saved, *config, needs)  # fmt: skip
+
+    needs = [True] * (3 + len(weights))
 
     def flat(result):
         return [t for item in result for t in (item if isinstance(item, list) else [item])]
@@ -299,9 +308,124 @@ def test_op_temporaries_within_the_memory_formulas(H):
     backward_peak, _ = _peak_beyond(lambda: backward(y, saved), outputs_of=flat)
     forward_formula = op._rnn_forward_temporary_bytes(*forward_args)
     backward_formula = op._rnn_backward_temporary_bytes(
-        *grads, x, weights, hx, hx, None, seed, y, saved, *config, [True] * 7)  # fmt: skip
+        *grads, x, weights, hx, hx, None, seed, y, saved, *config, needs)  # fmt: skip
     slack = 64 * 1024  # small tensors: the barrier's flag as bool, a stacked state
     measured = {"forward": (forward_peak, forward_formula),
                 "backward": (backward_peak, backward_formula)}  # fmt: skip
     assert forward_formula / 2 <= forward_peak <= forward_formula + slack, measured
     assert backward_formula / 2 <= backward_peak <= backward_formula + slack, measured
+
+
+def _wavefront_runs(x, layers, hidden) -> bool:
+    from mirrorgrad.ops.rnn import cuda_persistent
+
+    hx = x.new_empty(layers, x.shape[1], hidden)
+    return cuda_persistent.wavefront_reason(x, [x], hx, None, "lstm", layers, False, 0,
+                                            None) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("layers", "hidden", "batch", "T"), [
+    (2, 650, 20, 35), (3, 256, 20, 35), (3, 256, 3, 1), (2, 96, 1, 5),
+])  # fmt: skip
+def test_wavefront_stack_matches_float64(dtype, layers, hidden, batch, T):
+    """The stack as one wavefront launch (fp32 2x650 does not fit: 132 registers of W a
+    thread at 12 units a CTA; it runs layer by layer), then the layers' backward."""
+    torch.manual_seed(0)
+    ours, ref = _pair(40, hidden, layers=layers, dtype=dtype)
+    inputs, grads = _inputs(T, batch, 40, hidden, dtype, layers=layers)
+    fits = (dtype, hidden) != (torch.float32, 650)
+    assert _wavefront_runs(inputs[0], layers, hidden) == fits
+    _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wavefront_with_dropout_agrees_with_layer_by_layer(dtype, monkeypatch):
+    """The same masks (one seed): the wavefront and the layers agree within the products'
+    rounding (the layers round x W_ih^T to the dtype before the kernel; the wavefront
+    sums it in fp32)."""
+    from mirrorgrad.ops.rnn import cuda_persistent
+
+    inputs, grads = _inputs(35, 20, 64, 256, dtype, layers=3)
+    results = []
+    for wavefront in (True, False):
+        monkeypatch.setattr(cuda_persistent, "WAVEFRONT", wavefront)
+        torch.manual_seed(0)
+        module = mirrorgrad.nn.LSTM(64, 256, 3, dropout=0.5, impl="cuda").to(DEVICE, dtype)
+        torch.manual_seed(1)  # the dropout seed
+        results.append(_run(module, inputs, grads))
+    for a, b in zip(*results):
+        assert relative_error(a, b.double().cpu()) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize(("layers", "hidden"), [(2, 650), (3, 256)])
+def test_wavefront_captured_replays_with_new_inputs(layers, hidden):
+    """Forward and backward captured in one CUDA Graph: replays after new inputs and an
+    in-place weight update give what eager calls give; with dropout each replay draws
+    fresh masks (its seed is drawn on the GPU inside the graph)."""
+    torch.manual_seed(0)
+    ours, _ = _pair(40, hidden, layers=layers, dtype=torch.bfloat16)
+    inputs, grads = _inputs(35, 20, 40, hidden, torch.bfloat16, layers=layers)
+    assert _wavefront_runs(inputs[0], layers, hidden)
+    static = [t.clone() for t in (*inputs, *grads)]
+    graph, outputs = capture(lambda: _run(ours, static[:3], static[3:]))
+    for seed in (1, 2):
+        with torch.no_grad():  # an optimizer's in-place step, between replays
+            for weight in ours.parameters():
+                weight.mul_(1.01)
+        new_inputs, new_grads = _inputs(35, 20, 40, hidden, torch.bfloat16, layers=layers,
+                                        seed=seed)  # fmt: skip
+        for slot, value in zip(static, (*new_inputs, *new_grads)):
+            slot.copy_(value)
+        graph.replay()
+        eager = _run(ours, new_inputs, new_grads)
+        for a, b in zip(outputs, eager):
+            assert relative_error(a, b.double().cpu()) <= 1e-2 * TOLERANCE[torch.bfloat16]
+
+    ours.dropout = 0.5
+    graph, outputs = capture(lambda: _run(ours, static[:3], static[3:]))
+    graph.replay()
+    first = [t.clone() for t in outputs]
+    graph.replay()
+    assert all(torch.isfinite(t).all() for t in outputs)
+    assert not torch.equal(first[0], outputs[0])  # fresh masks
+
+
+def test_a_wavefront_barrier_that_gives_up_gives_nan_then_raises():
+    ours = mirrorgrad.nn.LSTM(40, 96, 2, impl="cuda").to(DEVICE)
+    x = torch.randn(35, 3, 40, device=DEVICE)
+    assert _wavefront_runs(x, 2, 96)
+    ours(x)
+    kernel = cuda_lstm_kernel.compiled_wavefront("fp32", 96, 3, 2, torch.device(DEVICE, 0))
+    kernel.status.fill_(1)
+    try:
+        with torch.no_grad():
+            y, (h_n, c_n) = ours(x)
+        torch.cuda.synchronize()
+        assert y.isnan().all() and h_n.isnan().all() and c_n.isnan().all()
+        with pytest.raises(RuntimeError, match="timed out"):
+            ours(x)
+    finally:
+        kernel.clear_timed_out()
+    y, _ = ours(x)
+    assert not y.isnan().any()
+
+
+def test_wavefront_op_passes_opcheck():
+    """The stack's outputs and saved tensors as the fake kernel says, none sharing storage."""
+    from .test_rnn_contract import UTILS, _backward_args
+    from .test_rnn_op import forward_args, stack_inputs
+
+    def gpu(t):
+        return t.detach().to(DEVICE).requires_grad_()
+
+    x, weights, hx, cx = stack_inputs("lstm", layers=3, bidirectional=False, T=3, B=3, n_in=8,
+                                      H=13, dtype=torch.float32)  # fmt: skip
+    args = list(forward_args("lstm", gpu(x), [gpu(w) for w in weights], gpu(hx), gpu(cx),
+                             layers=3, bidirectional=False, dropout=0.5, impl="cuda"))  # fmt: skip
+    args[5] = args[5].to(DEVICE)  # the dropout seed lives on the GPU
+    args = tuple(args)
+    assert _wavefront_runs(args[0], 3, 13)
+    torch.library.opcheck(torch.ops.mirrorgrad.rnn_forward.default, args, test_utils=UTILS)
+    torch.library.opcheck(torch.ops.mirrorgrad.rnn_backward.default, _backward_args(args),
+                          test_utils=UTILS)  # fmt: skip

@@ -1,4 +1,6 @@
-// One LSTM layer's recurrence, all T steps in one persistent launch: forward and backward.
+// One LSTM layer's recurrence, all T steps in one persistent launch: forward and backward;
+// and (with LSTM_LAYERS) a stack of layers' forward in one launch as a wavefront (at the
+// end of this file).
 //
 // Forward. The input side xW_t = x_t W_ih^T + b_ih of every step is one cuBLAS GEMM
 // before the launch; the kernel computes, for t = 0..T-1,
@@ -40,6 +42,8 @@
 //   LSTM_LEAVE_OUT  timing variants (wrong results): 1 leaves out the grid barrier, 2 the
 //                recurrent product (the h_{t-1} or dgates_{t+1} reads and MMAs); 0
 //                (default) the layer
+//   LSTM_LAYERS  where defined (2 or more): the wavefront forward of a stack of that many
+//                layers, in place of the single layer's two kernels
 //   LSTM_BARRIER_FENCES  1 (default): the barrier's thread 0 also runs __threadfence()
 //                before arriving and after its wait, as cooperative groups' grid sync
 //                does; 0: release arrival and acquire polling alone (the release/acquire
@@ -243,6 +247,134 @@ __device__ __forceinline__ void load_x_side(float (&x_side)[CELLS_PER_THREAD][4]
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// The MMA fragments' coordinates of this thread: its warp, the fragments' row (A, C) or
+// column (B) in the tile (group), and the lane's first k in a k-step (PER_WORD).
+__device__ __forceinline__ int warp_index() { return threadIdx.x / 32; }
+__device__ __forceinline__ int lane_group() { return threadIdx.x % 32 / 4; }
+__device__ __forceinline__ int lane_k() { return 2 * PER_WORD * (threadIdx.x % 4); }
+
+// This warp's slice of the CTA's 4*UNITS rows of a [4H, H] weight (W_hh, or a wavefront
+// layer's W_ih) as A fragments: rows mt*16 + {group, group+8} (local row r is gate r/UNITS
+// of unit unit0 + r%UNITS), k-step warp + kk*WARPS, words at ka (a0, a1) and ka + PER_WORD
+// (a2, a3); zero past H.
+__device__ __forceinline__ void load_row_fragments(unsigned (&frag)[M_TILES][K_PER_WARP][4],
+                                                   const elem_t* w, int unit0) {
+  const int warp = warp_index(), group = lane_group(), k_lane = lane_k();
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 16 + group + 8 * half;
+      const int unit = unit0 + r % UNITS;
+      const elem_t* row = w + static_cast<long long>((r / UNITS) * H + unit) * H;
+#pragma unroll
+      for (int kk = 0; kk < K_PER_WARP; ++kk) {
+        const int step = warp + kk * WARPS;
+        const int ka = step * K_STEP + k_lane;
+        const bool inside = unit < H && step < K_STEPS;
+        frag[mt][kk][half] = inside ? operand_word(row, ka) : 0u;
+        frag[mt][kk][2 + half] = inside ? operand_word(row, ka + PER_WORD) : 0u;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void zero(float (&acc)[M_TILES][N_TILES][4]) {
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
+}
+
+// A step's B x H input of the product (h_{t-1}, or a wavefront layer's input), written by
+// other CTAs of this launch, as B fragments (column n = batch row, words at ka and
+// ka + PER_WORD): all of the step's loads before its MMAs, since a warp issues in order
+// (a load after an MMA that waits for an earlier load would wait too: an L2 round trip
+// per k-step).
+__device__ __forceinline__ void load_step_fragments(unsigned (&frag)[K_PER_WARP][N_TILES][2],
+                                                    const elem_t* src) {
+  const int warp = warp_index(), group = lane_group(), k_lane = lane_k();
+  const elem_t* lane_src = src + group * H + warp * K_STEP + k_lane;
+#pragma unroll
+  for (int kk = 0; kk < K_PER_WARP; ++kk) {
+    const int ka = (warp + kk * WARPS) * K_STEP + k_lane;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) {
+      // a lane's pair lies all inside H or all past it (H is a multiple of 8)
+      const bool inside =
+          forward_k_step(warp, kk) && nt * 8 + group < B && (H % K_STEP == 0 || ka < H);
+      fresh_pair(lane_src + nt * 8 * H + kk * WARPS * K_STEP, inside, frag[kk][nt][0],
+                 frag[kk][nt][1]);
+    }
+  }
+}
+
+// acc += the CTA's rows of W (A fragments in registers) times the step's input.
+__device__ __forceinline__ void mma_registers(float (&acc)[M_TILES][N_TILES][4],
+                                              const unsigned (&w_frag)[M_TILES][K_PER_WARP][4],
+                                              const unsigned (&frag)[K_PER_WARP][N_TILES][2]) {
+  const int warp = warp_index();
+#pragma unroll
+  for (int kk = 0; kk < K_PER_WARP; ++kk) {
+    if (forward_k_step(warp, kk)) {
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+          mma(acc[mt][nt], w_frag[mt][kk], frag[kk][nt][0], frag[kk][nt][1]);
+    }
+  }
+}
+
+// C fragment: (row group, columns 2*quad, 2*quad+1) in acc[0..1], row group+8 in [2..3].
+__device__ __forceinline__ void store_partial_sums(float (&partial)[WARPS][ROWS][COLS],
+                                                   const float (&acc)[M_TILES][N_TILES][4]) {
+  const int warp = warp_index(), group = lane_group(), quad = threadIdx.x % 4;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = acc[mt][nt][j];
+}
+
+// The cell of (local unit u, batch row b): its activated gates from the warps' partial
+// sums, the input side and the bias; updates c (fp32) and returns h.
+__device__ __forceinline__ float cell_forward(const float (&partial)[WARPS][ROWS][COLS],
+                                              const float (&x_side)[4], const float (&bias)[4],
+                                              int u, int b, float& c, float (&gate)[4]) {
+  float pre[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    float sum = x_side[q] + bias[q];
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + u][b];
+    pre[q] = sum;
+  }
+  gate[0] = sigmoid(pre[0]);
+  gate[1] = sigmoid(pre[1]);
+  gate[2] = tanhf(pre[2]);
+  gate[3] = sigmoid(pre[3]);
+  c = gate[1] * c + gate[0] * gate[2];
+  return gate[3] * tanhf(c);
+}
+
+// y[t] = h at (batch row b, unit), and where asked (stash not null) the stash row the
+// backward reads: the activated gates and c_t.
+__device__ __forceinline__ void write_step(elem_t* y, float* stash, int t, int b, int unit,
+                                           float h, const float (&gate)[4], float c) {
+  store(y + (static_cast<long long>(t) * B + b) * H + unit, h);
+  if (stash != nullptr) {
+    float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) row[q * H] = gate[q];
+    row[4 * H] = c;
+  }
+}
+
 // All CTAs reach step `target / gridDim.x` before any goes on. A monotonic counter
 // (zeroed by the host before the launch): thread 0 adds its arrival with release
 // semantics after the CTA's stores (the __syncthreads orders them before it) and polls
@@ -272,6 +404,7 @@ __device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target,
   return ok != 0;
 }
 
+#ifndef LSTM_LAYERS  // the single layer's kernels (the wavefront's: below)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^T + b_ih
                         const elem_t* __restrict__ w_hh,  // [4H, H]
@@ -286,34 +419,11 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
                         int* status,                      // set to 1 where a barrier timed out
                         int T) {
   __shared__ float partial[WARPS][ROWS][COLS];  // each warp's sums over its k-steps
-
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int group = lane / 4;  // the MMA fragments' row (A, C) or column (B) in the tile
-  const int quad = lane % 4;   // and position along K
-  const int k_lane = 2 * PER_WORD * quad;  // the lane's first k in a k-step (PER_WORD)
   const int unit0 = blockIdx.x * UNITS;
 
-  // This warp's slice of W_hh as A fragments: rows mt*16 + {group, group+8}, k-step
-  // warp + kk*WARPS, words at ka (a0, a1) and ka + PER_WORD (a2, a3).
+  // This warp's slice of W_hh: in registers for all T steps.
   unsigned w_frag[M_TILES][K_PER_WARP][4];
-#pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = mt * 16 + group + 8 * half;
-      const int unit = unit0 + r % UNITS;
-      const elem_t* row = w_hh + static_cast<long long>((r / UNITS) * H + unit) * H;
-#pragma unroll
-      for (int kk = 0; kk < K_PER_WARP; ++kk) {
-        const int step = warp + kk * WARPS;
-        const int ka = step * K_STEP + k_lane;
-        const bool inside = unit < H && step < K_STEPS;
-        w_frag[mt][kk][half] = inside ? operand_word(row, ka) : 0u;
-        w_frag[mt][kk][2 + half] = inside ? operand_word(row, ka + PER_WORD) : 0u;
-      }
-    }
-  }
+  load_row_fragments(w_frag, w_hh, unit0);
 
   // c of this thread's cells stays in registers across steps (fp32).
   float c[CELLS_PER_THREAD], bias[CELLS_PER_THREAD][4], x_side[CELLS_PER_THREAD][4];
@@ -330,75 +440,24 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
   for (int t = 0; t < T; ++t) {
     const elem_t* h_prev = t == 0 ? h0 : y + static_cast<long long>(t - 1) * B * H;
     float acc[M_TILES][N_TILES][4];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0.0f;
-
-    // h_{t-1} as B fragments (column n = batch row, words at ka and ka + PER_WORD): all
-    // of the step's loads before its MMAs, since a warp issues in order (a load after an
-    // MMA that waits for an earlier load would wait too: an L2 round trip per k-step).
-    const elem_t* h_lane = h_prev + group * H + warp * K_STEP + k_lane;
+    zero(acc);
     unsigned h_frag[K_PER_WARP][N_TILES][2];
-#pragma unroll
-    for (int kk = 0; kk < K_PER_WARP; ++kk) {
-      const int ka = (warp + kk * WARPS) * K_STEP + k_lane;
-#pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt) {
-        // a lane's pair lies all inside H or all past it (H is a multiple of 8)
-        const bool inside = LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk) &&
-                            nt * 8 + group < B && (H % K_STEP == 0 || ka < H);
-        fresh_pair(h_lane + nt * 8 * H + kk * WARPS * K_STEP, inside, h_frag[kk][nt][0],
-                   h_frag[kk][nt][1]);
-      }
+    if (LSTM_LEAVE_OUT != 2) {
+      load_step_fragments(h_frag, h_prev);
+      mma_registers(acc, w_frag, h_frag);
     }
-#pragma unroll
-    for (int kk = 0; kk < K_PER_WARP; ++kk) {
-      if (LSTM_LEAVE_OUT != 2 && forward_k_step(warp, kk)) {
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int mt = 0; mt < M_TILES; ++mt)
-            mma(acc[mt][nt], w_frag[mt][kk], h_frag[kk][nt][0], h_frag[kk][nt][1]);
-      }
-    }
-
-    // C fragment: (row group, columns 2*quad, 2*quad+1) in acc[0..1], row group+8 in [2..3].
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = acc[mt][nt][j];
+    store_partial_sums(partial, acc);
     __syncthreads();
 
 #pragma unroll
     for (int i = 0; i < CELLS_PER_THREAD; ++i) {
       int unit, b;
       if (my_cell(i, unit0, unit, b)) {
-        float pre[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float sum = x_side[i][q] + bias[i][q];
-#pragma unroll
-          for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + unit - unit0][b];
-          pre[q] = sum;
-        }
-        const float gate[4] = {sigmoid(pre[0]), sigmoid(pre[1]), tanhf(pre[2]), sigmoid(pre[3])};
-        c[i] = gate[1] * c[i] + gate[0] * gate[2];
-        const float h = gate[3] * tanhf(c[i]);
-        const long long at = static_cast<long long>(b) * H + unit;
-        store(y + static_cast<long long>(t) * B * H + at, h);
-        if (stash != nullptr) {
-          float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) row[q * H] = gate[q];
-          row[4 * H] = c[i];
-        }
+        float gate[4];
+        const float h = cell_forward(partial, x_side[i], bias[i], unit - unit0, b, c[i], gate);
+        write_step(y, stash, t, b, unit, h, gate, c[i]);
         if (t == T - 1) {
+          const long long at = static_cast<long long>(b) * H + unit;
           store(h_n + at, h);
           store(c_n + at, c[i]);
         }
@@ -574,3 +633,175 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
     }
   }
 }
+
+#endif  // LSTM_LAYERS
+
+#ifdef LSTM_LAYERS
+// The wavefront: a stack of LSTM_LAYERS unidirectional layers of H units each, all of
+// them in one launch. CTA p belongs to layer p / CTAS_PER_LAYER (the per-layer layout
+// above, side by side); at tick k layer l runs its step t = k - l (idle outside
+// 0..T-1), so the stack takes T + L - 1 ticks, one grid barrier each, instead of L x T
+// steps. Layer l > 0's input at step t is layer l-1's h_t, written at tick k - 1: behind
+// the barrier, as h_{t-1} of its own layer is. Its input product W_ih h^{l-1}_t + b_ih
+// runs in-kernel beside the recurrent one (both into the same sums), its W_ih rows in
+// dynamic shared memory (registers hold W_hh); layer 0's is x W_ih^T + b_ih, one GEMM
+// before the launch, as the single layer's. Dropout between layers: layer l-1's cell
+// also writes h * mask (the mask a tensor from torch) to `dropped`, which layer l reads.
+constexpr int LAYERS = LSTM_LAYERS;
+constexpr int CTAS_PER_LAYER = (H + UNITS - 1) / UNITS;
+constexpr int W_IH_TILES = M_TILES * K_PER_WARP;  // a thread's A fragments of W_ih
+static_assert(LAYERS >= 2, "a wavefront needs two layers or more");
+
+// Each layer's weights and outputs apart (passed by value): the parameters as they are,
+// and outputs the op keeps as tensors of their own.
+struct LayerWeights {
+  const elem_t* w_ih[LAYERS];  // [4H, H] of layers 1..L-1 (w_ih[0] is not read)
+  const elem_t* w_hh[LAYERS];  // [4H, H]
+};
+struct LayerOutputs {
+  elem_t* y[LAYERS];     // [T, B, H]: h_t of every step
+  float* stash[LAYERS];  // [T, B, 5H] for the backward, or null
+};
+
+// A thread's W_ih fragment (mt, kk) in the dynamic shared memory: the 4 words of thread
+// i at [(mt * K_PER_WARP + kk) * THREADS + i]: a warp's loads are 512 contiguous bytes.
+struct alignas(16) FragmentWords {
+  unsigned word[4];
+};
+static_assert(sizeof(FragmentWords) * W_IH_TILES * THREADS <= 227 * 1024,
+              "W_ih's fragments exceed the shared memory a CTA may opt in to (sm_90)");
+
+__device__ __forceinline__ void mma_shared(float (&acc)[M_TILES][N_TILES][4],
+                                           const FragmentWords* w_shared,
+                                           const unsigned (&frag)[K_PER_WARP][N_TILES][2]) {
+  const int warp = warp_index();
+#pragma unroll
+  for (int kk = 0; kk < K_PER_WARP; ++kk) {
+    if (forward_k_step(warp, kk)) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt) {
+        const FragmentWords a = w_shared[(mt * K_PER_WARP + kk) * THREADS + threadIdx.x];
+        const unsigned w[4] = {a.word[0], a.word[1], a.word[2], a.word[3]};
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+          mma(acc[mt][nt], w, frag[kk][nt][0], frag[kk][nt][1]);
+      }
+    }
+  }
+}
+
+#ifndef LSTM_PTX_ON_CPU
+extern __shared__ FragmentWords dynamic_shared[];  // W_IH_TILES * THREADS of them
+#else
+#define dynamic_shared static_cast<FragmentWords*>(dynamic_shared_memory)
+#endif
+
+// No parentheses in the parameters' comments: tests read the signature up to the first.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0's x W_ih^T + b_ih
+                       const LayerWeights weights,       // W_ih and W_hh of each layer
+                       const float* __restrict__ bias,   // [L, 4H] fp32: b_hh, plus b_ih past 0
+                       const elem_t* __restrict__ h0,    // [L, B, H]
+                       const elem_t* __restrict__ c0,    // [L, B, H]
+                       const elem_t* __restrict__ mask,  // [L-1, T, B, H]: dropout's mask, 0 or
+                                                         // 1/[1-p], on layer l+1's input; or null
+                       elem_t* dropped,                  // [L-1, T, B, H]: y * mask, where masked
+                       const LayerOutputs outputs,       // y and stash of each layer
+                       elem_t* __restrict__ h_n,         // [L, B, H]
+                       elem_t* __restrict__ c_n,         // [L, B, H]
+                       unsigned* counter,                // barrier arrivals, zero at launch
+                       int* status,                      // set to 1 where a barrier timed out
+                       int T) {
+  __shared__ float partial[WARPS][ROWS][COLS];  // each warp's sums over its k-steps
+  const int layer = blockIdx.x / CTAS_PER_LAYER;
+  const int unit0 = (blockIdx.x % CTAS_PER_LAYER) * UNITS;
+  const long long steps = static_cast<long long>(T) * B * H;  // one layer's y
+  elem_t* my_y = outputs.y[layer];
+  float* my_stash = outputs.stash[layer];
+  // Layer l > 0 reads layer l-1's output, dropped where a mask is given.
+  const elem_t* input = layer == 0 ? nullptr
+                        : mask == nullptr ? outputs.y[layer - 1]
+                                          : dropped + (layer - 1) * steps;
+  // Layer l < L-1 writes its output dropped for layer l+1.
+  const elem_t* my_mask = mask == nullptr || layer == LAYERS - 1 ? nullptr : mask + layer * steps;
+  elem_t* my_dropped = my_mask == nullptr ? nullptr : dropped + layer * steps;
+
+  unsigned w_frag[M_TILES][K_PER_WARP][4];  // W_hh: in registers for all ticks
+  load_row_fragments(w_frag, weights.w_hh[layer], unit0);
+  if (layer > 0) {  // W_ih to shared memory, through the same registers' layout
+    unsigned w_ih_frag[M_TILES][K_PER_WARP][4];
+    load_row_fragments(w_ih_frag, weights.w_ih[layer], unit0);
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < K_PER_WARP; ++kk) {
+        FragmentWords& a = dynamic_shared[(mt * K_PER_WARP + kk) * THREADS + threadIdx.x];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a.word[r] = w_ih_frag[mt][kk][r];
+      }
+  }
+
+  // c of this thread's cells stays in registers across steps (fp32).
+  float c[CELLS_PER_THREAD], cell_bias[CELLS_PER_THREAD][4], x_side[CELLS_PER_THREAD][4];
+#pragma unroll
+  for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+    int unit, b;
+    const bool mine = my_cell(i, unit0, unit, b);
+    c[i] = mine ? to_float(c0[(static_cast<long long>(layer) * B + b) * H + unit]) : 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      cell_bias[i][q] = mine ? bias[(layer * 4 + q) * H + unit] : 0.0f;
+      x_side[i][q] = 0.0f;  // layer 0's is loaded a step ahead; the others' is in the sums
+    }
+  }
+  if (layer == 0) load_x_side(x_side, xw, 0, unit0);
+
+  const int ticks = T + LAYERS - 1;
+  for (int tick = 0; tick < ticks; ++tick) {
+    const int t = tick - layer;
+    if (0 <= t && t < T) {
+      const elem_t* h_prev = t == 0 ? h0 + static_cast<long long>(layer) * B * H
+                                    : my_y + static_cast<long long>(t - 1) * B * H;
+      float acc[M_TILES][N_TILES][4];
+      zero(acc);
+      if (LSTM_LEAVE_OUT != 2) {
+        unsigned h_frag[K_PER_WARP][N_TILES][2];
+        if (layer > 0) {
+          unsigned in_frag[K_PER_WARP][N_TILES][2];
+          load_step_fragments(in_frag, input + static_cast<long long>(t) * B * H);
+          load_step_fragments(h_frag, h_prev);
+          mma_shared(acc, dynamic_shared, in_frag);
+        } else {
+          load_step_fragments(h_frag, h_prev);
+        }
+        mma_registers(acc, w_frag, h_frag);
+      }
+      store_partial_sums(partial, acc);
+      __syncthreads();
+
+#pragma unroll
+      for (int i = 0; i < CELLS_PER_THREAD; ++i) {
+        int unit, b;
+        if (my_cell(i, unit0, unit, b)) {
+          float gate[4];
+          const float h = cell_forward(partial, x_side[i], cell_bias[i], unit - unit0, b, c[i],
+                                       gate);  // fmt: skip
+          write_step(my_y, my_stash, t, b, unit, h, gate, c[i]);
+          const long long at = (static_cast<long long>(t) * B + b) * H + unit;
+          if (my_mask != nullptr)  // as torch's y * mask: y rounded to its dtype first
+            store(my_dropped + at, to_float(my_y[at]) * to_float(my_mask[at]));
+          if (t == T - 1) {
+            const long long last = (static_cast<long long>(layer) * B + b) * H + unit;
+            store(h_n + last, h);
+            store(c_n + last, c[i]);
+          }
+        }
+      }
+      if (layer == 0 && t + 1 < T) load_x_side(x_side, xw, t + 1, unit0);
+    }
+    if (tick + 1 < ticks && LSTM_LEAVE_OUT != 1 &&
+        !grid_barrier(counter, gridDim.x * static_cast<unsigned>(tick + 1), status))
+      return;
+  }
+}
+#endif

@@ -3,7 +3,8 @@ NVRTC and launched cooperatively through ``cuda.bindings`` (cuda-python), on tor
 current stream.
 
 ``cuda_lstm.cu`` runs one layer's recurrence, all T steps in one launch, forward
-(writing the backward's stash where asked) and backward; its comments are the design.
+(writing the backward's stash where asked) and backward, or (compiled with
+LSTM_LAYERS) a stack's forward as one wavefront launch; its comments are the design.
 This module builds it for one (dtype, hidden, batch) on one GPU (``compiled``: once a
 process), launches it (``CudaLstmKernel``) and runs a layer with the GEMMs around the
 launches (``forward``, ``backward``); cuda_persistent.py plugs it into the RNN op and
@@ -33,6 +34,7 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("cuda_lstm.cu")
 FORWARD_KERNEL = "lstm_persistent_forward"
 BACKWARD_KERNEL = "lstm_persistent_backward"
+WAVEFRONT_KERNEL = "lstm_wavefront_forward"
 THREADS = 256  # cuda_lstm.cu's WARPS * 32
 WARPS = 8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,6 +50,14 @@ MAX_BATCH = 32
 # beside the partial sums: ptxas refused 49,152 bytes of sums at bf16 H = 1024, batch 32,
 # 12 units a CTA on 108 SMs).
 SHARED_BYTES = 48 * 1024 - 4
+# The wavefront's registers, in 32-bit words a thread: W_hh's fragments counted twice
+# plus a step's two inputs' fragments (h_{t-1} and the layer's input, K_PER_WARP x
+# N_TILES x 2 each). Fit to ptxas (NVRTC 13.5, sm_90) over H 256-1024, batch 8-32, 2 and
+# 3 layers: every layout at or under 256 spilled nothing, every one over spilled.
+MAX_WAVEFRONT_WORDS = 256
+# The wavefront's W_ih fragments are dynamic shared memory beside the static sums: at
+# most what a CTA may opt in to on sm_90 (227 KiB; the driver's attribute decides at load).
+SHARED_OPTIN_BYTES = 227 * 1024
 INSTALL_HINT = "pip install mirrorgrad[cuda]"
 
 
@@ -73,12 +83,69 @@ def layout(hidden: int, sms: int) -> Layout:
     return Layout(units=units, ctas=math.ceil(hidden / units))
 
 
+def wavefront_layout(hidden: int, layers: int, sms: int) -> Layout:
+    """The wavefront's layout of each layer: ``layout`` on the SMs one layer gets, so
+    that all ``layers`` x ``ctas`` CTAs are resident at once."""
+    if layers < 2 or sms < layers:
+        raise ValueError(f"a wavefront takes 2 to {sms} layers, got {layers}")
+    return layout(hidden, sms // layers)
+
+
+def forward_w_words(dtype: str, hidden: int, units: int) -> int:
+    """32-bit words of W_hh a thread of the forward keeps in registers (cuda_lstm.cu's
+    w_frag: M_TILES x K_PER_WARP x 4); the wavefront's W_ih slice takes as many words
+    of shared memory a thread."""
+    k_step = 16 if dtype == "bf16" else 8
+    return (units // 4) * math.ceil(math.ceil(hidden / k_step) / WARPS) * 4
+
+
+def _partial_sums_bytes(units: int, batch: int) -> int:
+    """The forward's static shared memory for its warps' partial sums."""
+    return 4 * WARPS * 4 * units * 8 * math.ceil(batch / 8)
+
+
+def wavefront_shared_bytes(dtype: str, hidden: int, units: int) -> int:
+    """The wavefront's dynamic shared memory: a thread's W_ih fragments, 256 threads."""
+    return forward_w_words(dtype, hidden, units) * 4 * THREADS
+
+
+def wavefront_unfit(dtype: str, hidden: int, batch: int, layers: int, sms: int,
+                    shared_optin: int = SHARED_OPTIN_BYTES) -> str | None:  # fmt: skip
+    """Why the wavefront does not take this stack of ``layers`` layers of ``hidden``
+    units on a GPU of ``sms`` SMs, or None where it does: ``unfit``'s rules on the
+    wavefront's layout, its registers (MAX_WAVEFRONT_WORDS), and W_ih's slice in shared
+    memory."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype!r} (the kernels take {sorted(DTYPES)})"
+    try:
+        units = wavefront_layout(hidden, layers, sms).units
+        layout(hidden, sms)  # the hidden size's own rule
+    except ValueError as e:
+        return str(e)
+    if not 1 <= batch <= MAX_BATCH:
+        return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
+    k_step = 16 if dtype == "bf16" else 8
+    inputs = 2 * math.ceil(math.ceil(hidden / k_step) / WARPS) * math.ceil(batch / 8) * 2
+    words = 2 * forward_w_words(dtype, hidden, units) + inputs
+    if words > MAX_WAVEFRONT_WORDS:
+        return (f"{layers} layers of {hidden} at batch {batch} in {dtype} on {sms} SMs need "
+                f"{words} registers of W (twice) and inputs a thread (at most "
+                f"{MAX_WAVEFRONT_WORDS})")  # fmt: skip
+    sums = _partial_sums_bytes(units, batch)
+    if sums > SHARED_BYTES:
+        return f"batch {batch} at hidden {hidden}: partial sums past {SHARED_BYTES} bytes"
+    if sums + 4 + wavefront_shared_bytes(dtype, hidden, units) > shared_optin:
+        return (f"{layers} layers of {hidden} in {dtype}: W_ih's slice and the sums past "
+                f"{shared_optin} bytes of shared memory")  # fmt: skip
+    return None
+
+
 def w_words(dtype: str, hidden: int, units: int) -> int:
     """32-bit words of W a thread keeps in registers, the larger of the two kernels'
     (cuda_lstm.cu's w_frag arrays): forward M_TILES x K_PER_WARP x 4, backward
     BWD_K_PER_WARP x BWD_N_TILES x 2."""
     k_step = 16 if dtype == "bf16" else 8
-    forward = (units // 4) * math.ceil(math.ceil(hidden / k_step) / WARPS) * 4
+    forward = forward_w_words(dtype, hidden, units)
     backward = math.ceil(4 * hidden // k_step / WARPS) * math.ceil(units / 8) * 2
     return max(forward, backward)
 
@@ -98,7 +165,7 @@ def unfit(dtype: str, hidden: int, batch: int, sms: int) -> str | None:
                 f"thread (at most {MAX_W_WORDS})")  # fmt: skip
     if not 1 <= batch <= MAX_BATCH:
         return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
-    forward = 4 * WARPS * 4 * units * 8 * math.ceil(batch / 8)
+    forward = _partial_sums_bytes(units, batch)
     backward = 4 * WARPS * 16 * math.ceil(batch / 16) * 8 * math.ceil(units / 8)
     if max(forward, backward) > SHARED_BYTES:
         return f"batch {batch} at hidden {hidden}: partial sums past {SHARED_BYTES} bytes"
@@ -201,13 +268,18 @@ def input_and_weight_gradients(x: Tensor, h0: Tensor, y: Tensor, w_ih: Tensor,
 class CudaLstmKernel:
     """``cuda_lstm.cu`` compiled for one (dtype, hidden, batch) and loaded into torch's
     context; ``forward`` and ``backward`` run a layer, ``recurrence`` and
-    ``backward_recurrence`` the kernels alone. Launches share one barrier counter and
-    status flag, so they must follow each other on one stream (as a layer stack's do)."""
+    ``backward_recurrence`` the kernels alone. With ``layers`` > 1, the wavefront of a
+    stack of that many layers instead (``wavefront``: its forward alone). Launches share
+    one barrier counter and status flag, so they must follow each other on one stream (as
+    a layer stack's do)."""
 
     def __init__(self, dtype: str, hidden: int, batch: int, device: torch.device,
-                 defines: tuple[tuple[str, int], ...] = ()):  # fmt: skip
+                 defines: tuple[tuple[str, int], ...] = (), layers: int = 1):  # fmt: skip
         device = torch.device(device)
         self.device_index = device.index if device.index is not None else 0
+        self.layers = layers
+        if layers > 1:
+            defines = (*defines, ("LSTM_LAYERS", layers))
         # The driver loads the module into the current context: the device's own.
         with torch.cuda.device(self.device_index):
             self._load(dtype, hidden, batch, torch.device("cuda", self.device_index), defines)
@@ -225,7 +297,13 @@ class CudaLstmKernel:
         if props.major < 8:
             raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
         sms = props.multi_processor_count
-        self.layout = layout(hidden, sms)
+        wavefront = self.layers > 1
+        if wavefront:
+            self.layout = wavefront_layout(hidden, self.layers, sms)
+            self.shared_bytes = wavefront_shared_bytes(dtype, hidden, self.layout.units)
+        else:
+            self.layout, self.shared_bytes = layout(hidden, sms), 0
+        self.grid = self.layout.ctas * self.layers
         torch.zeros(1, device=device)  # torch makes its (primary) context current
         call(driver.cuInit, 0)
         dev = call(driver.cuDeviceGet, device.index)
@@ -241,40 +319,52 @@ class CudaLstmKernel:
         self.module = call(driver.cuModuleLoadData, cubin)
         attribute = driver.CUfunction_attribute
         self.functions, self.registers, self.spill_bytes = {}, {}, {}
-        for name in (FORWARD_KERNEL, BACKWARD_KERNEL):
+        for name in (WAVEFRONT_KERNEL,) if wavefront else (FORWARD_KERNEL, BACKWARD_KERNEL):
             function = call(driver.cuModuleGetFunction, self.module, name.encode())
             self.functions[name] = function
+            if self.shared_bytes:  # past 48 KiB a CTA's dynamic shared memory is opt-in
+                call(driver.cuFuncSetAttribute, function,
+                     attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                     self.shared_bytes)  # fmt: skip
             self.registers[name] = call(driver.cuFuncGetAttribute,
                                         attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
             self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
                                           attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
                                           function)  # fmt: skip
             per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function,
-                          THREADS, 0)  # fmt: skip
-            if self.layout.ctas > per_sm * sms:
-                raise RuntimeError(f"{name}: {self.layout.ctas} CTAs cannot all be resident "
+                          THREADS, self.shared_bytes)  # fmt: skip
+            if self.grid > per_sm * sms:
+                raise RuntimeError(f"{name}: {self.grid} CTAs cannot all be resident "
                                    f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
         # The status as the host last saw it (``note_status``): read without a sync.
         self.status_seen = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 
-    def _launch(self, name: str, pointers: list[Tensor | None], T: int) -> None:
+    def _launch(self, name: str, pointers: list[Tensor | list[Tensor | None] | None],
+                T: int) -> None:  # fmt: skip
         """Launch kernel ``name`` cooperatively on torch's current stream with the
-        tensors' addresses (None: a null pointer), the barrier's counter and status, T."""
+        tensors' addresses (None: a null pointer; a list: a struct of addresses, by
+        value), the barrier's counter and status, T."""
         if torch.cuda.current_device() != self.device_index:  # the module's context current
             with torch.cuda.device(self.device_index):
                 return self._launch(name, pointers, T)
-        if any(t is not None and not t.is_contiguous() for t in pointers):
+        tensors = [t for p in pointers for t in (p if isinstance(p, list) else [p])]
+        if any(t is not None and not t.is_contiguous() for t in tensors):
             raise ValueError("the kernel takes contiguous tensors")
         self.counter.zero_()
-        values = [ctypes.c_void_p(None if t is None else t.data_ptr())
-                  for t in (*pointers, self.counter, self.status)]  # fmt: skip
+
+        def address(t: Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        values = [(ctypes.c_void_p * len(p))(*map(address, p)) if isinstance(p, list)
+                  else ctypes.c_void_p(address(p))
+                  for p in (*pointers, self.counter, self.status)]  # fmt: skip
         values.append(ctypes.c_int(T))
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
         _driver_check(self.driver, self.driver.cuLaunchCooperativeKernel(
-            self.functions[name], self.layout.ctas, 1, 1, THREADS, 1, 1, 0, stream,
+            self.functions[name], self.grid, 1, 1, THREADS, 1, 1, self.shared_bytes, stream,
             ctypes.addressof(params)))  # fmt: skip
 
     def _check_steps(self, steps: Tensor, width: int, what: str) -> int:
@@ -304,6 +394,35 @@ class CudaLstmKernel:
             raise ValueError(f"stash must be float32 {(T, self.batch, 5 * self.hidden)}, "
                              f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
         self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
+
+    def wavefront(self, xw: Tensor, w_ih: list[Tensor], w_hh: list[Tensor], bias: Tensor,
+                  h0: Tensor, c0: Tensor, mask: Tensor | None, dropped: Tensor | None,
+                  y: list[Tensor], h_n: Tensor, c_n: Tensor,
+                  stash: list[Tensor] | None) -> None:  # fmt: skip
+        """Launch the wavefront on torch's current stream: each layer's y [T,B,H] (and the
+        backward's stash [T,B,5H] fp32 where given), h_n and c_n [L,B,H] from layer 0's
+        xw = x W_ih^T + b_ih [T,B,4H], W_ih of layers 1.. and W_hh of every layer [4H,H]
+        each, the biases (fp32) [L,4H] (b_hh, plus b_ih past layer 0), h0 and c0 [L,B,H],
+        and where dropout runs between the layers its mask (0 or 1/(1-p)) [L-1,T,B,H] and
+        scratch ``dropped`` of that shape."""
+        T = self._check_steps(xw, 4 * self.hidden, "xw")
+        L, H = self.layers, self.hidden
+        if (len(w_ih), len(w_hh), len(y), len(stash or y)) != (L - 1, L, L, L) or (
+                mask is None) != (dropped is None):  # fmt: skip
+            raise ValueError(f"compiled for {L} layers: W_ih past layer 0, W_hh, y and stash "
+                             f"of each, and a mask with its scratch or neither")  # fmt: skip
+        if any(w.shape != (4 * H, H) for w in (*w_ih, *w_hh)):
+            raise ValueError(f"W_ih past layer 0 and W_hh must be {(4 * H, H)}")
+        for name, t, shape in (("bias", bias, (L, 4 * H)), ("h0", h0, (L, self.batch, H)),
+                               ("c0", c0, (L, self.batch, H)), ("h_n", h_n, (L, self.batch, H)),
+                               ("c_n", c_n, (L, self.batch, H)),
+                               ("mask", mask, (L - 1, T, self.batch, H)),
+                               ("dropped", dropped, (L - 1, T, self.batch, H))):  # fmt: skip
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be {shape}, got {tuple(t.shape)}")
+        stash = stash or [None] * L
+        self._launch(WAVEFRONT_KERNEL, [xw, [None, *w_ih, *w_hh], bias, h0, c0, mask, dropped,
+                                        [*y, *stash], h_n, c_n], T)  # fmt: skip
 
     def forward(self, x: Tensor, h0: Tensor, c0: Tensor, w_ih: Tensor, w_hh: Tensor,
                 b_ih: Tensor, b_hh: Tensor, *,
@@ -364,6 +483,14 @@ class CudaLstmKernel:
         failed = self.status.bool()
         for tensor in outputs:
             tensor.masked_fill_(failed, float("nan"))
+
+
+@functools.cache
+def compiled_wavefront(dtype: str, hidden: int, batch: int, layers: int,
+                       device: torch.device) -> CudaLstmKernel:  # fmt: skip
+    """The wavefront of ``layers`` layers as a CudaLstmKernel, built once a process for
+    each configuration."""
+    return CudaLstmKernel(dtype, hidden, batch, device, layers=layers)
 
 
 @functools.cache

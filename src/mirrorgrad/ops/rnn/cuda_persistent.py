@@ -31,6 +31,13 @@ multiple of 8). memory="recompute" runs as "stash" (the kernel has no recomputin
 backward): its saved bytes are the stash's, and ``saved_layout`` says so to the op's
 memory formulas and the planner.
 
+STACKS AS ONE LAUNCH: op.py asks ``stack_forward`` first; a unidirectional stack of 2
+layers or more whose layout fits (``wavefront_reason``) runs its forward as one
+wavefront launch (cuda_lstm.cu's LSTM_LAYERS kernel: layer l runs step t at tick t + l),
+with the same outputs and saved tensors as the layers would give (so the backward is
+the layers' own), dropout's masks drawn before the launch. ``WAVEFRONT = False`` runs
+every stack layer by layer.
+
 A grid barrier that waits more than 1 s gives up (the launch could not run all its CTAs
 at once): the call's outputs become NaN on the GPU (no sync) and the next call of that
 kernel configuration raises RuntimeError.
@@ -47,6 +54,9 @@ from mirrorgrad.ops.rnn.cuda_lstm_kernel import CudaLstmKernel
 from mirrorgrad.ops.rnn.layer_call import LayerCall
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# Whether a stack the wavefront fits runs as one launch (``stack_forward``); off, every
+# stack runs layer by layer (benchmarks/cuda_impl_lm_shapes.py times both).
+WAVEFRONT = True
 
 
 def padded_hidden(hidden: int) -> int:
@@ -278,3 +288,133 @@ def layer_backward(
     grad_bhh = (bias.clone() if need_bih else bias) if need_bhh else None
     return (grad_x, dh0 if need_h0 else None, dc0 if need_c0 else None, grad_wih, grad_whh,
             grad_bih, grad_bhh, None)  # fmt: skip
+
+
+def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mode: str,
+                     num_layers: int, bidirectional: bool, proj_size: int,
+                     state_clip) -> str | None:  # fmt: skip
+    """Why ``stack_forward`` leaves this stack of the op (its arguments) to the layers,
+    or None where the wavefront runs it: a unidirectional LSTM stack of 2 layers or more,
+    no lengths, no state clip, weights and states in the input's dtype, and the
+    wavefront's layout fits (``cuda_lstm_kernel.wavefront_unfit``)."""
+    if bidirectional or num_layers < 2 or proj_size:
+        return "it runs unidirectional stacks of 2 layers or more without projection"
+    if mode != "lstm" or lengths is not None or state_clip is not None:
+        return "it runs plain LSTMs (no sequence lengths, no state clip)"
+    if x.device.type != "cuda" or x.dtype not in _DTYPE_NAMES or not available():
+        return "it runs float32 and bfloat16 on CUDA, with cuda.bindings"
+    if any(w.dtype != x.dtype for w in weights) or hx.dtype != x.dtype:
+        return f"it takes weights and states in the input's dtype {x.dtype}"
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    batch = x.shape[1]
+    if not isinstance(batch, int):  # a symbolic size (the planner's formulas): its hint
+        from mirrorgrad import _compat
+
+        batch = int(_compat.optimization_hint(batch, fallback=1))
+    return cuda_lstm_kernel.wavefront_unfit(_DTYPE_NAMES[x.dtype], padded_hidden(hx.shape[-1]),
+                                            batch, num_layers, sms)  # fmt: skip
+
+
+def stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers, bidirectional, proj_size,
+                          dropout, state_clip, need_saved) -> int | None:  # fmt: skip
+    """Peak bytes ``stack_forward`` allocates beyond the op's inputs and outputs, or None
+    where the wavefront does not run the stack (op.py's formula then sums the layers).
+
+    In order: the input GEMM's [T,B,4H] (beside its padded copy); held from then on, the
+    padded product, the biases [L,4Hp] in float32, the masks [L-1,T,B,Hp] (drawn beside
+    a [T,B,H] of ones and one layer's mask) and their scratch ``dropped``; at the launch
+    every layer's y, h_n and c_n where padded (else the intermediate y's where nothing is
+    saved) and the padded W_ih, W_hh, h0 and c0; after it the unpadded y's where nothing
+    is saved, beside the padded ones."""
+    reason = wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional,
+                              proj_size, state_clip)  # fmt: skip
+    if not WAVEFRONT or reason is not None:
+        return None
+    L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
+    Hp, size = padded_hidden(H), x.dtype.itemsize
+    padded = Hp != H
+    step = T * B * Hp * size  # one layer's y
+    xw = 4 * T * B * Hp * size
+    held = xw + L * 4 * Hp * 4
+    peak = xw + (4 * T * B * H * size if padded else 0)
+    if dropout > 0:
+        masks = (L - 1) * step
+        drawn = 2 * T * B * H * size if dropout < 1 else 0
+        peak = max(peak, held + masks + drawn)
+        held += 2 * masks  # and ``dropped``
+    unpadded_ys = 0 if need_saved else (L - 1) * T * B * H * size
+    if padded:
+        held += L * step + 2 * L * B * Hp * size  # y, h_n and c_n padded
+        copies = (2 * L - 1) * 4 * Hp * Hp * size + 2 * L * B * Hp * size
+        return max(peak, held + copies, held + unpadded_ys)
+    return max(peak, held + unpadded_ys)
+
+
+def _dropout_masks(like: Tensor, layers: int, p: float, seed: Tensor, H: int,
+                   Hp: int) -> Tensor | None:  # fmt: skip
+    """The masks (0 or 1/(1-p)) on the inputs of layers 1.. [L-1,T,B,Hp] (zero past H), as
+    op.py's dropout draws them for those layers (``dropout`` with the layer as offset, on
+    ones), or None without dropout."""
+    if p <= 0:
+        return None
+    shape = (layers - 1, *like.shape[:2], Hp)
+    if p >= 1:
+        return like.new_zeros(shape)
+    masks = like.new_empty(shape) if Hp == H else like.new_zeros(shape)  # all drawn, or not
+    ones = torch.ones((*like.shape[:2], H), dtype=like.dtype, device=like.device)
+    for layer in range(1, layers):
+        masks[layer - 1, ..., :H] = dropout(ones, p, seed, layer)
+    return masks
+
+
+@torch.no_grad()
+def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirectional,
+                  has_biases, proj_size, dropout, memory, state_clip, need_saved):  # fmt: skip
+    """The op's forward of a whole stack (its arguments, its return: y, h_n, c_n and
+    saved, per layer the stash then, but after the last, the layer's output) as ONE
+    wavefront launch; None where ``wavefront_reason`` leaves it to the layers (or
+    ``WAVEFRONT`` is off).
+
+    The dropout masks are drawn before the launch on ones (a layer's input is then its
+    previous layer's y times the mask, as ``op.differentiable_stack`` computes it; the
+    backward's ``dropout`` of y agrees with it but for rounding where 1/(1-p) is not
+    exact in the dtype)."""
+    reason = wavefront_reason(x, weights, hx, lengths, mode, num_layers, bidirectional,
+                              proj_size, state_clip)  # fmt: skip
+    if not WAVEFRONT or reason is not None or cx.dtype != x.dtype:
+        return None  # the layers run it (or raise, as for a c0 in another dtype)
+    L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
+    Hp = padded_hidden(H)
+    kernel = cuda_lstm_kernel.compiled_wavefront(_DTYPE_NAMES[x.dtype], Hp, B, L, x.device)
+    kernel.raise_if_timed_out()
+    n = 4 if has_biases else 2
+    w = [weights[i * n : (i + 1) * n] for i in range(L)]  # each layer's
+    xw = _pad(F.linear(x.contiguous(), w[0][0], w[0][2] if has_biases else None), H, Hp,
+              gates=4)  # fmt: skip
+    bias = x.new_zeros(L, 4, Hp, dtype=torch.float32)
+    if has_biases:  # in place: no temporaries
+        for layer in range(L):
+            bias[layer, :, :H] += w[layer][3].reshape(4, H)
+            if layer > 0:
+                bias[layer, :, :H] += w[layer][2].reshape(4, H)
+    mask = _dropout_masks(x, L, dropout, seed, H, Hp)
+    dropped = None if mask is None else torch.empty_like(mask)
+    ys = [x.new_empty(T, B, Hp) for _ in range(L)]
+    h_n, c_n = x.new_empty(L, B, Hp), x.new_empty(L, B, Hp)
+    stash = None
+    if need_saved:
+        stash = [x.new_empty(T, B, 5 * Hp, dtype=torch.float32) for _ in range(L)]
+    kernel.wavefront(xw, [_pad_w_hh(w[layer][0], H, Hp) for layer in range(1, L)],
+                     [_pad_w_hh(w[layer][1], H, Hp) for layer in range(L)], bias.view(L, 4 * Hp),
+                     _pad(hx, H, Hp), _pad(cx, H, Hp), mask, dropped, ys, h_n, c_n,
+                     stash)  # fmt: skip
+    kernel.poison(*ys, h_n, c_n)
+    kernel.note_status()
+    ys = [_unpad(y, H, Hp) for y in ys]
+    saved = []
+    if need_saved:
+        for layer in range(L):
+            saved.append(stash[layer])
+            if layer < L - 1:
+                saved.append(ys[layer])
+    return ys[-1], _unpad(h_n, H, Hp), _unpad(c_n, H, Hp), saved

@@ -130,6 +130,14 @@ def _forward_impl(
     memory = resolve_memory(memory, mode)
     kernels = _kernels(impl)
     seed_value = _seed(kernels, seed, dropout)
+    # An implementation may run a whole stack at once (cuda_persistent's wavefront): it
+    # returns None where it leaves the stack to its layers.
+    if hasattr(kernels, "stack_forward"):
+        whole = kernels.stack_forward(x, weights, hx, cx, lengths, seed_value, mode, num_layers,
+                                      bidirectional, has_biases, proj_size, dropout, memory,
+                                      state_clip, need_saved)  # fmt: skip
+        if whole is not None:
+            return whole
 
     def drop(layer_out: Tensor, layer: int) -> Tensor:
         return _dropout(kernels, layer_out, dropout, seed_value, layer)
@@ -605,7 +613,15 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     """Peak of one layer at a time beyond the op's inputs and outputs: the layer's
     workspace beside its dropped-out input, the previous layer's output and the stash
     where nothing is saved, a bidirectional layer's reversed input and its directions'
-    outputs before they are concatenated; plus each layer-direction's [B, H] states."""
+    outputs before they are concatenated; plus each layer-direction's [B, H] states. An
+    implementation that runs the whole stack at once says its own (``stack_forward``)."""
+    kernels = _kernels(impl)
+    if hasattr(kernels, "stack_temporary_bytes"):
+        whole = kernels.stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers,
+                                              bidirectional, proj_size, dropout, state_clip,
+                                              need_saved)  # fmt: skip
+        if whole is not None:
+            return whole
     T, B, n_in, H, Hr, d = _stack_shape(x, weights, hx, mode)
     D = 2 if bidirectional else 1
     memory = resolve_memory(memory, mode)
