@@ -378,18 +378,6 @@ def fake_tensors():
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-# --- the host allocator's cache (used by safety_copies.py) -------------------------------
-def empty_host_cache() -> None:
-    """Returns the page-locked host memory cached by PyTorch's host allocator to the
-    system; without CUDA, nothing (there is no such memory)."""
-    if not torch.cuda.is_available():
-        return
-    empty = getattr(torch.accelerator, "empty_host_cache", None)
-    if empty is None:  # older releases have only the private name
-        empty = torch._C._host_emptyCache
-    empty()
-
-
 # --- cuBLAS workspaces (used by bench/runner.py) ----------------------------------------
 def clear_cublas_workspaces() -> None:
     """Free the cuBLAS workspaces torch keeps per (thread's handle, stream) for the whole

@@ -637,7 +637,7 @@ class BackwardGuard:
 
     The compiled code frees its inputs as it goes and may write into saved values it
     was donated, so copies of them are taken before the first call (``SafetyCopies``:
-    on the device as far as ``room`` allows, else in page-locked host memory) and
+    on the device as far as ``room`` allows, else in host memory) and
     dropped when it returns; values on the storage of a parameter of the model
     (``parameters()``), which the model keeps alive and the backward never writes
     (AOTAutograd donates no saved value that aliases an input), are kept as they are. A
