@@ -37,7 +37,9 @@ ALLOWED = {
     # op_memory decides our RNN op's memory mode, so the planner knows that op's schema.
     "mirror": BOTTOM | {"graph", "ops"},
     "nn": BOTTOM | {"ops"},
-    "compiler": BOTTOM | {"graph", "mirror"},
+    # The copies a guarded first backward falls back on (sized from the plan).
+    "safety_copies": BOTTOM | {"mirror"},
+    "compiler": BOTTOM | {"graph", "mirror", "safety_copies"},
     # Usable from any training loop, ours included.
     "callbacks": BOTTOM,
     # The public API (imported lazily by name).

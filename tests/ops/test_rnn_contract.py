@@ -112,11 +112,14 @@ def test_no_output_shares_storage_with_another_or_an_input(cpu_graphs):
 
 
 def test_every_op_we_register_is_opchecked():
-    """The ops opchecked: the two here, the LM head's two in test_linear_cross_entropy.py.
-    An op registered anywhere else fails this until it gets its opcheck."""
+    """The ops opchecked: the two here, the LM head's two in test_linear_cross_entropy.py,
+    the planner's seed split in tests/mirror/test_seed_buffers.py. An op registered
+    anywhere else fails this until it gets its opcheck."""
+    import mirrorgrad.mirror.seed_buffers  # registers its op
     import mirrorgrad.ops.linear_cross_entropy  # noqa: F401  (registers its ops)
 
     ours = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("mirrorgrad::")}
     assert ours == {"mirrorgrad::rnn_forward", "mirrorgrad::rnn_backward",
                     "mirrorgrad::linear_cross_entropy_forward",
-                    "mirrorgrad::linear_cross_entropy_backward"}  # fmt: skip
+                    "mirrorgrad::linear_cross_entropy_backward",
+                    "mirrorgrad::seed_scalars"}  # fmt: skip
