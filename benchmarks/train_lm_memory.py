@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 
 from mirrorgrad import _compat
+from mirrorgrad.bench.lm_step import run_train_lm
 from mirrorgrad.ops.rnn import cuda_graphs
 from mirrorgrad.train import evaluation, loop
-from mirrorgrad.train.config import TrainConfig
 
 # Run as a script, the repository root is not on the path: its sibling comes from there.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -162,13 +161,7 @@ def main() -> None:
 
     loop.StepLoop._step, loop.evaluation.final_losses = traced_step, traced_final_losses
     _compat.record_memory_history(True, max_entries=100_000)
-    with tempfile.TemporaryDirectory() as logdir:
-        config = TrainConfig.from_preset(
-            "medium", data=args.data, device="cuda", batch_size=args.batch, epochs=1,
-            max_steps=args.steps, precision=args.precision, logdir=Path(logdir),
-            log_freq=args.steps, ckpt_every=10**9,
-        )  # fmt: skip
-        summary = loop.train(config)
+    summary = run_train_lm(args.batch, args.precision, args.steps, args.data)
     _compat.record_memory_history(False)
     print(f"whole run: peak {(summary.peak_measured_bytes or 0) / MiB:.0f} MiB, "
           f"{summary.tokens_per_s / 1e3:.1f}k tokens/s")

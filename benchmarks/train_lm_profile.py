@@ -14,7 +14,6 @@ kernels: what the step spends beside the recurrence, and the gaps between kernel
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,8 +21,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mirrorgrad.bench.lm_step import run_train_lm
 from mirrorgrad.train import loop
-from mirrorgrad.train.config import TrainConfig
 
 # First match wins: Inductor's kernels are named triton_{poi,red,per,tem}_fused_*.
 KINDS = (
@@ -76,13 +75,7 @@ def main() -> None:
         return out
 
     loop.StepLoop._step = profiled_step
-    with tempfile.TemporaryDirectory() as logdir:
-        config = TrainConfig.from_preset(
-            "medium", data=args.data, device="cuda", batch_size=args.batch, epochs=1,
-            max_steps=args.steps, precision=args.precision, logdir=Path(logdir),
-            log_freq=args.steps, ckpt_every=10**9,
-        )  # fmt: skip
-        summary = loop.train(config)
+    summary = run_train_lm(args.batch, args.precision, args.steps, args.data)
     if "wall" not in state:
         raise SystemExit("the profiled steps did not run (fewer windows than --steps?)")
 

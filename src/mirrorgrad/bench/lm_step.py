@@ -138,8 +138,9 @@ def _time_step_row(row: str, batch: int, precision: str, steps: int, device) -> 
     )  # fmt: skip
 
 
-def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, device) -> Result:
-    """`mirrorgrad train lm --model medium` itself, for ``steps`` steps."""
+def run_train_lm(batch: int, precision: str, steps: int, data: Path | None):
+    """`mirrorgrad train lm --model medium --device cuda` itself for ``steps`` steps (one
+    epoch at most, no checkpoints, logs in a temporary folder); its Summary."""
     from mirrorgrad.train.config import TrainConfig
     from mirrorgrad.train.loop import train
 
@@ -148,7 +149,12 @@ def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, dev
             "medium", data=data, device="cuda", batch_size=batch, epochs=1, max_steps=steps,
             precision=precision, logdir=Path(logdir), log_freq=steps, ckpt_every=10**9,
         )  # fmt: skip
-        summary = train(config)
+        return train(config)
+
+
+def _train_lm_row(batch: int, precision: str, steps: int, data: Path | None, device) -> Result:
+    """`mirrorgrad train lm --model medium` itself, for ``steps`` steps."""
+    summary = run_train_lm(batch, precision, steps, data)
     return Result(
         row="train-lm", batch=batch, precision=precision, tokens_per_s=summary.tokens_per_s,
         peak_bytes=summary.peak_measured_bytes or 0,
