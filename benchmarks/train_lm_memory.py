@@ -95,10 +95,12 @@ def print_auto_choices() -> None:
 
     for key, choice in dispatch._AUTO_CHOICE.items():
         fields = dict(zip(dispatch._KEY_FIELDS, key))
-        captured = "captured" if key[-1] == "captured" else "uncaptured"
+        # What follows the fields: "captured" (timed inside a CUDA Graph), "compiled"
+        # (timed on tensors of its own while torch.compile traced).
+        how = " ".join(key[len(dispatch._KEY_FIELDS):]) or "uncaptured"
         times = ", ".join(f"{k} {v:.3f}" for k, v in dispatch.AUTO_TIMES.get(key, {}).items())
-        print(f"  T {fields['T']} B {fields['B']} grads {fields['grads']} {captured}: "
-              f"{choice} ({times} ms)")
+        print(f"  {fields['dtype']} T {fields['T']} B {fields['B']} grads {fields['grads']} "
+              f"{how}: {choice} ({times} ms)")
 
 
 def main() -> None:
