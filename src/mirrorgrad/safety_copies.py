@@ -82,7 +82,7 @@ class _Span:
         source = torch.empty(0, dtype=torch.uint8, device=self.device)
         source = source.set_(self.storage)[self.lo : self.hi]
         self.storage = None  # the original may go when the call frees it
-        self.copy = source.clone() if on_device else _to_host(source)
+        self.copy = _copy(source, on_device)
         self.on_device = on_device
 
     def storage_on_device(self) -> torch.UntypedStorage:
@@ -122,17 +122,18 @@ class _Whole:
     @classmethod
     def of(cls, t: torch.Tensor, on_device: bool) -> _Whole:
         t = t.detach()
-        return cls(t.clone() if on_device else _to_host(t), t.device, on_device)
+        return cls(_copy(t, on_device), t.device, on_device)
 
     def restore(self, storages: dict[int, torch.UntypedStorage]) -> torch.Tensor:
         return self.copy if self.on_device else self.copy.to(self.device)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in pageable host memory. Page-locked copies were measured on an
-    H200 at 0.47 s a GiB to take (the pinning) and 0.13 s to give back, against 0.81 s
-    for this one, and a 4 GiB set did not finish in 12 s: not worth their risk."""
-    return t.to("cpu", copy=True)
+def _copy(t: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """A copy of ``t`` beside it, or in pageable host memory. Page-locked host copies were
+    measured on an H200 at 0.47 s a GiB to take (the pinning) and 0.13 s to give back,
+    against 0.81 s for a pageable one, and a 4 GiB set did not finish in 12 s: not worth
+    their risk."""
+    return t.clone() if on_device else t.to("cpu", copy=True)
 
 
 @dataclass(slots=True)
