@@ -13,8 +13,6 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train.config import PRECISIONS, PRESETS, TrainConfig
 from mirrorgrad.train.stop import exit_status
@@ -184,9 +182,6 @@ def _run(args: argparse.Namespace) -> int:
     from mirrorgrad.train.preflight import FolderNotWritable
 
     bad_input = (ValueError, FileNotFoundError, CheckpointError, CorpusUnavailable, NoGPUError)
-    # fp32 matmuls as TF32 where the GPU has it, as cuDNN's RNNs and convolutions
-    # already run by default (torch.backends.cudnn.allow_tf32).
-    torch.set_float32_matmul_precision("high")
     try:
         summary = train(args.make_config(args))
     except (*bad_input, FolderNotWritable) as e:

@@ -45,10 +45,13 @@ def train(config: TrainConfig, callbacks: Sequence[Callback] = ()) -> Summary:
     steps they raise `mirrorgrad.train.stop.Interrupted` (a KeyboardInterrupt).
 
     On a GPU, cuBLAS workspaces are 4 MiB unless ``CUBLAS_WORKSPACE_CONFIG`` is set
-    (`_cuda_graphs.small_cublas_workspaces`).
+    (`_cuda_graphs.small_cublas_workspaces`), and fp32 matmuls run as TF32
+    (``torch.set_float32_matmul_precision("high")``), as cuDNN's RNNs already do by
+    default (``torch.backends.cudnn.allow_tf32``).
     """
     if config.device != "cpu" and torch.cuda.is_available():
         _cuda_graphs.small_cublas_workspaces()
+        torch.set_float32_matmul_precision("high")
     stop = StopRequest()
     with stop.installed():
         world, device = distributed.init(config.device)
