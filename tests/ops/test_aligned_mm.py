@@ -61,10 +61,13 @@ def test_pads_only_on_cuda_where_they_pay(monkeypatch):
         matmul.allow_tf32 = True
         assert not aligned_mm.pads(*big)  # 700 rows: the pads cost more than they win
         assert aligned_mm.pads(torch.randn(4480, 650), torch.randn(650, 2600))
-        assert not aligned_mm.pads(torch.randn(4480, 650).bfloat16(), torch.randn(650, 2600).bfloat16())
-        assert aligned_mm.pads(torch.randn(4480, 650).bfloat16(), torch.randn(650, 10000).bfloat16())
+        shapes = ((4480, 650), (650, 2600), (650, 10000))
+        x, w_ih, w = (torch.randn(*s).bfloat16() for s in shapes)
+        assert not aligned_mm.pads(x, w_ih)  # bf16: an LSTM layer's product does not pay
+        assert aligned_mm.pads(x, w)  # the LM head's does
         assert not aligned_mm.pads(torch.randn(704, 656), torch.randn(656, 2624))  # aligned
         matmul.allow_tf32 = False
-        assert not aligned_mm.pads(torch.randn(4480, 650), torch.randn(650, 2600))  # CUDA-core fp32 kernels
+        # CUDA-core fp32 kernels: no 16-byte rule
+        assert not aligned_mm.pads(torch.randn(4480, 650), torch.randn(650, 2600))
     finally:
         matmul.allow_tf32 = was
