@@ -449,6 +449,32 @@ def test_auto_offers_the_persistent_kernel_where_it_covers_the_shape(monkeypatch
         assert seen["rule"] == "triton"  # no constants for the persistent kernel yet
 
 
+def test_choose_by_rule_takes_the_rule_untimed_and_never_cudnn(monkeypatch):
+    """Inside choose_by_rule() (train's evaluation) auto times nothing and caches nothing:
+    the cost rule's pick among the custom op's implementations."""
+
+    def choose(*args, **kwargs):
+        raise AssertionError("timed inside choose_by_rule()")
+
+    class CudaInput:
+        device = torch.device("cuda")
+        dtype = torch.float32
+        shape = (35, 10, 650)
+
+    monkeypatch.setattr(dispatch, "_choose_auto", choose)
+    monkeypatch.setattr(dispatch, "_triton_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_persistent_supports", lambda *args: True)
+    monkeypatch.setattr(dispatch.time_model, "pick", lambda candidates, *args: candidates[-1])
+    shape = dispatch.time_model.Shape(mode="lstm", T=35, B=10, H=650, layers=2, directions=1)
+    with dispatch.choose_by_rule():
+        impl = dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
+                                   lambda: None, [], "auto")  # fmt: skip
+    assert impl == "triton"  # the rule's last candidate: cuDNN was not among them
+    with pytest.raises(AssertionError, match="timed"):
+        dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
+                            lambda: None, [], "auto")  # fmt: skip
+
+
 def test_triton_impl_refuses_what_it_does_not_support():
     mod = mnn.LSTM(3, 4, proj_size=2, impl="triton")
     with pytest.raises(ValueError, match="impl='auto'"):

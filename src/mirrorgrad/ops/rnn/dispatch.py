@@ -101,6 +101,25 @@ def dispatch_as_captured() -> Iterator[None]:
         _captured_depth -= 1
 
 
+_rule_depth = 0  # > 0 inside choose_by_rule()
+
+
+@contextlib.contextmanager
+def choose_by_rule() -> Iterator[None]:
+    """impl="auto" calls inside take the cost rule's pick among the custom op's
+    implementations, untimed and uncached, and never cuDNN: for shapes that run a few
+    times, as an evaluation pass. Timing there costs more than it saves, and cuDNN's
+    timed call (a flat copy of the weights and its workspace: 48.5 MiB at the medium
+    LM's evaluation batch on an H200) raised `mirrorgrad train lm`'s peak above its
+    steps'."""
+    global _rule_depth
+    _rule_depth += 1
+    try:
+        yield
+    finally:
+        _rule_depth -= 1
+
+
 def _choice_key(key: tuple) -> tuple:
     """The cache key of a choice: captured and uncaptured timings choose apart. A call
     made while a CUDA Graph is captured runs captured, so it takes the captured choice
@@ -445,6 +464,8 @@ def _auto_impl(x: Tensor, proj: bool, shape: time_model.Shape, key: tuple, custo
     if compiling:
         if static and call and len(fused) > 1:
             return _timed_while_tracing(key, tuple(fused), call)
+        return rule()
+    if _rule_depth:
         return rule()
     candidates = {name: _timed_step(custom(name), grad_inputs) for name in fused}
     if cudnn is not None:
