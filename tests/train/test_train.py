@@ -194,6 +194,28 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(monkeypatch
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_explain_plan_releases_the_rnn_loops_its_forward_recorded(monkeypatch):
+    """explain runs one forward: the RNN loop graphs it records are no step's and go."""
+    import mirrorgrad
+    from mirrorgrad.ops.rnn import cuda_graphs
+    from mirrorgrad.train import probes
+
+    released = []
+
+    def explain(*args, **kwargs):
+        for keys in cuda_graphs._RECORDING:  # what cuda_graphs.acquire does for a loop it runs
+            keys.add(("a loop",))
+        return "the plan"
+
+    monkeypatch.setattr(mirrorgrad, "explain", explain)
+    monkeypatch.setattr(cuda_graphs, "release", lambda keys: released.append(set(keys)))
+    model = LanguageModel(50, PRESETS["tiny"])
+    plan = probes.explain_plan(model, lambda: (), MirrorOptions.from_cli("off"),
+                               torch.device("cpu"))  # fmt: skip
+    assert plan == "the plan"
+    assert released == [{("a loop",)}]
+
+
 def test_runs_in_one_process_do_not_pile_compiles_on_the_model(corpus, tmp_path):
     """Each run compiles its step in a frame of its own: runs in one process (a notebook,
     a sweep) never reach Dynamo's recompile limit, which would run the step eagerly."""
