@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from mirrorgrad import formulas
+from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op, reference
 
 from .memory_tracker import PeakTracker
@@ -34,6 +35,26 @@ def _assert_matches(ours, ref, tensors, tol=1e-12):
     for g, r in zip(_grads(ours, tensors), _grads(ref, tensors)):
         assert r.abs().max() > 0
         torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+
+
+@pytest.fixture
+def padding(monkeypatch):
+    """Every call pads (where H is misaligned), on the CPU too; returns the list of the
+    [rows, cols] each tensor the op pads is padded to."""
+    shapes = []
+    real = aligned_mm.padded
+
+    def spy(t, rows, cols):
+        shapes.append((rows, cols))
+        return real(t, rows, cols)
+
+    monkeypatch.setattr(aligned_mm, "pays_to_pad", lambda *args: True)
+    monkeypatch.setattr(aligned_mm, "padded", spy)
+    return shapes
+
+
+# hidden sizes whose rows are not 16 bytes wide, and their padded widths
+MISALIGNED = {torch.float64: (7, 8), torch.float32: (18, 20), torch.bfloat16: (20, 24)}
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -191,24 +212,34 @@ def _call_args(dtype, n=100, h=16, v=300, needs=(True, True, True)):
                                          lse), needs  # fmt: skip
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
 @pytest.mark.parametrize("chunk", [32, 100])  # four chunks of 100 rows, or one
-def test_memory_formulas_cover_what_the_op_allocates(dtype, needs, chunk):
+def test_memory_formulas_cover_what_the_op_allocates(request, dtype, needs, chunk, padded):
     """The declared temporaries against the allocations the op makes through ATen:
     backward exactly (all its temporaries are ATen results), forward at least (plus
-    logsumexp's internal [C, V], which the tracker cannot see)."""
-    fwd_args, bwd_args, _ = _call_args(dtype)
+    logsumexp's internal [C, V], which the tracker cannot see, beside the padded W).
+    Padded: H misaligned and the pads made to pay, so that W [V, P] and each chunk's
+    rows [C, P] are padded on the CPU as on a GPU."""
+    h, width = MISALIGNED[dtype] if padded else (16, 16)
+    pads = request.getfixturevalue("padding") if padded else []
+    fwd_args, bwd_args, _ = _call_args(dtype, h=h)
     with PeakTracker(*fwd_args) as tracker:
         out = op.linear_cross_entropy_forward._init_fn(*fwd_args, chunk)
+    assert (pads != []) == padded
     declared = formulas.memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
     seen = tracker.peak - sum(o.nbytes for o in out)
     v, a = 300, op.accumulation_dtype(dtype).itemsize
-    assert declared(*fwd_args, chunk) == max(seen, 2 * chunk * v * a)
+    padded_weight = v * width * dtype.itemsize if padded else 0
+    assert declared(*fwd_args, chunk) == max(seen, padded_weight + 2 * chunk * v * a)
+    pads.clear()
     with PeakTracker(*bwd_args) as tracker:
         out = op.linear_cross_entropy_backward._init_fn(*bwd_args, chunk, *needs)
+    assert (pads != []) == padded
     declared = formulas.memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
     assert declared(*bwd_args, chunk, *needs) == tracker.peak - sum(o.nbytes for o in out)
+    assert all(o.is_contiguous() for o in out)
 
 
 def test_bytes_formulas_count_the_logits_passes():
@@ -221,6 +252,22 @@ def test_bytes_formulas_count_the_logits_passes():
     bwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
     expected = 10 * 3 + chunks * 7 * 3 + 10 * 7 * 10 + (chunks * 7 * 3 + 10 * 3)
     expected += 2 * chunks * 7 * 3 + 10 * 3
+    assert bwd(*bwd_args, 3, *needs) == 4 * expected
+
+
+def test_bytes_formulas_count_the_pads(padding):
+    """As above with H 3 padded to P 4: W and hidden copied once each (read 3 wide, written
+    4 wide), every GEMM operand 4 wide, and the gradients' real blocks cut out (read 4,
+    written 3)."""
+    n, h, p, v, chunks = 10, 3, 4, 7, 4
+    (hidden, weight, b, target), bwd_args, needs = _call_args(torch.float32, n=n, h=h, v=v)
+    pads = v * (h + p) + n * (h + p)
+    fwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
+    assert fwd(hidden, weight, b, target, 3) == 4 * (pads + n * p + chunks * v * p + 7 * n * v)
+    bwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
+    expected = pads + n * p + chunks * v * p + 10 * n * v
+    expected += chunks * v * p + n * p + n * (p + h)  # grad_hidden: W read, written, cut out
+    expected += 2 * chunks * v * p + n * p + v * (p + h)  # grad_weight: accumulated, cut out
     assert bwd(*bwd_args, 3, *needs) == 4 * expected
 
 
@@ -269,3 +316,158 @@ def test_dtype_float32_is_the_loss_of_upcast_logits(reduction):
     for g, r in zip(_grads(ours, (hidden, weight, b)), _grads(ref, (hidden, weight, b))):
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+# --- the padded path: hidden rows not 16 bytes wide, padded where the copies pay ---------
+
+
+# (bias, gradients asked for of hidden, weight, bias)
+NEEDS = [(bias, needs) for bias in (True, False)
+         for needs in [(True, True, True), (True, False, False), (False, True, True),
+                       (False, False, True), (True, True, False)]
+         if bias or needs[:2] != (False, False)]  # fmt: skip
+
+
+def _needs_id(case) -> str:
+    bias, needs = case
+    asked = "".join(name for name, need in zip("hwb", needs) if need)
+    return ("bias" if bias else "nobias") + "-needs-" + asked
+
+
+@pytest.mark.parametrize("chunk_size", [7, 64], ids=["chunked", "one_chunk"])
+@pytest.mark.parametrize("case", NEEDS, ids=_needs_id)
+def test_padded_path_matches_reference_float64(padding, case, chunk_size):
+    """W [V, 8] and each chunk's rows [C, 8] padded from H = 7; the gradients asked for
+    equal the reference's to float64 rounding and come out contiguous [.., 7]."""
+    bias, needs = case
+    n, (h, width), v = 29, MISALIGNED[DT], 11
+    hidden, weight, b, target = _inputs(n, h, v, bias=bias)
+    target[3] = -100
+    leaves = [t for t, need in zip((hidden, weight, b), needs) if t is not None and need]
+    for t, need in zip((hidden, weight, b), needs):
+        if t is not None:
+            t.requires_grad_(need)
+    ours = linear_cross_entropy(hidden, weight, b, target, chunk_size, "none")
+    pads = [(v, width)] + [(min(chunk_size, n - s), width) for s in range(0, n, chunk_size)]
+    assert padding == pads  # forward: W, then each chunk's rows
+    ref = reference.linear_cross_entropy(hidden, weight, b, target, "none")
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    padding.clear()
+    grads = _grads(ours, leaves)
+    assert padding == pads  # backward
+    for leaf, g, r in zip(leaves, grads, _grads(ref, leaves)):
+        assert g.shape == leaf.shape and g.is_contiguous()
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [9, 64], ids=["chunked", "one_chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_path_low_precision_is_as_close_to_float64_as_torch(padding, dtype, chunk_size):
+    """|ours - ref64| <= 2 |torch in dtype - ref64| + atol, value and gradients, with H
+    18 (fp32) or 20 (bf16) padded to 16 bytes."""
+    h, width = MISALIGNED[dtype]
+    hidden, weight, b, target = _inputs(40, h, 13)
+    low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, b)]
+    ours = linear_cross_entropy(*low[:2], low[2], target, chunk_size=chunk_size)
+    assert padding and all(cols == width for _, cols in padding)
+    same = reference.linear_cross_entropy(*low[:2], low[2], target)
+    ref = reference.linear_cross_entropy(hidden, weight, b, target)
+    atol = 1e-6 if dtype == torch.float32 else 1e-2
+    ours_grads = _grads(ours, low)
+    pairs = [(ours, same, ref)]
+    pairs += zip(ours_grads, _grads(same, low), _grads(ref, (hidden, weight, b)))
+    for o, s, r in pairs:
+        err, base = (o.double() - r).abs().max(), (s.double() - r).abs().max()
+        assert err <= 2 * base + atol * r.abs().max().clamp(min=1)
+    for leaf, g in zip(low, ours_grads):
+        assert g.dtype == dtype and g.shape == leaf.shape and g.is_contiguous()
+
+
+def test_pads_only_a_misaligned_hidden_size(padding):
+    hidden, weight, b, target = _inputs(10, 8, 5, dtype=torch.float32)  # 32-byte rows
+    linear_cross_entropy(hidden, weight, b, target, chunk_size=4).backward()
+    assert padding == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_padded_ops_pass_opcheck(padding, bias):
+    hidden, weight, b, target = _inputs(9, 7, 6, bias=bias)
+    torch.library.opcheck(op.linear_cross_entropy_forward, (hidden, weight, b, target, 4))
+    lse, _ = op.linear_cross_entropy_forward(hidden, weight, b, target, 4)
+    b = None if b is None else b.detach()
+    args = (torch.randn_like(lse), torch.randn_like(lse), hidden.detach(), weight.detach(), b,
+            target, lse.detach(), 4, True, True, bias)  # fmt: skip
+    torch.library.opcheck(torch.ops.mirrorgrad.linear_cross_entropy_backward, args)
+    assert padding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_medium_lm_head_pads_at_batch_128_not_20(monkeypatch, dtype):
+    """H 650, V 10,000, rows batch x bptt 35: the copies pay at 4,480 rows, not at 700
+    (the training step's calls: every gradient asked for). The rule reads only shapes,
+    dtype and device: meta tensors that say they are on CUDA."""
+    weight = torch.empty(10000, 650, dtype=dtype, device="meta")
+    small, large = (torch.empty(n, 650, dtype=dtype, device="meta") for n in (700, 4480))
+    aligned = torch.empty(4480, 656, dtype=dtype, device="meta"), weight.new_empty(10000, 656)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    matmul = torch.backends.cuda.matmul  # a module object: monkeypatch cannot undo it
+    was = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        assert op.forward_pads(large, weight) and not op.forward_pads(small, weight)
+        for needs in [(True, True), (True, False), (False, True)]:
+            assert op.backward_pads(large, weight, *needs)
+        assert not op.backward_pads(small, weight, True, True)
+        assert not op.forward_pads(*aligned)
+        matmul.allow_tf32 = False
+        padded_without_tf32 = op.forward_pads(large, weight)
+    finally:
+        matmul.allow_tf32 = was
+    # fp32 without TF32 runs SIMT kernels, which have no 16-byte rule
+    assert padded_without_tf32 == (dtype == torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_medium_lm_head_pads_on_a_gpu_as_close_as_unpadded(monkeypatch, dtype):
+    """H 650, V 10,000, 4,480 rows (batch 128 x bptt 35), fp32 with TF32 or bf16: the op
+    pads W and each chunk's rows (forward and backward) and its loss and gradients are
+    as close to float64 as the unpadded op's: |padded - ref64| <= 2 |unpadded - ref64|."""
+    n, h, v = 4480, 650, 10000
+    width = aligned_mm.aligned_width(h, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.float64, generator=g)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.float64, generator=g) / h**0.5
+    bias = 0.1 * torch.randn(v, device="cuda", dtype=torch.float64, generator=g)
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+
+    def loss_and_grads(tensors, pads):
+        shapes = []
+        with monkeypatch.context() as m:
+            real = aligned_mm.padded
+            m.setattr(aligned_mm, "padded", lambda t, r, c: shapes.append((r, c)) or real(t, r, c))
+            if not pads:
+                m.setattr(aligned_mm, "pays_to_pad", lambda *args: False)
+            leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+            loss = linear_cross_entropy(*leaves, target)
+            return [loss, *torch.autograd.grad(loss, leaves)], shapes
+
+    matmul = torch.backends.cuda.matmul  # a module object: monkeypatch cannot undo it
+    was = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        padded, shapes = loss_and_grads((hidden, weight, bias), pads=True)
+        unpadded, none = loss_and_grads((hidden, weight, bias), pads=False)
+    finally:
+        matmul.allow_tf32 = was
+    chunk = op.CHUNK_BYTES // (4 * v)
+    rows = [(min(chunk, n - s), width) for s in range(0, n, chunk)]
+    assert shapes == 2 * [(v, width), *rows] and none == []
+    leaves = [t.requires_grad_() for t in (hidden, weight, bias)]
+    ref = reference.linear_cross_entropy(*leaves, target)
+    for p, u, r in zip(padded, unpadded, [ref, *torch.autograd.grad(ref, leaves)]):
+        assert p.shape == r.shape and p.dtype == dtype and p.is_contiguous()
+        err, base = (p.double() - r).abs().max(), (u.double() - r).abs().max()
+        assert err <= 2 * base + 1e-6 * r.abs().max()

@@ -7,6 +7,11 @@ them into their gradient in place. The ``[rows, vocab]`` logits never exist whol
 Fake kernels, autograd, FLOP, bytes and memory formulas make compilers and the planner
 see (and cost) one node each way.
 
+Where the hidden size's rows are not 16 bytes wide (650 elements, the word LM's), cuBLAS
+runs the GEMMs with slow kernels; each call then decides once (`forward_pads`,
+`backward_pads`) whether to pad the weight to ``[V, aligned_width(H)]`` for the call and
+each chunk's rows likewise, so that every GEMM has 16-byte leading dimensions.
+
 Ops, not an autograd.Function: torch 2.11's Dynamo traced the Function's backward
 without its incoming gradient (every gradient came out zero under torch.compile).
 """
@@ -21,6 +26,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from mirrorgrad.formulas import register_bytes_formula, register_memory_formula
+from mirrorgrad.ops import aligned_mm
 
 # Auto chunk size: rows whose float32 logits fit in this many bytes.
 CHUNK_BYTES = 64 * 2**20
@@ -32,6 +38,44 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _pays_to_pad(hidden: Tensor, weight: Tensor, gemms: int, copied_elements: int) -> bool:
+    """Whether ``gemms`` products of [N, H] by [H, V] (or their transposes) run faster with
+    H padded to 16 bytes, the pads copying ``copied_elements`` elements of weight's dtype."""
+    n, h = hidden.shape
+    if aligned_mm.aligned_width(h, weight.dtype) == h:
+        return False
+    flops = gemms * 2 * n * h * weight.shape[0]
+    copied_bytes = copied_elements * weight.dtype.itemsize
+    return aligned_mm.pays_to_pad(flops, copied_bytes, weight.dtype, weight.device)
+
+
+def forward_pads(hidden: Tensor, weight: Tensor) -> bool:
+    """Whether the forward pads: the logits' GEMM against copies of W and hidden's rows."""
+    (n, h), v = hidden.shape, weight.shape[0]
+    return _pays_to_pad(hidden, weight, 1, v * h + n * h)
+
+
+def backward_pads(hidden: Tensor, weight: Tensor, need_hidden: bool, need_weight: bool) -> bool:
+    """Whether the backward pads: the recomputed logits and each gradient's GEMM against
+    copies of W, hidden's rows and the real blocks of the padded gradients."""
+    (n, h), v = hidden.shape, weight.shape[0]
+    gemms = 1 + bool(need_hidden) + bool(need_weight)
+    copied = v * h + n * h + n * h * bool(need_hidden) + v * h * bool(need_weight)
+    return _pays_to_pad(hidden, weight, gemms, copied)
+
+
+def _width(hidden: Tensor, weight: Tensor, pad: bool) -> int:
+    """The row width the GEMMs see: H, or H padded to 16 bytes."""
+    h = hidden.shape[1]
+    return aligned_mm.aligned_width(h, weight.dtype) if pad else h
+
+
+def _widened(t: Tensor, width: int) -> Tensor:
+    """``t`` [R, H], zero-padded to ``width`` columns where that is wider (``t`` itself
+    otherwise, whatever its alignment: the call decided not to pad)."""
+    return aligned_mm.padded(t, t.shape[0], width) if width != t.shape[1] else t
+
+
 @torch.library.custom_op("mirrorgrad::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(
     hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, chunk_size: int
@@ -41,11 +85,15 @@ def linear_cross_entropy_forward(
     hidden [N, H]; weight [V, H]; bias [V] or None; target int64 [N] in [0, V)."""
     acc = accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
+    width = _width(hidden, weight, forward_pads(hidden, weight))
+    # Padded for this call only: a padded W kept for the backward would add to the peak.
+    weight = _widened(weight, width)
     lse = hidden.new_empty(n, dtype=acc)
     target_logit = hidden.new_empty(n, dtype=acc)
     for start in range(0, n, chunk_size):
         rows = slice(start, start + chunk_size)
-        logits = F.linear(hidden[rows], weight, bias).to(acc)  # [C, V]
+        # The padded rows are freed before logsumexp's temporary exists.
+        logits = F.linear(_widened(hidden[rows], width), weight, bias).to(acc)  # [C, V]
         torch.logsumexp(logits, dim=1, out=lse[rows])
         torch.gather(logits, 1, target[rows, None], out=target_logit[rows, None])
         del logits  # one chunk of logits alive at a time, not two
@@ -78,6 +126,9 @@ def linear_cross_entropy_backward(
 
     Unneeded gradients come back as empty tensors (an op cannot return None)."""
     acc = lse.dtype
+    h_size = hidden.shape[1]
+    width = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
+    padded_weight = _widened(weight, width)
     # Half-precision operands: the weight gradient's products run in their dtype on
     # tensor cores (accumulating in float32 inside, as autocast's Linear backward); a
     # float32 product here ran as a SIMT kernel, ~250 us of a 2.5 ms bf16 LM step (H200,
@@ -86,22 +137,22 @@ def linear_cross_entropy_backward(
     half = weight.dtype != acc
     one_chunk = hidden.shape[0] <= chunk_size
     grad_hidden = hidden.new_empty(hidden.shape if need_hidden else 0)
-    grad_weight = None
+    grad_weight = None  # [V, width]: its real block [V, H] is the output
     if need_weight and not (half and one_chunk):
-        grad_weight = weight.new_zeros(weight.shape, dtype=acc)
+        grad_weight = weight.new_zeros(weight.shape[0], width, dtype=acc)
     grad_bias = weight.new_zeros(weight.shape[0], dtype=acc) if need_bias else None
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h = hidden[rows]
+        h = _widened(hidden[rows], width)
         # [C, V]: the recomputed logits become their own gradient, in place.
-        grad_logits = F.linear(h, weight, bias).to(acc)
+        grad_logits = F.linear(h, padded_weight, bias).to(acc)
         grad_logits.sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
         grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
         low = grad_logits.to(weight.dtype) if half and (need_hidden or need_weight) else None
-        if need_hidden:
-            grad_hidden[rows] = (low if half else grad_logits) @ weight  # [C, V] @ [V, H]
+        if need_hidden:  # [C, V] @ [V, width], its real block copied into the output
+            grad_hidden[rows] = ((low if half else grad_logits) @ padded_weight)[:, :h_size]
         if need_weight and not half:
-            grad_weight.addmm_(grad_logits.T, h)  # [V, C] @ [C, H]
+            grad_weight.addmm_(grad_logits.T, h)  # [V, C] @ [C, width]
         elif need_weight and one_chunk:
             grad_weight = low.T @ h
         elif need_weight:
@@ -109,11 +160,15 @@ def linear_cross_entropy_backward(
         del low
         if grad_bias is not None:
             grad_bias += grad_logits.sum(0)
-        del grad_logits  # one chunk alive at a time
+        del grad_logits, h  # one chunk alive at a time
     # Each output its own tensor, even the empty ones: outputs of an op may not alias.
+    # The real block of a padded gradient is copied out contiguous (.to of a strided view
+    # in another dtype is already contiguous; in the same dtype it is the view itself).
     return (
         grad_hidden,
-        grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0),
+        grad_weight[:, :h_size].to(weight.dtype).contiguous()
+        if grad_weight is not None
+        else weight.new_empty(0),
         grad_bias.to(bias.dtype) if grad_bias is not None else weight.new_empty(0),
     )
 
@@ -191,10 +246,13 @@ def _sizes(hidden: Tensor, weight: Tensor, chunk_size: int):
 @register_memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
 def _forward_temporary_bytes(hidden, weight, bias, target, chunk_size) -> int:
     """One chunk of logits [C, V] (and its cast to the accumulation dtype), plus the
-    [C, V] temporary of logsumexp (``exp(logits - max)``)."""
-    _, _, v, c, _, d, _, a = _sizes(hidden, weight, chunk_size)
+    [C, V] temporary of logsumexp (``exp(logits - max)``); where the call pads, W padded
+    [V, P] throughout and a chunk's padded rows [C, P] beside the GEMM's output."""
+    _, h, v, c, _, d, dw, a = _sizes(hidden, weight, chunk_size)
+    p = _width(hidden, weight, forward_pads(hidden, weight))
+    padded_weight, padded_rows = (v * p * dw, c * p * d) if p != h else (0, 0)
     cast = d + a if d != a else 0
-    return c * v * max(cast, 2 * a)
+    return padded_weight + max(padded_rows + c * v * d, c * v * max(cast, 2 * a))
 
 
 @register_memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
@@ -202,54 +260,77 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
                               chunk_size, need_hidden, need_weight, need_bias) -> int:  # fmt: skip
     """Peak during the chunk loop minus the outputs: one chunk of logit gradients [C, V]
     and what each phase adds to it, beside grad_hidden and the accumulators of the
-    weight and bias gradients (the outputs themselves unless cast at the end)."""
+    weight and bias gradients (the outputs themselves unless cast or cut from a padded
+    block at the end); where the call pads, W padded [V, P] throughout and the chunk's
+    padded rows [C, P] through the chunk."""
     n, h, v, c, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    p = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
+    pad = p != h
     db = bias.dtype.itemsize if need_bias else 0
     half = dw != a
     low = c * v * dw * (half and (need_hidden or need_weight))  # the chunk cast to dw
     accumulated = need_weight and not (half and chunks == 1)  # a float weight accumulator
-    made = v * h * dw * (need_weight and half and chunks == 1)  # one chunk's product: the output
+    made = v * p * dw * (need_weight and half and chunks == 1)  # one chunk's product
+    # The weight gradient's output, where it is not the accumulator or the product itself.
+    copied_out = v * h * dw * (need_weight and (pad or (half and accumulated)))
     outputs = n * h * d * need_hidden + v * h * dw * need_weight + v * db
-    early = n * h * d * need_hidden + v * h * a * accumulated + v * a * need_bias
+    early = n * h * d * need_hidden + v * p * a * accumulated + v * a * need_bias
+    early += v * p * dw * pad
     # The chunk's phases: recompute (and cast), grad_hidden's GEMM, grad_weight's, bias sum.
-    loop = max(
+    loop = c * p * d * pad + max(
         c * v * (a + (d if d != a else 0)),
-        need_hidden * (c * v * a + low + c * h * dw),
-        need_weight * (c * v * a + low + v * h * dw * half),
+        need_hidden * (c * v * a + low + c * p * dw),
+        need_weight * (c * v * a + low + v * p * dw * half),
         need_bias * (c * v * a + v * a + made),
     )
-    late = made + v * h * dw * (accumulated and half) + v * db * (need_bias and db != a)
+    late = made + copied_out + v * db * (need_bias and db != a)
     return max(early + loop, early + late) - outputs
+
+
+def _pad_copy_bytes(rows: int, h: int, p: int, itemsize: int) -> int:
+    """Bytes moved padding [rows, h] to [rows, p] (read, write with zeros), or cutting the
+    real block back out (read of p, write of h: counted the same)."""
+    return rows * (h + p) * itemsize if p != h else 0
 
 
 @register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
 def _forward_bytes(hidden, weight, bias, target, chunk_size) -> int:
-    """Reads hidden once and weight once per chunk; the logits are written once (plus
-    the cast), then read and written by logsumexp's passes (max, subtract, exp, sum)."""
+    """Reads hidden once and weight once per chunk (padded to P where the call pads,
+    after one copy of each); the logits are written once (plus the cast), then read and
+    written by logsumexp's passes (max, subtract, exp, sum)."""
     n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    p = _width(hidden, weight, forward_pads(hidden, weight))
+    pads = _pad_copy_bytes(v, h, p, dw) + _pad_copy_bytes(n, h, p, d)
     cast = n * v * (d + a) if d != a else 0
-    return n * h * d + chunks * v * h * dw + n * v * d + cast + 6 * n * v * a
+    return pads + n * p * d + chunks * v * p * dw + n * v * d + cast + 6 * n * v * a
 
 
 @register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
 def _backward_bytes(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
                     need_hidden, need_weight, need_bias) -> int:  # fmt: skip
     """The forward's logits again, three in-place passes (subtract, exp, scale), one read
-    per gradient GEMM or sum, and the weight (gradient) read (and written) per chunk."""
+    per gradient GEMM or sum, and the weight (gradient) read (and written) per chunk; the
+    GEMMs' operands P wide where the call pads (W and hidden copied padded, the
+    gradients' real blocks copied out)."""
     n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
+    p = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
     half = dw != a
     cast = n * v * (d + a) if d != a else 0
     # Reads of the float chunk: the bias sum's, and the GEMMs' unless they read it cast down.
     reads = bool(need_bias) + (0 if half else bool(need_hidden) + bool(need_weight))
-    total = n * h * d + chunks * v * h * dw + n * v * d + cast + (6 + reads) * n * v * a
+    total = _pad_copy_bytes(v, h, p, dw) + _pad_copy_bytes(n, h, p, d)
+    total += n * p * d + chunks * v * p * dw + n * v * d + cast + (6 + reads) * n * v * a
     if half and (need_hidden or need_weight):  # the chunk cast down, read by each GEMM
         total += n * v * (a + dw) + (bool(need_hidden) + bool(need_weight)) * n * v * dw
     if need_hidden:
-        total += chunks * v * h * dw + n * h * d
+        total += chunks * v * p * dw + n * p * d + _pad_copy_bytes(n, h, p, d)
     if need_weight and not half:
-        total += 2 * chunks * v * h * a + n * h * d
+        total += 2 * chunks * v * p * a + n * p * d
     elif need_weight:  # each chunk's product written, then summed in float32 past one
-        total += chunks * v * h * dw + (2 * chunks * v * h * a if chunks > 1 else 0) + n * h * d
+        total += chunks * v * p * dw + (2 * chunks * v * p * a if chunks > 1 else 0) + n * p * d
+    accumulated = need_weight and not (half and chunks == 1)
+    if need_weight and (p != h or (half and accumulated)):  # the output cut out (and cast)
+        total += v * p * (a if accumulated else dw) + v * h * dw
     return total
 
 
