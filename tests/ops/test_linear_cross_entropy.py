@@ -160,12 +160,15 @@ def test_saves_no_logits_for_backward():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("backend", ["aot_eager", "mirrorgrad-eager"])
-def test_compiled_gradients_equal_eager(backend):
+def test_compiled_gradients_equal_eager(request, backend, padded):
     # Regression: as an autograd.Function, torch 2.11's Dynamo traced the backward
-    # without its incoming gradient and every gradient came out zero.
+    # without its incoming gradient and every gradient came out zero. Padded: the planner
+    # evaluates the padded path's formulas on fake tensors.
     import mirrorgrad
 
+    pads = request.getfixturevalue("padding") if padded else []
     hidden, weight, b, target = _inputs(13, 5, 7)
     target[2] = -100
 
@@ -179,6 +182,7 @@ def test_compiled_gradients_equal_eager(backend):
         compiled = mirrorgrad.compile(loss_fn, backend="eager", fullgraph=True)
     _assert_matches(compiled(hidden, weight, b, target), loss_fn(hidden, weight, b, target),
                     (hidden, weight, b))  # fmt: skip
+    assert (pads != []) == padded
 
 
 @pytest.mark.slow
