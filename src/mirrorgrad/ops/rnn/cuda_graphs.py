@@ -57,10 +57,13 @@ GRAPH_CACHE_BYTES = 1024 << 20
 # chunk's GEMMs have read them (an LSTM's, written over its recomputed pre-activations:
 # "bwd.pre_dg"), and no loop runs between a loop and its own readers.
 # persistent.py's captured layers: its backward's padded gate gradients share "gates"
-# too, its recomputed pre-activations and GRU hidden-side gradients kernels.py's arenas.
+# too, its recomputed pre-activations and GRU hidden-side gradients kernels.py's arenas,
+# the padded copies of x and W_ih (padded_operands.py) one arena each for both phases.
 _ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates",
              "persistent.bwd.dg": "gates", "persistent.bwd.pre": "bwd.pre",
-             "persistent.bwd.dgh": "bwd.dgh"}  # fmt: skip
+             "persistent.bwd.dgh": "bwd.dgh", "persistent.fwd.pad.x": "pad.x",
+             "persistent.bwd.pad.x": "pad.x", "persistent.fwd.pad.w_ih": "pad.w_ih",
+             "persistent.bwd.pad.w_ih": "pad.w_ih"}  # fmt: skip
 
 
 @dataclass(slots=True)

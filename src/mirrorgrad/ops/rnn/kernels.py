@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import cuda_graphs, step_loop
+from mirrorgrad.ops.rnn import cuda_graphs, padded_operands, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID, MODES
 from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.step_loop import (
@@ -286,31 +286,39 @@ def workspace_bytes(
     backward: bool,
     captured: bool = False,
     dg_over_pre: bool = True,
+    n_in: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> int:
     """Peak bytes one ``layer_forward`` (or ``layer_backward``) allocates beyond its inputs
     and outputs: the pre-activations where they are not the stash, and per backward
-    chunk the gate gradients (and the recomputed pre-activations). [B, H]-sized buffers
-    are left out. ``captured``: the loop runs as a CUDA Graph, whose buffers are arenas
-    held between calls (``held_arenas``), not allocated per call. ``dg_over_pre=False``:
-    an LSTM's gate gradients have a buffer of their own (persistent.py's backward)."""
+    chunk the gate gradients (and the recomputed pre-activations); beside them the
+    input and weight GEMMs' padded operands (padded_operands.py, for an input of
+    ``n_in`` features, None: H, on ``device``), allocated per call even where the loop
+    is captured. [B, H]-sized buffers are left out. ``captured``: the loop runs as a
+    CUDA Graph, whose buffers are arenas held between calls (``held_arenas``), not
+    allocated per call. ``dg_over_pre=False``: an LSTM's gate gradients have a buffer of
+    their own (persistent.py's backward)."""
     d = dtype.itemsize
     gh = GATES[mode] * H
+    steps = chunk_steps(T, B)
+    pads = padded_operands.operand_bytes(T, B, steps, H if n_in is None else n_in, H, gh, dtype,
+                                         device, backward=backward)  # fmt: skip
     if not backward:
         pre_is_saved = mode == "lstm" and memory == "stash"
         per_call = (0 if pre_is_saved else T * B * gh * d) + (B * gh * d if mode == "gru" else 0)
-        return 0 if captured else per_call
-    rows = chunk_steps(T, B) * B
+        return pads + (0 if captured else per_call)
+    rows = steps * B
     dg = rows * gh * d * (2 if mode == "gru" else 1)
     if memory == "stash" or mode.startswith("rnn"):
-        return 0 if captured else dg
+        return pads + (0 if captured else dg)
     if mode == "lstm":  # the gate gradients overwrite the recomputed pre-activations
-        return 0 if captured else rows * gh * d + (0 if dg_over_pre else dg)
+        return pads + (0 if captured else rows * gh * d + (0 if dg_over_pre else dg))
     # gru: h_prev, both [rows, 3H] GEMM outputs and the [rows, 4H] result at once.
     recompute = rows * H * d + 2 * rows * gh * d
     if captured:
-        return recompute
+        return max(recompute, pads)
     pre = rows * 4 * H * d
-    return max(recompute + pre, pre + dg)
+    return max(recompute + pre, pre + dg + pads)
 
 
 def loop_captured(
@@ -555,7 +563,11 @@ def layer_forward(
         entry = _forward_entry(config, buf)
     else:
         buf, entry = _fwd_buffers(config, w, b_hh, lengths), None
-    input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, config.gh))
+    pads = padded_operands.forward_operands(T, B, x2d.shape[1], config.gh, x.dtype, x.device,
+                                            _fresh(config))  # fmt: skip
+    x2d_in, w_ih_in = padded_operands.input_operands(pads, x2d, w_ih)
+    input_gemm(x2d_in, w_ih_in, bias, buf.pre.view(T * B, config.gh))
+    del pads, x2d_in, w_ih_in  # the padded copies: freed before the loop runs
     buf.h[0].copy_(h0)
     if buf.cells is not None:
         buf.cells[0].copy_(c0)
@@ -572,6 +584,11 @@ def layer_forward(
     h_n = h_n.clone() if graphed else h_n  # h is shared workspace there
     c_n = buf.cells[T].to(x.dtype, copy=True) if buf.cells is not None else None
     return buf.y, h_n, c_n, saved_tensors(config, buf)
+
+
+def _fresh(config: LoopConfig):
+    """``make(name, shape)`` of padded_operands.py: a fresh buffer."""
+    return lambda _name, shape: config.empty(*shape)
 
 
 def saved_tensors(config: LoopConfig, buf) -> tuple[Tensor, ...]:
@@ -856,7 +873,13 @@ def layer_backward(
                           grad_whh=x.new_empty(gh, config.H) if need_whh else None,
                           grad_bih=x.new_empty(gh) if need_bih else None,
                           grad_bhh=x.new_empty(gh) if need_bhh else None)  # fmt: skip
-        add_chunk_grads(dg, dgh, x2d, w_ih, h0, y, t0, t1, first=t1 == T, ones=None, **grads)
+            pads = padded_operands.backward_operands(
+                T, B, steps, n_in, config.H, gh, x.dtype, x.device,
+                (need_x, need_wih, need_whh), _fresh(config))  # fmt: skip
+            padded_operands.start_backward(pads, w_ih)
+        add_chunk_grads(dg, dgh, x2d, w_ih, h0, y, t0, t1, first=t1 == T, ones=None, pads=pads,
+                        **grads)  # fmt: skip
+    padded_operands.finish_backward(pads, grads["grad_wih"], grads["grad_whh"])
     # A static buffer is overwritten by the loop's next run: hand out a copy.
     grad_h0 = (dh.clone() if any_graphed else dh) if need_h0 else None
     grad_c0 = dc.to(x.dtype, copy=True) if need_c0 else None

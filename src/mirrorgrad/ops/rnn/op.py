@@ -626,11 +626,12 @@ def _rnn_forward_temporary_bytes(x, weights, hx, cx, lengths, seed, mode, num_la
     D = 2 if bidirectional else 1
     memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d  # one direction's output
-    work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, backward=False)
     state = (3 if mode == "lstm" else 2) * B * H * d
     peak = 0
     for layer in range(num_layers):
-        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        width = n_in if layer == 0 else D * Hr
+        work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, width, backward=False)
+        layer_in = T * B * width * d
         dropped = layer > 0 and dropout > 0
         held = layer_in if dropped else 0
         if not need_saved:
@@ -657,10 +658,11 @@ def _rnn_backward_temporary_bytes(grad_y, grad_hn, grad_cn, x, weights, hx, cx, 
     D = 2 if bidirectional else 1
     memory = resolve_memory(memory, mode)
     unit = T * B * Hr * d
-    work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, backward=True)
     peak = 0
     for layer in reversed(range(num_layers)):
-        layer_in = T * B * (n_in if layer == 0 else D * Hr) * d
+        width = n_in if layer == 0 else D * Hr
+        work = _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, width, backward=True)
+        layer_in = T * B * width * d
         held = D * unit if layer < num_layers - 1 else 0  # gradient from above
         dropped = layer > 0 and dropout > 0
         scratch = _dropout_scratch(impl, layer_in // d) if dropped else 0
@@ -695,29 +697,40 @@ def _captures(impl: str, proj_size: int) -> ModuleType | None:
     return _kernels(impl)
 
 
-def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, *, backward: bool) -> int:
-    """One layer's per-call workspace: none of what a captured loop keeps in arenas."""
+def _workspace_bytes(impl, proj_size, mode, memory, x, T, B, H, n_in, *, backward: bool) -> int:
+    """One layer's per-call workspace, for an input of ``n_in`` features: none of what a
+    captured loop keeps in arenas."""
     kernels = _kernels(impl)
     captured = _captures(impl, proj_size) is not None and kernels.loop_captured(
         mode, *map(_hint, (T, B, H)), x.device, backward=backward
     )
     extra = {"captured": True} if captured else {}
+    if impl != "reference":  # the GPU layers' padded operands (padded_operands.py)
+        extra |= {"n_in": n_in, "device": x.device}
     return kernels.workspace_bytes(mode, memory, T, B, H, x.dtype, backward=backward, **extra)
 
 
-def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                 *, backward: bool, has_grad_y: bool = True) -> dict:  # fmt: skip
+def _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size, num_layers,
+                 bidirectional, *, backward: bool, has_grad_y: bool = True) -> dict:  # fmt: skip
     """The arenas of the op's captured loops (one config per call: every layer-direction
     has the same T, B, H), keyed so that ops of one graph share them as the cache does."""
     kernels = _captures(impl, proj_size)
     if kernels is None:
         return {}
-    T, B, _, H, _, _ = map(_hint, _stack_shape(x, weights, hx, mode))
-    return kernels.held_arenas(
-        mode, resolve_memory(memory, mode), T, B, H, x.dtype, x.device,
-        has_lengths=lengths is not None, has_bias=has_biases, backward=backward,
-        has_grad_y=has_grad_y,
-    )  # fmt: skip
+    T, B, n_in, H, Hr, _ = map(_hint, _stack_shape(x, weights, hx, mode))
+    flags = dict(has_lengths=lengths is not None, has_bias=has_biases, backward=backward,
+                 has_grad_y=has_grad_y)  # fmt: skip
+    args = (mode, resolve_memory(memory, mode), T, B, H, x.dtype, x.device)
+    if impl != "persistent":
+        return kernels.held_arenas(*args, **flags)
+    # Its padded operands' arenas depend on the layers' input widths: as large as the
+    # largest any layer asks for, as the cache keeps them.
+    D = 2 if bidirectional else 1
+    held: dict = {}
+    for width in {n_in, D * Hr} if num_layers > 1 else {n_in}:
+        for key, nbytes in kernels.held_arenas(*args, n_in=width, **flags).items():
+            held[key] = max(held.get(key, 0), nbytes)
+    return held
 
 
 @register_held_formula(torch.ops.mirrorgrad.rnn_forward)
@@ -726,7 +739,7 @@ def _rnn_forward_held(x, weights, hx, cx, lengths, seed, mode, num_layers, bidir
                       need_saved) -> dict:  # fmt: skip
     """What the forward's CUDA Graph cache keeps between calls (cuda_graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                        backward=False)  # fmt: skip
+                        num_layers, bidirectional, backward=False)  # fmt: skip
 
 
 @register_held_formula(torch.ops.mirrorgrad.rnn_backward)
@@ -735,4 +748,5 @@ def _rnn_backward_held(grad_y, grad_hn, grad_cn, x, weights, hx, cx, lengths, se
                        state_clip, impl, needs_input_grad) -> dict:  # fmt: skip
     """What the backward's CUDA Graph cache keeps between calls (cuda_graphs.py's arenas)."""
     return _held_arenas(impl, mode, memory, x, weights, hx, lengths, has_biases, proj_size,
-                        backward=True, has_grad_y=grad_y is not None)  # fmt: skip
+                        num_layers, bidirectional, backward=True,
+                        has_grad_y=grad_y is not None)  # fmt: skip

@@ -34,6 +34,7 @@ from torch import Tensor
 from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent_probes, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID
 from mirrorgrad.ops.rnn.layer_call import LayerCall
+from mirrorgrad.ops.rnn.padded_operands import finish_backward, input_operands, start_backward
 from mirrorgrad.ops.rnn.persistent_buffers import (
     BwdBuffers,
     FwdBuffers,
@@ -241,7 +242,8 @@ def _fwd_body(config: LoopConfig, layout: Plan, buf: FwdBuffers) -> None:
     T, B, H = config.T, config.B, config.H
     gru = config.mode == "gru"
     bias = buf.b_ih if gru else _input_bias(buf)
-    input_gemm(buf.x.view(T * B, -1), buf.w_ih, bias, buf.pre.view(T * B, -1))
+    x2d, w_ih = input_operands(buf.pads, buf.x.view(T * B, -1), buf.w_ih)
+    input_gemm(x2d, w_ih, bias, buf.pre.view(T * B, -1))
     buf.h[0, :, :H].copy_(buf.h0)
     if buf.cells is not None:
         buf.cells[0].copy_(buf.c0)
@@ -311,6 +313,8 @@ def _bwd_body(config: LoopConfig, layout: Plan, buf: BwdBuffers) -> None:
     if buf.ones is not None:
         buf.ones.fill_(1)
     bias = _input_bias(buf) if buf.pre is not None and config.mode != "gru" else None
+    pads = buf.pads
+    start_backward(pads, buf.w_ih)
     steps = chunk_steps(T, B)
     for launch, t1 in enumerate(range(T, 0, -steps)):
         t0 = max(0, t1 - steps)
@@ -325,7 +329,8 @@ def _bwd_body(config: LoopConfig, layout: Plan, buf: BwdBuffers) -> None:
         add_chunk_grads(dg, dgh, x2d, buf.w_ih, buf.h0, buf.y, t0, t1,
                         first=launch == 0, ones=buf.ones, grad_x=buf.grad_x,
                         grad_wih=buf.grad_wih, grad_whh=buf.grad_whh, grad_bih=buf.grad_bih,
-                        grad_bhh=buf.grad_bhh)  # fmt: skip
+                        grad_bhh=buf.grad_bhh, pads=pads)  # fmt: skip
+    finish_backward(pads, buf.grad_wih, buf.grad_whh)
     if buf.grad_c0 is not None:
         buf.grad_c0.copy_(buf.dc)
 

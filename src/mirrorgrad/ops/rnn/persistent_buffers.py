@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mirrorgrad.ops.rnn.padded_operands import PaddedOperands, backward_operands, forward_operands
 from mirrorgrad.ops.rnn.persistent_plan import Plan
 from mirrorgrad.ops.rnn.step_loop import LoopConfig, chunk_steps
 
@@ -61,16 +62,28 @@ class FwdBuffers:
     y: Tensor
     h_n: Tensor
     c_n: Tensor | None
+    # workspace: x and W_ih padded to 16 bytes where the input product pays for it
+    pad_x: Tensor | None
+    pad_w_ih: Tensor | None
+
+    @property
+    def pads(self) -> PaddedOperands:
+        return PaddedOperands(x=self.pad_x, w_ih=self.pad_w_ih)
 
 
-def fwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, workspace=None):
+def fwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, workspace=None, *,
+                device: torch.device | None = None):  # fmt: skip
     """A forward's buffers; ``workspace(key, name, make)``, when given, supplies those
-    that are no output (fresh ones otherwise)."""
+    that are no output (fresh ones otherwise). ``device``: the one the padding decision
+    is made for (None: ``config.device``; the memory formulas build on "meta")."""
     T, B, H, gh = config.T, config.B, config.H, config.gh
     lstm, gru = config.mode == "lstm", config.mode == "gru"
 
     def scratch(name: str, make):
         return make() if workspace is None else workspace((config, layout), name, make)
+
+    pads = forward_operands(T, B, inputs["x"].shape[-1], gh, config.dtype, device or config.device,
+                            _padded_maker(config, scratch, "fwd"))
 
     def make_pre():
         return config.empty(T, B, gh)
@@ -87,7 +100,19 @@ def fwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, workspace=None):
         cells=config.empty(T + 1, B, H, dtype=torch.float32) if lstm else None,
         y=config.empty(T, B, H),
         **_final_states(config),
+        pad_x=pads.x,
+        pad_w_ih=pads.w_ih,
     )
+
+
+def _padded_maker(config: LoopConfig, scratch, phase: str):
+    """``make(name, shape)`` of padded_operands.py: a "persistent.{phase}.pad.*" buffer
+    (each phase's own workspace: their shapes differ; cuda_graphs.py's arenas are shared)."""
+
+    def make(name: str, shape: tuple) -> Tensor:
+        return scratch(f"persistent.{phase}.pad.{name}", lambda: config.empty(*shape))
+
+    return make
 
 
 def _final_states(config: LoopConfig) -> dict:
@@ -155,6 +180,17 @@ class BwdBuffers:
     grad_bih: Tensor | None
     grad_bhh: Tensor | None
     grad_c0: Tensor | None
+    # workspace: padded_operands.py's buffers (None where that side runs unpadded)
+    pad_x: Tensor | None
+    pad_w_ih: Tensor | None
+    pad_grad_wih: Tensor | None
+    pad_h: Tensor | None
+    pad_grad_whh: Tensor | None
+
+    @property
+    def pads(self) -> PaddedOperands:
+        return PaddedOperands(x=self.pad_x, w_ih=self.pad_w_ih, grad_wih=self.pad_grad_wih,
+                              h=self.pad_h, grad_whh=self.pad_grad_whh)  # fmt: skip
 
 
 def state_block(config: LoopConfig, layout: Plan, launches: int, needs: tuple) -> dict:
@@ -189,7 +225,7 @@ def state_block(config: LoopConfig, layout: Plan, launches: int, needs: tuple) -
 
 
 def bwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, needs: tuple,
-                 workspace=None) -> BwdBuffers:  # fmt: skip
+                workspace=None, *, device: torch.device | None = None) -> BwdBuffers:  # fmt: skip
     """A backward's buffers (``fwd_buffers``'s rules); ``needs``: (x, c0, w_ih, w_hh,
     b_ih, b_hh) gradients wanted."""
     T, B, H, gh, mode = config.T, config.B, config.H, config.gh, config.mode
@@ -209,6 +245,8 @@ def bwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, needs: tuple,
     folded = folded and inputs["b_hh"] is not None
     chunked_lengths = inputs["lengths"] is not None and launches > 1
     n_in = inputs["x"].shape[-1]
+    pads = backward_operands(T, B, steps, n_in, H, gh, config.dtype, device or config.device,
+                             (need_x, need_wih, need_whh), _padded_maker(config, scratch, "bwd"))
     return BwdBuffers(
         **inputs,
         bias=scratch("persistent.bias", lambda: config.empty(gh)) if folded else None,
@@ -225,5 +263,10 @@ def bwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, needs: tuple,
         grad_x=config.empty(T, B, n_in) if need_x else None,
         grad_wih=config.empty(gh, n_in) if need_wih else None,
         grad_whh=config.empty(gh, H) if need_whh else None,
+        pad_x=pads.x,
+        pad_w_ih=pads.w_ih,
+        pad_grad_wih=pads.grad_wih,
+        pad_h=pads.h,
+        pad_grad_whh=pads.grad_whh,
     )  # fmt: skip
 

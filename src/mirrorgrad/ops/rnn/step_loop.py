@@ -14,6 +14,7 @@ from torch import Tensor
 
 from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.layer_call import LayerCall
+from mirrorgrad.ops.rnn.padded_operands import PaddedOperands, pad_into
 from mirrorgrad.ops.rnn.tuning import StepTuning, active
 
 # The dtypes the Triton kernels take.
@@ -205,20 +206,32 @@ def bwd_loop_buffers(
 def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tensor, y: Tensor,
                     t0: int, t1: int, *, first: bool, ones: Tensor | None, grad_x: Tensor | None,
                     grad_wih: Tensor | None, grad_whh: Tensor | None, grad_bih: Tensor | None,
-                    grad_bhh: Tensor | None) -> None:  # fmt: skip
+                    grad_bhh: Tensor | None,
+                    pads: PaddedOperands | None = None) -> None:  # fmt: skip
     """The chunk of steps [t0, t1)'s share of the input and weight gradients (each None
     where not wanted): GEMMs over its gate gradients ``dg`` [rows, G*H] (``dgh``: the
     hidden side's, ``dg`` itself but for a GRU), written by the ``first`` chunk and added
-    to by the others. dW_hh reads h_{t-1}: h0 for step 0, then y. The bias gradients are
-    GEMVs against ``ones`` (at least ``rows``; None: made here): CUDA's sum over dim 0 of a
-    tall matrix stages partial sums in a buffer from the caching allocator (ATen's Reduce.cuh:
-    44 MiB per bias at deepspeech2's [4800, 2400] at the backward's peak), a GEMV none."""
+    to by the others. dW_hh reads h_{t-1}: h0 for step 0, then y. ``pads``: the call's
+    padded operands (padded_operands.py; ``start_backward`` before the first chunk,
+    ``finish_backward`` after the last). The bias gradients are GEMVs against ``ones`` (at
+    least ``rows``; None: made here): CUDA's sum over dim 0 of a tall matrix stages partial
+    sums in a buffer from the caching allocator (ATen's Reduce.cuh: 44 MiB per bias at
+    deepspeech2's [4800, 2400] at the backward's peak), a GEMV none."""
+    pads = pads or PaddedOperands()
     B = h0.shape[0]
     rows = dg.shape[0]
-    if grad_x is not None:
-        torch.mm(dg, w_ih, out=grad_x[t0:t1].view(rows, grad_x.shape[-1]))
+    x_rows = x2d[t0 * B : t1 * B]
+    if pads.x is not None:  # read by dW_ih, then overwritten by grad_x's padded product
+        x_rows = pad_into(pads.x[:rows], x_rows)
     if grad_wih is not None:
-        _mm_into(grad_wih, first, dg.t(), x2d[t0 * B : t1 * B])
+        _mm_into(pads.grad_wih if pads.grad_wih is not None else grad_wih, first, dg.t(), x_rows)
+    if grad_x is not None:
+        out = grad_x[t0:t1].view(rows, grad_x.shape[-1])
+        if pads.w_ih is None:
+            torch.mm(dg, w_ih, out=out)
+        else:
+            product = torch.mm(dg, pads.w_ih, out=pads.x[:rows])
+            out.copy_(product[:, : out.shape[1]])
     if ones is None and (grad_bih is not None or grad_bhh is not None):
         ones = dg.new_ones(rows)  # only while the chunk's GEMVs run
     for out, g in ((grad_bih, dg), (grad_bhh, dgh)):
@@ -227,14 +240,26 @@ def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tens
                 torch.mv(g.t(), ones[:rows], out=out)
             else:
                 out.addmv_(g.t(), ones[:rows])
-    if grad_whh is not None:
+    if grad_whh is None:
+        return
+    H = y.shape[-1]
+    if pads.h is not None:  # h_{t-1} of the chunk's steps in one padded block: one GEMM
+        hprev = pads.h[:rows]
         done = 0
         if t0 == 0:
-            _mm_into(grad_whh, first, dgh[:B].t(), h0)
-            first, done = False, B
-        if rows > done:
-            hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, y.shape[-1])
-            _mm_into(grad_whh, first, dgh[done:].t(), hprev)
+            hprev[:B, :H].copy_(h0)
+            done = B
+        hprev[done:, :H].copy_(y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H))
+        hprev[:, H:].zero_()
+        _mm_into(pads.grad_whh, first, dgh.t(), hprev)
+        return
+    done = 0
+    if t0 == 0:
+        _mm_into(grad_whh, first, dgh[:B].t(), h0)
+        first, done = False, B
+    if rows > done:
+        hprev = y[max(t0 - 1, 0) : t1 - 1].reshape(-1, H)
+        _mm_into(grad_whh, first, dgh[done:].t(), hprev)
 
 
 def _mm_into(out: Tensor, first: bool, a: Tensor, b: Tensor) -> None:
