@@ -577,14 +577,14 @@ def _storage_bytes(tensors):
     return sum(storages.values())
 
 
-def _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout):
+def _declared_and_seen(mode, impl, memory, layers, bidirectional, dropout, *, n_in=12, H=16):
     """(declared, seen) temporaries of rnn_forward and of rnn_backward, float32."""
     from mirrorgrad import formulas
 
     from .memory_tracker import PeakTracker
 
     x, weights, hx, cx = stack_inputs(mode, layers=layers, bidirectional=bidirectional, T=10,
-                                      B=8, n_in=12, H=16)  # fmt: skip
+                                      B=8, n_in=n_in, H=H)  # fmt: skip
     x, hx, weights = x.detach().float(), hx.detach().float(), [w.detach().float() for w in weights]
     cx = None if cx is None else cx.detach().float()
     args = (x, weights, hx, cx, None, torch.tensor(3), mode, layers, bidirectional, True, 0,

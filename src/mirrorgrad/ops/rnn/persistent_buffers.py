@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mirrorgrad.ops.rnn.padded_operands import PaddedOperands, backward_operands, forward_operands
+from mirrorgrad.ops.rnn import padded_operands
+from mirrorgrad.ops.rnn.padded_operands import PaddedOperands
 from mirrorgrad.ops.rnn.persistent_plan import Plan
 from mirrorgrad.ops.rnn.step_loop import LoopConfig, chunk_steps
 
@@ -82,8 +83,9 @@ def fwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, workspace=None, 
     def scratch(name: str, make):
         return make() if workspace is None else workspace((config, layout), name, make)
 
-    pads = forward_operands(T, B, inputs["x"].shape[-1], gh, config.dtype, device or config.device,
-                            _padded_maker(config, scratch, "fwd"))
+    pads = padded_operands.forward_operands(T, B, inputs["x"].shape[-1], gh, config.dtype,
+                                            device or config.device,
+                                            _padded_maker(config, scratch, "fwd"))  # fmt: skip
 
     def make_pre():
         return config.empty(T, B, gh)
@@ -245,8 +247,9 @@ def bwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, needs: tuple,
     folded = folded and inputs["b_hh"] is not None
     chunked_lengths = inputs["lengths"] is not None and launches > 1
     n_in = inputs["x"].shape[-1]
-    pads = backward_operands(T, B, steps, n_in, H, gh, config.dtype, device or config.device,
-                             (need_x, need_wih, need_whh), _padded_maker(config, scratch, "bwd"))
+    pads = padded_operands.backward_operands(T, B, steps, n_in, H, gh, config.dtype,
+                                             device or config.device, (need_x, need_wih, need_whh),
+                                             _padded_maker(config, scratch, "bwd"))  # fmt: skip
     return BwdBuffers(
         **inputs,
         bias=scratch("persistent.bias", lambda: config.empty(gh)) if folded else None,

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mirrorgrad.ops.rnn import padded_operands
 from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.layer_call import LayerCall
-from mirrorgrad.ops.rnn.padded_operands import PaddedOperands, pad_into
+from mirrorgrad.ops.rnn.padded_operands import PaddedOperands
 from mirrorgrad.ops.rnn.tuning import StepTuning, active
 
 # The dtypes the Triton kernels take.
@@ -222,7 +223,7 @@ def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tens
     rows = dg.shape[0]
     x_rows = x2d[t0 * B : t1 * B]
     if pads.x is not None:  # read by dW_ih, then overwritten by grad_x's padded product
-        x_rows = pad_into(pads.x[:rows], x_rows)
+        x_rows = padded_operands.pad_into(pads.x[:rows], x_rows)
     if grad_wih is not None:
         _mm_into(pads.grad_wih if pads.grad_wih is not None else grad_wih, first, dg.t(), x_rows)
     if grad_x is not None:
