@@ -9,6 +9,7 @@ test_cuda_impl_gpu.py."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import mirrorgrad.nn
+from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.rnn import IMPLS, cuda_lstm_kernel, cuda_persistent, dispatch, op, time_model
 
 from .memory_tracker import PeakTracker
@@ -390,9 +392,15 @@ class _QuietKernel(_StandInKernel):
     (5, 3, 13, 16),  # the forward's peak at the launch
     (40, 6, 13, 16),  # at the input GEMM's padded copy
     (7, 2, 37, 40),
-    (5, 3, 16, 16),  # unpadded: the formula is a bound (the zeros and h_{t-1} apart)
+    (5, 3, 16, 16),  # unpadded: the formula is a bound (the zeros and the GEMMs apart)
 ])  # fmt: skip
-def test_workspace_is_what_the_layer_allocates(monkeypatch, T, B, H, Hp):
+@pytest.mark.parametrize("padded_products", [False, True], ids=["", "padded-products"])
+def test_workspace_is_what_the_layer_allocates(monkeypatch, T, B, H, Hp, padded_products):
+    """The formula against the layer's allocations; ``padded_products``: the input and
+    weight GEMMs on padded operands (the rule forced; input 9 and hidden 13 pad to 10
+    and 14 in float64, hidden 16 does not)."""
+    if padded_products:
+        monkeypatch.setattr(aligned_mm, "pays_to_pad", lambda *args: True)
     kernel = _QuietKernel(Hp)
     monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
     monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
@@ -408,12 +416,14 @@ def test_workspace_is_what_the_layer_allocates(monkeypatch, T, B, H, Hp):
     call = LayerCall("lstm", *tensors)
     with _AllocationTimeline(*tensors) as timeline:
         y, _, _, saved = cuda_persistent.layer_forward(call)
-    forward = cuda_persistent.workspace_bytes("lstm", "stash", T, B, H, dtype, backward=False)
+    formula = functools.partial(cuda_persistent.workspace_bytes, "lstm", "stash", T, B, H, dtype,
+                                n_in=9)  # fmt: skip
+    forward = formula(backward=False)
     assert [(tuple(t.shape), t.dtype) for t in saved] == cuda_persistent.saved_layout(
         "lstm", "stash", T, B, H, dtype)  # fmt: skip
     with _AllocationTimeline(*tensors, y, grad_y, *saved) as back:
         grads = cuda_persistent.layer_backward(call, saved, y, grad_y, None, None)
-    backward = cuda_persistent.workspace_bytes("lstm", "stash", T, B, H, dtype, backward=True)
+    backward = formula(backward=True)
     assert [g.shape for g in grads[:7]] == [t.shape for t in tensors]
     if Hp == H:
         assert timeline.temporary_peak() <= forward
@@ -614,8 +624,13 @@ class _QuietWavefront(_StandInWavefront):
     (5, 3, 16, 3, 0.0, False),  # the intermediate y's are temporaries
     (5, 3, 16, 2, 1.0, True),
 ])  # fmt: skip
+@pytest.mark.parametrize("padded_products", [False, True], ids=["", "padded-products"])
 def test_wavefront_temporaries_are_the_memory_formula(monkeypatch, T, B, H, layers, dropout,
-                                                      need_saved):  # fmt: skip
+                                                      need_saved, padded_products):  # fmt: skip
+    """``padded_products``: the input GEMM on padded operands (the rule forced: input 9
+    pads to 10 in float64)."""
+    if padded_products:
+        monkeypatch.setattr(aligned_mm, "pays_to_pad", lambda *args: True)
     Hp = cuda_persistent.padded_hidden(H)
     kernel = _QuietWavefront(Hp, layers)
     monkeypatch.setattr(cuda_lstm_kernel, "compiled_wavefront", lambda *args: kernel)

@@ -5,7 +5,9 @@ in registers, one grid barrier a step.
 The per-layer contract of ``reference.py``'s docstring. Forward: the input GEMM over all
 steps (cuBLAS), then ONE launch writing y, h_n, c_n and the stash. Backward: ONE launch
 from the stash (the gate gradients of every step, dh0, dc0), then dx, dW_ih and dW_hh
-as one GEMM each and the bias gradients as one GEMV. Dropout between layers and
+as GEMMs over all steps and the bias gradients as one GEMV (step_loop.add_chunk_grads);
+the input product and these GEMMs on operands padded to 16 bytes where that pays
+(padded_operands.py). Dropout between layers and
 bidirectional stacks are op.py's (it calls the layer per layer and direction); the
 dropout masks are the Triton kernels' (kernels.py), whose seed stays on the GPU.
 
@@ -49,9 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import cuda_lstm_kernel
+from mirrorgrad.ops.rnn import cuda_lstm_kernel, padded_operands
 from mirrorgrad.ops.rnn.cuda_lstm_kernel import CudaLstmKernel
 from mirrorgrad.ops.rnn.layer_call import LayerCall
+from mirrorgrad.ops.rnn.step_loop import add_chunk_grads
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # Whether a stack the wavefront fits runs as one launch (``stack_forward``); off, every
@@ -73,36 +76,44 @@ def saved_layout(
 
 
 def workspace_bytes(
-    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool
-) -> int:
-    """Peak bytes a layer call allocates beyond its inputs, outputs and stash.
+    mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype, *, backward: bool,
+    n_in: int | None = None, device: torch.device | str = "cpu",
+) -> int:  # fmt: skip
+    """Peak bytes a layer call allocates beyond its inputs, outputs and stash, for an
+    input of ``n_in`` features (None: H) on ``device``. Beside the input GEMM's product
+    (forward) or the gate gradients (backward, at the input and weight GEMMs) the GEMMs'
+    padded operands (padded_operands.py) and the bias GEMV's vector of ones.
 
     H a multiple of 8: forward the input GEMM's [T,B,4H] and b_hh in float32; backward
-    the gate gradients [T,B,4H] with dh0 and dc0, the zeros of absent output gradients,
-    and h_{t-1} of every step [T,B,H] for dW_hh's GEMM.
+    the gate gradients [T,B,4H] with dh0 and dc0, beside the zeros of absent output
+    gradients (at the launch) or the GEMMs' operands.
 
     Padded (Hp > H), as ``layer_forward`` and ``layer_backward`` allocate: forward the
     larger of (the input GEMM's [T,B,4H] beside its padded copy) and (at the launch: the
     padded xw, W_hh [4Hp,Hp], b_hh in float32, h0, c0 and the padded y, h_n, c_n before
     they are sliced back); backward the larger of (at the launch: the padded W_hh, c0,
     output gradients, gate gradients and dh0, dc0) and (the padded gate gradients, dh0
-    and dc0 beside their slices); h_{t-1} comes after the padded copies are freed."""
+    and dc0 beside their slices); the GEMMs come after the padded copies are freed."""
     size = dtype.itemsize
     Hp = padded_hidden(H)
+    pads = padded_operands.operand_bytes(T, B, T, H if n_in is None else n_in, H, 4 * H, dtype,
+                                         device, backward=backward)  # fmt: skip
+    xw = T * B * 4 * H * size
+    gradients = (T * B * 4 * H + 2 * B * H) * size
+    gemms = gradients + pads + T * B * size
     if Hp == H:
         if not backward:
-            return T * B * 4 * H * size + 4 * H * 4
-        return ((T * B * 4 * H + 2 * B * H) * size + (T * B * H + 2 * B * H) * size
-                + T * B * H * size)  # fmt: skip
+            return xw + max(pads, 4 * H * 4)
+        return max(gradients + (T * B * H + 2 * B * H) * size, gemms)
     xw_padded = T * B * 4 * Hp * size
     w_hh_padded = 4 * Hp * Hp * size
     if not backward:
         launch = (xw_padded + w_hh_padded + 4 * Hp * 4 + 2 * B * Hp * size
                   + (T + 2) * B * Hp * size)  # fmt: skip
-        return max(T * B * 4 * H * size + xw_padded, launch)
+        return max(xw + max(pads, xw_padded), launch)
     gradients_padded = (T * B * 4 * Hp + 2 * B * Hp) * size
     launch = w_hh_padded + (B * Hp + (T * B + 2 * B) * Hp) * size + gradients_padded
-    return max(launch, gradients_padded + (T * B * 4 * H + 2 * B * H) * size)
+    return max(launch, gradients_padded + gradients, gemms)
 
 
 def supports(mode: str, *, proj: bool, dtype: torch.dtype, device: torch.device) -> bool:
@@ -202,6 +213,20 @@ def _unpad(t: Tensor, H: int, Hp: int, gates: int = 1) -> Tensor:
     return t.unflatten(-1, (gates, Hp))[..., :H].flatten(-2).contiguous()
 
 
+def _fresh(like: Tensor):
+    """``make(name, shape)`` of padded_operands.py: a fresh buffer."""
+    return lambda _name, shape: like.new_empty(shape)
+
+
+def _input_product(x: Tensor, w_ih: Tensor, b_ih: Tensor | None) -> Tensor:
+    """x @ W_ih^T + b_ih [T,B,4H] (the padded copies of x and W_ih freed on return)."""
+    T, B, n_in = x.shape
+    pads = padded_operands.forward_operands(T, B, n_in, w_ih.shape[0], x.dtype, x.device,
+                                            _fresh(x))  # fmt: skip
+    x2d, w_ih = padded_operands.input_operands(pads, x.view(T * B, n_in), w_ih)
+    return F.linear(x2d, w_ih, b_ih).view(T, B, -1)
+
+
 @torch.no_grad()
 def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
     """One layer, one direction: ``(y [T,B,H], h_n, c_n, (stash [T,B,5Hp],))``."""
@@ -209,8 +234,9 @@ def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor
     x = call.x.contiguous()
     w_ih, w_hh, b_ih, b_hh, _ = call.weights
     T, B, H, Hp = x.shape[0], x.shape[1], w_hh.shape[1], kernel.hidden
-    # The product padded, not W_ih: its size does not depend on the input width.
-    xw = _pad(F.linear(x, w_ih, b_ih), H, Hp, gates=4)
+    # The product padded to the kernel's Hp, not W_ih: its size does not depend on the
+    # input width. (Its operands padded to 16 bytes where that pays: padded_operands.py.)
+    xw = _pad(_input_product(x, w_ih, b_ih), H, Hp, gates=4)
     if b_hh is None:
         b_hh = x.new_zeros(4 * Hp, dtype=torch.float32)
     else:
@@ -272,22 +298,31 @@ def layer_backward(
     dgates, state = _gate_gradients(kernel, call, stash, grad_y, grad_hn, grad_cn)
     dh0, dc0 = state.unbind(0)
     x, h0, w_ih = call.x.contiguous(), call.h0.contiguous(), call.w_ih
-    T, B, H = x.shape[0], x.shape[1], call.w_hh.shape[1]
+    T, B, H, n_in = x.shape[0], x.shape[1], call.w_hh.shape[1], x.shape[2]
     flat = dgates.view(T * B, 4 * H)
-    grad_x = (flat @ w_ih).view(T, B, -1) if need_x else None
-    grad_wih = flat.t() @ x.view(T * B, -1) if need_wih else None
-    grad_whh = None
-    if need_whh:
-        h_prev = torch.cat([h0[None], y[:-1]]).view(T * B, H)  # h_{t-1} of every step
-        grad_whh = flat.t() @ h_prev
-    # A GEMV, not flat.sum(0): CUDA's sum over dim 0 of a tall matrix stages partial sums
-    # in a 32 MiB buffer from the caching allocator (H100, T100 B20 H512).
-    bias = torch.mv(flat.t(), flat.new_ones(T * B)) if need_bih or need_bhh else None
-    # A custom op's outputs may share no storage: the two bias gradients are two tensors.
-    grad_bih = bias if need_bih else None
-    grad_bhh = (bias.clone() if need_bih else bias) if need_bhh else None
-    return (grad_x, dh0 if need_h0 else None, dc0 if need_c0 else None, grad_wih, grad_whh,
-            grad_bih, grad_bhh, None)  # fmt: skip
+    grads = dict(grad_x=x.new_empty(T, B, n_in) if need_x else None,
+                 grad_wih=x.new_empty(4 * H, n_in) if need_wih else None,
+                 grad_whh=x.new_empty(4 * H, H) if need_whh else None,
+                 grad_bih=x.new_empty(4 * H) if need_bih else None,
+                 grad_bhh=x.new_empty(4 * H) if need_bhh else None)  # fmt: skip
+    # Every step as one chunk of step_loop's: one GEMM each (two for dW_hh unpadded: h0,
+    # then y), on padded operands where they pay (padded_operands.py); both bias gradients
+    # are dG's column sums: one GEMV, copied.
+    pads = padded_operands.backward_operands(T, B, T, n_in, H, 4 * H, x.dtype, x.device,
+                                             (need_x, need_wih, need_whh), _fresh(x))  # fmt: skip
+    padded_operands.start_backward(pads, w_ih)
+    bias = grads["grad_bih"] if need_bih else grads["grad_bhh"]
+    add_chunk_grads(flat, flat, x.view(T * B, n_in), w_ih, h0, y, 0, T, first=True, ones=None,
+                    grad_x=grads["grad_x"], grad_wih=grads["grad_wih"],
+                    grad_whh=grads["grad_whh"], grad_bih=bias, grad_bhh=None,
+                    pads=pads)  # fmt: skip
+    padded_operands.finish_backward(pads, grads["grad_wih"], grads["grad_whh"])
+    del pads
+    if need_bih and need_bhh:
+        grads["grad_bhh"].copy_(bias)
+    return (grads["grad_x"], dh0 if need_h0 else None, dc0 if need_c0 else None,
+            grads["grad_wih"], grads["grad_whh"], grads["grad_bih"], grads["grad_bhh"],
+            None)  # fmt: skip
 
 
 def wavefront_reason(x: Tensor, weights, hx: Tensor, lengths: Tensor | None, mode: str,
@@ -320,7 +355,8 @@ def stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers, bidirection
     """Peak bytes ``stack_forward`` allocates beyond the op's inputs and outputs, or None
     where the wavefront does not run the stack (op.py's formula then sums the layers).
 
-    In order: the input GEMM's [T,B,4H] (beside its padded copy); held from then on, the
+    In order: the input GEMM's [T,B,4H] (beside its operands' padded copies, then
+    beside its own padded to Hp); held from then on, the
     padded product, the biases [L,4Hp] in float32, the masks [L-1,T,B,Hp] (drawn beside
     a [T,B,H] of ones and one layer's mask) and their scratch ``dropped``; at the launch
     every layer's y, h_n and c_n where padded (else the intermediate y's where nothing is
@@ -330,13 +366,16 @@ def stack_temporary_bytes(x, weights, hx, lengths, mode, num_layers, bidirection
                               proj_size, state_clip)  # fmt: skip
     if not WAVEFRONT or reason is not None:
         return None
-    L, (T, B, _), H = num_layers, x.shape, hx.shape[-1]
+    L, (T, B, n_in), H = num_layers, x.shape, hx.shape[-1]
     Hp, size = padded_hidden(H), x.dtype.itemsize
     padded = Hp != H
     step = T * B * Hp * size  # one layer's y
     xw = 4 * T * B * Hp * size
     held = xw + L * 4 * Hp * 4
-    peak = xw + (4 * T * B * H * size if padded else 0)
+    product = 4 * T * B * H * size
+    operands = padded_operands.operand_bytes(T, B, T, n_in, H, 4 * H, x.dtype, x.device,
+                                             backward=False)  # fmt: skip
+    peak = max(xw + (product if padded else 0), product + operands)
     if dropout > 0:
         masks = (L - 1) * step
         drawn = 2 * T * B * H * size if dropout < 1 else 0
@@ -389,7 +428,7 @@ def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirecti
     kernel.raise_if_timed_out()
     n = 4 if has_biases else 2
     w = [weights[i * n : (i + 1) * n] for i in range(L)]  # each layer's
-    xw = _pad(F.linear(x.contiguous(), w[0][0], w[0][2] if has_biases else None), H, Hp,
+    xw = _pad(_input_product(x.contiguous(), w[0][0], w[0][2] if has_biases else None), H, Hp,
               gates=4)  # fmt: skip
     bias = x.new_zeros(L, 4, Hp, dtype=torch.float32)
     if has_biases:  # in place: no temporaries
