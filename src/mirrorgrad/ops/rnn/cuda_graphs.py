@@ -58,11 +58,13 @@ GRAPH_CACHE_BYTES = 1024 << 20
 # "bwd.pre_dg"), and no loop runs between a loop and its own readers.
 # persistent.py's captured layers: its backward's padded gate gradients share "gates"
 # too, its recomputed pre-activations and GRU hidden-side gradients kernels.py's arenas,
-# the padded copies of x and W_ih (padded_operands.py) one arena each for both phases.
+# the padded copies of x and W_ih (padded_operands.py) one arena each for both phases,
+# a backward chunk's padded h_{t-1} x's (filled once the chunk's x and grad_x are done).
 _ARENA_OF = {"pre": "gates", "bwd.dg": "gates", "bwd.pre_dg": "gates",
              "persistent.bwd.dg": "gates", "persistent.bwd.pre": "bwd.pre",
              "persistent.bwd.dgh": "bwd.dgh", "persistent.fwd.pad.x": "pad.x",
-             "persistent.bwd.pad.x": "pad.x", "persistent.fwd.pad.w_ih": "pad.w_ih",
+             "persistent.bwd.pad.x": "pad.x", "persistent.bwd.pad.h": "pad.x",
+             "persistent.fwd.pad.w_ih": "pad.w_ih",
              "persistent.bwd.pad.w_ih": "pad.w_ih"}  # fmt: skip
 
 

@@ -11,6 +11,8 @@ Per layer and direction (time-major, x [T, B, I]):
   dG_t and the direct state gradient) and one ``dG_t @ W_hh`` GEMM per step into a
   reused buffer; dW_ih, dW_hh, db and dx are GEMMs / reductions over the steps of a
   chunk (at most ``StepTuning.bwd_chunk_rows`` rows), so backward's extra memory is flat in T.
+  The input GEMM and these on operands padded to 16 bytes where that pays
+  (padded_operands.py).
 * ``fused=True`` moves the hidden GEMM into the step kernel (one launch per step);
   slower than cuBLAS on an H200 so far (docs/rnn-op.md), hence off by default.
 

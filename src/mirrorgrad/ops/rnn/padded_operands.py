@@ -79,18 +79,20 @@ def forward_operands(T: int, B: int, n_in: int, gh: int, dtype: torch.dtype, dev
 
 def backward_operands(T: int, B: int, steps: int, n_in: int, H: int, gh: int,
                       dtype: torch.dtype, device, needs: tuple[bool, bool, bool],
-                      make: Callable[[str, tuple], Tensor]) -> PaddedOperands:  # fmt: skip
+                      make: Callable[[str, tuple], Tensor], *,
+                      recompute: bool = False) -> PaddedOperands:  # fmt: skip
     """The backward's buffers for chunks of ``steps`` steps; ``needs``: (grad_x,
-    grad_W_ih, grad_W_hh) wanted."""
+    grad_W_ih, grad_W_hh) wanted; ``recompute``: each chunk's pre-activations are
+    recomputed first, their input product on the padded x and W_ih too."""
     need_x, need_wih, need_whh = needs
     Ip = padded_width(n_in, T * B, gh, dtype, device)
     Hp = padded_width(H, T * B, gh, dtype, device)
     rows = steps * B
-    input_side = Ip > n_in and (need_x or need_wih)
+    input_side = Ip > n_in and (need_x or need_wih or recompute)
     hidden_side = Hp > H and need_whh
     return PaddedOperands(
         x=make("x", (rows, Ip)) if input_side else None,
-        w_ih=make("w_ih", (gh, Ip)) if input_side and need_x else None,
+        w_ih=make("w_ih", (gh, Ip)) if input_side and (need_x or recompute) else None,
         grad_wih=make("grad_wih", (gh, Ip)) if input_side and need_wih else None,
         h=make("h", (rows, Hp)) if hidden_side else None,
         grad_whh=make("grad_whh", (gh, Hp)) if hidden_side else None,

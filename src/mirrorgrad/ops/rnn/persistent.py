@@ -7,7 +7,9 @@ runs ``"triton"``. Forward: the input GEMM over all steps (cuBLAS), then ONE lau
 ``persistent_fwd_kernel``, program p owning hidden units [p*BN, (p+1)*BN) of every gate,
 a grid-wide barrier between steps. Backward: chunks of steps as kernels.py's, ONE
 ``persistent_bwd_kernel`` launch per chunk (program p owning columns of dh), then the
-input and weight gradients as GEMMs over the stored gate gradients.
+input and weight gradients as GEMMs over the stored gate gradients. The input GEMM and
+these run on operands padded to 16 bytes where that pays (padded_operands.py), in
+workspace like every buffer of the captured bodies.
 
 W_hh's slice per program is resident (loaded once) where it fits
 ``PersistentTuning.resident_bytes`` and compiles without spills, else streamed from L2
@@ -34,7 +36,12 @@ from torch import Tensor
 from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent_probes, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID
 from mirrorgrad.ops.rnn.layer_call import LayerCall
-from mirrorgrad.ops.rnn.padded_operands import finish_backward, input_operands, start_backward
+from mirrorgrad.ops.rnn.padded_operands import (
+    finish_backward,
+    input_operands,
+    pad_into,
+    start_backward,
+)
 from mirrorgrad.ops.rnn.persistent_buffers import (
     BwdBuffers,
     FwdBuffers,
@@ -329,7 +336,8 @@ def _bwd_body(config: LoopConfig, layout: Plan, buf: BwdBuffers) -> None:
         add_chunk_grads(dg, dgh, x2d, buf.w_ih, buf.h0, buf.y, t0, t1,
                         first=launch == 0, ones=buf.ones, grad_x=buf.grad_x,
                         grad_wih=buf.grad_wih, grad_whh=buf.grad_whh, grad_bih=buf.grad_bih,
-                        grad_bhh=buf.grad_bhh, pads=pads)  # fmt: skip
+                        grad_bhh=buf.grad_bhh, pads=pads,
+                        x_padded=buf.pre is not None)  # fmt: skip
     finish_backward(pads, buf.grad_wih, buf.grad_whh)
     if buf.grad_c0 is not None:
         buf.grad_c0.copy_(buf.dc)
@@ -360,18 +368,21 @@ def _recompute(chunk: LoopConfig, buf: BwdBuffers, t0: int, t1: int,
     [n, B, P] in place (kernels.py's ``_recompute_pre``, with no temporary)."""
     B, H, n = chunk.B, chunk.H, (t1 - t0) * chunk.B
     x2d = buf.x.view(-1, buf.x.shape[-1])[t0 * B : t1 * B]
+    w_ih = buf.w_ih
+    if buf.pad_x is not None:  # padded_operands.py: the chunk's gradient GEMMs read it too
+        x2d, w_ih = pad_into(buf.pad_x[:n], x2d), buf.pad_w_ih
     pre = out.view(n, out.shape[-1])
     # h_{t-1} of the chunk's first step, then of the others
     prev = ((slice(0, B), buf.h0 if t0 == 0 else buf.y[t0 - 1]),
             (slice(B, n), buf.y[t0 : t1 - 1].reshape(-1, H)))  # fmt: skip
     prev = [(rows, h) for rows, h in prev if h.numel()]
     if chunk.mode != "gru":
-        input_gemm(x2d, buf.w_ih, bias, pre)
+        input_gemm(x2d, w_ih, bias, pre)
         for rows, h in prev:
             pre[rows].addmm_(h, buf.w_hh.t())
         return
     # gru: [r, z: input + hidden side | n: input side | n: hidden side]
-    input_gemm(x2d, buf.w_ih, buf.b_ih, pre[:, : 3 * H])
+    input_gemm(x2d, w_ih, buf.b_ih, pre[:, : 3 * H])
     b_hn = buf.b_hh[2 * H :] if buf.b_hh is not None else None
     for rows, h in prev:
         pre[rows, : 2 * H].addmm_(h, buf.w_hh[: 2 * H].t())

@@ -249,7 +249,8 @@ def bwd_buffers(config: LoopConfig, layout: Plan, inputs: dict, needs: tuple,
     n_in = inputs["x"].shape[-1]
     pads = padded_operands.backward_operands(T, B, steps, n_in, H, gh, config.dtype,
                                              device or config.device, (need_x, need_wih, need_whh),
-                                             _padded_maker(config, scratch, "bwd"))  # fmt: skip
+                                             _padded_maker(config, scratch, "bwd"),
+                                             recompute=recompute)  # fmt: skip
     return BwdBuffers(
         **inputs,
         bias=scratch("persistent.bias", lambda: config.empty(gh)) if folded else None,

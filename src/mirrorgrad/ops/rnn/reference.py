@@ -28,7 +28,9 @@ meaning). One layer, one direction, time-major; ``call`` a ``LayerCall``
 
     workspace_bytes(mode, memory, T, B, H, dtype, *, backward) -> int
       Peak bytes one layer_forward / layer_backward allocates beyond its inputs and
-      outputs; the op's memory formula composes it over layers and directions.
+      outputs; the op's memory formula composes it over layers and directions. The GPU
+      layers also take ``n_in`` (the layer's input features) and ``device``: their
+      products' padded operands depend on them (padded_operands.py).
 
     saved_layout(mode, memory, T, B, H, dtype) -> [(shape, dtype), ...]
       Exactly what ``saved`` holds; the op's fake kernel builds its outputs from it.

@@ -207,24 +207,27 @@ def bwd_loop_buffers(
 def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tensor, y: Tensor,
                     t0: int, t1: int, *, first: bool, ones: Tensor | None, grad_x: Tensor | None,
                     grad_wih: Tensor | None, grad_whh: Tensor | None, grad_bih: Tensor | None,
-                    grad_bhh: Tensor | None,
-                    pads: PaddedOperands | None = None) -> None:  # fmt: skip
+                    grad_bhh: Tensor | None, pads: PaddedOperands | None = None,
+                    x_padded: bool = False) -> None:  # fmt: skip
     """The chunk of steps [t0, t1)'s share of the input and weight gradients (each None
     where not wanted): GEMMs over its gate gradients ``dg`` [rows, G*H] (``dgh``: the
     hidden side's, ``dg`` itself but for a GRU), written by the ``first`` chunk and added
     to by the others. dW_hh reads h_{t-1}: h0 for step 0, then y. ``pads``: the call's
     padded operands (padded_operands.py; ``start_backward`` before the first chunk,
-    ``finish_backward`` after the last). The bias gradients are GEMVs against ``ones`` (at
-    least ``rows``; None: made here): CUDA's sum over dim 0 of a tall matrix stages partial
-    sums in a buffer from the caching allocator (ATen's Reduce.cuh: 44 MiB per bias at
-    deepspeech2's [4800, 2400] at the backward's peak), a GEMV none."""
+    ``finish_backward`` after the last); ``x_padded``: ``pads.x`` holds the chunk's x
+    already (the recomputed pre-activations' input GEMM read it there). The bias gradients
+    are GEMVs against ``ones`` (at least ``rows``; None: made here): CUDA's sum over dim 0
+    of a tall matrix stages partial sums in a buffer from the caching allocator (ATen's
+    Reduce.cuh: 44 MiB per bias at deepspeech2's [4800, 2400] at the backward's peak), a
+    GEMV none."""
     pads = pads or PaddedOperands()
     B = h0.shape[0]
     rows = dg.shape[0]
-    x_rows = x2d[t0 * B : t1 * B]
-    if pads.x is not None:  # read by dW_ih, then overwritten by grad_x's padded product
-        x_rows = padded_operands.pad_into(pads.x[:rows], x_rows)
     if grad_wih is not None:
+        x_rows = x2d[t0 * B : t1 * B]
+        if pads.grad_wih is not None:  # pads.x: then overwritten by grad_x's padded product
+            padded_x = pads.x[:rows]
+            x_rows = padded_x if x_padded else padded_operands.pad_into(padded_x, x_rows)
         _mm_into(pads.grad_wih if pads.grad_wih is not None else grad_wih, first, dg.t(), x_rows)
     if grad_x is not None:
         out = grad_x[t0:t1].view(rows, grad_x.shape[-1])
