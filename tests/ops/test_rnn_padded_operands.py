@@ -290,8 +290,9 @@ def test_padded_cuda_layer_matches_torch_nn_in_float64(monkeypatch, pads_pay, la
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("graphs", [False, True], ids=["plain", "captured"])
+@pytest.mark.parametrize("memory", ["stash", "recompute"])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
-def test_gpu_medium_lm_layer_pads_and_matches_unpadded(monkeypatch, dtype, tol, graphs):
+def test_gpu_medium_lm_layer_pads_and_matches_unpadded(monkeypatch, dtype, tol, memory, graphs):
     """The word LM's 2x650 layer at batch 128, T 35, impl="persistent", TF32 on: fp32
     pads x, W_ih and h_{t-1} by the rule itself (bf16's copies do not pay there: forced,
     to run its padded path at this size too), and gives what it gives unpadded."""
@@ -302,12 +303,12 @@ def test_gpu_medium_lm_layer_pads_and_matches_unpadded(monkeypatch, dtype, tol, 
     T, B, H = 35, 128, 650
     inp = _inputs("lstm", T, B, H, H, dtype=dtype, device="cuda")
     grads = _grads("lstm", T, B, H, dtype=dtype, device="cuda")
-    padded = _run(persistent, "lstm", inp, grads, use_graph=graphs)
+    padded = _run(persistent, "lstm", inp, grads, memory, use_graph=graphs)
     forward, backward = made
     assert forward["x"] is not None and forward["x"][1] > H
     assert backward["x"] is not None and backward["h"] is not None and backward["w_ih"] is not None
     monkeypatch.setattr(aligned_mm, "pays_to_pad", lambda *args: False)
-    plain = _run(persistent, "lstm", inp, grads, use_graph=graphs)
+    plain = _run(persistent, "lstm", inp, grads, memory, use_graph=graphs)
     assert made[2]["x"] is None and made[3]["h"] is None
     for a, b in zip(plain[0], padded[0]):
         _close(b, a.double().cpu(), tol, "output")
