@@ -25,7 +25,7 @@ from mirrorgrad.ops.rnn import padded_operands
 
 @contextlib.contextmanager
 def padding(mode: str):
-    """"rule": as the library decides; "forced" and "off": the rule overridden."""
+    """Padding as the library decides ("rule"), or the rule overridden ("forced", "off")."""
     if mode == "rule":
         yield
         return
