@@ -64,7 +64,8 @@ def test_pads_only_on_cuda_where_they_pay(monkeypatch):
         shapes = ((4480, 650), (650, 2600), (650, 10000))
         x, w_ih, w = (torch.randn(*s).bfloat16() for s in shapes)
         assert not aligned_mm.pads(x, w_ih)  # bf16: an LSTM layer's product does not pay
-        assert aligned_mm.pads(x, w)  # the LM head's does
+        assert not aligned_mm.pads(x, w)  # nor the LM head's (its whole call ran slower)
+        assert aligned_mm.pays_to_pad(1e12, 1e6, torch.bfloat16, "cuda")  # a big enough one
         assert not aligned_mm.pads(torch.randn(704, 656), torch.randn(656, 2624))  # aligned
         matmul.allow_tf32 = False
         # CUDA-core fp32 kernels: no 16-byte rule

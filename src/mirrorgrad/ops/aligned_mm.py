@@ -17,11 +17,12 @@ from torch import Tensor
 
 ALIGN_BYTES = 16
 # FLOPs of the products per byte the pads copy above which padding paid on an H200
-# (benchmarks/gemm_alignment.py, copies included): TF32 products (half the rate of bf16's)
-# paid from ~800 (an LSTM layer's products at 4,480 rows: 1.5-1.9x faster), bf16 ones from
-# ~3,000 (the LM head at 4,480 rows: 2.4-2.8x); neither paid at 700 rows (~300 fp32,
-# ~550 bf16).
-MIN_FLOPS_PER_COPIED_BYTE = {torch.float32: 600.0, torch.bfloat16: 2000.0, torch.float16: 2000.0}
+# (benchmarks/gemm_alignment.py, lce_padding.py, copies included). TF32 (half bf16's rate)
+# paid from ~800: an LSTM layer's products at 4,480 rows ran 1.5-1.9x faster, the LM head's
+# whole call (1,550-2,300) 3.69 -> 2.98 ms; neither paid at 700 rows (~300-490). In bf16
+# the head's products alone ran 2.4-2.8x faster at 4,480 rows, but its whole call
+# (3,100-4,600) ran slower padded (2.89 -> 3.13 ms): no bf16 call measured has paid yet.
+MIN_FLOPS_PER_COPIED_BYTE = {torch.float32: 600.0, torch.bfloat16: 8000.0, torch.float16: 8000.0}
 
 
 def aligned_width(n: int, dtype: torch.dtype) -> int:
