@@ -304,6 +304,36 @@ class _StandInKernel:
         pass
 
 
+def stand_in_kernel(monkeypatch, kernel) -> None:
+    """impl="cuda" runs ``kernel`` (a `_StandInKernel`) on the CPU, in float64 too."""
+    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
+    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
+    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
+    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
+
+
+def outputs_against_torch_nn(n_in: int, H: int, layers: int, bidirectional: bool,
+                             bias: bool = True) -> dict[str, list]:  # fmt: skip
+    """{"ours": ..., "want": ...}: y, h_n, c_n and the gradients of x, h0, c0 and every
+    parameter, of mirrorgrad.nn.LSTM(impl="cuda") and torch.nn.LSTM in float64 with the
+    same weights and inputs (T 5, batch 3)."""
+    torch.manual_seed(0)
+    want = torch.nn.LSTM(n_in, H, layers, bias=bias, bidirectional=bidirectional).double()
+    ours = mirrorgrad.nn.LSTM(n_in, H, layers, bias=bias, bidirectional=bidirectional,
+                              impl="cuda").double()  # fmt: skip
+    ours.load_state_dict(want.state_dict())
+    D = 2 if bidirectional else 1
+    x = torch.randn(5, 3, n_in, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
+    outputs = {}
+    for name, module in (("ours", ours), ("want", want)):
+        y, (h_n, c_n) = module(x, (h0, c0))
+        loss = y.square().sum() + h_n.sin().sum() + c_n.cos().sum()
+        outputs[name] = [y, h_n, c_n, *torch.autograd.grad(loss, [x, h0, c0, *module.parameters()])]
+    return outputs
+
+
 @pytest.mark.parametrize(("H", "Hp", "layers", "bidirectional", "bias"), [
     (16, 16, 1, False, True), (16, 16, 2, True, True), (16, 16, 1, False, False),
     (13, 16, 1, False, True), (13, 16, 2, True, True), (13, 16, 1, False, False),
@@ -313,24 +343,9 @@ def test_layer_around_the_kernel_matches_torch_nn(monkeypatch, H, Hp, layers, bi
                                                   bias):  # fmt: skip
     """Hp > H: the kernel runs the layer zero-padded to Hp units per gate."""
     kernel = _StandInKernel(Hp)
-    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
-    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
-    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: kernel)
-    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
-    torch.manual_seed(0)
-    want = torch.nn.LSTM(8, H, layers, bias=bias, bidirectional=bidirectional).double()
-    ours = mirrorgrad.nn.LSTM(8, H, layers, bias=bias, bidirectional=bidirectional,
-                              impl="cuda").double()  # fmt: skip
-    ours.load_state_dict(want.state_dict())
+    stand_in_kernel(monkeypatch, kernel)
     D = 2 if bidirectional else 1
-    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
-    h0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
-    outputs = {}
-    for name, module in (("ours", ours), ("want", want)):
-        y, (h_n, c_n) = module(x, (h0, c0))
-        loss = y.square().sum() + h_n.sin().sum() + c_n.cos().sum()
-        outputs[name] = [y, h_n, c_n, *torch.autograd.grad(loss, [x, h0, c0, *module.parameters()])]
+    outputs = outputs_against_torch_nn(8, H, layers, bidirectional, bias=bias)
     assert kernel.launches == 2 * layers * D  # forward and backward of each layer-direction
     for got, expected in zip(outputs["ours"], outputs["want"]):
         # b_hh reaches the kernel in float32, as cuda_lstm.cu takes it

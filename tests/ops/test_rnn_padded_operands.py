@@ -255,28 +255,11 @@ def test_padded_cuda_layer_matches_torch_nn_in_float64(monkeypatch, pads_pay, la
                                                        bidirectional):  # fmt: skip
     """impl="cuda"'s layer around test_cuda_impl's stand-in kernel, input 9 and hidden 13
     (10 and 14 padded in float64; the kernel's own Hp 16)."""
-    import mirrorgrad.nn
-    from mirrorgrad.ops.rnn import cuda_lstm_kernel, cuda_persistent
+    from .test_cuda_impl import _StandInKernel, outputs_against_torch_nn, stand_in_kernel
 
-    from .test_cuda_impl import _StandInKernel
-
-    monkeypatch.setattr(cuda_persistent, "unsupported_reason", lambda *args, **kw: None)
-    monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
-    monkeypatch.setattr(cuda_lstm_kernel, "compiled", lambda *args: _StandInKernel(16))
-    monkeypatch.setitem(cuda_persistent._DTYPE_NAMES, torch.float64, "fp64")
-    torch.manual_seed(0)
-    H, D = 13, 2 if bidirectional else 1
-    want = torch.nn.LSTM(9, H, layers, bidirectional=bidirectional).double()
-    ours = mirrorgrad.nn.LSTM(9, H, layers, bidirectional=bidirectional, impl="cuda").double()
-    ours.load_state_dict(want.state_dict())
-    x = torch.randn(5, 3, 9, dtype=torch.float64, requires_grad=True)
-    h0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(layers * D, 3, H, dtype=torch.float64, requires_grad=True)
-    outputs = {}
-    for name, module in (("ours", ours), ("want", want)):
-        y, (h_n, c_n) = module(x, (h0, c0))
-        loss = y.square().sum() + h_n.sin().sum() + c_n.cos().sum()
-        outputs[name] = [y, h_n, c_n, *torch.autograd.grad(loss, [x, h0, c0, *module.parameters()])]
+    stand_in_kernel(monkeypatch, _StandInKernel(16))
+    D = 2 if bidirectional else 1
+    outputs = outputs_against_torch_nn(9, 13, layers, bidirectional)
     assert pads_pay[0]["x"] == (15, 10) and pads_pay[0]["w_ih"] == (52, 10)
     backward = [p for p in pads_pay if p["h"] is not None]
     assert len(backward) == layers * D and all(p["h"] == (15, 14) for p in backward)
