@@ -50,6 +50,28 @@ def _sgd_run(device):
     return _run(run_step, model, optimizer, batches, [1.0, 0.5, 0.5, 2.0])
 
 
+def test_evaluation_makes_the_logits_in_small_chunks(monkeypatch):
+    """Outside training the decoder's logits come in chunks of at most 4 MiB (the final
+    evaluation runs beside the held step graph); training keeps the op's default. The
+    loss is the same either way."""
+    from mirrorgrad.train import model as model_module
+
+    seen, real = [], model_module.linear_cross_entropy
+    monkeypatch.setattr(model_module, "EVAL_LOGITS_BYTES", 4 * 50 * 7)  # 7 rows of vocab 50
+    monkeypatch.setattr(model_module, "linear_cross_entropy",
+                        lambda *args, chunk_size=None: seen.append(chunk_size) or real(
+                            *args, chunk_size=chunk_size))  # fmt: skip
+    torch.manual_seed(0)
+    model = LanguageModel(50, dataclasses.replace(SMALL, dropout=0.0))
+    tokens = torch.randint(0, 50, (5, 4))
+    state = model.initial_state(4, "cpu")
+    trained, _ = model(tokens, tokens.roll(-1, 0), state)
+    model.eval()
+    evaluated, _ = model(tokens, tokens.roll(-1, 0), state)
+    assert seen == [None, 7]
+    torch.testing.assert_close(evaluated, trained)
+
+
 def test_eager_whole_step_equals_optimizer_step():
     """GraphedStep(capture=False) is the arithmetic the graph replays: the same losses,
     norms and weights as forward + backward + clip_grad_norm_ + torch.optim.SGD."""

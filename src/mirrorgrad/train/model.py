@@ -11,6 +11,12 @@ from mirrorgrad.train.config import PRECISIONS, Preset
 
 State = tuple[Tensor, Tensor]
 
+# Outside training the decoder's logits are made in chunks of at most 4 MiB (float32): the
+# final evaluation runs beside the step's CUDA Graph, which stays held, and its default
+# 64 MiB chunk (one chunk of 350 x 10,000 logits at eval batch 10) and logsumexp's
+# temporary lifted `train lm`'s peak ~30 MiB above its steps' (H200, medium, batch 20).
+EVAL_LOGITS_BYTES = 4 << 20
+
 
 class LanguageModel(nn.Module):
     """Embedding -> dropout -> LSTM -> dropout -> decoder, loss fused into the decoder.
@@ -68,6 +74,9 @@ class LanguageModel(nn.Module):
             x = self.drop(self.encoder(tokens))  # [T, B, E]
             out, (h, c) = self.rnn(x, state)  # [T, B, H]
             out = self.drop(out)
-            loss = linear_cross_entropy(out, self.decoder.weight, self.decoder.bias, targets)
+            vocab = self.decoder.out_features
+            chunk = None if self.training else max(1, EVAL_LOGITS_BYTES // (4 * vocab))
+            loss = linear_cross_entropy(out, self.decoder.weight, self.decoder.bias, targets,
+                                        chunk_size=chunk)  # fmt: skip
         # The carried state keeps its dtype (the LSTM returns bf16 under autocast).
         return loss, (h.to(state[0].dtype), c.to(state[1].dtype))
