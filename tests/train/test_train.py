@@ -195,25 +195,31 @@ def test_step_peak_probe_measures_both_modes_and_leaves_no_gradients(monkeypatch
 
 
 def test_explain_plan_releases_the_rnn_loops_its_forward_recorded(monkeypatch):
-    """explain runs one forward: the RNN loop graphs it records are no step's and go."""
+    """explain runs one forward: the RNN loop graphs it records are no step's and go; on
+    a GPU it chooses implementations as the captured step does."""
     import mirrorgrad
-    from mirrorgrad.ops.rnn import cuda_graphs
+    from mirrorgrad.ops.rnn import cuda_graphs, dispatch
     from mirrorgrad.train import probes
 
-    released = []
+    released, captured = [], []
 
     def explain(*args, **kwargs):
         for keys in cuda_graphs._RECORDING:  # what cuda_graphs.acquire does for a loop it runs
             keys.add(("a loop",))
+        captured.append(dispatch._captured_depth > 0)
         return "the plan"
 
     monkeypatch.setattr(mirrorgrad, "explain", explain)
     monkeypatch.setattr(cuda_graphs, "release", lambda keys: released.append(set(keys)))
+    monkeypatch.setattr(probes.step, "backend_for", lambda device: "eager")
     model = LanguageModel(50, PRESETS["tiny"])
-    plan = probes.explain_plan(model, lambda: (), MirrorOptions.from_cli("off"),
-                               torch.device("cpu"))  # fmt: skip
-    assert plan == "the plan"
-    assert released == [{("a loop",)}]
+    for device in ("cpu", "cuda"):  # explain is a stand-in: no GPU is touched
+        plan = probes.explain_plan(model, lambda: (), MirrorOptions.from_cli("off"),
+                                   torch.device(device))  # fmt: skip
+        assert plan == "the plan"
+    assert released == [{("a loop",)}] * 2
+    # On a GPU the step runs captured: auto chooses as captured while the plan is traced.
+    assert captured == [False, True]
 
 
 def test_runs_in_one_process_do_not_pile_compiles_on_the_model(corpus, tmp_path):

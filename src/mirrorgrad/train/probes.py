@@ -6,6 +6,7 @@ Neither may stop training: a failure is a warning and the summary says n/a.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import mirrorgrad
+from mirrorgrad.nn import dispatch_as_captured
 from mirrorgrad.ops.rnn import cuda_graphs
 from mirrorgrad.options import MirrorOptions
 from mirrorgrad.train import step
@@ -32,13 +34,18 @@ def explain_plan(
 ) -> Plan | None:
     """The mirror plan of one training step: estimated stash and peak, with and without.
 
-    explain runs one forward: the RNN loops it recorded (CUDA Graphs and their buffers,
-    15 MiB at the medium LM's batch 20 on an H200) are released after it, being no
-    step's."""
+    explain runs one forward, whose RNN loop graphs (no step's) are released after it.
+    On a GPU every step this loop runs is captured (one whole-step CUDA Graph, or
+    Inductor's graphs under DDP), so ``impl="auto"`` chooses here as captured too: the
+    plan is of the implementation the step runs, and no other one runs. Uncaptured, the
+    medium LM's plan ran the Triton persistent path while the step runs the CUDA kernel,
+    and 15 MiB its input product allocated on the capture thread's stream stayed all run
+    (H200; likely that thread's cuBLAS workspaces, not confirmed)."""
     # With --mirror off, "with mirroring" shows what balance mode would give.
     if mirror.mode == "off":
         mirror = dataclasses.replace(mirror, mode="balance")
-    with cuda_graphs.recording() as recorded:
+    as_captured = dispatch_as_captured() if device.type == "cuda" else contextlib.nullcontext()
+    with as_captured, cuda_graphs.recording() as recorded:
         try:
             return mirrorgrad.explain(
                 model, *example_inputs(), backend=step.backend_for(device), **mirror.as_kwargs()
