@@ -469,6 +469,7 @@ def test_choose_by_rule_takes_the_rule_untimed_and_never_cudnn(monkeypatch):
     with dispatch.choose_by_rule():
         impl = dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,
                                    lambda: None, [], "auto")  # fmt: skip
+        assert not dispatch.cuda_graphs.use_graph(torch.device("cuda"), 1, True)  # plain loops
     assert impl == "triton"  # the rule's last candidate: cuDNN was not among them
     with pytest.raises(AssertionError, match="timed"):
         dispatch._auto_impl(CudaInput(), False, shape, ("k",), lambda name: None,

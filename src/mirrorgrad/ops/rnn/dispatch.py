@@ -107,15 +107,17 @@ _rule_depth = 0  # > 0 inside choose_by_rule()
 @contextlib.contextmanager
 def choose_by_rule() -> Iterator[None]:
     """impl="auto" calls inside take the cost rule's pick among the custom op's
-    implementations, untimed and uncached, and never cuDNN: for shapes that run a few
-    times, as an evaluation pass. Timing there costs more than it saves, and cuDNN's
-    timed call (a flat copy of the weights and its workspace: 48.5 MiB at the medium
-    LM's evaluation batch on an H200) raised `mirrorgrad train lm`'s peak above its
-    steps'."""
+    implementations, untimed and uncached, and never cuDNN, and their step loops run
+    plainly (``cuda_graphs.plain_loops``: no graph, no arena): for shapes that run a few
+    times, as an evaluation pass. Timing and recording there cost more than they save,
+    and cuDNN's timed call (a flat copy of the weights and its workspace: 48.5 MiB at the
+    medium LM's evaluation batch on an H200) raised `mirrorgrad train lm`'s peak above
+    its steps'."""
     global _rule_depth
     _rule_depth += 1
     try:
-        yield
+        with cuda_graphs.plain_loops():
+            yield
     finally:
         _rule_depth -= 1
 
