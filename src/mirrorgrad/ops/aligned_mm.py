@@ -42,6 +42,18 @@ def pays_to_pad(flops: float, copied_bytes: float, dtype: torch.dtype, device) -
     return flops >= MIN_FLOPS_PER_COPIED_BYTE[dtype] * max(copied_bytes, 1.0)
 
 
+def width_to_run(width: int, flops: float, copied_elements: float, dtype: torch.dtype,
+                 device) -> int:  # fmt: skip
+    """The width products of ``flops`` in all should run at: ``width`` padded to 16 bytes
+    where it is misaligned and the pads, copying ``copied_elements`` elements of
+    ``dtype``, pay (`pays_to_pad`); else ``width``."""
+    padded_width = aligned_width(width, dtype)
+    if padded_width == width:
+        return width
+    pays = pays_to_pad(flops, copied_elements * dtype.itemsize, dtype, device)
+    return padded_width if pays else width
+
+
 def _row_major(t: Tensor) -> bool:
     return t.stride(1) == 1
 
@@ -82,13 +94,19 @@ def padded(t: Tensor, rows: int, cols: int) -> Tensor:
         return t
     if t.stride(0) == 1 and t.stride(1) != 1:
         return padded(t.t(), cols, rows).t()
-    out = t.new_empty(rows, cols)
-    out[:r, :c].copy_(t)
-    if cols > c:
-        out[:, c:].zero_()
-    if rows > r:
-        out[r:, :c].zero_()
-    return out
+    return pad_into(t.new_empty(rows, cols), t)
+
+
+def pad_into(buffer: Tensor, t: Tensor) -> Tensor:
+    """``buffer`` [rows, cols] holding ``t`` [r, c] and zeros past it, in one write
+    (``buffer`` may be reused workspace: the zeros are written every time)."""
+    r, c = t.shape
+    buffer[:r, :c].copy_(t)
+    if buffer.shape[1] > c:
+        buffer[:, c:].zero_()
+    if buffer.shape[0] > r:
+        buffer[r:, :c].zero_()
+    return buffer
 
 
 def padded_mm(a: Tensor, b: Tensor) -> Tensor:

@@ -42,11 +42,8 @@ def _pays_to_pad(hidden: Tensor, weight: Tensor, gemms: int, copied_elements: in
     """Whether ``gemms`` products of [N, H] by [H, V] (or their transposes) run faster with
     H padded to 16 bytes, the pads copying ``copied_elements`` elements of weight's dtype."""
     n, h = hidden.shape
-    if aligned_mm.aligned_width(h, weight.dtype) == h:
-        return False
     flops = gemms * 2 * n * h * weight.shape[0]
-    copied_bytes = copied_elements * weight.dtype.itemsize
-    return aligned_mm.pays_to_pad(flops, copied_bytes, weight.dtype, weight.device)
+    return aligned_mm.width_to_run(h, flops, copied_elements, weight.dtype, weight.device) != h
 
 
 def forward_pads(hidden: Tensor, weight: Tensor) -> bool:

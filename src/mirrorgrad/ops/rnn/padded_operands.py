@@ -24,29 +24,17 @@ from torch import Tensor
 
 from mirrorgrad import _compat
 from mirrorgrad.ops import aligned_mm
+from mirrorgrad.ops.aligned_mm import pad_into
 
 
 def padded_width(width: int, rows: int, gh: int, dtype: torch.dtype, device) -> int:
     """The width at which a layer runs its products of [rows, width] by [gh, width]
     operands: ``aligned_width`` where ``width`` is misaligned and the copies pay, else
     ``width``."""
-    padded = aligned_mm.aligned_width(width, dtype)
-    if padded == width:
-        return width
     if not isinstance(rows, int):  # a symbolic size (the op's memory formulas): its hint
         rows = int(_compat.optimization_hint(rows, fallback=1))
     flops = 2.0 * rows * gh * width
-    copied = (rows + gh) * width * dtype.itemsize
-    return padded if aligned_mm.pays_to_pad(flops, copied, dtype, torch.device(device)) else width
-
-
-def pad_into(buffer: Tensor, t: Tensor) -> Tensor:
-    """``buffer`` [r, wp] holding ``t`` [r, w] and zeros past w (``buffer`` may be reused
-    workspace: the zeros are written every time)."""
-    width = t.shape[-1]
-    buffer[:, :width].copy_(t)
-    buffer[:, width:].zero_()
-    return buffer
+    return aligned_mm.width_to_run(width, flops, (rows + gh) * width, dtype, torch.device(device))
 
 
 @dataclass(slots=True)

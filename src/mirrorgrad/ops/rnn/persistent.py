@@ -33,15 +33,11 @@ import torch
 import triton
 from torch import Tensor
 
+from mirrorgrad.ops.aligned_mm import pad_into
 from mirrorgrad.ops.rnn import cuda_graphs, kernels, persistent_probes, step_loop
 from mirrorgrad.ops.rnn.cell_modes import GATES, MODE_ID
 from mirrorgrad.ops.rnn.layer_call import LayerCall
-from mirrorgrad.ops.rnn.padded_operands import (
-    finish_backward,
-    input_operands,
-    pad_into,
-    start_backward,
-)
+from mirrorgrad.ops.rnn.padded_operands import finish_backward, input_operands, start_backward
 from mirrorgrad.ops.rnn.persistent_buffers import (
     BwdBuffers,
     FwdBuffers,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mirrorgrad.ops.rnn import padded_operands
+from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.rnn.cell_modes import GATES, MEMORY_MODES, MODES
 from mirrorgrad.ops.rnn.layer_call import LayerCall
 from mirrorgrad.ops.rnn.padded_operands import PaddedOperands
@@ -227,7 +227,7 @@ def add_chunk_grads(dg: Tensor, dgh: Tensor, x2d: Tensor, w_ih: Tensor, h0: Tens
         x_rows = x2d[t0 * B : t1 * B]
         if pads.grad_wih is not None:  # pads.x: then overwritten by grad_x's padded product
             padded_x = pads.x[:rows]
-            x_rows = padded_x if x_padded else padded_operands.pad_into(padded_x, x_rows)
+            x_rows = padded_x if x_padded else aligned_mm.pad_into(padded_x, x_rows)
         _mm_into(pads.grad_wih if pads.grad_wih is not None else grad_wih, first, dg.t(), x_rows)
     if grad_x is not None:
         out = grad_x[t0:t1].view(rows, grad_x.shape[-1])
