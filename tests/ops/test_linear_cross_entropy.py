@@ -188,7 +188,12 @@ def test_compiled_gradients_equal_eager(request, backend, padded):
 @pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_ops_pass_opcheck(bias):
-    hidden, weight, b, target = _inputs(9, 4, 6, bias=bias)
+    _opcheck_both_ops(hidden_size=4, bias=bias)
+
+
+def _opcheck_both_ops(hidden_size: int, bias: bool) -> None:
+    """torch.library.opcheck of the forward op and of the backward op (chunks of 4 rows)."""
+    hidden, weight, b, target = _inputs(9, hidden_size, 6, bias=bias)
     torch.library.opcheck(op.linear_cross_entropy_forward, (hidden, weight, b, target, 4))
     lse, _ = op.linear_cross_entropy_forward(hidden, weight, b, target, 4)
     b = None if b is None else b.detach()
@@ -396,13 +401,7 @@ def test_pads_only_a_misaligned_hidden_size(padding):
 @pytest.mark.slow
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_padded_ops_pass_opcheck(padding, bias):
-    hidden, weight, b, target = _inputs(9, 7, 6, bias=bias)
-    torch.library.opcheck(op.linear_cross_entropy_forward, (hidden, weight, b, target, 4))
-    lse, _ = op.linear_cross_entropy_forward(hidden, weight, b, target, 4)
-    b = None if b is None else b.detach()
-    args = (torch.randn_like(lse), torch.randn_like(lse), hidden.detach(), weight.detach(), b,
-            target, lse.detach(), 4, True, True, bias)  # fmt: skip
-    torch.library.opcheck(torch.ops.mirrorgrad.linear_cross_entropy_backward, args)
+    _opcheck_both_ops(hidden_size=7, bias=bias)
     assert padding
 
 
