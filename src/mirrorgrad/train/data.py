@@ -155,11 +155,17 @@ def num_windows(batches: Tensor, bptt: int, *, drop_last: bool = False) -> int:
     return targets // bptt if drop_last else (targets + bptt - 1) // bptt
 
 
-def window(batches: Tensor, index: int, bptt: int) -> tuple[Tensor, Tensor]:
-    """Inputs [T, B] and next-token targets [T, B] of BPTT window ``index``."""
+def window(
+    batches: Tensor, index: int, bptt: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Inputs [T, B] and next-token targets [T, B] of BPTT window ``index``, on ``device``
+    where given (copied without waiting for the host when ``batches`` is pinned)."""
     start = index * bptt
     length = min(bptt, batches.shape[0] - 1 - start)
-    return batches[start : start + length], batches[start + 1 : start + 1 + length]
+    x, y = batches[start : start + length], batches[start + 1 : start + 1 + length]
+    if device is None:
+        return x, y
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
 def windows(

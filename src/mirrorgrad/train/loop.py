@@ -173,7 +173,7 @@ class StepLoop:
         setup, pos = self.setup, self.progress.position
         cfg, world = setup.config, setup.world
         while pos.step < total_steps:
-            x, y = data.window(setup.data.train, pos.window, cfg.bptt)
+            x, y = data.window(setup.data.train, pos.window, cfg.bptt, setup.device)
             self.progress.losses.add(self._step(x, y))
             pos.step += 1
             pos.window += 1

@@ -35,7 +35,10 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Splits:
-    """The corpus as the steps and the evaluation read it: this rank's columns, on the device."""
+    """The corpus as the steps and the evaluation read it: this rank's columns. On a GPU
+    the training split stays in pinned host memory (each window is copied to the device
+    as its step starts, without a sync: 5.6 KB a step at batch 20, where the whole split
+    on the device held 13 MiB of the medium LM's peak); the evaluation's are on the device."""
 
     vocab: data.Vocabulary
     train: Tensor
@@ -92,7 +95,7 @@ def set_up(
     model, optimizer, scheduler = _build_model(config, len(splits.vocab), device)
 
     def example_inputs() -> tuple[Tensor, Tensor, State]:
-        x, y = data.window(splits.train, 0, config.bptt)
+        x, y = data.window(splits.train, 0, config.bptt, device)
         return x, y, model.initial_state(splits.train.shape[1], device)
 
     plan = None
@@ -173,7 +176,7 @@ def _load_data(
     shard = functools.partial(_shard, world=world, device=device)
     eval_batch = math.ceil(config.eval_batch_size / world.world_size) * world.world_size
     train_batches = data.batchify(corpus.train, config.batch_size)
-    train = shard(train_batches)
+    train = _host_shard(train_batches, world=world, device=device)
     embedding_rows = _embedding_rows(train_batches, config, world, device)
     valid, test = (
         None if ids is None else shard(data.batchify(ids, eval_batch))
@@ -193,6 +196,12 @@ def _load_data(
 
 def _shard(batches: Tensor, *, world: World, device: torch.device) -> Tensor:
     return data.shard_columns(batches, world.rank, world.world_size).to(device)
+
+
+def _host_shard(batches: Tensor, *, world: World, device: torch.device) -> Tensor:
+    """This rank's columns in host memory, pinned where the steps run on a GPU."""
+    columns = data.shard_columns(batches, world.rank, world.world_size).contiguous()
+    return columns.pin_memory() if device.type == "cuda" else columns
 
 
 def _embedding_rows(
