@@ -6,8 +6,8 @@ first steps, grouped by the code that allocated it, and the final evaluation's o
 
 Runs `train lm --model medium` (one CUDA Graph per step on one GPU) with the allocator's
 history on. After step 2 it prints the step's peak, what is allocated, the bytes the RNN
-op's loop cache holds, and the live blocks by the line that allocated them (peak_compare's
-innermost frame outside torch); then the peak of the remaining steps and of the final
+op's loop cache holds, the blocks alive at the peak so far and the live blocks, by the
+line that allocated them (peak_compare's innermost frame outside torch); then the peak of the remaining steps and of the final
 evaluation, with the blocks it allocated that were alive at its peak. The same model
 graphed uncompiled (`python -m mirrorgrad.bench.lm_step --rows ours-graphed`) is the
 comparison: what this holds beyond it is the compiled run's own.
@@ -133,6 +133,9 @@ def main() -> None:
                   f"{cuda_graphs.held_bytes() / MiB:.0f} MiB; live blocks:")  # fmt: skip
             for size, blocks, pool, stream, where in live_blocks(args.top):
                 print(f"  {size:8.1f} MiB in {blocks:3d}  pool {pool}  stream {stream:8s}  {where}")
+            print("at the peak so far (setup and steps 1-2), alive then:")
+            for size, blocks, where in blocks_at_peak(0, args.top):
+                print(f"  {size:8.1f} MiB in {blocks:3d}  {where}")
             if args.chain:
                 print(f"call chain of a live block from {args.chain!r}:")
                 for frame in chain_of(args.chain):
