@@ -7,10 +7,10 @@ first steps, grouped by the code that allocated it, and the final evaluation's o
 Runs `train lm --model medium` (one CUDA Graph per step on one GPU) with the allocator's
 history on. After step 2 it prints the step's peak, what is allocated, the bytes the RNN
 op's loop cache holds, the blocks alive at the peak so far and the live blocks, by the
-line that allocated them (peak_compare's innermost frame outside torch); then the peak of the remaining steps and of the final
-evaluation, with the blocks it allocated that were alive at its peak. The same model
-graphed uncompiled (`python -m mirrorgrad.bench.lm_step --rows ours-graphed`) is the
-comparison: what this holds beyond it is the compiled run's own.
+line that allocated them (peak_compare's innermost frame outside torch); then the peak of
+the remaining steps and of the final evaluation, with the blocks it allocated that were
+alive at its peak. The same model graphed uncompiled (`python -m mirrorgrad.bench.lm_step
+--rows ours-graphed`) is the comparison: what this holds beyond it is the compiled run's own.
 """
 
 from __future__ import annotations
