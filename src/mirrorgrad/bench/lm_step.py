@@ -103,7 +103,9 @@ def _graphed_step(
     torch.manual_seed(0)
     model = LanguageModel(VOCAB, preset, precision=precision)
     if cudnn:
-        model.rnn = CudnnStack(preset.embedding, preset.hidden, preset.layers, preset.dropout)
+        model.rnn = CudnnStack(model.rnn.input_size, preset.hidden, preset.layers, preset.dropout)
+        with torch.no_grad():  # zeros against the embedding's pad columns, as in ours
+            model.rnn.layers[0].weight_ih_l0[:, preset.embedding :].zero_()
     model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     graphed = step.GraphedStep(model, optimizer, clip=CLIP)

@@ -117,7 +117,7 @@ def summarize(
         mirror=cfg.mirror.to_cli(),
         device=str(setup.device.type),
         world_size=setup.world.world_size,
-        parameters=sum(p.numel() for p in setup.model.parameters()),
+        parameters=setup.model.parameter_count(),
         steps=pos.step,
         epochs_done=pos.epoch + pos.window / setup.data.windows_per_epoch,
         train_perplexity=train_ppl,
