@@ -1,4 +1,8 @@
-"""The chunked linear + cross-entropy op against its plain-PyTorch reference (float64)."""
+"""The chunked linear + cross-entropy op against its plain-PyTorch reference (float64),
+through both of its passes over the logits: the Triton kernels (fp32 and bf16; the
+interpreter on CPU) and torch's (float64, or ``op.TRITON_PASSES`` off)."""
+
+import gc
 
 import pytest
 import torch
@@ -7,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mirrorgrad import formulas
 from mirrorgrad.ops import aligned_mm
-from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op, reference
+from mirrorgrad.ops.linear_cross_entropy import kernels, linear_cross_entropy, op, reference
 
 from .memory_tracker import PeakTracker
 
@@ -53,6 +57,41 @@ def padding(monkeypatch):
     return shapes
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The names of the Triton passes the op launches, in order.
+
+    A garbage collection follows each launch: the interpreter holds its arguments'
+    storages in a reference cycle until the next one (a GPU launch copies nothing), which
+    would keep each chunk of logits alive past the op's ``del``. The heap is frozen so
+    that each collection walks only the test's own objects."""
+    names = []
+
+    def counted(name, real):
+        def launch(*args, **kwargs):
+            names.append(name)
+            out = real(*args, **kwargs)
+            gc.collect()
+            return out
+
+        return launch
+
+    for name in ("lse_and_target_logit", "logits_to_grad_"):
+        monkeypatch.setattr(kernels, name, counted(name, getattr(kernels, name)))
+    gc.collect()
+    gc.freeze()
+    yield names
+    gc.unfreeze()
+
+
+def _passes(monkeypatch, triton: bool) -> None:
+    """The Triton passes where they run (fp32, bf16), or torch's everywhere."""
+    monkeypatch.setattr(op, "TRITON_PASSES", triton)
+
+
+TRITON_OR_TORCH = pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
+
+
 # hidden sizes whose rows are not 16 bytes wide, and their padded widths
 MISALIGNED = {torch.float64: (7, 8), torch.float32: (18, 20), torch.bfloat16: (20, 24)}
 
@@ -89,10 +128,14 @@ def test_reference_is_torch_cross_entropy():
     torch.testing.assert_close(ours, ref)
 
 
+@TRITON_OR_TORCH
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_is_as_close_to_float64_as_torch(dtype):
-    """|ours - ref64| <= 2 |torch in dtype - ref64| + atol, value and gradients."""
+def test_low_precision_is_as_close_to_float64_as_torch(monkeypatch, launches, dtype, triton):
+    """|ours - ref64| <= 2 |torch in dtype - ref64| + atol, value and gradients, through
+    the Triton passes (one launch per chunk each way) and torch's."""
+    _passes(monkeypatch, triton)
     hidden, weight, b, target = _inputs(40, 8, 13)
+    target[0], target[-1] = 0, 12  # the first and the last column
     low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, b)]
     ours = linear_cross_entropy(*low[:2], low[2], target, chunk_size=9)
     same = reference.linear_cross_entropy(*low[:2], low[2], target)
@@ -101,6 +144,9 @@ def test_low_precision_is_as_close_to_float64_as_torch(dtype):
     atol = 1e-6 if dtype == torch.float32 else 1e-2
     pairs = [(ours, same, ref)]
     pairs += zip(_grads(ours, low), _grads(same, low), _grads(ref, (hidden, weight, b)))
+    chunks = 5  # of 9 rows in 40
+    assert launches == (chunks * ["lse_and_target_logit"] + chunks * ["logits_to_grad_"]
+                        if triton else [])  # fmt: skip
     for o, s, r in pairs:
         err, base = (o.double() - r).abs().max(), (s.double() - r).abs().max()
         assert err <= 2 * base + atol * r.abs().max().clamp(min=1)
@@ -186,14 +232,17 @@ def test_compiled_gradients_equal_eager(request, backend, padded):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "triton"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_ops_pass_opcheck(bias):
-    _opcheck_both_ops(hidden_size=4, bias=bias)
+def test_ops_pass_opcheck(launches, bias, dtype):
+    """float64 runs torch's passes over the logits, float32 the Triton kernels."""
+    _opcheck_both_ops(hidden_size=4, bias=bias, dtype=dtype)
+    assert (launches != []) == (dtype == torch.float32)
 
 
-def _opcheck_both_ops(hidden_size: int, bias: bool) -> None:
+def _opcheck_both_ops(hidden_size: int, bias: bool, dtype=DT) -> None:
     """torch.library.opcheck of the forward op and of the backward op (chunks of 4 rows)."""
-    hidden, weight, b, target = _inputs(9, hidden_size, 6, bias=bias)
+    hidden, weight, b, target = _inputs(9, hidden_size, 6, bias=bias, dtype=dtype)
     torch.library.opcheck(op.linear_cross_entropy_forward, (hidden, weight, b, target, 4))
     lse, _ = op.linear_cross_entropy_forward(hidden, weight, b, target, 4)
     b = None if b is None else b.detach()
@@ -221,27 +270,35 @@ def _call_args(dtype, n=100, h=16, v=300, needs=(True, True, True)):
                                          lse), needs  # fmt: skip
 
 
+@TRITON_OR_TORCH
 @pytest.mark.parametrize("padded", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
 @pytest.mark.parametrize("chunk", [32, 100])  # four chunks of 100 rows, or one
-def test_memory_formulas_cover_what_the_op_allocates(request, dtype, needs, chunk, padded):
+def test_memory_formulas_cover_what_the_op_allocates(request, monkeypatch, launches, dtype,
+                                                     needs, chunk, padded, triton):  # fmt: skip
     """The declared temporaries against the allocations the op makes through ATen:
-    backward exactly (all its temporaries are ATen results), forward at least (plus
-    logsumexp's internal [C, V], which the tracker cannot see, beside the padded W).
-    Padded: H misaligned and the pads made to pay, so that W [V, P] and each chunk's
+    backward exactly (all its temporaries are ATen results), forward exactly through
+    the Triton kernel (which allocates nothing) and at least through torch's passes
+    (plus logsumexp's internal [C, V], which the tracker cannot see, beside the padded
+    W). Padded: H misaligned and the pads made to pay, so that W [V, P] and each chunk's
     rows [C, P] are padded on the CPU as on a GPU."""
+    if dtype == torch.float64 and triton:
+        pytest.skip("float64 runs torch's passes either way")
+    _passes(monkeypatch, triton)
     h, width = MISALIGNED[dtype] if padded else (16, 16)
     pads = request.getfixturevalue("padding") if padded else []
     fwd_args, bwd_args, _ = _call_args(dtype, h=h)
     with PeakTracker(*fwd_args) as tracker:
         out = op.linear_cross_entropy_forward._init_fn(*fwd_args, chunk)
     assert (pads != []) == padded
+    assert (launches != []) == triton
     declared = formulas.memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
     seen = tracker.peak - sum(o.nbytes for o in out)
     v, a = 300, op.accumulation_dtype(dtype).itemsize
     padded_weight = v * width * dtype.itemsize if padded else 0
-    assert declared(*fwd_args, chunk) == max(seen, padded_weight + 2 * chunk * v * a)
+    hidden_by_logsumexp = 0 if triton else padded_weight + 2 * chunk * v * a
+    assert declared(*fwd_args, chunk) == max(seen, hidden_by_logsumexp)
     pads.clear()
     with PeakTracker(*bwd_args) as tracker:
         out = op.linear_cross_entropy_backward._init_fn(*bwd_args, chunk, *needs)
@@ -251,30 +308,44 @@ def test_memory_formulas_cover_what_the_op_allocates(request, dtype, needs, chun
     assert all(o.is_contiguous() for o in out)
 
 
-def test_bytes_formulas_count_the_logits_passes():
-    """float32, no casts: forward 1 write + 6 logsumexp passes over [N, V]; backward 1
-    write + 6 in-place + 3 reads, plus hidden and the weight (gradient) per chunk."""
+# Passes over the [N, V] logits: forward, the GEMM's write and the Triton kernel's read
+# or torch's 6 logsumexp passes; backward, the GEMM's write, the kernel's read and write
+# or torch's 6 in-place passes, and 3 reads (two GEMMs, the bias sum).
+LOGITS_PASSES = {True: (1 + 1, 1 + 2 + 3), False: (1 + 6, 1 + 6 + 3)}
+
+
+@TRITON_OR_TORCH
+def test_bytes_formulas_count_the_logits_passes(monkeypatch, triton):
+    """float32, no casts: the logits' passes (LOGITS_PASSES), plus hidden and the weight
+    (gradient) per chunk."""
+    _passes(monkeypatch, triton)
     (hidden, weight, b, target), bwd_args, needs = _call_args(torch.float32, n=10, h=3, v=7)
     chunks = 4  # chunk_size 3 over 10 rows
+    fwd_passes, bwd_passes = LOGITS_PASSES[triton]
     fwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
-    assert fwd(hidden, weight, b, target, 3) == 4 * (10 * 3 + chunks * 7 * 3 + 7 * 10 * 7)
+    expected = 10 * 3 + chunks * 7 * 3 + fwd_passes * 10 * 7
+    assert fwd(hidden, weight, b, target, 3) == 4 * expected
     bwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
-    expected = 10 * 3 + chunks * 7 * 3 + 10 * 7 * 10 + (chunks * 7 * 3 + 10 * 3)
+    expected = 10 * 3 + chunks * 7 * 3 + bwd_passes * 10 * 7 + (chunks * 7 * 3 + 10 * 3)
     expected += 2 * chunks * 7 * 3 + 10 * 3
     assert bwd(*bwd_args, 3, *needs) == 4 * expected
 
 
-def test_bytes_formulas_count_the_pads(padding):
+@TRITON_OR_TORCH
+def test_bytes_formulas_count_the_pads(monkeypatch, padding, triton):
     """As above with H 3 padded to P 4: W and hidden copied once each (read 3 wide, written
     4 wide), every GEMM operand 4 wide, and the gradients' real blocks cut out (read 4,
     written 3)."""
+    _passes(monkeypatch, triton)
     n, h, p, v, chunks = 10, 3, 4, 7, 4
+    fwd_passes, bwd_passes = LOGITS_PASSES[triton]
     (hidden, weight, b, target), bwd_args, needs = _call_args(torch.float32, n=n, h=h, v=v)
     pads = v * (h + p) + n * (h + p)
     fwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
-    assert fwd(hidden, weight, b, target, 3) == 4 * (pads + n * p + chunks * v * p + 7 * n * v)
+    expected = pads + n * p + chunks * v * p + fwd_passes * n * v
+    assert fwd(hidden, weight, b, target, 3) == 4 * expected
     bwd = formulas.bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
-    expected = pads + n * p + chunks * v * p + 10 * n * v
+    expected = pads + n * p + chunks * v * p + bwd_passes * n * v
     expected += chunks * v * p + n * p + n * (p + h)  # grad_hidden: W read, written, cut out
     expected += 2 * chunks * v * p + n * p + v * (p + h)  # grad_weight: accumulated, cut out
     assert bwd(*bwd_args, 3, *needs) == 4 * expected
@@ -369,11 +440,14 @@ def test_padded_path_matches_reference_float64(padding, case, chunk_size):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
 
 
+@TRITON_OR_TORCH
 @pytest.mark.parametrize("chunk_size", [9, 64], ids=["chunked", "one_chunk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padded_path_low_precision_is_as_close_to_float64_as_torch(padding, dtype, chunk_size):
+def test_padded_path_low_precision_is_as_close_to_float64_as_torch(monkeypatch, padding, dtype,
+                                                                   chunk_size, triton):  # fmt: skip
     """|ours - ref64| <= 2 |torch in dtype - ref64| + atol, value and gradients, with H
-    18 (fp32) or 20 (bf16) padded to 16 bytes."""
+    18 (fp32) or 20 (bf16) padded to 16 bytes, through either passes."""
+    _passes(monkeypatch, triton)
     h, width = MISALIGNED[dtype]
     hidden, weight, b, target = _inputs(40, h, 13)
     low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, b)]

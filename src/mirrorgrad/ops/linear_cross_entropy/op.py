@@ -4,6 +4,10 @@
 logit per row, computing ``chunk_size`` rows of logits at a time;
 ``mirrorgrad::linear_cross_entropy_backward`` recomputes each chunk's logits and turns
 them into their gradient in place. The ``[rows, vocab]`` logits never exist whole.
+Where Triton runs (CUDA; CPU under ``TRITON_INTERPRET=1``) one kernel per chunk does each
+of those passes (``kernels``: the logits read once in their dtype, their gradient written
+over them); elsewhere (float64, CPU without the interpreter) torch's passes do, in the
+accumulation dtype.
 Fake kernels, autograd, FLOP, bytes and memory formulas make compilers and the planner
 see (and cost) one node each way.
 
@@ -19,6 +23,8 @@ without its incoming gradient (every gradient came out zero under torch.compile)
 from __future__ import annotations
 
 import contextlib
+import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -27,15 +33,39 @@ from torch.utils.flop_counter import register_flop_formula
 
 from mirrorgrad.formulas import register_bytes_formula, register_memory_formula
 from mirrorgrad.ops import aligned_mm
+from mirrorgrad.ops.rnn.step_loop import interpreting
 
 # Auto chunk size: rows whose float32 logits fit in this many bytes.
 CHUNK_BYTES = 64 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
 
 
+# Whether the Triton passes run where they can; benchmarks set it False to time torch's.
+TRITON_PASSES = True
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision logits are summed in float32; float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    """``kernels``, or None where triton is not installed."""
+    try:
+        from mirrorgrad.ops.linear_cross_entropy import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def kernels_for(hidden: Tensor) -> ModuleType | None:
+    """The Triton passes' module where they run for logits of ``hidden``'s dtype and
+    device (CUDA, or CPU under the interpreter), else None: torch's passes run."""
+    device = hidden.device.type
+    on_device = device == "cuda" or (device == "cpu" and interpreting())
+    kernels = _triton_kernels() if TRITON_PASSES and on_device else None
+    return kernels if kernels is not None and hidden.dtype in kernels.DTYPES else None
 
 
 def _pays_to_pad(hidden: Tensor, weight: Tensor, gemms: int, copied_elements: int) -> bool:
@@ -82,6 +112,8 @@ def linear_cross_entropy_forward(
     hidden [N, H]; weight [V, H]; bias [V] or None; target int64 [N] in [0, V)."""
     acc = accumulation_dtype(hidden.dtype)
     n = hidden.shape[0]
+    kernels = kernels_for(hidden)
+    target = target.contiguous()
     width = _width(hidden, weight, forward_pads(hidden, weight))
     # Padded for this call only: a padded W kept for the backward would add to the peak.
     weight = _widened(weight, width)
@@ -89,10 +121,14 @@ def linear_cross_entropy_forward(
     target_logit = hidden.new_empty(n, dtype=acc)
     for start in range(0, n, chunk_size):
         rows = slice(start, start + chunk_size)
-        # The padded rows are freed before logsumexp's temporary exists.
-        logits = F.linear(_widened(hidden[rows], width), weight, bias).to(acc)  # [C, V]
-        torch.logsumexp(logits, dim=1, out=lse[rows])
-        torch.gather(logits, 1, target[rows, None], out=target_logit[rows, None])
+        # [C, V] in hidden's dtype; the padded rows are freed before the passes run.
+        logits = F.linear(_widened(hidden[rows], width), weight, bias)
+        if kernels is not None:
+            kernels.lse_and_target_logit(logits, target[rows], lse[rows], target_logit[rows])
+        else:
+            logits = logits.to(acc)
+            torch.logsumexp(logits, dim=1, out=lse[rows])
+            torch.gather(logits, 1, target[rows, None], out=target_logit[rows, None])
         del logits  # one chunk of logits alive at a time, not two
     return lse, target_logit
 
@@ -124,6 +160,9 @@ def linear_cross_entropy_backward(
     Unneeded gradients come back as empty tensors (an op cannot return None)."""
     acc = lse.dtype
     h_size = hidden.shape[1]
+    kernels = kernels_for(hidden)
+    target, lse = target.contiguous(), lse.contiguous()
+    grad_lse, grad_target_logit = grad_lse.contiguous(), grad_target_logit.contiguous()
     width = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
     padded_weight = _widened(weight, width)
     # Half-precision operands: the weight gradient's products run in their dtype on
@@ -141,22 +180,30 @@ def linear_cross_entropy_backward(
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h = _widened(hidden[rows], width)
-        # [C, V]: the recomputed logits become their own gradient, in place.
-        grad_logits = F.linear(h, padded_weight, bias).to(acc)
-        grad_logits.sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
-        grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
-        low = grad_logits.to(weight.dtype) if half and (need_hidden or need_weight) else None
+        # [C, V]: the recomputed logits become their own gradient, in place; ``operand``
+        # is that gradient in the weight's dtype, the GEMMs' operand.
+        grad_logits = F.linear(h, padded_weight, bias)
+        if kernels is not None:  # computed in float32, stored in the logits' dtype
+            operand = kernels.logits_to_grad_(
+                grad_logits, target[rows], lse[rows], grad_lse[rows], grad_target_logit[rows]
+            )
+        else:
+            grad_logits = grad_logits.to(acc)
+            grad_logits.sub_(lse[rows, None]).exp_().mul_(grad_lse[rows, None])
+            grad_logits.scatter_add_(1, target[rows, None], grad_target_logit[rows, None])
+            cast = half and (need_hidden or need_weight)
+            operand = grad_logits.to(weight.dtype) if cast else grad_logits
         if need_hidden:  # [C, V] @ [V, width], its real block copied into the output
-            grad_hidden[rows] = ((low if half else grad_logits) @ padded_weight)[:, :h_size]
+            grad_hidden[rows] = (operand @ padded_weight)[:, :h_size]
         if need_weight and not half:
-            grad_weight.addmm_(grad_logits.T, h)  # [V, C] @ [C, width]
+            grad_weight.addmm_(operand.T, h)  # [V, C] @ [C, width]
         elif need_weight and one_chunk:
-            grad_weight = low.T @ h
+            grad_weight = operand.T @ h
         elif need_weight:
-            grad_weight += low.T @ h
-        del low
-        if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+            grad_weight += operand.T @ h
+        del operand
+        if grad_bias is not None:  # half-precision gradients (Triton's) summed in float32
+            grad_bias += grad_logits.sum(0, dtype=acc)
         del grad_logits, h  # one chunk alive at a time
     # Each output its own tensor, even the empty ones: outputs of an op may not alias.
     # The real block of a padded gradient is copied out contiguous (.to of a strided view
@@ -242,12 +289,15 @@ def _sizes(hidden: Tensor, weight: Tensor, chunk_size: int):
 
 @register_memory_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
 def _forward_temporary_bytes(hidden, weight, bias, target, chunk_size) -> int:
-    """One chunk of logits [C, V] (and its cast to the accumulation dtype), plus the
-    [C, V] temporary of logsumexp (``exp(logits - max)``); where the call pads, W padded
-    [V, P] throughout and a chunk's padded rows [C, P] beside the GEMM's output."""
+    """One chunk of logits [C, V]; torch's passes add its cast to the accumulation dtype
+    and logsumexp's [C, V] temporary (``exp(logits - max)``), the Triton kernel nothing.
+    Where the call pads, W padded [V, P] throughout and a chunk's padded rows [C, P]
+    beside the GEMM's output."""
     _, h, v, c, _, d, dw, a = _sizes(hidden, weight, chunk_size)
     p = _width(hidden, weight, forward_pads(hidden, weight))
     padded_weight, padded_rows = (v * p * dw, c * p * d) if p != h else (0, 0)
+    if kernels_for(hidden) is not None:
+        return padded_weight + padded_rows + c * v * d
     cast = d + a if d != a else 0
     return padded_weight + max(padded_rows + c * v * d, c * v * max(cast, 2 * a))
 
@@ -259,13 +309,21 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
     and what each phase adds to it, beside grad_hidden and the accumulators of the
     weight and bias gradients (the outputs themselves unless cast or cut from a padded
     block at the end); where the call pads, W padded [V, P] throughout and the chunk's
-    padded rows [C, P] through the chunk."""
+    padded rows [C, P] through the chunk. The Triton pass keeps the chunk in the logits'
+    dtype (the GEMMs' operand itself); torch's passes in the accumulation dtype, cast
+    down for half-precision GEMMs."""
     n, h, v, c, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
     p = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
     pad = p != h
     db = bias.dtype.itemsize if need_bias else 0
     half = dw != a
-    low = c * v * dw * (half and (need_hidden or need_weight))  # the chunk cast to dw
+    if kernels_for(hidden) is not None:
+        chunk = recompute = c * v * d
+        low = 0
+    else:
+        chunk = c * v * a
+        recompute = c * v * (a + (d if d != a else 0))  # the GEMM's output and its cast
+        low = c * v * dw * (half and (need_hidden or need_weight))  # the chunk cast to dw
     accumulated = need_weight and not (half and chunks == 1)  # a float weight accumulator
     made = v * p * dw * (need_weight and half and chunks == 1)  # one chunk's product
     # The weight gradient's output, where it is not the accumulator or the product itself.
@@ -275,10 +333,10 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
     early += v * p * dw * pad
     # The chunk's phases: recompute (and cast), grad_hidden's GEMM, grad_weight's, bias sum.
     loop = c * p * d * pad + max(
-        c * v * (a + (d if d != a else 0)),
-        need_hidden * (c * v * a + low + c * p * dw),
-        need_weight * (c * v * a + low + v * p * dw * half),
-        need_bias * (c * v * a + v * a + made),
+        recompute,
+        need_hidden * (chunk + low + c * p * dw),
+        need_weight * (chunk + low + v * p * dw * half),
+        need_bias * (chunk + v * a + made),
     )
     late = made + copied_out + v * db * (need_bias and db != a)
     return max(early + loop, early + late) - outputs
@@ -293,32 +351,42 @@ def _pad_copy_bytes(rows: int, h: int, p: int, itemsize: int) -> int:
 @register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_forward)
 def _forward_bytes(hidden, weight, bias, target, chunk_size) -> int:
     """Reads hidden once and weight once per chunk (padded to P where the call pads,
-    after one copy of each); the logits are written once (plus the cast), then read and
-    written by logsumexp's passes (max, subtract, exp, sum)."""
+    after one copy of each); the logits are written once, then read once by the Triton
+    kernel, or cast and read and written by logsumexp's passes (max, subtract, exp, sum)."""
     n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
     p = _width(hidden, weight, forward_pads(hidden, weight))
     pads = _pad_copy_bytes(v, h, p, dw) + _pad_copy_bytes(n, h, p, d)
+    gemm = pads + n * p * d + chunks * v * p * dw + n * v * d
+    if kernels_for(hidden) is not None:
+        return gemm + n * v * d
     cast = n * v * (d + a) if d != a else 0
-    return pads + n * p * d + chunks * v * p * dw + n * v * d + cast + 6 * n * v * a
+    return gemm + cast + 6 * n * v * a
 
 
 @register_bytes_formula(torch.ops.mirrorgrad.linear_cross_entropy_backward)
 def _backward_bytes(grad_lse, grad_target_logit, hidden, weight, bias, target, lse, chunk_size,
                     need_hidden, need_weight, need_bias) -> int:  # fmt: skip
-    """The forward's logits again, three in-place passes (subtract, exp, scale), one read
-    per gradient GEMM or sum, and the weight (gradient) read (and written) per chunk; the
-    GEMMs' operands P wide where the call pads (W and hidden copied padded, the
-    gradients' real blocks copied out)."""
+    """The forward's logits again; the Triton kernel's one read and write of them, or
+    torch's cast and three in-place passes (subtract, exp, scale) and the cast down for
+    half-precision GEMMs; one read per gradient GEMM or sum, and the weight (gradient)
+    read (and written) per chunk; the GEMMs' operands P wide where the call pads (W and
+    hidden copied padded, the gradients' real blocks copied out)."""
     n, h, v, _, chunks, d, dw, a = _sizes(hidden, weight, chunk_size)
     p = _width(hidden, weight, backward_pads(hidden, weight, need_hidden, need_weight))
     half = dw != a
-    cast = n * v * (d + a) if d != a else 0
-    # Reads of the float chunk: the bias sum's, and the GEMMs' unless they read it cast down.
-    reads = bool(need_bias) + (0 if half else bool(need_hidden) + bool(need_weight))
+    gemms = bool(need_hidden) + bool(need_weight)
     total = _pad_copy_bytes(v, h, p, dw) + _pad_copy_bytes(n, h, p, d)
-    total += n * p * d + chunks * v * p * dw + n * v * d + cast + (6 + reads) * n * v * a
-    if half and (need_hidden or need_weight):  # the chunk cast down, read by each GEMM
-        total += n * v * (a + dw) + (bool(need_hidden) + bool(need_weight)) * n * v * dw
+    total += n * p * d + chunks * v * p * dw + n * v * d
+    if kernels_for(hidden) is not None:  # the chunk in d, read by each GEMM and the sum
+        total += (2 + gemms + bool(need_bias)) * n * v * d
+    else:
+        cast = n * v * (d + a) if d != a else 0
+        # Reads of the float chunk: the bias sum's, and the GEMMs' unless they read it
+        # cast down.
+        reads = bool(need_bias) + (0 if half else gemms)
+        total += cast + (6 + reads) * n * v * a
+        if half and gemms:  # the chunk cast down, read by each GEMM
+            total += n * v * (a + dw) + gemms * n * v * dw
     if need_hidden:
         total += chunks * v * p * dw + n * p * d + _pad_copy_bytes(n, h, p, d)
     if need_weight and not half:
