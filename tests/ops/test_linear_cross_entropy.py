@@ -351,6 +351,66 @@ def test_bytes_formulas_count_the_pads(monkeypatch, padding, triton):
     assert bwd(*bwd_args, 3, *needs) == 4 * expected
 
 
+# --- the Triton passes over one chunk of logits ------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize(("vocab", "block"), [(37, 16), (300, None), (5000, None)],
+                         ids=["3_blocks", "1_block", "2_blocks"])  # fmt: skip
+def test_kernels_match_float64(dtype, rows, vocab, block):
+    """Per-row log-sum-exp and target logit, then the gradient written over the logits,
+    against float64 torch: vocabularies not a multiple of the block, targets in the
+    first and the last column, zero incoming gradients in some rows."""
+    logits = (4 * torch.randn(rows, vocab)).to(dtype)
+    target = torch.randint(0, vocab, (rows,))
+    target[0], target[-1] = vocab - 1, 0
+    lse, target_logit = torch.full((rows,), torch.nan), torch.full((rows,), torch.nan)
+    kernels.lse_and_target_logit(logits, target, lse, target_logit, block=block)
+    x = logits.double()
+    ref_lse = x.logsumexp(dim=1)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(target_logit, x.gather(1, target[:, None])[:, 0].float())
+
+    grad_lse, grad_target = torch.randn(rows), torch.randn(rows)
+    grad_lse[1::3] = 0
+    grad_target[2::3] = 0
+    expected = (x - ref_lse[:, None]).exp() * grad_lse[:, None].double()
+    expected.scatter_add_(1, target[:, None], grad_target[:, None].double())
+    out = kernels.logits_to_grad_(logits, target, lse, grad_lse, grad_target, block=block)
+    assert out is logits and out.dtype == dtype
+    # bf16: one step, as Triton's interpreter truncates float32 to bf16 (a GPU rounds to
+    # nearest: half a step, test_kernels_round_like_torch_on_a_gpu).
+    rtol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=1e-7)
+
+
+def test_kernels_reject_what_they_cannot_run():
+    logits, target, row = torch.randn(3, 5), torch.zeros(3, dtype=torch.int64), torch.empty(3)
+    with pytest.raises(TypeError, match="take"):
+        kernels.lse_and_target_logit(logits.double(), target, row, row)
+    with pytest.raises(ValueError, match="unit column stride"):
+        kernels.lse_and_target_logit(logits.T, target, row, row)
+    with pytest.raises(ValueError, match=r"contiguous \[3\]"):
+        kernels.logits_to_grad_(logits, target, row, row[:2], row)
+    with pytest.raises(TypeError, match="float32"):
+        kernels.logits_to_grad_(logits, target, row, row.double(), row)
+
+
+def test_triton_passes_run_where_triton_runs(monkeypatch):
+    """CUDA, or CPU under the interpreter; fp32, bf16 and fp16 logits; not float64, not
+    meta tensors, not with ``op.TRITON_PASSES`` off."""
+    runs = [torch.empty(2, 3, dtype=dtype) for dtype in kernels.DTYPES]
+    assert all(op.kernels_for(t) is kernels for t in runs)
+    assert op.kernels_for(torch.empty(2, 3, dtype=torch.float64)) is None
+    assert op.kernels_for(torch.empty(2, 3, device="meta")) is None
+    monkeypatch.setattr(op, "TRITON_PASSES", False)
+    assert op.kernels_for(runs[0]) is None
+    monkeypatch.setattr(op, "TRITON_PASSES", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert op.kernels_for(runs[0]) is None
+
+
 def test_public_name_in_nn_functional():
     import mirrorgrad.nn.functional as mf
 
@@ -549,3 +609,114 @@ def test_medium_lm_head_pads_on_a_gpu_as_close_as_unpadded(monkeypatch, dtype):
         assert p.shape == r.shape and p.dtype == dtype and p.is_contiguous()
         err, base = (p.double() - r).abs().max(), (u.double() - r).abs().max()
         assert err <= 2 * base + 1e-6 * r.abs().max()
+
+
+# --- the Triton passes on a GPU at the medium word LM's head ------------------------------
+
+HIDDEN, VOCAB = 650, 10000  # rows: batch 20 or 128 x bptt 35, 700 or 4,480
+NEEDS_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("rows", [700, 4480])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_round_like_torch_on_a_gpu(rows, dtype):
+    """The head's logits as one chunk: log-sum-exp to float32 rounding, the target logit
+    exactly, the gradient within half a step of its dtype of the float64 one (rounded to
+    nearest, as torch's ``.to``)."""
+    logits = (3 * torch.randn(rows, VOCAB, device="cuda")).to(dtype)
+    target = torch.randint(0, VOCAB, (rows,), device="cuda")
+    target[0], target[-1] = 0, VOCAB - 1
+    lse, target_logit = torch.empty(rows, device="cuda"), torch.empty(rows, device="cuda")
+    kernels.lse_and_target_logit(logits, target, lse, target_logit)
+    x = logits.double()
+    ref_lse = x.logsumexp(dim=1)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-6, atol=2e-6)
+    assert torch.equal(target_logit, x.gather(1, target[:, None])[:, 0].float())
+    grad_lse, grad_target = torch.randn(rows, device="cuda"), torch.randn(rows, device="cuda")
+    grad_lse[1::3] = 0
+    expected = (x - ref_lse[:, None]).exp() * grad_lse[:, None].double()
+    expected.scatter_add_(1, target[:, None], grad_target[:, None].double())
+    kernels.logits_to_grad_(logits, target, lse, grad_lse, grad_target)
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8 + 1e-5
+    torch.testing.assert_close(logits.double(), expected, rtol=rtol, atol=1e-7)
+
+
+def _head_step(leaves, target, triton: bool):
+    """(loss and gradients, peak bytes beyond what existed before) of the op's forward
+    and backward through the Triton passes or torch's."""
+    was = op.TRITON_PASSES
+    op.TRITON_PASSES = triton
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss = linear_cross_entropy(*leaves, target)
+        results = [loss, *torch.autograd.grad(loss, leaves)]
+        torch.cuda.synchronize()
+        return results, torch.cuda.max_memory_allocated() - before
+    finally:
+        op.TRITON_PASSES = was
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("rows", [700, 4480])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_medium_lm_head_triton_passes_as_close_as_torch_passes(rows, dtype):
+    """H 650, V 10,000, fp32 (TF32 as the rule and the LM allow) or bf16: the loss and
+    every gradient through the Triton passes as close to float64 as through torch's,
+    |triton - ref64| <= 2 |torch - ref64| + 1e-6 max|ref64|; the peak no higher (fp32's
+    backward, the same in both, can set it) and lower in bf16 (no float32 copies)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    full = [torch.randn(rows, HIDDEN, device="cuda", dtype=torch.float64, generator=g),
+            torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.float64, generator=g)
+            / HIDDEN**0.5,
+            0.1 * torch.randn(VOCAB, device="cuda", dtype=torch.float64, generator=g)]  # fmt: skip
+    target = torch.randint(0, VOCAB, (rows,), device="cuda", generator=g)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in full]
+    matmul = torch.backends.cuda.matmul  # a module object: monkeypatch cannot undo it
+    was = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        _head_step(leaves, target, triton=True)  # compiles the kernels, fills cuBLAS' caches
+        fused, fused_peak = _head_step(leaves, target, triton=True)
+        eager, eager_peak = _head_step(leaves, target, triton=False)
+    finally:
+        matmul.allow_tf32 = was
+    full = [t.requires_grad_() for t in full]
+    ref = reference.linear_cross_entropy(*full, target)
+    for f, e, r in zip(fused, eager, [ref, *torch.autograd.grad(ref, full)]):
+        assert f.shape == r.shape and f.dtype == dtype
+        err, base = (f.double() - r).abs().max(), (e.double() - r).abs().max()
+        assert err <= 2 * base + 1e-6 * r.abs().max()
+    assert fused_peak < eager_peak if dtype == torch.bfloat16 else fused_peak <= eager_peak
+
+
+@pytest.mark.gpu
+@NEEDS_GPU
+@pytest.mark.parametrize("rows", [700, 4480])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_formulas_match_a_gpu(rows, dtype):
+    """The Triton path's declared temporaries against the CUDA allocator's peak (each
+    block rounded to 512 bytes: within 0.1% and 64 KiB), every gradient asked for."""
+    (hidden, weight, b, target), bwd_args, needs = _call_args(dtype, n=rows, h=HIDDEN, v=VOCAB)
+    fwd_args = [t.cuda() for t in (hidden, weight, b, target)]
+    bwd_args = [t.cuda() for t in bwd_args]
+    chunk = op.CHUNK_BYTES // (4 * VOCAB)
+    forward = op.linear_cross_entropy_forward._init_fn
+    backward = op.linear_cross_entropy_backward._init_fn
+    for run, args, formula in [
+        (forward, (*fwd_args, chunk), torch.ops.mirrorgrad.linear_cross_entropy_forward),
+        (backward, (*bwd_args, chunk, *needs), torch.ops.mirrorgrad.linear_cross_entropy_backward),
+    ]:
+        run(*args)  # compiles the kernels, allocates cuBLAS' workspace
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = run(*args)
+        torch.cuda.synchronize()
+        seen = torch.cuda.max_memory_allocated() - before - sum(o.nbytes for o in out)
+        declared = formulas.memory_formula(formula)(*args)
+        assert abs(declared - seen) <= 64 * 2**10 + 1e-3 * declared, (declared, seen)
