@@ -1,0 +1,95 @@
+"""What the Triton passes over the fused LM head's logits win, on a GPU.
+
+    PYTHONPATH=src python benchmarks/lce_fused.py [--rows 700 4480] [--hidden 650]
+        [--vocab 10000] [--repeats 50]
+
+``linear_cross_entropy`` (bias included, every gradient asked for, the op's default
+chunks and pad rule) at the medium word LM's head by default (rows = batch x BPTT: 700
+at batch 20, 4,480 at batch 128), fp32 with TF32 allowed (as the LM trains) and bf16:
+median ms of the forward alone and of forward+backward, and the peak MiB beyond the
+inputs, with the passes over each chunk of logits run by torch (``op.TRITON_PASSES``
+off: cast, logsumexp, gather; subtract, exp, scale, scatter, cast down) and by the
+Triton kernels (on). The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mirrorgrad._timing import time_calls
+from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op
+
+MiB = 2**20
+
+
+def measure(hidden, weight, bias, target, repeats: int) -> tuple[float, float, float]:
+    """(forward ms, forward+backward ms, peak MiB beyond what existed before), medians."""
+    leaves = (hidden, weight, bias)
+
+    def forward():
+        with torch.no_grad():
+            linear_cross_entropy(hidden, weight, bias, target)
+
+    def step():
+        torch.autograd.grad(linear_cross_entropy(hidden, weight, bias, target), leaves)
+
+    step()  # compiles the kernels, fills cuBLAS' caches
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    fwd = time_calls(forward, repeats=repeats, warmup=3, device="cuda").median_ms
+    both = time_calls(step, repeats=repeats, warmup=3, device="cuda").median_ms
+    return fwd, both, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[700, 4480])
+    parser.add_argument("--hidden", type=int, default=650)
+    parser.add_argument("--vocab", type=int, default=10000)
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    if min(*args.rows, args.hidden, args.vocab, args.repeats) < 1:
+        parser.error("--rows, --hidden, --vocab and --repeats must be >= 1")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def leaf(*shape, dtype, scale=1.0):
+        t = scale * torch.randn(*shape, device="cuda", generator=g)
+        return t.to(dtype).requires_grad_()
+
+    rows_out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in args.rows:
+            hidden, bias = leaf(rows, args.hidden, dtype=dtype), leaf(args.vocab, dtype=dtype)
+            weight = leaf(args.vocab, args.hidden, dtype=dtype, scale=args.hidden**-0.5)
+            target = torch.randint(0, args.vocab, (rows,), device="cuda", generator=g)
+            results = {}
+            try:
+                for triton in (False, True):
+                    op.TRITON_PASSES = triton
+                    results[triton] = measure(hidden, weight, bias, target, args.repeats)
+            finally:
+                op.TRITON_PASSES = True
+            (fwd0, ms0, mib0), (fwd1, ms1, mib1) = results[False], results[True]
+            line = (f"| {str(dtype)[6:]} | {rows} | {fwd0:.3f} | {fwd1:.3f} | {ms0:.3f} | "
+                    f"{ms1:.3f} | {ms0 / ms1:.2f}x | {mib0:.1f} | {mib1:.1f} |")  # fmt: skip
+            print(line, flush=True)
+            rows_out.append(line)
+    print(f"\n{torch.cuda.get_device_name()}, hidden {args.hidden}, vocab {args.vocab}, "
+          f"median of {args.repeats}; ms and MiB: torch's passes / Triton's")  # fmt: skip
+    print("| dtype | rows | fwd ms torch | fwd ms triton | fwd+bwd ms torch | fwd+bwd ms triton "
+          "| speed-up | peak MiB torch | peak MiB triton |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    print("\n".join(rows_out))
+
+
+if __name__ == "__main__":
+    main()
