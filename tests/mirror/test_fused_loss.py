@@ -12,6 +12,7 @@ import mirrorgrad
 from mirrorgrad.bench.workloads import WORKLOADS
 from mirrorgrad.mirror import fused_loss
 from mirrorgrad.mirror.fused_loss import FusedLoss
+from mirrorgrad.ops.linear_cross_entropy import op as lce_op
 
 IGNORE = -100
 
@@ -213,9 +214,12 @@ def test_fuse_loss_left_unset_never_fuses_and_says_how_to():
         assert [f.fused for f in found] == [True], mode
 
 
-def test_gpt2_estimated_peak_drops_by_about_the_logits():
+def test_gpt2_estimated_peak_drops_by_about_the_logits(monkeypatch):
     """explain()'s estimated peak with and without the rewrite, where the logits matter:
-    1024 tokens x 32768 words, 128 MiB of float32 logits beside a 16-wide model."""
+    1024 tokens x 32768 words, 128 MiB of float32 logits beside a 16-wide model; the fused
+    op's passes over the logits torch's on any machine (the Triton ones hold one [C, V]
+    temporary fewer: a larger drop)."""
+    monkeypatch.setattr(lce_op, "TRITON_PASSES", False)
     model = _tiny_gpt2(vocab=32768, positions=512)
     ids = torch.randint(0, 32768, (2, 512))
 
