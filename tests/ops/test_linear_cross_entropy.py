@@ -354,7 +354,7 @@ def test_bytes_formulas_count_the_pads(monkeypatch, padding, triton):
 # --- the Triton passes over one chunk of logits ------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize(("vocab", "block"), [(37, 16), (300, None), (5000, None)],
                          ids=["3_blocks", "1_block", "2_blocks"])  # fmt: skip
@@ -380,8 +380,8 @@ def test_kernels_match_float64(dtype, rows, vocab, block):
     out = kernels.logits_to_grad_(logits, target, lse, grad_lse, grad_target, block=block)
     assert out is logits and out.dtype == dtype
     # bf16: one step, as Triton's interpreter truncates float32 to bf16 (a GPU rounds to
-    # nearest: half a step, test_kernels_round_like_torch_on_a_gpu).
-    rtol = 1e-5 if dtype == torch.float32 else 2**-7
+    # nearest: half a step, test_kernels_round_like_torch_on_a_gpu); fp16: half a step.
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-11 + 1e-5}[dtype]
     torch.testing.assert_close(out.double(), expected, rtol=rtol, atol=1e-7)
 
 
