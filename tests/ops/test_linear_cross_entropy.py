@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mirrorgrad import formulas
 from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.linear_cross_entropy import kernels, linear_cross_entropy, op, reference
+from mirrorgrad.ops.rnn.step_loop import interpreting
 
 from .memory_tracker import PeakTracker
 
@@ -84,8 +85,15 @@ def launches(monkeypatch):
     gc.unfreeze()
 
 
+# The Triton kernels run CPU tensors in the interpreter only (tests/conftest.py sets it
+# where there is no GPU).
+INTERPRETED = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
+
+
 def _passes(monkeypatch, triton: bool) -> None:
     """The Triton passes where they run (fp32, bf16), or torch's everywhere."""
+    if triton and not interpreting():
+        pytest.skip("the Triton passes run CPU tensors under TRITON_INTERPRET=1 only")
     monkeypatch.setattr(op, "TRITON_PASSES", triton)
 
 
@@ -234,8 +242,9 @@ def test_compiled_gradients_equal_eager(request, backend, padded):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["torch", "triton"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_ops_pass_opcheck(launches, bias, dtype):
+def test_ops_pass_opcheck(monkeypatch, launches, bias, dtype):
     """float64 runs torch's passes over the logits, float32 the Triton kernels."""
+    _passes(monkeypatch, triton=dtype == torch.float32)
     _opcheck_both_ops(hidden_size=4, bias=bias, dtype=dtype)
     assert (launches != []) == (dtype == torch.float32)
 
@@ -358,6 +367,7 @@ def test_bytes_formulas_count_the_pads(monkeypatch, padding, triton):
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize(("vocab", "block"), [(37, 16), (300, None), (5000, None)],
                          ids=["3_blocks", "1_block", "2_blocks"])  # fmt: skip
+@INTERPRETED
 def test_kernels_match_float64(dtype, rows, vocab, block):
     """Per-row log-sum-exp and target logit, then the gradient written over the logits,
     against float64 torch: vocabularies not a multiple of the block, targets in the
@@ -400,6 +410,7 @@ def test_kernels_reject_what_they_cannot_run():
 def test_triton_passes_run_where_triton_runs(monkeypatch):
     """CUDA, or CPU under the interpreter; fp32, bf16 and fp16 logits; not float64, not
     meta tensors, not with ``op.TRITON_PASSES`` off."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     runs = [torch.empty(2, 3, dtype=dtype) for dtype in kernels.DTYPES]
     assert all(op.kernels_for(t) is kernels for t in runs)
     assert op.kernels_for(torch.empty(2, 3, dtype=torch.float64)) is None
