@@ -409,15 +409,18 @@ def test_kernels_reject_what_they_cannot_run():
 
 def test_triton_passes_run_where_triton_runs(monkeypatch):
     """CUDA, or CPU under the interpreter; fp32, bf16 and fp16 logits; not float64, not
-    meta tensors, not with ``op.TRITON_PASSES`` off."""
+    meta tensors, not with ``op.TRITON_PASSES`` off, not without triton."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     runs = [torch.empty(2, 3, dtype=dtype) for dtype in kernels.DTYPES]
     assert all(op.kernels_for(t) is kernels for t in runs)
     assert op.kernels_for(torch.empty(2, 3, dtype=torch.float64)) is None
     assert op.kernels_for(torch.empty(2, 3, device="meta")) is None
-    monkeypatch.setattr(op, "TRITON_PASSES", False)
-    assert op.kernels_for(runs[0]) is None
-    monkeypatch.setattr(op, "TRITON_PASSES", True)
+    with monkeypatch.context() as m:
+        m.setattr(op, "TRITON_PASSES", False)
+        assert op.kernels_for(runs[0]) is None
+    with monkeypatch.context() as m:
+        m.setattr(op, "_triton_kernels", lambda: None)
+        assert op.kernels_for(runs[0]) is None
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert op.kernels_for(runs[0]) is None
 

@@ -38,8 +38,6 @@ from mirrorgrad.ops.rnn.step_loop import interpreting
 # Auto chunk size: rows whose float32 logits fit in this many bytes.
 CHUNK_BYTES = 64 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
-
-
 # Whether the Triton passes run where they can; benchmarks set it False to time torch's.
 TRITON_PASSES = True
 
