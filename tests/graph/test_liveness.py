@@ -196,7 +196,7 @@ def test_rnn_and_loss_ops_declare_their_temporaries_to_the_simulation(monkeypatc
     """T=5, B=3, I=4, H=6 float32, one LSTM layer, recompute; 15 rows of 10 classes in
     chunks of 5, the loss's passes over the logits torch's on any machine. Bytes worked
     out by hand from the ops' formulas."""
-    monkeypatch.setattr(lce_op, "TRITON_PASSES", False)
+    monkeypatch.setattr(lce_op, "TRITON_PASSES", ())
     joint = joint_of(_LstmThenLoss(), torch.randn(5, 3, 4), torch.randint(0, 10, (5, 3)))
     declared = {
         str(n.target): liveness.temporary_bytes(n)

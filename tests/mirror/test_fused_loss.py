@@ -219,7 +219,7 @@ def test_gpt2_estimated_peak_drops_by_about_the_logits(monkeypatch):
     1024 tokens x 32768 words, 128 MiB of float32 logits beside a 16-wide model; the fused
     op's passes over the logits torch's on any machine (the Triton ones hold one [C, V]
     temporary fewer: a larger drop)."""
-    monkeypatch.setattr(lce_op, "TRITON_PASSES", False)
+    monkeypatch.setattr(lce_op, "TRITON_PASSES", ())
     model = _tiny_gpt2(vocab=32768, positions=512)
     ids = torch.randint(0, 32768, (2, 512))
 

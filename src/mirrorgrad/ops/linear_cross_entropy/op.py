@@ -38,8 +38,12 @@ from mirrorgrad.ops.rnn.step_loop import interpreting
 # Auto chunk size: rows whose float32 logits fit in this many bytes.
 CHUNK_BYTES = 64 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
-# Whether the Triton passes run where they can; benchmarks set it False to time torch's.
-TRITON_PASSES = True
+# The logits' dtypes whose passes run as Triton kernels where Triton runs (benchmarks and
+# tests set others; () runs torch's everywhere). Half precision only: on an H200 at the
+# word LM's head (vocab 10,000) the kernels took the bf16 forward+backward 1.18-1.19x
+# faster and halved its peak at 700 rows, but fp32 ran 0.76x at 700 rows and 1.05x at
+# 4,480 (benchmarks/lce_fused.py).
+TRITON_PASSES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,7 +66,7 @@ def kernels_for(hidden: Tensor) -> ModuleType | None:
     device (CUDA, or CPU under the interpreter), else None: torch's passes run."""
     device = hidden.device.type
     on_device = device == "cuda" or (device == "cpu" and interpreting())
-    kernels = _triton_kernels() if TRITON_PASSES and on_device else None
+    kernels = _triton_kernels() if hidden.dtype in TRITON_PASSES and on_device else None
     return kernels if kernels is not None and hidden.dtype in kernels.DTYPES else None
 
 
