@@ -64,7 +64,7 @@ def budget_candidates(planner: Planner, before: Candidate) -> tuple[list[Candida
       the storage-balance plan (after the lifetime repair) and that plan with
       its costliest 1, 2, 4, ... units un-mirrored are candidates too.
     """
-    trims = _trimmed_balance(planner)
+    trims = trimmed_balance(planner)
     path = planner.adding_path(before, last_resort=True)
     # Heavy ops on top of the storage-balance plan: the low-peak end of the frontier
     # (the path from nothing spends the budget on convolutions first; the balance plan
@@ -111,7 +111,7 @@ def _prune(planner: Planner, chosen: Candidate) -> Candidate:
     return chosen
 
 
-def _trimmed_balance(planner: Planner) -> list[Candidate]:
+def trimmed_balance(planner: Planner) -> list[Candidate]:
     """The repaired storage-balance plan, then with its costliest 1, 2, 4, ...
     units stashed instead (each trim saves time and may cost peak)."""
     grouped = planner.repaired_storage_balance

@@ -503,12 +503,18 @@ class Planner:
         return seconds
 
     def adding_path(
-        self, before: Candidate, *, last_resort: bool, cap_s: float = float("inf")
+        self,
+        before: Candidate,
+        *,
+        last_resort: bool,
+        cap_s: float = float("inf"),
+        stop_peak: int = -1,
     ) -> list[Candidate]:
         """The states of the adding search (``meet_budget``), the last one also
         after the lifetime repair. ``last_resort``: matmuls and convolutions too, and
         the prefixes of chunks that lower the peak by more than ``REFINE_DROP``.
-        Added time only grows along the path: it stops once past ``cap_s``."""
+        Added time only grows along the path: it stops once past ``cap_s``, or once
+        the peak is at most ``stop_peak`` (the later states cost more)."""
         path, between = [before], []
         current, rejected, k = before, set(), 1
         max_chunk = max(MAX_CHUNK, int(len(self.graph.units) * CHUNK_SHARE))
@@ -516,6 +522,8 @@ class Planner:
         ranked: list[Node] | None = None  # for ``current``; a rejection only shortens it
         for _ in range(MAX_BUDGET_TRIALS):
             if current.added_time_s > cap_s or stalled >= STALL_TRIALS:
+                break
+            if current.peak <= stop_peak:
                 break
             if ranked is None:
                 ranked = self._ranked_additions(current, rejected, last_resort=last_resort)

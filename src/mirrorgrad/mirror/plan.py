@@ -8,6 +8,7 @@ planner.py (``plan``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from torch.fx import Node
 
@@ -17,6 +18,9 @@ from mirrorgrad.graph.cost import DeviceRates
 from mirrorgrad.graph.joint import is_getitem
 from mirrorgrad.mirror.policy import MirrorPolicy, op_name
 from mirrorgrad.options import MirrorOptions
+
+if TYPE_CHECKING:  # balance_target.py imports the planner, which imports this module
+    from mirrorgrad.mirror.balance_target import BalanceTarget
 
 # A budget missed by more than this fraction is declared (MirrorgradBudgetWarning).
 BUDGET_TOLERANCE = 0.05
@@ -122,6 +126,10 @@ class PlanOptions(MirrorOptions):
     # backward readers' kernels, and fused intermediates are never allocated. Set
     # False for backends that run each op on its own (backend="eager").
     fusion: bool = True
+    # torch.compile's estimated peak, where the caller knows it (the frontier bench
+    # simulates min-cut's partition): what balance's target is a share of. By default,
+    # the plan standing for it (balance_target.py).
+    reference_peak: int | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,9 +158,9 @@ class Plan:
     op_memory: list = field(default_factory=list, repr=False)
     # What the step holds outside the graph, by holder (graph/held.py: BLAS workspaces).
     held: dict[str, int] = field(default_factory=dict, repr=False)
-    # Balance mode, a plan above 0.8x the unmirrored peak or +3% time: what keeps it
-    # there (balance.limits).
-    limits: list[str] = field(default_factory=list)
+    # Balance mode: whether the plan reaches balance's target peak within its time cap,
+    # and if not why (balance_target.py).
+    balance_target: BalanceTarget | None = None
     # The LM heads + cross-entropies found before planning, fused or not (fused_loss.py).
     fused_losses: list = field(default_factory=list)
     # What became of Inductor's seeded random draws (dropout masks): how many the
@@ -191,7 +199,7 @@ class Plan:
             "op_memory": [c.to_dict() for c in self.op_memory],
             "held": dict(self.held),
             "step_peak": self.step_peak,
-            "limits": list(self.limits),
+            "balance_target": self.balance_target.to_dict() if self.balance_target else None,
             "fused_losses": [str(f) for f in self.fused_losses],
             "seeded_random": self.seeded_random,
         }
@@ -237,6 +245,8 @@ class Plan:
             parts.append(f"budget {_fmt(self.budget_bytes)}{of} {self._budget_state()}")
             if not self.budget_met:
                 parts.append(self.floor_summary())
+        if self.balance_target is not None:
+            parts.append(f"target {self.balance_target.reason()}")
         return "; ".join(parts)
 
     def __str__(self) -> str:
@@ -273,7 +283,8 @@ class Plan:
         if self.floor is not None:
             lines.append(f"floor:          {self.floor_summary()}")
         lines += [f"op memory:      {c}" for c in self.op_memory]
-        lines += [f"held up by:     {why}" for why in self.limits]
+        if self.balance_target is not None:
+            lines.append(f"balance target: {self.balance_target.reason()}")
         lines += [f"loss:           {f}" for f in self.fused_losses]
         if self.seeded_random:
             lines.append(f"dropout masks:  {self.seeded_random}")

@@ -19,7 +19,8 @@ import warnings
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import rates_for
 from mirrorgrad.graph.joint import JointGraph, is_view
-from mirrorgrad.mirror.balance import limits, plan_balance
+from mirrorgrad.mirror.balance import plan_balance
+from mirrorgrad.mirror.balance_target import balance_target
 from mirrorgrad.mirror.budget_search import plan_budget
 from mirrorgrad.mirror.candidates import Partition, Planner, stash_sizes
 from mirrorgrad.mirror.plan import (
@@ -90,7 +91,9 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         seeded_random=seeded,
     )
     if options.mode == "balance" and policy.enabled:
-        result.limits = limits(planner, chosen, before, options.max_overhead, floor)
+        result.balance_target = balance_target(
+            planner, chosen, before, options.max_overhead, options.reference_peak
+        )
     if met is False and warn:
         warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
     return result

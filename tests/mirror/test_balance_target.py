@@ -1,0 +1,137 @@
+"""Balance's target (0.8x torch.compile's peak within the time cap): met, or why not."""
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mirrorgrad
+from mirrorgrad.mirror import PlanOptions, plan
+from mirrorgrad.mirror.balance_target import COMPILE_REFERENCE, TARGET_PEAK, BalanceTarget
+
+sys.path.insert(0, str(Path(__file__).parent))
+from joint_graphs import LayerNormGeluLinear, joint_of
+
+
+def _balance(joint, **options):
+    return plan(joint, PlanOptions(mode="balance", **options), warn=False)
+
+
+@functools.cache
+def _layernorm_gelu():
+    """Activations of 2 MiB against weights of 64 KiB: recomputing cheap ops pays."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(LayerNormGeluLinear(128, 128) for _ in range(4)))
+    return joint_of(blocks, torch.randn(4096, 128), decompose=True)
+
+
+@functools.cache
+def _wide_linears():
+    """Weights of 4 MiB against activations of 16 KiB: no plan lowers the peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+    return joint_of(model, torch.randn(4, 1024), decompose=True)
+
+
+def _goal(t: BalanceTarget) -> int:
+    return int(TARGET_PEAK * t.reference_peak)
+
+
+def test_a_plan_that_reaches_the_target_says_met():
+    p = _balance(_layernorm_gelu(), max_overhead=0.1)
+    t = p.balance_target
+    assert t.status == "met" and p.peak_after <= _goal(t)
+    assert t.reason().endswith(f"met ({p.peak_after / t.reference_peak:.3f}x at +{t.overhead:.1%})")
+    assert t.other_peak is None and not t.recomputes and t.held is None
+
+
+def test_a_target_over_the_cap_names_the_plan_that_reaches_it_and_its_cost():
+    p = _balance(_layernorm_gelu(), max_overhead=0.001)
+    t = p.balance_target
+    assert t.status == "costly" and p.peak_after > _goal(t)
+    assert t.other_peak <= _goal(t) and t.other_overhead > 0.001
+    assert f"costs +{t.other_overhead:.1%}" in t.reason()
+    # what it recomputes beyond balance's plan: the GELU's arithmetic, largest first
+    ops = [op for op, _ in t.recomputes]
+    assert {"mul", "erf"} <= set(ops)
+    assert [b for _, b in t.recomputes] == sorted((b for _, b in t.recomputes), reverse=True)
+    assert f"recomputing {ops[0]} " in t.reason()
+    # the budget it names gets such a plan
+    asked = plan(_layernorm_gelu(), PlanOptions(mode="budget", budget=_goal(t)), warn=False)
+    assert asked.budget_met and asked.peak_after <= _goal(t)
+    assert asked.added_time_s <= t.other_overhead * asked.step_time_s * (1 + 1e-9)
+    assert f"budget={_goal(t)}" in t.reason()
+
+
+def test_a_target_no_plan_reaches_names_what_is_alive_at_the_lowest_peak():
+    p = _balance(_wide_linears())
+    t = p.balance_target
+    assert t.status == "unreachable"
+    by_kind = t.held.bytes_by_kind
+    assert by_kind["parameters"] + by_kind["gradients"] >= 0.9 * t.held.peak
+    assert "no plan reaches it" in t.reason() and "parameters 8.01 MiB" in t.reason()
+    # budget mode's full search finds no plan at the target either
+    asked = plan(_wide_linears(), PlanOptions(mode="budget", budget=_goal(t)), warn=False)
+    assert asked.budget_met is False
+
+
+def test_the_reference_is_torch_compiles_peak_where_the_caller_knows_it():
+    joint = _layernorm_gelu()
+    default = _balance(joint)
+    below = _balance(joint, reference_peak=int(default.peak_after / 0.7))
+    above = _balance(joint, reference_peak=default.peak_after)
+    for p in (below, above):
+        assert p.balance_target.reference == COMPILE_REFERENCE
+        assert p.saved == default.saved and p.mirrored == default.mirrored  # the same plan
+    assert below.balance_target.status == "met"
+    assert above.balance_target.status != "met"
+    assert above.balance_target.reached == 1.0
+
+
+def test_only_balance_has_a_target():
+    assert plan(_layernorm_gelu(), PlanOptions(mode="off")).balance_target is None
+    budget = PlanOptions(mode="budget", budget=0.5)
+    assert plan(_layernorm_gelu(), budget, warn=False).balance_target is None
+
+
+def _target(status, **fields) -> BalanceTarget:
+    base = dict(target=0.8, reference="torch.compile's peak", reference_peak=1000 * 2**20,
+                peak=900 * 2**20, overhead=0.025, max_overhead=0.03)  # fmt: skip
+    return BalanceTarget(status=status, **(base | fields))
+
+
+def test_the_wording_of_each_verdict():
+    assert _target("met", peak=700 * 2**20).verdict() == "≤ 0.8x at ≤ 1.03x: met"
+    costly = _target("costly", other_peak=780 * 2**20, other_overhead=0.054,
+                     recomputes=(("mm", 312 * 2**20), ("add", 2**20)))  # fmt: skip
+    assert costly.verdict() == "≤ 0.8x at ≤ 1.03x: not within +3%: a 0.780x at +5.4% plan"
+    assert costly.reason() == (
+        "at most 0.8x torch.compile's peak within +3.0%: not within the cap (0.900x at "
+        "+2.5%): a 0.780x plan costs +5.4%, recomputing mm 312 MiB, add 1.00 MiB more "
+        "(mode='budget', budget='800MiB')"
+    )
+    missed = _target("missed", other_peak=750 * 2**20, other_overhead=0.029)
+    assert "not found by balance (0.900x at +2.5%): budget mode's search finds a 0.750x" in (
+        missed.reason()
+    )
+
+
+def test_print_summary_and_dict_carry_the_target():
+    p = _balance(_layernorm_gelu(), max_overhead=0.001)
+    reason = p.balance_target.reason()
+    assert f"\nbalance target: {reason}" in str(p)
+    assert p.summary_line().endswith(f"; target {reason}")
+    d = json.loads(json.dumps(p.to_dict()))["balance_target"]
+    assert d["status"] == "costly" and d["reason"] == reason
+    assert d["reached"] == pytest.approx(p.peak_after / d["reference_peak"])
+
+
+def test_explain_prints_the_target():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    p = mirrorgrad.explain(model, torch.randn(2, 256), mode="balance", backend="eager")
+    assert p.balance_target.status == "unreachable"
+    assert "balance target: at most 0.8x" in str(p) and "parameters" in str(p)
