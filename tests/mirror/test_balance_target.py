@@ -11,7 +11,12 @@ from torch import nn
 
 import mirrorgrad
 from mirrorgrad.mirror import PlanOptions, plan
-from mirrorgrad.mirror.balance_target import COMPILE_REFERENCE, TARGET_PEAK, BalanceTarget
+from mirrorgrad.mirror.balance_target import (
+    COMPILE_REFERENCE,
+    TARGET_PEAK,
+    BalanceTarget,
+    Recomputed,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from joint_graphs import LayerNormGeluLinear, joint_of
@@ -55,11 +60,14 @@ def test_a_target_over_the_cap_names_the_plan_that_reaches_it_and_its_cost():
     assert t.status == "costly" and p.peak_after > _goal(t)
     assert t.other_peak <= _goal(t) and t.other_overhead > 0.001
     assert f"costs +{t.other_overhead:.1%}" in t.reason()
-    # what it recomputes beyond balance's plan: the GELU's arithmetic, largest first
-    ops = [op for op, _ in t.recomputes]
-    assert {"mul", "erf"} <= set(ops)
-    assert [b for _, b in t.recomputes] == sorted((b for _, b in t.recomputes), reverse=True)
-    assert f"recomputing {ops[0]} " in t.reason()
+    # what it recomputes beyond balance's plan: the GELU's arithmetic, most bytes first
+    ops = [r.op for r in t.recomputes]
+    assert {"mul", "erf"} <= set(ops) and all(r.balance_may for r in t.recomputes)
+    sizes = [r.nbytes for r in t.recomputes]
+    assert sizes == sorted(sizes, reverse=True)
+    erf = next(r for r in t.recomputes if r.op == "erf")
+    assert erf.shape == "[4096, 128]" and erf.nbytes == erf.count * 4096 * 128 * 4
+    assert f"recomputing {t.recomputes[0]}" in t.reason()
     # the budget it names gets such a plan
     asked = plan(_layernorm_gelu(), PlanOptions(mode="budget", budget=_goal(t)), warn=False)
     assert asked.budget_met and asked.peak_after <= _goal(t)
@@ -105,18 +113,24 @@ def _target(status, **fields) -> BalanceTarget:
 
 
 def test_the_wording_of_each_verdict():
+    mm = Recomputed(op="mm", nbytes=312 * 2**20, count=12, shape="[8, 1024, 3072]",
+                    balance_may=False)  # fmt: skip
+    add = Recomputed(op="add", nbytes=2**20, count=1, shape="[256, 1024]", balance_may=True)
     assert _target("met", peak=700 * 2**20).verdict() == "≤ 0.8x at ≤ 1.03x: met"
-    costly = _target("costly", other_peak=780 * 2**20, other_overhead=0.054,
-                     recomputes=(("mm", 312 * 2**20), ("add", 2**20)))  # fmt: skip
-    assert costly.verdict() == "≤ 0.8x at ≤ 1.03x: not within +3%: a 0.780x at +5.4% plan"
+    costly = _target("costly", other_peak=780 * 2**20, other_overhead=0.054, recomputes=(mm, add))
+    assert costly.verdict() == "≤ 0.8x at ≤ 1.03x: not within +3%: a plan at 0.780x at +5.4%"
     assert costly.reason() == (
         "at most 0.8x torch.compile's peak within +3.0%: not within the cap (0.900x at "
-        "+2.5%): a 0.780x plan costs +5.4%, recomputing mm 312 MiB, add 1.00 MiB more "
+        "+2.5%): a 0.780x plan costs +5.4%, recomputing mm 312 MiB (12 values like "
+        "[8, 1024, 3072]), add 1.00 MiB (one value, [256, 1024]) more "
         "(mode='budget', budget='800MiB')"
     )
-    missed = _target("missed", other_peak=750 * 2**20, other_overhead=0.029)
-    assert "not found by balance (0.900x at +2.5%): budget mode's search finds a 0.750x" in (
-        missed.reason()
+    missed = _target("missed", other_peak=750 * 2**20, other_overhead=0.029, recomputes=(mm,))
+    assert missed.verdict().endswith(": missed: budget mode's search finds 0.750x at +2.9%")
+    assert missed.reason().endswith(
+        "not found by balance (0.900x at +2.5%): budget mode's search finds a 0.750x plan at "
+        "+2.9%, recomputing mm 312 MiB (12 values like [8, 1024, 3072]) more (mode='budget', "
+        "budget='800MiB'); balance recomputes no mm"
     )
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from torch.fx import Node
+
 from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import is_getitem, is_view, op_name
@@ -40,13 +42,34 @@ COMPILE_REFERENCE = "torch.compile's peak (its partition simulated)"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Recomputed:
+    """Values of one op that a plan recomputes: their bytes, how many, the largest's
+    shape, and whether balance may recompute the op at all (not a matmul, convolution,
+    ...: those only budget mode recomputes)."""
+
+    op: str
+    nbytes: int
+    count: int
+    shape: str
+    balance_may: bool
+
+    def __str__(self) -> str:
+        values = f"{self.count} values like" if self.count > 1 else "one value,"
+        return f"{self.op} {_fmt(self.nbytes)} ({values} {self.shape})"
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "bytes": self.nbytes, "count": self.count, "shape": self.shape,
+                "balance_may": self.balance_may}  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class BalanceTarget:
     """Whether balance's plan peaks at most ``target`` x ``reference_peak``, and if not why.
 
     ``other_*``: for ``costly`` and ``missed`` the cheapest plan found that reaches the
-    target, with the ops it recomputes beyond balance's plan (``recomputes``: op,
-    bytes); for ``unreachable`` the lowest peak found, with what is alive at it
-    (``held``)."""
+    target, with what it recomputes beyond balance's plan (``recomputes``, by op, most
+    bytes first); for ``unreachable`` the lowest peak found where one is below balance's,
+    and what is alive at that peak (``held``)."""
 
     target: float
     reference: str
@@ -57,7 +80,7 @@ class BalanceTarget:
     status: Status
     other_peak: int | None = None
     other_overhead: float | None = None
-    recomputes: tuple[tuple[str, int], ...] = ()
+    recomputes: tuple[Recomputed, ...] = ()
     held: liveness.PeakBreakdown | None = None
 
     @property
@@ -66,39 +89,47 @@ class BalanceTarget:
 
     def reason(self) -> str:
         """One line: the target, the verdict, and why where it is missed."""
-        this = f"{self.reached:.3f}x at +{self.overhead:.1%}"
         head = f"at most {self.target:g}x {self.reference} within +{self.max_overhead:.1%}: "
+        this = self._at(self.peak, self.overhead)
         if self.status == "met":
             return f"{head}met ({this})"
-        ratio = (self.other_peak or 0) / self.reference_peak
         if self.status == "unreachable":
             if self.other_peak is None:
                 return f"{head}no plan reaches it or peaks lower ({this}); {self._held()}"
-            lowest = f"{ratio:.3f}x at +{self.other_overhead:.1%}"
+            lowest = self._at(self.other_peak, self.other_overhead)
             return f"{head}no plan reaches it ({this}); the lowest peak is {lowest}; {self._held()}"
-        ops = ", ".join(f"{op} {_fmt(b)}" for op, b in self.recomputes[:NAMED])
+        ratio = f"{self.other_peak / self.reference_peak:.3f}x"
+        ops = ", ".join(str(r) for r in self.recomputes[:NAMED])
         recomputing = f", recomputing {ops} more" if ops else ""
-        other = f"a {ratio:.3f}x plan costs +{self.other_overhead:.1%}{recomputing}"
         ask = f"mode='budget', budget={_budget_arg(int(self.target * self.reference_peak))}"
         if self.status == "costly":
+            other = f"a {ratio} plan costs +{self.other_overhead:.1%}{recomputing}"
             return f"{head}not within the cap ({this}): {other} ({ask})"
-        return f"{head}not found by balance ({this}): budget mode's search finds {other} ({ask})"
+        heavy = " or ".join(r.op for r in self.recomputes if not r.balance_may)
+        never = f"; balance recomputes no {heavy}" if heavy else ""
+        other = f"a {ratio} plan at +{self.other_overhead:.1%}{recomputing}"
+        return (
+            f"{head}not found by balance ({this}): budget mode's search finds {other} "
+            f"({ask}){never}"
+        )
 
     def verdict(self) -> str:
         """A few words for a table row: met, or why not."""
         goal = f"≤ {self.target:g}x at ≤ {1 + self.max_overhead:g}x"
-        has_other = self.other_peak is not None and self.other_overhead is not None
-        peak, overhead = (
-            (self.other_peak, self.other_overhead) if has_other else (self.peak, self.overhead)
-        )
-        other = f"{peak / self.reference_peak:.3f}x at +{overhead:.1%}"
         if self.status == "met":
             return f"{goal}: met"
+        if self.other_peak is None:  # unreachable, and nothing peaks lower
+            other = self._at(self.peak, self.overhead)
+        else:
+            other = self._at(self.other_peak, self.other_overhead)
         if self.status == "costly":
-            return f"{goal}: not within +{self.max_overhead:.0%}: a {other} plan"
+            return f"{goal}: not within +{self.max_overhead:.0%}: a plan at {other}"
         if self.status == "missed":
             return f"{goal}: missed: budget mode's search finds {other}"
         return f"{goal}: no plan reaches {self.target:g}x: the lowest is {other}, {self._alive()}"
+
+    def _at(self, peak: int, overhead: float | None) -> str:
+        return f"{peak / self.reference_peak:.3f}x at +{overhead or 0.0:.1%}"
 
     def _alive(self) -> str:
         if self.held is None:
@@ -122,7 +153,7 @@ class BalanceTarget:
             "status": self.status,
             "other_peak": self.other_peak,
             "other_overhead": self.other_overhead,
-            "recomputes": [{"op": op, "bytes": b} for op, b in self.recomputes],
+            "recomputes": [r.to_dict() for r in self.recomputes],
             "held": self.held.to_dict() if self.held is not None else None,
             "verdict": self.verdict(),
             "reason": self.reason(),
@@ -196,12 +227,19 @@ def _cheapest_at(planner: Planner, before: Candidate, goal: int) -> Candidate:
 
 def _recomputed_beyond(
     planner: Planner, other: Candidate, chosen: Candidate
-) -> tuple[tuple[str, int], ...]:
-    """Bytes ``other`` recomputes that ``chosen`` does not, by op, largest first."""
-    by_op: dict[str, int] = {}
+) -> tuple[Recomputed, ...]:
+    """What ``other`` recomputes that ``chosen`` does not, by op, most bytes first."""
+    by_op: dict[str, list[Node]] = {}
     for n in set(other.partition.mirrored) - set(chosen.partition.mirrored):
-        if is_getitem(n) or is_view(n):
-            continue  # a tuple's bytes are its producer's; a view allocates nothing
-        op = op_name(n).removeprefix("aten::")
-        by_op[op] = by_op.get(op, 0) + planner.joint.nbytes(n)
-    return tuple(sorted(by_op.items(), key=lambda kv: (-kv[1], kv[0])))
+        if not is_getitem(n) and not is_view(n):  # a tuple's bytes are its producer's
+            by_op.setdefault(op_name(n).removeprefix("aten::"), []).append(n)
+    nbytes = planner.joint.nbytes
+    found = []
+    for op, nodes in by_op.items():
+        largest = max(nodes, key=lambda n: (nbytes(n), n.name))
+        val = largest.meta.get("val")
+        shape = list(val.shape) if hasattr(val, "shape") else "a tuple"
+        may = all(planner.graph.mirrorable.get(n, False) for n in nodes)
+        found.append(Recomputed(op=op, nbytes=sum(map(nbytes, nodes)), count=len(nodes),
+                                shape=str(shape), balance_may=may))  # fmt: skip
+    return tuple(sorted(found, key=lambda r: (-r.nbytes, r.op)))
