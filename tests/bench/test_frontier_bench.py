@@ -32,7 +32,12 @@ def test_rows_compare_at_min_cuts_peak(tmp_path, capsys):
         theirs, ours = plans[f"compile-budget-{f}"], plans[f"mirror at min-cut {f}'s peak"]
         if ours["peak_mib"] <= theirs["peak_mib"]:
             assert ours["added_time"] <= theirs["added_time"] + 1e-9
-    assert "| mlp |" in capsys.readouterr().out
+    target = plans["mirror-balance"]["balance_target"]  # against min-cut's peak, as the rows
+    assert target["reached"] == pytest.approx(plans["mirror-balance"]["peak_vs_compile"])
+    out = capsys.readouterr().out
+    assert "| mlp |" in out
+    assert f"| mirror-balance: {target['verdict']} |" in out
+    assert f"- mlp, balance: {target['reason']}" in out
 
 
 @pytest.mark.slow
