@@ -87,6 +87,18 @@ def test_a_target_no_plan_reaches_names_what_is_alive_at_the_lowest_peak():
     assert asked.budget_met is False
 
 
+def test_a_target_no_plan_reaches_names_the_lowest_peak_found():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(LayerNormGeluLinear(512, 512) for _ in range(3)))
+    joint = joint_of(blocks, torch.randn(512, 512), decompose=True)
+    t = _balance(joint).balance_target
+    assert t.status == "unreachable" and _goal(t) < t.other_peak < t.peak
+    lowest = f"the lowest peak is {t.other_peak / t.reference_peak:.3f}x at +{t.other_overhead:.1%}"
+    assert lowest in t.reason() and "alive at that peak: parameters" in t.reason()
+    asked = plan(joint, PlanOptions(mode="budget", budget=_goal(t)), warn=False)
+    assert asked.budget_met is False and asked.peak_after >= t.other_peak
+
+
 def test_the_reference_is_torch_compiles_peak_where_the_caller_knows_it():
     joint = _layernorm_gelu()
     default = _balance(joint)

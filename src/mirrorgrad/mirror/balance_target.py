@@ -171,10 +171,12 @@ def balance_target(
     chosen: Candidate,
     before: Candidate,
     max_overhead: float,
+    floor: liveness.PeakBreakdown,
     reference_peak: int | None = None,
 ) -> BalanceTarget:
-    """Balance's plan ``chosen`` against the target (``before``: no mirroring;
-    ``reference_peak``: torch.compile's estimated peak where the caller knows it)."""
+    """Balance's plan ``chosen`` against the target (``before``: no mirroring; ``floor``:
+    what is alive at ``chosen``'s peak; ``reference_peak``: torch.compile's estimated
+    peak where the caller knows it)."""
     reference = COMPILE_REFERENCE
     if reference_peak is None:
         reference_peak = balance(planner, DEFAULT_PLAN_OVERHEAD, before).peak
@@ -198,14 +200,13 @@ def balance_target(
     other = _cheapest_at(planner, before, goal)
     if other.peak > goal:
         if other.peak >= chosen.peak:  # nothing peaks lower: what holds balance's own peak
-            other = chosen
+            return BalanceTarget(status="unreachable", held=floor, **found)
         p = other.partition
         held = liveness.peak_breakdown(
             planner.joint, p.saved + p.saved_sym, p.mirrored, fusion=planner.fusion,
             index=planner.index,
         )  # fmt: skip
-        lowest = {} if other is chosen else lowest_of(other)
-        return BalanceTarget(status="unreachable", held=held, **found, **lowest)
+        return BalanceTarget(status="unreachable", held=held, **found, **lowest_of(other))
     status: Status = "costly" if other.added_time_s > max_overhead * step else "missed"
     return BalanceTarget(
         status=status, recomputes=_recomputed_beyond(planner, other, chosen), **found,
@@ -238,7 +239,9 @@ def _recomputed_beyond(
     for op, nodes in by_op.items():
         largest = max(nodes, key=lambda n: (nbytes(n), n.name))
         val = largest.meta.get("val")
-        shape = list(val.shape) if hasattr(val, "shape") else "a tuple"
+        if isinstance(val, (tuple, list)):  # a multi-output op: its first tensor
+            val = next((v for v in val if hasattr(v, "shape")), None)
+        shape = [int(d) if isinstance(d, int) else str(d) for d in getattr(val, "shape", ())]
         may = all(planner.graph.mirrorable.get(n, False) for n in nodes)
         found.append(Recomputed(op=op, nbytes=sum(map(nbytes, nodes)), count=len(nodes),
                                 shape=str(shape), balance_may=may))  # fmt: skip

@@ -92,7 +92,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     )
     if options.mode == "balance" and policy.enabled:
         result.balance_target = balance_target(
-            planner, chosen, before, options.max_overhead, options.reference_peak
+            planner, chosen, before, options.max_overhead, floor, options.reference_peak
         )
     if met is False and warn:
         warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
