@@ -91,9 +91,12 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         seeded_random=seeded,
     )
     if options.mode == "balance" and policy.enabled:
-        result.balance_target = balance_target(
-            planner, chosen, before, options.max_overhead, floor, options.reference_peak
-        )
+        try:
+            result.balance_target = balance_target(
+                planner, chosen, before, options.max_overhead, floor, options.reference_peak
+            )
+        except PlanError:  # a report only: the plan chosen stands without it
+            result.balance_target = None
     if met is False and warn:
         warnings.warn(budget_message(result), MirrorgradBudgetWarning, stacklevel=2)
     return result
