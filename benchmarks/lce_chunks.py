@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from mirrorgrad._timing import time_calls
+from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy
 
 MiB = 2**20
@@ -35,13 +35,7 @@ def measure(loss_fn, hidden, weight, target) -> tuple[float, float]:
         hidden.grad = weight.grad = None
         loss_fn(hidden, weight, target).backward()
 
-    step()  # compiles, fills caches
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    peak = peak_bytes_of(step) / MiB
     timing = time_calls(step, repeats=10, warmup=2, device="cuda")
     return timing.median_ms, peak
 

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from mirrorgrad._timing import time_calls
+from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops.linear_cross_entropy import kernels, linear_cross_entropy, op
 
 MiB = 2**20
@@ -36,13 +36,7 @@ def measure(hidden, weight, bias, target, repeats: int) -> tuple[float, float, f
     def step():
         torch.autograd.grad(linear_cross_entropy(hidden, weight, bias, target), leaves)
 
-    step()  # compiles the kernels, fills cuBLAS' caches
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    peak = peak_bytes_of(step) / MiB
     fwd = time_calls(forward, repeats=repeats, warmup=3, device="cuda").median_ms
     both = time_calls(step, repeats=repeats, warmup=3, device="cuda").median_ms
     return fwd, both, peak

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from mirrorgrad._timing import time_calls
+from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op
 
@@ -30,13 +30,7 @@ def measure(hidden, weight, bias, target) -> tuple[float, float]:
         loss = linear_cross_entropy(hidden, weight, bias, target)
         torch.autograd.grad(loss, (hidden, weight, bias))
 
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    peak = peak_bytes_of(step) / MiB
     return time_calls(step, repeats=20, warmup=2, device="cuda").median_ms, peak
 
 

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from mirrorgrad import _timing
 from mirrorgrad._timing import Timing, time_calls
@@ -26,3 +27,16 @@ def test_cpu_calls_are_timed_after_warmup(monkeypatch):
     assert len(calls) == 6 and t.samples_ms == pytest.approx((2.0,) * 4)
     with pytest.raises(ValueError, match="repeats"):
         time_calls(fn, repeats=0, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_bytes_of_a_call_counts_what_it_allocates_beyond_what_exists():
+    held = torch.empty(8 << 20, device="cuda")  # before the call: not counted
+    calls = []
+
+    def step():
+        calls.append(torch.empty(1 << 20, device="cuda").sum())  # 4 MiB, freed at return
+
+    assert _timing.peak_bytes_of(step) == 4 << 20
+    assert len(calls) == 2 and held.numel() == 8 << 20

@@ -80,3 +80,15 @@ def host_ms(step: Callable[[], object], n: int = 8) -> float:
     host = (time.perf_counter() - start) / n * 1e3
     torch.cuda.synchronize()
     return host
+
+
+def peak_bytes_of(step: Callable[[], object], device: torch.device | str = "cuda") -> int:
+    """The bytes ``step`` allocates on a CUDA ``device`` beyond what existed before, at its
+    peak: measured on a second call, the first compiling and filling caches."""
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
