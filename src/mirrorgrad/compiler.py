@@ -58,6 +58,8 @@ class MirrorBackend:
     root_module: nn.Module | None = None
     on_plan: PlanCallback | None = None
     strict: bool = False
+    # Plans say whether balance reaches its target, and why not (explain sets it).
+    diagnose_balance: bool = False
     plans: list[Plan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,7 @@ class MirrorBackend:
             max_overhead=mirror.max_overhead,
             policy=policy,
             fusion=self.codegen == "inductor" if self.fusion is None else self.fusion,
+            diagnose_balance=self.diagnose_balance,
         )
 
     def _fuse_losses(self, gm: GraphModule) -> list[FusedLoss]:
@@ -410,6 +413,7 @@ def explain(
         fusion=backend == "inductor",
         root_module=model if isinstance(model, nn.Module) else None,
         strict=True,
+        diagnose_balance=True,
     )
     torch_compile_kwargs.setdefault("fullgraph", True)
     step = own_frame(model, "explain")

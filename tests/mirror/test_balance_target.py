@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import mirrorgrad
+from mirrorgrad.compiler import MirrorBackend
 from mirrorgrad.mirror import PlanOptions, plan
 from mirrorgrad.mirror.balance_target import (
     COMPILE_REFERENCE,
@@ -23,6 +24,7 @@ from joint_graphs import LayerNormGeluLinear, joint_of
 
 
 def _balance(joint, **options):
+    options.setdefault("diagnose_balance", True)
     return plan(joint, PlanOptions(mode="balance", **options), warn=False)
 
 
@@ -112,10 +114,13 @@ def test_the_reference_is_torch_compiles_peak_where_the_caller_knows_it():
     assert above.balance_target.reached == 1.0
 
 
-def test_only_balance_has_a_target():
+def test_only_balance_has_a_target_and_only_where_asked():
     assert plan(_layernorm_gelu(), PlanOptions(mode="off")).balance_target is None
-    budget = PlanOptions(mode="budget", budget=0.5)
+    budget = PlanOptions(mode="budget", budget=0.5, diagnose_balance=True)
     assert plan(_layernorm_gelu(), budget, warn=False).balance_target is None
+    # compile's plans skip the diagnosis (its planning time); explain's have it
+    assert _balance(_layernorm_gelu(), diagnose_balance=False).balance_target is None
+    assert MirrorBackend().plan_options().diagnose_balance is False
 
 
 def _target(status, **fields) -> BalanceTarget:

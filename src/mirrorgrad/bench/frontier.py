@@ -167,7 +167,8 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
 
     # Balance's target is a share of min-cut's peak, as the table's ratios are.
     balanced = ours("mirror-balance", PlanOptions(mode="balance", device=rates,
-                                                  reference_peak=base.peak))  # fmt: skip
+                                                  reference_peak=base.peak,
+                                                  diagnose_balance=True))  # fmt: skip
     rows[-1]["balance_target"] = balanced.balance_target.to_dict()
     for f in fractions:
         start = time.process_time()

@@ -130,6 +130,9 @@ class PlanOptions(MirrorOptions):
     # simulates min-cut's partition): what balance's target is a share of. By default,
     # the plan standing for it (balance_target.py).
     reference_peak: int | None = None
+    # Work out balance's target (explain, the frontier bench): a report, and a second
+    # search where it is missed (+0.2 s planning GPT-2 on a CPU), so compile skips it.
+    diagnose_balance: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

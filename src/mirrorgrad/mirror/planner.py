@@ -90,7 +90,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
         sizes=sizes,
         seeded_random=seeded,
     )
-    if options.mode == "balance" and policy.enabled:
+    if options.mode == "balance" and policy.enabled and options.diagnose_balance:
         try:
             result.balance_target = balance_target(
                 planner, chosen, before, options.max_overhead, floor, options.reference_peak
