@@ -1,7 +1,7 @@
 """What the Triton passes over the fused LM head's logits win, on a GPU.
 
     PYTHONPATH=src python benchmarks/lce_fused.py [--rows 700 4480] [--hidden 650]
-        [--vocab 10000] [--repeats 50]
+        [--vocab 10000] [--repeats 50] [--graphed]
 
 ``linear_cross_entropy`` (bias included, every gradient asked for, the op's default
 chunks and pad rule) at the medium word LM's head by default (rows = batch x BPTT: 700
@@ -19,14 +19,22 @@ import argparse
 
 import torch
 
+from mirrorgrad._cuda_graphs import capture
 from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops.linear_cross_entropy import kernels, linear_cross_entropy, op
 
 MiB = 2**20
 
 
-def measure(hidden, weight, bias, target, repeats: int) -> tuple[float, float, float]:
-    """(forward ms, forward+backward ms, peak MiB beyond what existed before), medians."""
+def graphed(fn):
+    """``fn`` captured in a CUDA Graph: the call replays it (no host time per launch)."""
+    graph, _ = capture(fn)
+    return graph.replay
+
+
+def measure(hidden, weight, bias, target, repeats: int, captured: bool) -> tuple[float, ...]:
+    """(forward ms, forward+backward ms, peak MiB beyond what existed before), medians;
+    ``captured``: each timed as one CUDA Graph's replay."""
     leaves = (hidden, weight, bias)
 
     def forward():
@@ -37,6 +45,8 @@ def measure(hidden, weight, bias, target, repeats: int) -> tuple[float, float, f
         torch.autograd.grad(linear_cross_entropy(hidden, weight, bias, target), leaves)
 
     peak = peak_bytes_of(step) / MiB
+    if captured:
+        forward, step = graphed(forward), graphed(step)
     fwd = time_calls(forward, repeats=repeats, warmup=3, device="cuda").median_ms
     both = time_calls(step, repeats=repeats, warmup=3, device="cuda").median_ms
     return fwd, both, peak
@@ -48,6 +58,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=650)
     parser.add_argument("--vocab", type=int, default=10000)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--graphed", action="store_true", help="time replays of a CUDA Graph, as train lm runs"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
@@ -71,7 +84,8 @@ def main() -> None:
             try:
                 for triton in (False, True):
                     op.TRITON_PASSES = kernels.DTYPES if triton else ()
-                    results[triton] = measure(hidden, weight, bias, target, args.repeats)
+                    results[triton] = measure(hidden, weight, bias, target, args.repeats,
+                                              args.graphed)  # fmt: skip
             finally:
                 op.TRITON_PASSES = default
             (fwd0, ms0, mib0), (fwd1, ms1, mib1) = results[False], results[True]
@@ -80,7 +94,8 @@ def main() -> None:
             print(line, flush=True)
             rows_out.append(line)
     print(f"\n{torch.cuda.get_device_name()}, hidden {args.hidden}, vocab {args.vocab}, "
-          f"median of {args.repeats}; ms and MiB: torch's passes / Triton's")  # fmt: skip
+          f"median of {args.repeats}{', CUDA-graphed' if args.graphed else ', eager'}; "
+          "ms and MiB: torch's passes / Triton's")  # fmt: skip
     print("| dtype | rows | fwd ms torch | fwd ms triton | fwd+bwd ms torch | fwd+bwd ms triton "
           "| speed-up | peak MiB torch | peak MiB triton |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
