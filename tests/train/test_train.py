@@ -246,3 +246,30 @@ def test_summary_reports_the_steps_peak_apart_from_the_whole_run():
     text = str(Summary(**fields))
     assert "training steps: 190 MiB" in text
     assert "whole run (final evaluation included): 246 MiB" in text
+
+
+def test_final_evaluation_runs_without_the_steps_gradients(corpus, tmp_path, monkeypatch):
+    """After the last step the gradients (and on a GPU the step's graph) are dropped:
+    the final evaluation needs neither, and their memory would stand beside it."""
+    from mirrorgrad.train import evaluation
+
+    seen = []
+    final_losses = evaluation.final_losses
+
+    def recording(setup, *args):
+        seen.append([p.grad for p in setup.model.parameters()])
+        return final_losses(setup, *args)
+
+    monkeypatch.setattr(evaluation, "final_losses", recording)
+    summary = train(make_config(corpus, tmp_path, epochs=1, max_steps=2))
+    assert summary.steps == 2 and len(seen) == 1
+    assert all(g is None for g in seen[0])
+
+
+def test_a_released_graphed_step_holds_no_graph_and_no_static_tensors():
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    graphed = step.GraphedStep(lambda *a: None, optimizer, clip=1.0)
+    graphed.graph, graphed._inputs = object(), [torch.zeros(1)]
+    graphed.release()
+    assert graphed.graph is None and graphed._inputs is None

@@ -153,6 +153,7 @@ class StepLoop:
             first_step_s = None if clock.timed_from is None else clock.timed_from[1] - clock.started
             train_loss = self.progress.losses.train_loss(setup.world)
             path = self._save()
+            self._release_step()
         return Trained(
             position=pos,
             seconds=seconds,
@@ -266,6 +267,14 @@ class StepLoop:
         window.total.zero_()
         window.steps, clock.window_started = 0, now
         self._check_finite()
+
+    def _release_step(self) -> None:
+        """After the last step (saved): the step's CUDA Graph and the gradients go, so
+        that the final evaluation, which needs neither, does not stand beside them (the
+        medium LM's bf16 run at batch 20 peaked 20 MiB above its steps in it, H200)."""
+        if self.setup.step.graphed is not None:
+            self.setup.step.graphed.release()
+        self.setup.optimizer.zero_grad(set_to_none=True)
 
     def _end_epoch(self) -> None:
         setup, pos = self.setup, self.progress.position

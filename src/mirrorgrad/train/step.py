@@ -199,6 +199,13 @@ class GraphedStep:
         self.graph.replay()
         return self._loss, self._norm, (self._inputs[2], self._inputs[3])
 
+    def release(self) -> None:
+        """Drops the graph and the tensors it rewrites (its memory goes once nothing else
+        holds them: the gradients it wrote are the optimizer's to drop); a later call
+        captures again."""
+        self.graph = None
+        self._inputs = self._loss = self._norm = None
+
     def _body(self, tokens: Tensor, targets: Tensor, state: State) -> tuple[Tensor, Tensor, State]:
         loss, next_state = self.step_model(tokens, targets, state)
         loss.backward()
