@@ -15,13 +15,18 @@ of 20 calls, and the GEMM kernel cuBLAS ran without and with the pads.
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mirrorgrad._timing import time_calls
 from mirrorgrad.ops.aligned_mm import mm
+
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lm_head_args import head_parser, parse_on_gpu
 
 
 def operands(rows: int, hidden: int, vocab: int, dtype: torch.dtype) -> dict:
@@ -53,14 +58,7 @@ def gemm_kernel(fn) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[700, 4480])
-    parser.add_argument("--hidden", type=int, default=650)
-    parser.add_argument("--vocab", type=int, default=10000)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    args = parse_on_gpu(head_parser(__doc__))
     padded = -(-args.hidden // 8) * 8
 
     def ms(fn) -> float:

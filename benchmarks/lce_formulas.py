@@ -12,13 +12,18 @@ the outputs. At the word LM's head, 700 rows are one chunk of logits and 4,480 r
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from mirrorgrad import formulas
 from mirrorgrad._timing import peak_bytes_of
 from mirrorgrad.ops.linear_cross_entropy import kernels, op
+
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lm_head_args import head_parser, parse_on_gpu
 
 MiB = 2**20
 
@@ -36,14 +41,7 @@ def seen_and_declared(fn, args, formula) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[700, 4480])
-    parser.add_argument("--hidden", type=int, default=650)
-    parser.add_argument("--vocab", type=int, default=10000)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    args = parse_on_gpu(head_parser(__doc__))
     v, h = args.vocab, args.hidden
     chunk = op.CHUNK_BYTES // (4 * v)
     forward, backward = op.linear_cross_entropy_forward, op.linear_cross_entropy_backward

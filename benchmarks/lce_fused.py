@@ -15,13 +15,18 @@ table comes last.
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from mirrorgrad._cuda_graphs import capture
 from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops.linear_cross_entropy import kernels, linear_cross_entropy, op
+
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lm_head_args import head_parser, parse_on_gpu
 
 MiB = 2**20
 
@@ -53,20 +58,12 @@ def measure(hidden, weight, bias, target, repeats: int, captured: bool) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[700, 4480])
-    parser.add_argument("--hidden", type=int, default=650)
-    parser.add_argument("--vocab", type=int, default=10000)
+    parser = head_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument(
         "--graphed", action="store_true", help="time replays of a CUDA Graph, as train lm runs"
     )
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    if min(*args.rows, args.hidden, args.vocab, args.repeats) < 1:
-        parser.error("--rows, --hidden, --vocab and --repeats must be >= 1")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    args = parse_on_gpu(parser, "repeats")
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def leaf(*shape, dtype, scale=1.0):

@@ -12,13 +12,18 @@ with the op's pads forced off and forced on, and which of the two the op's rule
 
 from __future__ import annotations
 
-import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from mirrorgrad._timing import peak_bytes_of, time_calls
 from mirrorgrad.ops import aligned_mm
 from mirrorgrad.ops.linear_cross_entropy import linear_cross_entropy, op
+
+# Run as a script, the repository root is not on the path: its sibling comes from there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.lm_head_args import head_parser, parse_on_gpu
 
 MiB = 2**20
 
@@ -35,16 +40,7 @@ def measure(hidden, weight, bias, target) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[700, 4480])
-    parser.add_argument("--hidden", type=int, default=650)
-    parser.add_argument("--vocab", type=int, default=10000)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
-    if min(*args.rows, args.hidden, args.vocab) < 1:
-        parser.error("--rows, --hidden and --vocab must be >= 1")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    args = parse_on_gpu(head_parser(__doc__))
     rule = aligned_mm.pays_to_pad
     print(f"{torch.cuda.get_device_name()}, hidden {args.hidden}, vocab {args.vocab}")
     print("| dtype | rows | rule pads fwd / bwd | unpadded ms | padded ms | unpadded MiB "
