@@ -39,11 +39,13 @@ from mirrorgrad.ops.rnn.step_loop import interpreting
 CHUNK_BYTES = 64 * 2**20
 REDUCTIONS = ("mean", "sum", "none")
 # The logits' dtypes whose passes run as Triton kernels where Triton runs (benchmarks and
-# tests set others; () runs torch's everywhere). Half precision only: on an H200 at the
-# word LM's head (vocab 10,000) the kernels took the bf16 forward+backward 1.18-1.19x
-# faster and halved its peak at 700 rows, but fp32 ran 0.76x at 700 rows and 1.05x at
-# 4,480 (benchmarks/lce_fused.py).
-TRITON_PASSES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+# tests set others; () runs torch's everywhere). On an H200 at the word LM's head (vocab
+# 10,000), forward+backward captured in a CUDA Graph as `train lm` runs it, the kernels
+# ran 1.18x (fp32) and 1.50x (bf16) faster at 700 rows, 1.37x and 1.60x at 4,480, and
+# halved bf16's peak (benchmarks/lce_fused.py --graphed). Uncaptured calls at 700 rows are
+# host-bound: there fp32 ran 0.76x (Triton's launcher costs more host time than torch's
+# few fp32 launches); at 4,480 rows 1.05x.
+TRITON_PASSES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -204,8 +206,16 @@ def linear_cross_entropy_backward(
         elif need_weight:
             grad_weight += operand.T @ h
         del operand
-        if grad_bias is not None:  # half-precision gradients (Triton's) summed in float32
-            grad_bias += grad_logits.sum(0, dtype=acc)
+        if grad_bias is not None:
+            # The column sum as a GEMV: torch's ``sum(0)`` of a [C, V] chunk staged about two
+            # chunks of its own (H200, 1,677 x 10k). A half-precision chunk's sums come back
+            # in its dtype (accumulated in float32 inside) and are summed in float32.
+            ones = grad_logits.new_ones(grad_logits.shape[0])
+            if grad_logits.dtype == acc:
+                grad_bias.addmv_(grad_logits.T, ones)
+            else:
+                grad_bias += torch.mv(grad_logits.T, ones)
+            del ones
         del grad_logits, h  # one chunk alive at a time
     # Each output its own tensor, even the empty ones: outputs of an op may not alias.
     # The real block of a padded gradient is copied out contiguous (.to of a strided view
@@ -321,9 +331,9 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
     half = dw != a
     if kernels_for(hidden) is not None:
         chunk = recompute = c * v * d
-        low = 0
+        low, g = 0, d  # g: the chunk's dtype, the bias sum's GEMV's
     else:
-        chunk = c * v * a
+        chunk, g = c * v * a, a
         recompute = c * v * (a + (d if d != a else 0))  # the GEMM's output and its cast
         low = c * v * dw * (half and (need_hidden or need_weight))  # the chunk cast to dw
     accumulated = need_weight and not (half and chunks == 1)  # a float weight accumulator
@@ -338,7 +348,7 @@ def _backward_temporary_bytes(grad_lse, grad_target_logit, hidden, weight, bias,
         recompute,
         need_hidden * (chunk + low + c * p * dw),
         need_weight * (chunk + low + v * p * dw * half),
-        need_bias * (chunk + v * a + made),
+        need_bias * (chunk + c * g + v * g * (g != a) + made),  # GEMV's ones and sums
     )
     late = made + copied_out + v * db * (need_bias and db != a)
     return max(early + loop, early + late) - outputs
