@@ -32,7 +32,7 @@ def test_attention_draws_only_with_dropout(kwargs, drawn):
     policy = MirrorPolicy(enabled=True)
     assert is_random(node) is drawn
     assert policy.may_mirror_heavy(node) is not drawn
-    assert not policy.may_mirror(node)  # never in balance mode: it is a heavy op
+    assert not policy.may_mirror(node)  # a heavy op: not among the cheap ones
 
 
 class _Block(nn.Module):

@@ -64,7 +64,7 @@ def test_a_target_over_the_cap_names_the_plan_that_reaches_it_and_its_cost():
     assert f"costs +{t.other_overhead:.1%}" in t.reason()
     # what it recomputes beyond balance's plan: the GELU's arithmetic, most bytes first
     ops = [r.op for r in t.recomputes]
-    assert {"mul", "erf"} <= set(ops) and all(r.balance_may for r in t.recomputes)
+    assert {"mul", "erf"} <= set(ops)
     sizes = [r.nbytes for r in t.recomputes]
     assert sizes == sorted(sizes, reverse=True)
     erf = next(r for r in t.recomputes if r.op == "erf")
@@ -108,7 +108,8 @@ def test_the_reference_is_torch_compiles_peak_where_the_caller_knows_it():
     above = _balance(joint, reference_peak=default.peak_after)
     for p in (below, above):
         assert p.balance_target.reference == COMPILE_REFERENCE
-        assert p.saved == default.saved and p.mirrored == default.mirrored  # the same plan
+        # the same plan: a missed target lets heavy ops in, and they lower no peak here
+        assert p.saved == default.saved and p.mirrored == default.mirrored
     assert below.balance_target.status == "met"
     assert above.balance_target.status != "met"
     assert above.balance_target.reached == 1.0
@@ -130,9 +131,8 @@ def _target(status, **fields) -> BalanceTarget:
 
 
 def test_the_wording_of_each_verdict():
-    mm = Recomputed(op="mm", nbytes=312 * 2**20, count=12, shape="[8, 1024, 3072]",
-                    balance_may=False)  # fmt: skip
-    add = Recomputed(op="add", nbytes=2**20, count=1, shape="[256, 1024]", balance_may=True)
+    mm = Recomputed(op="mm", nbytes=312 * 2**20, count=12, shape="[8, 1024, 3072]")
+    add = Recomputed(op="add", nbytes=2**20, count=1, shape="[256, 1024]")
     assert _target("met", peak=700 * 2**20).verdict() == "≤ 0.8x at ≤ 1.03x: met"
     costly = _target("costly", other_peak=780 * 2**20, other_overhead=0.054, recomputes=(mm, add))
     assert costly.verdict() == "≤ 0.8x at ≤ 1.03x: not within +3%: a plan at 0.780x at +5.4%"
@@ -147,7 +147,7 @@ def test_the_wording_of_each_verdict():
     assert missed.reason().endswith(
         "not found by balance (0.900x at +2.5%): budget mode's search finds a 0.750x plan at "
         "+2.9%, recomputing mm 312 MiB (12 values like [8, 1024, 3072]) more (mode='budget', "
-        "budget='800MiB'); balance recomputes no mm"
+        "budget='800MiB')"
     )
 
 

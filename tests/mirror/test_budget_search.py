@@ -14,7 +14,7 @@ from mirrorgrad.graph import liveness
 from mirrorgrad.graph.cost import StepCost
 from mirrorgrad.graph.joint import is_getitem, is_view, op_name
 from mirrorgrad.mirror import PlanOptions, plan
-from mirrorgrad.mirror.budget_search import DEFAULT_PLAN_OVERHEAD
+from mirrorgrad.mirror.balance import DEFAULT_PLAN_OVERHEAD
 from mirrorgrad.mirror.candidates import MAX_CHAIN_READS, partition_for
 from mirrorgrad.mirror.plan import BudgetScale
 from mirrorgrad.mirror.policy import DEFAULT_CLASSES, MirrorPolicy

@@ -3,8 +3,8 @@ partition within the time cap, and, where balance's plan misses it, why.
 
 The reference is torch.compile's estimated peak where the caller knows it (the frontier
 bench simulates min-cut's partition; running min-cut in every plan would cost ~1.5 s on
-GPT-2), else the plan standing for it on the budget scale (balance with a
-``DEFAULT_PLAN_OVERHEAD`` cap: cheap ops recomputed).
+GPT-2), else the plan standing for it (``balance.compile_default``: balance with a
+``DEFAULT_PLAN_OVERHEAD`` cap, cheap ops recomputed).
 
 A miss is explained by one budget search for the target's peak: budget mode's
 candidates, each adding search stopped once it reaches that peak, and the least added
@@ -12,8 +12,8 @@ time among every plan evaluated that reaches it, pruned as budget mode prunes. T
 
 - ``costly``: that plan costs more added time than the cap: its cost, and the ops it
   recomputes that balance's plan does not, by bytes;
-- ``missed``: it is within the cap, but only budget mode's search (heavy ops, longer
-  paths) finds it;
+- ``missed``: it is within the cap, but only budget mode's search (from the
+  storage-balance plan, or past the cap and pruned back) finds it;
 - ``unreachable``: no plan reaches the target: the lowest peak found and what is alive
   at it (parameters, gradients, inputs, values the backward must keep).
 """
@@ -28,11 +28,10 @@ from torch.fx import Node
 from mirrorgrad._units import format_bytes as _fmt
 from mirrorgrad.graph import liveness
 from mirrorgrad.graph.joint import is_getitem, is_view, op_name
-from mirrorgrad.mirror.balance import balance
-from mirrorgrad.mirror.budget_search import DEFAULT_PLAN_OVERHEAD, meet_budget, trimmed_balance
+from mirrorgrad.mirror.balance import TARGET_PEAK, compile_default
+from mirrorgrad.mirror.budget_search import meet_budget, trimmed_balance
 from mirrorgrad.mirror.candidates import Candidate, Planner
 
-TARGET_PEAK = 0.8
 # The ops a reason names (largest recomputed bytes first), and the kinds of what is alive.
 NAMED = 3
 
@@ -44,22 +43,19 @@ COMPILE_REFERENCE = "torch.compile's peak (its partition simulated)"
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Recomputed:
     """Values of one op that a plan recomputes: their bytes, how many, the largest's
-    shape, and whether balance may recompute the op at all (not a matmul, convolution,
-    ...: those only budget mode recomputes)."""
+    shape."""
 
     op: str
     nbytes: int
     count: int
     shape: str
-    balance_may: bool
 
     def __str__(self) -> str:
         values = f"{self.count} values like" if self.count > 1 else "one value,"
         return f"{self.op} {_fmt(self.nbytes)} ({values} {self.shape})"
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "bytes": self.nbytes, "count": self.count, "shape": self.shape,
-                "balance_may": self.balance_may}  # fmt: skip
+        return {"op": self.op, "bytes": self.nbytes, "count": self.count, "shape": self.shape}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -105,13 +101,8 @@ class BalanceTarget:
         if self.status == "costly":
             other = f"a {ratio} plan costs +{self.other_overhead:.1%}{recomputing}"
             return f"{head}not within the cap ({this}): {other} ({ask})"
-        heavy = " or ".join(r.op for r in self.recomputes if not r.balance_may)
-        never = f"; balance recomputes no {heavy}" if heavy else ""
         other = f"a {ratio} plan at +{self.other_overhead:.1%}{recomputing}"
-        return (
-            f"{head}not found by balance ({this}): budget mode's search finds {other} "
-            f"({ask}){never}"
-        )
+        return f"{head}not found by balance ({this}): budget mode's search finds {other} ({ask})"
 
     def verdict(self) -> str:
         """A few words for a table row: met, or why not."""
@@ -179,7 +170,7 @@ def balance_target(
     peak where the caller knows it)."""
     reference = COMPILE_REFERENCE
     if reference_peak is None:
-        reference_peak = balance(planner, DEFAULT_PLAN_OVERHEAD, before).peak
+        reference_peak = compile_default(planner, before).peak
         reference = DEFAULT_REFERENCE
     step = planner.step_time_s or 1.0
     found = dict(
@@ -242,7 +233,7 @@ def _recomputed_beyond(
         if isinstance(val, (tuple, list)):  # a multi-output op: its first tensor
             val = next((v for v in val if hasattr(v, "shape")), None)
         shape = [int(d) if isinstance(d, int) else str(d) for d in getattr(val, "shape", ())]
-        may = all(planner.graph.mirrorable.get(n, False) for n in nodes)
-        found.append(Recomputed(op=op, nbytes=sum(map(nbytes, nodes)), count=len(nodes),
-                                shape=str(shape), balance_may=may))  # fmt: skip
+        found.append(
+            Recomputed(op=op, nbytes=sum(map(nbytes, nodes)), count=len(nodes), shape=str(shape))
+        )
     return tuple(sorted(found, key=lambda r: (-r.nbytes, r.op)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mirrorgrad.graph.cost import rates_for
 from mirrorgrad.graph.joint import JointGraph
-from mirrorgrad.mirror.balance import balance
+from mirrorgrad.mirror.balance import compile_default
 from mirrorgrad.mirror.candidates import Candidate, Planner, partition_for
 from mirrorgrad.mirror.plan import BudgetScale, PlanOptions
 from mirrorgrad.mirror.policy import MirrorPolicy
@@ -19,12 +19,6 @@ from mirrorgrad.mirror.storage_balance import UnitGraph
 
 # Units the final pruning tries to un-mirror (one liveness simulation each).
 PRUNE_TRIALS = 16
-# torch.compile's default partition (min-cut) recomputes only cheap ops that Inductor
-# fuses for nearly nothing; the plan that stands for it on the budget scale
-# (BudgetScale) is balance's with this time cap (our cost model charges a fused
-# recomputation its arithmetic). Running min-cut itself would cost 4-7 s of planning
-# on a 10k-node graph.
-DEFAULT_PLAN_OVERHEAD = 0.01
 
 
 def plan_budget(
@@ -49,7 +43,8 @@ def budget_candidates(planner: Planner, before: Candidate) -> tuple[list[Candida
     """The plans budget mode chooses from (they do not depend on the budget), and
     the one standing for torch.compile's default (``BudgetScale``).
 
-    - the default: balance's plan with a ``DEFAULT_PLAN_OVERHEAD`` cap (cheap ops).
+    - the default: balance's plan with a ``DEFAULT_PLAN_OVERHEAD`` cap, cheap ops only
+      (``compile_default``).
 
     - adding, from no mirroring and from the repaired storage-balance plan: mirror
       more, best bytes per second first. Chunks of the ranking double (up to
@@ -70,7 +65,7 @@ def budget_candidates(planner: Planner, before: Candidate) -> tuple[list[Candida
     # (the path from nothing spends the budget on convolutions first; the balance plan
     # reaches 0.59x of ResNet-152's peak with BatchNorm and ReLU alone).
     deeper = planner.adding_path(trims[0], last_resort=True)
-    default = balance(planner, DEFAULT_PLAN_OVERHEAD, before)
+    default = compile_default(planner, before)
     return [default, *path, *trims, *deeper], default
 
 

@@ -127,8 +127,9 @@ class PlanOptions(MirrorOptions):
     # False for backends that run each op on its own (backend="eager").
     fusion: bool = True
     # torch.compile's estimated peak, where the caller knows it (the frontier bench
-    # simulates min-cut's partition): what balance's target is a share of. By default,
-    # the plan standing for it (balance_target.py).
+    # simulates min-cut's partition): what balance's target is a share of (a plan that
+    # misses it may recompute heavy ops). By default, the plan standing for it
+    # (balance.compile_default).
     reference_peak: int | None = None
     # Work out balance's target (explain, the frontier bench): a report, and a second
     # search where it is missed (+0.2 s planning GPT-2 on a CPU), so compile skips it.

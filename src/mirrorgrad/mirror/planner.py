@@ -50,7 +50,7 @@ def plan(joint: JointGraph, options: PlanOptions, *, warn: bool = True) -> Plan:
     if options.mode == "off" or not policy.enabled:
         chosen = before
     elif options.mode == "balance":
-        chosen = plan_balance(planner, options.max_overhead, before)
+        chosen = plan_balance(planner, options.max_overhead, before, options.reference_peak)
         cap_s = options.max_overhead * planner.step_time_s
         chosen, seeded = recompute_masks(planner, chosen, lambda c: c.added_time_s <= cap_s)
     else:
