@@ -47,6 +47,18 @@ def test_balance_over_its_time_promise_is_a_no():
     assert table.splitlines()[-1].endswith("| no (≤ 0.8x at ≤ 1.03x) |")
 
 
+def test_balance_row_carries_the_planners_verdict_where_the_runner_worked_it_out():
+    verdict = "≤ 0.8x at ≤ 1.03x: not within +3%: a plan at 0.676x at +5.4%"
+    balance = _m("mirror-balance", 102.0, 790) | {"balance_target": {"verdict": verdict}}
+    table = frontier_table(_doc(_m("compile", 100.0, 1000), balance))
+    assert table.splitlines()[-1].endswith(
+        "| yes (≤ 0.8x at ≤ 1.03x); estimated: not within +3%: a plan at 0.676x at +5.4% |"
+    )
+    failed = _m("mirror-balance", 102.0, 790) | {"balance_target": {"error": "ValueError: x"}}
+    table = frontier_table(_doc(_m("compile", 100.0, 1000), failed))
+    assert table.splitlines()[-1].endswith("; estimated: not worked out (ValueError: x) |")
+
+
 def test_plot_lines_run_from_compile_down_the_fractions():
     ms = [_m("mirror-budget-0.3", 3, 3), _m("compile-budget-0.3", 2, 2), _m("compile", 1, 1),
           _m("compile-budget-0.7", 4, 4), _m("mirror-balance", 5, 5),

@@ -111,6 +111,7 @@ def test_ratios_and_markdown():
             "step_ms": [1.5, 0.9, 1.6],
             "est_peak_bytes": 90,
             "est_graphs": 2,
+            "balance_target": {"reason": "at most 0.8x torch.compile's peak: met"},
         },
         {"method": "checkpoint", "status": "failed", "error": "OutOfMemoryError: x"},
     ]
@@ -131,6 +132,18 @@ def test_ratios_and_markdown():
     assert "| mirror-balance | 1.50 |" in table and "0.50x" in table
     assert "- `checkpoint` failed: OutOfMemoryError: x" in table
     assert "largest of 2 compiled graphs" in table
+    assert "- `mirror-balance`, balance's target (estimated): at most 0.8x" in table
+
+
+@pytest.mark.slow
+def test_balance_records_its_target_and_other_modes_none():
+    balance = measure(WORKLOADS["mlp"], get_method("mirror-balance"), OPTS)
+    assert balance.status == "ok" and balance.est_peak_bytes
+    target = balance.balance_target
+    assert target["status"] in ("met", "costly", "missed", "unreachable"), target
+    assert target["reached"] > 0 and target["reason"].startswith("at most 0.8x")
+    budget = measure(WORKLOADS["mlp"], get_method("mirror-budget-0.5"), OPTS)
+    assert budget.status == "ok" and budget.balance_target is None
 
 
 @pytest.mark.gpu

@@ -112,6 +112,10 @@ def _notes(m: dict[str, Any]) -> list[str]:
     notes = [f"- `{name}` fell back: {m['fallback']}"] if m.get("fallback") else []
     if m.get("budget_warning"):
         notes.append(f"- `{name}` budget not met: {m['budget_warning']}")
+    target = m.get("balance_target")
+    if target:
+        why = target.get("reason") or f"not worked out ({target.get('error')})"
+        notes.append(f"- `{name}`, balance's target (estimated): {why}")
     if m.get("est_error"):
         notes.append(f"- `{name}`: no planner estimate ({m['est_error']})")
     elif m.get("est_graphs", 0) > 1:

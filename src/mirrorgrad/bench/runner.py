@@ -91,6 +91,9 @@ class MethodResult:
     est_peak_unmirrored_bytes: int | None = None
     est_graphs: int = 0  # compiled graphs planned (graph breaks make more than one)
     est_error: str | None = None
+    # mirror-balance: whether the plan reaches balance's target, and why not
+    # (``BalanceTarget.to_dict``), worked out after the timed steps: compile skips it.
+    balance_target: dict[str, Any] | None = None
     param_bytes: int | None = None
     first_loss: float | None = None
     step_ms: list[float] = field(default_factory=list)
@@ -277,6 +280,22 @@ def _planner_estimate(
     return int(largest.step_peak), int(largest.peak_before + held), len(plans)
 
 
+def _balance_target(
+    method: Method, built: Built, batch: tuple, backend: Backend
+) -> dict[str, Any] | None:
+    """Whether balance's plan reaches its target, and why not (mirror-balance only):
+    ``mirrorgrad.explain`` traces and plans the step again to diagnose it, which a
+    compiled step skips to keep its cold compile short. With graph breaks, the largest
+    graph's plan, as ``_planner_estimate``."""
+    options = method.mirror_options
+    if options is None or options.get("mode", "balance") != "balance":
+        return None
+    import mirrorgrad
+
+    p = mirrorgrad.explain(built.model, *batch, fullgraph=False, backend=backend, **options)
+    return p.balance_target.to_dict() if p.balance_target is not None else None
+
+
 def _short_error(e: BaseException) -> str:
     lines = [line for line in str(e).strip().splitlines() if line.strip()]
     text = lines[0] if lines else ""
@@ -435,6 +454,10 @@ def measure(
                 ) = _planner_estimate(method, step_fn, built, batch)
             except Exception as e:  # the measurement stands without the estimate
                 result.est_error = _short_error(e)
+            try:
+                result.balance_target = _balance_target(method, built, batch, opts.backend)
+            except Exception as e:  # a report only
+                result.balance_target = {"error": _short_error(e)}
         finally:
             built = batch = step_fn = step = None
             _fresh_allocator(opts.device)

@@ -160,6 +160,19 @@ def budgets(methods: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {f: methods[prefix + f] for f in sorted(fractions, key=fractions.get, reverse=True)}
 
 
+def estimated_target(balance: dict[str, Any]) -> str:
+    """"; estimated: ..." with the planner's verdict on balance's target (against its
+    stand-in for compile's peak: balance.compile_default), where the runner worked it
+    out."""
+    target = balance.get("balance_target")
+    if not target:
+        return ""
+    if "error" in target:
+        return f"; estimated: not worked out ({target['error']})"
+    # The verdict starts with the goal, which the row already says.
+    return f"; estimated: {target['verdict'].partition(': ')[2]}"
+
+
 def _added(m: dict[str, Any], base: dict[str, Any]) -> float:
     return m["median_ms"] / base["median_ms"] - 1
 
@@ -169,7 +182,8 @@ def frontier_table(doc: dict[str, Any]) -> str:
     `compile-budget-F` (min-cut with ``activation_memory_budget``) and `mirror-budget-F`
     ran: peaks and added step time over `compile`, and whether ours dominates (peak at
     most min-cut's, added time at most half of min-cut's); then balance against its
-    promise (≤ 0.8x compile's peak at ≤ 1.03x its time). Empty without `compile`."""
+    promise (≤ 0.8x compile's peak at ≤ 1.03x its time), measured and, where the runner
+    worked it out, as the planner estimated it. Empty without `compile`."""
     lines = []
     for name, w in doc["workloads"].items():
         ok = _ok(w)
@@ -198,7 +212,7 @@ def frontier_table(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | balance | | {format_bytes(balance['peak_bytes'])} ({peak:.2f}x), "
                 f"{time - 1:+.1%} | {'yes' if kept else 'no'} (≤ {BALANCE_PEAK}x at ≤ "
-                f"{BALANCE_TIME}x) |"
+                f"{BALANCE_TIME}x){estimated_target(balance)} |"
             )
     if not lines:
         return ""
