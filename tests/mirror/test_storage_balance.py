@@ -55,7 +55,9 @@ def test_mlp_attention_tanh_is_mirrored():
     adds_and_tanhs = {n.name for n in joint.forward if n.name.startswith(("add", "tanh"))}
     assert len(adds_and_tanhs) == 2 * steps
     assert adds_and_tanhs <= _balanced(joint)
-    p = plan(joint, PlanOptions(mode="balance", max_overhead=1.0))
+    # Within 30% the grouped tanhs fit (+20%) and the matmuls balance may add where cheap
+    # ops miss its target do not (+32%, for 0.4% less peak).
+    p = plan(joint, PlanOptions(mode="balance", max_overhead=0.3))
     tanhs = [n for n in p.mirrored if n.name.startswith("tanh")]
     assert len(tanhs) == steps
     assert all(joint.nbytes(t) == MiB // 2 for t in tanhs)
