@@ -9,7 +9,9 @@ function of the op's): ``kernel-auto`` (its defaults, memory="stash"),
 the step kernel, per-layer CUDA Graphs), ``kernel-split-nograph`` /
 ``kernel-fused-nograph`` (host launches), ``kernel-auto-graph`` (the whole step in one
 CUDA Graph); beside them cuDNN (``eager``) and the module on the same kernels and memory
-mode (``mgnn-triton-stash``). The table sets the module against ``kernel-auto``.
+mode (``mgnn-triton-stash``). The table sets the module against ``kernel-auto``. What
+``memory="recompute"`` saves in bytes, and the backward's memory as T grows, through the
+module: benchmarks/rnn_memory_modes.py.
 """
 
 from __future__ import annotations
