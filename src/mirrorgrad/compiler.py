@@ -15,7 +15,7 @@ import copy
 import functools
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -60,6 +60,9 @@ class MirrorBackend:
     strict: bool = False
     # Plans say whether balance reaches its target, and why not (explain sets it).
     diagnose_balance: bool = False
+    # Plan each graph and generate no code: the graph then runs as Dynamo traced it
+    # (explain). With Inductor, the plan is of the joint graph Inductor partitions.
+    plan_only: bool = False
     plans: list[Plan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -124,7 +127,32 @@ class MirrorBackend:
                 **self.inductor_options,
                 **(options or {}),
             }
+            if self.plan_only:
+                return self._inductor_plan(gm, example_inputs, settings, fused_losses)
             return self._inductor(gm, example_inputs, settings, fused_losses)
+
+    def _inductor_plan(
+        self,
+        gm: GraphModule,
+        example_inputs: Sequence[object],
+        settings: dict[str, Any],
+        fused_losses: Sequence[FusedLoss],
+    ) -> Callable[..., Any]:
+        """Plan the joint graph Inductor partitions (after its decompositions and
+        joint-graph passes: what ``compile`` plans), then stop before code generation;
+        ``gm`` runs as it is. A planning error is raised (``strict``)."""
+        applied: list[Plan] = []
+        partitioner = _StrictPartitioner(self.plan_options(), on_plan=applied.append)
+        patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
+        try:
+            with _compat.inductor_config.patch(patch):
+                _compat.compile_fx(gm, example_inputs, inner_compile=_stop_before_codegen)
+        except Exception as exc:  # Dynamo may wrap what the compile raises
+            if not any(isinstance(e, _BeforeCodegen) for e in _causes(exc)):
+                raise
+        for applied_plan in applied:
+            self._record(applied_plan, fused_losses)
+        return gm
 
     def _inductor(
         self,
@@ -369,11 +397,14 @@ def explain(
 ) -> Plan:
     """The plan :func:`compile` would make for ``model`` on ``example_inputs``, without running it.
 
-    Traces one forward through AOTAutograd (no backward, no code generation) and
-    returns the plan: what is stashed and what is mirrored, the stash and the estimated
-    peak before and after, the added FLOPs and time, and for a budget whether it is met
-    and what holds the floor. Parameters, buffers (BatchNorm statistics) and the RNG
-    state are as they were afterwards. A planning error is raised, not fallen back from.
+    Plans the joint graph ``compile`` would plan (with ``backend="inductor"`` the one
+    Inductor partitions, after its decompositions: dropout as seeded draws, layer norm
+    and cross-entropy as pointwise ops), runs the forward as Dynamo traced it (no
+    backward, no code generation) and returns the plan: what is stashed and what is
+    mirrored, the stash and the estimated peak before and after, the added FLOPs and
+    time, and for a budget whether it is met and what holds the floor. Parameters,
+    buffers (BatchNorm statistics) and the RNG state are as they were afterwards. A
+    planning error is raised, not fallen back from.
 
     Args:
         model: an ``nn.Module`` or a function of tensors; it must compile to one graph
@@ -409,11 +440,11 @@ def explain(
         options=MirrorOptions(
             mode=mode, budget=budget, max_overhead=max_overhead, fuse_loss=fuse_loss
         ),
-        codegen="eager",
-        fusion=backend == "inductor",
+        codegen=backend,
         root_module=model if isinstance(model, nn.Module) else None,
         strict=True,
         diagnose_balance=True,
+        plan_only=True,
     )
     torch_compile_kwargs.setdefault("fullgraph", True)
     step = own_frame(model, "explain")
@@ -435,6 +466,27 @@ def explain(
         )
     # With fullgraph=False a graph break gives several plans: the largest one is shown.
     return max(mirror_backend.plans, key=lambda p: p.peak_before)
+
+
+class _StrictPartitioner(MirrorPartitioner):
+    """The planner as Inductor's partitioner, raising a planning error (explain)."""
+
+    def __call__(self, gm: GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
+        return super().__call__(gm, joint_inputs, strict=True, **kwargs)
+
+
+class _BeforeCodegen(Exception):
+    """Raised where Inductor would generate code: the plan, if any, is made."""
+
+
+def _stop_before_codegen(gm: GraphModule, example_inputs: Sequence[object], **kwargs: Any):
+    raise _BeforeCodegen("planned; no code generated")
+
+
+def _causes(exc: BaseException | None) -> Iterator[BaseException]:
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _first_line(exc: BaseException) -> str:

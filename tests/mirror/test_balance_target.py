@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 import mirrorgrad
+from mirrorgrad import _compat
+from mirrorgrad.bench.frontier import capture_joint, compare
 from mirrorgrad.compiler import MirrorBackend
-from mirrorgrad.mirror import PlanOptions, plan
+from mirrorgrad.mirror import PlanOptions, min_cut, plan
 from mirrorgrad.mirror.balance_target import (
     COMPILE_REFERENCE,
     TARGET_PEAK,
@@ -113,6 +115,74 @@ def test_the_reference_is_torch_compiles_peak_where_the_caller_knows_it():
     assert below.balance_target.status == "met"
     assert above.balance_target.status != "met"
     assert above.balance_target.reached == 1.0
+
+
+def test_by_default_the_reference_is_min_cuts_partition_as_the_frontier_simulates_it():
+    joint = _layernorm_gelu()
+    p = _balance(joint, max_overhead=0.001)
+    t = p.balance_target
+    assert t.reference == COMPILE_REFERENCE
+    # the frontier bench's torch.compile row: the same partition, the same model
+    compile_row = compare(joint, fractions=())[0]
+    assert compile_row["plan"] == "compile (min-cut)"
+    assert t.reference_peak == round(compile_row["peak_mib"] * 2**20)
+    # min-cut recomputes the blocks' pointwise ops: below the unmirrored peak
+    assert t.reference_peak < p.peak_before
+    assert t.reached == pytest.approx(p.peak_after / t.reference_peak)
+
+
+def test_where_min_cut_fails_the_reference_is_the_stand_in_and_says_why(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot partition this graph\nsecond line")
+
+    monkeypatch.setattr(_compat, "min_cut_rematerialization_partition", refuse)
+    p = _balance(_layernorm_gelu(), max_overhead=0.001)
+    t = p.balance_target
+    assert t.reference == (
+        "torch.compile's peak (as a plan recomputing cheap ops: its partition failed, "
+        "RuntimeError: cannot partition this graph)"
+    )
+    assert t.reason().startswith(f"at most 0.8x {t.reference} within +0.1%: ")
+    # the stand-in recomputes cheap ops within a 1% cap: at most the unmirrored peak
+    assert 0 < t.reference_peak <= p.peak_before
+
+
+def test_compiles_plans_run_no_min_cut(monkeypatch):
+    runs = []
+    real = min_cut.min_cut_partition
+    monkeypatch.setattr(min_cut, "min_cut_partition", lambda *a: runs.append(1) or real(*a))
+    _balance(_layernorm_gelu(), diagnose_balance=False)
+    assert runs == []
+    _balance(_layernorm_gelu())
+    assert runs == [1]
+
+
+def test_explain_plans_the_graph_inductor_partitions():
+    """Inductor's decompositions: dropout is a seeded draw, layer norm and GELU pointwise
+    ops, as ``compile`` plans them (AOTAutograd's own graph stashes dropout's mask and
+    layer norm's statistics: 35% over the device's peak on a 12-layer Transformer)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(256), nn.Linear(256, 8)
+    )
+    x = torch.randn(512, 64)
+    explained = mirrorgrad.explain(model, x, mode="balance")
+    captured = plan(capture_joint(model, x), PlanOptions(mode="balance"), warn=False)
+    ops = {str(n.target) for n in explained.saved + explained.mirrored}
+    assert not ops & {"aten.native_dropout.default", "aten.native_layer_norm.default"}
+    assert [n.name for n in explained.saved] == [n.name for n in captured.saved]
+    assert [n.name for n in explained.mirrored] == [n.name for n in captured.mirrored]
+    assert (explained.peak_before, explained.peak_after) == (
+        captured.peak_before, captured.peak_after
+    )
+    # compile's own plan of that step is explain's
+    step = mirrorgrad.compile(model, mode="balance")
+    step(x).sum().backward()
+    (compiled,) = step._mirrorgrad_plans
+    assert (compiled.peak_before, compiled.peak_after) == (
+        explained.peak_before, explained.peak_after
+    )
+    assert compiled.balance_target is None and explained.balance_target is not None
 
 
 def test_only_balance_has_a_target_and_only_where_asked():

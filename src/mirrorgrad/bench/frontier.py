@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import sys
@@ -32,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx import Node
 
 from mirrorgrad import _compat
 from mirrorgrad.graph import fusion, liveness
 from mirrorgrad.graph.cost import H100, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror import Plan, PlanOptions, plan
+from mirrorgrad.mirror.min_cut import min_cut_partition, min_cut_peak
 from mirrorgrad.mirror.partition import remove_detaches
 from mirrorgrad.mirror.policy import is_random, op_name
 
@@ -85,62 +84,13 @@ def capture_joint(model: torch.nn.Module, *batch: torch.Tensor) -> JointGraph:
     raise RuntimeError("the model compiled without a backward graph")
 
 
-def min_cut_partition(joint: JointGraph, fraction: float) -> tuple[set, set]:
-    """(saved, recomputed) forward values of min-cut's partition at ``fraction``."""
-    with _compat.activation_memory_budget(fraction):
-        fwd, _ = _compat.min_cut_rematerialization_partition(
-            copy.deepcopy(joint.gm), None, num_fwd_outputs=joint.num_fwd_outputs
-        )
-    by_name = {n.name: n for n in joint.gm.graph.nodes}
-    outputs = next(n for n in fwd.graph.nodes if n.op == "output").args[0]
-    saved = {
-        v
-        for a in outputs[joint.num_fwd_outputs :]
-        if a is not None
-        for v in _forward_values(joint, by_name[a.name])
-    }
-    # What the backward reads and min-cut did not save, it recomputes.
-    recomputed, stack = set(), [a for n in joint.backward for a in n.all_input_nodes]
-    while stack:
-        v = stack.pop()
-        if v.op == "placeholder" and v not in joint.tangents:
-            saved.add(v)
-        if v in saved or v in recomputed or v not in joint.forward_set:
-            continue
-        recomputed.add(v)
-        stack.extend(v.all_input_nodes)
-    return saved, recomputed
-
-
-def _forward_values(joint: JointGraph, value: Node) -> set[Node]:
-    """The forward values (or primals) that a value min-cut saves stands for.
-
-    Min-cut may save a value the joint graph puts in its backward but that reads no
-    tangent: its forward module computes it. Most are views (``permute(probs)``, the
-    transposed operand of a gradient matmul), whose storage is the forward value's;
-    judged as the backward's, such a view would leave the forward value unsaved and its
-    whole chain, matmuls included, recomputed. The liveness model runs no backward node
-    in the forward, so a non-view one (``ne(target, ignore_index)``) stands for the
-    forward values it reads: its bytes are taken for theirs."""
-    found, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if v.op == "placeholder" or v in joint.forward_set:
-            found.add(v)
-        else:
-            stack.extend(v.all_input_nodes)
-    return found
-
-
 def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list[dict[str, Any]]:
     """One row per plan: min-cut's and ours, by the same models."""
     # A CPU capture stands for the GPU graph: an H100's rates, kernel launches included.
     rates = rates_for(joint.device) if joint.device.type == "cuda" else H100
     cost = StepCost(joint, rates, fusion=True)
     index = liveness.GraphIndex(joint)
-    # Min-cut's graphs run as stock Inductor runs them (our plans split late addmms).
-    judge = dict(fusion=True, index=index, late_addmm=True)
-    base = liveness.simulate(joint, *min_cut_partition(joint, 1.0), **judge)
+    base_peak = min_cut_peak(joint, fusion=True, index=index)
     rows: list[dict[str, Any]] = []
 
     def row(name: str, peak: int, added_s: float, seconds: float | None) -> dict[str, Any]:
@@ -148,14 +98,14 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
             {
                 "plan": name,
                 "peak_mib": peak / 2**20,
-                "peak_vs_compile": peak / base.peak,
+                "peak_vs_compile": peak / base_peak,
                 "added_time": added_s / cost.step_seconds,
                 "planning_s": seconds,
             }
         )
         return rows[-1]
 
-    row("compile (min-cut)", base.peak, 0.0, None)
+    row("compile (min-cut)", base_peak, 0.0, None)
 
     def ours(name: str, options: PlanOptions) -> Plan:
         start = time.process_time()
@@ -167,13 +117,14 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
 
     # Balance's target is a share of min-cut's peak, as the table's ratios are.
     balanced = ours("mirror-balance", PlanOptions(mode="balance", device=rates,
-                                                  reference_peak=base.peak,
+                                                  reference_peak=base_peak,
                                                   diagnose_balance=True))  # fmt: skip
     rows[-1]["balance_target"] = balanced.balance_target.to_dict()
     for f in fractions:
         start = time.process_time()
         saved, recomputed = min_cut_partition(joint, f)
-        their = liveness.simulate(joint, saved, recomputed, **judge).peak
+        their = liveness.simulate(joint, saved, recomputed, fusion=True, index=index,
+                                  late_addmm=True).peak  # fmt: skip
         seconds = sum(cost.recomputed(n).seconds for n in recomputed)
         # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
         # every op that may draw (an attention kernel with a dropout argument, a `rand`).

@@ -1,10 +1,12 @@
 """Balance's target: an estimated peak at most ``TARGET_PEAK`` of torch.compile's default
 partition within the time cap, and, where balance's plan misses it, why.
 
-The reference is torch.compile's estimated peak where the caller knows it (the frontier
-bench simulates min-cut's partition; running min-cut in every plan would cost ~1.5 s on
-GPT-2), else the plan standing for it (``balance.compile_default``: balance with a
-``DEFAULT_PLAN_OVERHEAD`` cap, cheap ops recomputed).
+The reference is torch.compile's default partition (min-cut) simulated by the liveness
+model balance's own peak comes from (``min_cut.py``), or the caller's (the frontier bench
+has it already). Only the diagnosis pays for min-cut (~1.5 s on GPT-2): ``compile``'s
+plans do not diagnose. Where min-cut's partition cannot be computed, the plan standing
+for it (``balance.compile_default``: balance with a ``DEFAULT_PLAN_OVERHEAD`` cap, cheap
+ops recomputed), and the reference says why.
 
 A miss is explained by one budget search for the target's peak: budget mode's
 candidates, each adding search stopped once it reaches that peak, and the least added
@@ -31,13 +33,16 @@ from mirrorgrad.graph.joint import is_getitem, is_view, op_name
 from mirrorgrad.mirror.balance import TARGET_PEAK, compile_default
 from mirrorgrad.mirror.budget_search import meet_budget, trimmed_balance
 from mirrorgrad.mirror.candidates import Candidate, Planner
+from mirrorgrad.mirror.min_cut import min_cut_peak
 
 # The ops a reason names (largest recomputed bytes first), and the kinds of what is alive.
 NAMED = 3
 
 Status = Literal["met", "costly", "missed", "unreachable"]
-DEFAULT_REFERENCE = "torch.compile's peak (as a plan recomputing cheap ops)"
 COMPILE_REFERENCE = "torch.compile's peak (its partition simulated)"
+STAND_IN_REFERENCE = (
+    "torch.compile's peak (as a plan recomputing cheap ops: its partition failed, {why})"
+)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -151,6 +156,11 @@ class BalanceTarget:
         }
 
 
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def _budget_arg(nbytes: int) -> str:
     """``budget=`` for a peak of at most ``nbytes``: whole MiB rounded down from 100 MiB
     (within 1%), else bytes."""
@@ -167,11 +177,14 @@ def balance_target(
 ) -> BalanceTarget:
     """Balance's plan ``chosen`` against the target (``before``: no mirroring; ``floor``:
     what is alive at ``chosen``'s peak; ``reference_peak``: torch.compile's estimated
-    peak where the caller knows it)."""
+    peak where the caller knows it, else simulated here)."""
     reference = COMPILE_REFERENCE
     if reference_peak is None:
-        reference_peak = compile_default(planner, before).peak
-        reference = DEFAULT_REFERENCE
+        try:
+            reference_peak = min_cut_peak(planner.joint, fusion=planner.fusion, index=planner.index)
+        except Exception as e:  # PyTorch's partitioner, on a graph it may not take
+            reference_peak = compile_default(planner, before).peak
+            reference = STAND_IN_REFERENCE.format(why=_first_line(e))
     step = planner.step_time_s or 1.0
     found = dict(
         target=TARGET_PEAK,
