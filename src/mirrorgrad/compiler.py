@@ -140,7 +140,8 @@ class MirrorBackend:
     ) -> Callable[..., Any]:
         """Plan the joint graph Inductor partitions (after its decompositions and
         joint-graph passes: what ``compile`` plans), then stop before code generation;
-        ``gm`` runs as it is. A planning error is raised (``strict``)."""
+        ``gm`` runs as it is, without autograd (``_without_autograd``). A planning error
+        is raised (``strict``)."""
         applied: list[Plan] = []
         partitioner = _StrictPartitioner(self.plan_options(), on_plan=applied.append)
         patch = {**settings, _compat.INDUCTOR_PARTITIONER_CONFIG: partitioner}
@@ -152,7 +153,7 @@ class MirrorBackend:
                 raise
         for applied_plan in applied:
             self._record(applied_plan, fused_losses)
-        return gm
+        return _without_autograd(gm)
 
     def _inductor(
         self,
@@ -481,6 +482,31 @@ class _BeforeCodegen(Exception):
 
 def _stop_before_codegen(gm: GraphModule, example_inputs: Sequence[object], **kwargs: Any):
     raise _BeforeCodegen("planned; no code generated")
+
+
+def _without_autograd(gm: GraphModule) -> Callable[..., Any]:
+    """``gm`` run under ``no_grad``: no activation is kept for a backward that never runs
+    (GPT-2's eager forward kept over 20 GB on a CPU). Outputs Dynamo traced as requiring
+    grad come back as leaves that do, so a graph after a break traces as it would."""
+    (outputs,) = (n.args[0] for n in gm.graph.nodes if n.op == "output")
+    flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    wants_grad = [
+        isinstance(n, torch.fx.Node)
+        and getattr(n.meta.get("example_value"), "requires_grad", False)
+        for n in flat
+    ]
+
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            out = gm(*args)
+        if not isinstance(out, (tuple, list)):
+            return out.detach().requires_grad_() if wants_grad[0] else out
+        return type(out)(
+            o.detach().requires_grad_() if grad and isinstance(o, torch.Tensor) else o
+            for o, grad in zip(out, wants_grad, strict=True)
+        )
+
+    return run
 
 
 def _causes(exc: BaseException | None) -> Iterator[BaseException]:
