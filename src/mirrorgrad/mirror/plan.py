@@ -129,10 +129,12 @@ class PlanOptions(MirrorOptions):
     # torch.compile's estimated peak, where the caller knows it (the frontier bench
     # simulates min-cut's partition): what balance's target is a share of (a plan that
     # misses it may recompute heavy ops). By default, the plan standing for it
-    # (balance.compile_default).
+    # (balance.compile_default) in planning, min-cut's partition simulated in the
+    # diagnosis (balance_target.py).
     reference_peak: int | None = None
-    # Work out balance's target (explain, the frontier bench): a report, and a second
-    # search where it is missed (+0.2 s planning GPT-2 on a CPU), so compile skips it.
+    # Work out balance's target (explain, the frontier bench): a report, min-cut's
+    # partition and a second search where it is missed (+1.5-3 s planning GPT-2 on a
+    # CPU), so compile skips it.
     diagnose_balance: bool = False
 
 
