@@ -3,7 +3,7 @@ partition within the time cap, and, where balance's plan misses it, why.
 
 The reference is torch.compile's default partition (min-cut) simulated by the liveness
 model balance's own peak comes from (``min_cut.py``), or the caller's (the frontier bench
-has it already). Only the diagnosis pays for min-cut (~1.5 s on GPT-2): ``compile``'s
+has it already). Only the diagnosis pays for min-cut (1.5-3 s on GPT-2 on a CPU): ``compile``'s
 plans do not diagnose. Where min-cut's partition cannot be computed, the plan standing
 for it (``balance.compile_default``: balance with a ``DEFAULT_PLAN_OVERHEAD`` cap, cheap
 ops recomputed), and the reference says why.

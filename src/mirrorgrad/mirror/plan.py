@@ -133,8 +133,8 @@ class PlanOptions(MirrorOptions):
     # diagnosis (balance_target.py).
     reference_peak: int | None = None
     # Work out balance's target (explain, the frontier bench): a report, min-cut's
-    # partition and a second search where it is missed (+1.5-3 s planning GPT-2 on a
-    # CPU), so compile skips it.
+    # partition and a second search where it is missed (GPT-2 on a shared 2-core CPU:
+    # +3.5 s, 3.0 s of it min-cut), so compile skips it.
     diagnose_balance: bool = False
 
 
