@@ -415,7 +415,8 @@ def explain(
         mode, budget, max_overhead, fuse_loss: as for :func:`compile`.
         backend: the backend the plan is for: with ``"inductor"`` (default) the
             estimate counts Inductor's fusion of pointwise ops; ``"eager"`` does not.
-        **torch_compile_kwargs: passed to ``torch.compile``.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``fullgraph=True`` and
+            ``dynamic=False``, the sizes given, unless overridden).
 
     Returns:
         A ``Plan``. ``print(plan)`` lists every saved and mirrored value with its op,
@@ -448,6 +449,10 @@ def explain(
         plan_only=True,
     )
     torch_compile_kwargs.setdefault("fullgraph", True)
+    # Static shapes, as compile's first call plans them: every explain's frame shares
+    # Dynamo's record of the shapes seen, and a second explain at other sizes would
+    # plan a graph with symbolic sizes.
+    torch_compile_kwargs.setdefault("dynamic", False)
     step = own_frame(model, "explain")
     compiled = torch.compile(step, backend=mirror_backend, **torch_compile_kwargs)
     state = _snapshot(model)
