@@ -37,7 +37,7 @@ from mirrorgrad.graph import fusion, liveness
 from mirrorgrad.graph.cost import H100, StepCost, rates_for
 from mirrorgrad.graph.joint import JointGraph
 from mirrorgrad.mirror import Plan, PlanOptions, plan
-from mirrorgrad.mirror.min_cut import min_cut_partition, min_cut_peak
+from mirrorgrad.mirror.min_cut import min_cut_partition, min_cut_peak, partition_peak
 from mirrorgrad.mirror.partition import remove_detaches
 from mirrorgrad.mirror.policy import is_random, op_name
 
@@ -123,8 +123,7 @@ def compare(joint: JointGraph, fractions: tuple[float, ...] = FRACTIONS) -> list
     for f in fractions:
         start = time.process_time()
         saved, recomputed = min_cut_partition(joint, f)
-        their = liveness.simulate(joint, saved, recomputed, fusion=True, index=index,
-                                  late_addmm=True).peak  # fmt: skip
+        their = partition_peak(joint, saved, recomputed, fusion=True, index=index)
         seconds = sum(cost.recomputed(n).seconds for n in recomputed)
         # min-cut bans native_dropout, rand_like and randn_like from recomputation, not
         # every op that may draw (an attention kernel with a dropout argument, a `rand`).

@@ -161,9 +161,8 @@ def budgets(methods: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def estimated_target(balance: dict[str, Any]) -> str:
-    """"; estimated: ..." with the planner's verdict on balance's target (against its
-    stand-in for compile's peak: balance.compile_default), where the runner worked it
-    out."""
+    """"; estimated: ..." with the planner's verdict on balance's target (``explain``'s:
+    against min-cut's partition simulated), where the runner worked it out."""
     target = balance.get("balance_target")
     if not target:
         return ""

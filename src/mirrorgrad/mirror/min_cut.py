@@ -52,10 +52,21 @@ def min_cut_peak(
     fusion: bool = True,
     index: liveness.GraphIndex | None = None,
 ) -> int:
-    """Min-cut's partition at ``fraction`` simulated by the liveness model our plans are
-    judged by (``fusion``, ``index`` as theirs), its backward as stock Inductor runs it
-    (late ``addmm``s fused: our plans split them, min-cut's do not)."""
-    saved, recomputed = min_cut_partition(joint, fraction)
+    """Min-cut's partition at ``fraction`` simulated (``partition_peak``)."""
+    return partition_peak(joint, *min_cut_partition(joint, fraction), fusion=fusion, index=index)
+
+
+def partition_peak(
+    joint: JointGraph,
+    saved: set,
+    recomputed: set,
+    *,
+    fusion: bool = True,
+    index: liveness.GraphIndex | None = None,
+) -> int:
+    """The peak of a min-cut partition by the liveness model our plans are judged by
+    (``fusion``, ``index`` as theirs), its backward as stock Inductor runs it (late
+    ``addmm``s fused: our plans split them, min-cut's do not)."""
     sim = liveness.simulate(joint, saved, recomputed, fusion=fusion, index=index, late_addmm=True)
     return sim.peak
 
