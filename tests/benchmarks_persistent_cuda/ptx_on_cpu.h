@@ -21,7 +21,7 @@
 #define __shared__ static
 
 struct Dim3 {
-  unsigned x = 0;
+  unsigned x = 0, y = 0;
 };
 inline thread_local Dim3 threadIdx;
 inline Dim3 blockIdx, gridDim;
@@ -32,7 +32,8 @@ constexpr int CPU_WARPS = 8;  // cuda_lstm.cu's WARPS
 inline std::unique_ptr<std::barrier<>> cta_barrier;
 inline std::unique_ptr<std::barrier<>> warp_barriers[CPU_WARPS];
 
-// A CTA's dynamic shared memory (cuda_lstm.cu's wavefront), allocated in its process.
+// A CTA's dynamic shared memory (the wavefront's W_ih, the forward's partial sums where
+// LSTM_DYNAMIC_SUMS), allocated in its process.
 inline void* dynamic_shared_memory = nullptr;
 
 inline void __syncthreads() { cta_barrier->arrive_and_wait(); }

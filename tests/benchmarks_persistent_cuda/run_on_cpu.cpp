@@ -1,9 +1,10 @@
 // Runs cuda_lstm.cu's forward or backward kernel on the CPU, its source compiled as it
 // is with ptx_on_cpu.h's stand-ins for CUDA's built-ins and its PTX functions: one
 // process per CTA (global memory is one shared mapping, a CTA's __shared__ its process's
-// statics), one thread per CUDA thread. Slow; for small layers in tests.
+// statics), one thread per CUDA thread; a grid of a layer's CTAs by its batch groups
+// (blockIdx.y), each group's barrier counter apart. Slow; for small layers in tests.
 //
-//   run_on_cpu forward|backward T IN OUT
+//   run_on_cpu forward|backward T IN OUT   (B: the layer's batch, BATCH)
 //     forward   IN: xw [T,B,4H], w_hh [4H,H], b_hh [4H] (fp32), h0 [B,H], c0 [B,H]
 //              OUT: y [T,B,H], h_n [B,H], c_n [B,H], stash [T,B,5H] (fp32)
 //     backward  IN: w_hh [4H,H], stash [T,B,5H] (fp32), c0 [B,H], dy [T,B,H], dh_n [B,H],
@@ -37,16 +38,19 @@ int fail(const std::string& message) {
   return 2;
 }
 
-// Runs body() as every thread of every CTA: a process per CTA, THREADS threads in each.
+// Runs body() as every thread of every CTA of a ctas x groups grid: a process per CTA,
+// THREADS threads in each.
 template <typename Body>
-bool run_grid(int ctas, Body body, size_t dynamic_bytes = 0) {
+bool run_grid(int ctas, Body body, size_t dynamic_bytes = 0, int groups = 1) {
   gridDim.x = ctas;
+  gridDim.y = groups;
   std::vector<pid_t> children;
-  for (int p = 0; p < ctas; ++p) {
+  for (int p = 0; p < ctas * groups; ++p) {
     const pid_t pid = fork();
     if (pid < 0) return false;
     if (pid == 0) {
-      blockIdx.x = p;
+      blockIdx.x = p % ctas;
+      blockIdx.y = p / ctas;
       dynamic_shared_memory = dynamic_bytes ? std::aligned_alloc(16, dynamic_bytes) : nullptr;
       cta_barrier = std::make_unique<std::barrier<>>(THREADS);
       for (auto& barrier : warp_barriers) barrier = std::make_unique<std::barrier<>>(32);
@@ -69,8 +73,8 @@ bool run_grid(int ctas, Body body, size_t dynamic_bytes = 0) {
   return ok;
 }
 
-// All tensors (IN's, then OUT's), the barrier's counter and the status flag in one
-// shared mapping.
+// All tensors (IN's, then OUT's), the barrier counters (a batch group's every
+// COUNTER_STRIDE words) and the status flag in one shared mapping.
 struct Memory {
   std::vector<char*> at;
   unsigned* counter = nullptr;
@@ -80,14 +84,15 @@ struct Memory {
     size_t total = 0;
     for (size_t bytes : in) total += (bytes + 15) / 16 * 16;
     for (size_t bytes : out) total += (bytes + 15) / 16 * 16;
-    char* base = static_cast<char*>(
-        mmap(nullptr, total + 16, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+    const size_t counters = sizeof(unsigned) * GROUPS * COUNTER_STRIDE;
+    char* base = static_cast<char*>(mmap(nullptr, total + counters + 16, PROT_READ | PROT_WRITE,
+                                         MAP_SHARED | MAP_ANONYMOUS, -1, 0));
     if (base == MAP_FAILED) return false;
     size_t offset = 0;
     for (size_t bytes : in) at.push_back(base + offset), offset += (bytes + 15) / 16 * 16;
     for (size_t bytes : out) at.push_back(base + offset), offset += (bytes + 15) / 16 * 16;
     counter = reinterpret_cast<unsigned*>(base + total);
-    status = reinterpret_cast<int*>(base + total + 4);
+    status = reinterpret_cast<int*>(base + total + counters);
     return true;
   }
 
@@ -161,6 +166,7 @@ int main(int argc, char** argv) {
   const bool forward = direction == "forward";
   if (!forward && direction != "backward") return fail("direction: forward or backward");
   const size_t e = sizeof(elem_t), f = sizeof(float), t = T;
+  constexpr size_t B = BATCH;  // the tensors' rows (a group's: cuda_lstm.cu's B)
   const std::vector<size_t> in = forward
       ? std::vector<size_t>{t * B * G * e, G * H * e, G * f, B * H * e, B * H * e}
       : std::vector<size_t>{G * H * e, t * B * STASH * f, B * H * e, t * B * H * e, B * H * e,
@@ -177,15 +183,22 @@ int main(int argc, char** argv) {
   auto el = [&](size_t i) { return reinterpret_cast<elem_t*>(memory.at[i]); };
   auto fp = [&](size_t i) { return reinterpret_cast<float*>(memory.at[i]); };
   const int ctas = (H + UNITS - 1) / UNITS;
+  const size_t sums = LSTM_DYNAMIC_SUMS ? sizeof(float) * WARPS * ROWS * COLS : 0;
   const bool ran = forward
-      ? run_grid(ctas, [&] {
-          lstm_persistent_forward(el(0), el(1), fp(2), el(3), el(4), el(5), el(6), el(7), fp(8),
-                                  counter, status, T);
-        })
-      : run_grid(ctas, [&] {
-          lstm_persistent_backward(el(0), fp(1), el(2), el(3), el(4), el(5), el(6), el(7), el(8),
-                                   counter, status, T);
-        });
+      ? run_grid(
+            ctas,
+            [&] {
+              lstm_persistent_forward(el(0), el(1), fp(2), el(3), el(4), el(5), el(6), el(7),
+                                      fp(8), counter, status, T);
+            },
+            sums, GROUPS)
+      : run_grid(
+            ctas,
+            [&] {
+              lstm_persistent_backward(el(0), fp(1), el(2), el(3), el(4), el(5), el(6), el(7),
+                                       el(8), counter, status, T);
+            },
+            0, GROUPS);
   if (!ran) return fail("a CTA's process failed");
   if (*status != 0) return fail("a grid barrier timed out");
 

@@ -20,15 +20,19 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
-def _build(tmp_path: Path, dtype: str, hidden: int, batch: int, units: int,
-           layers: int = 1) -> Path:  # fmt: skip
-    """run_on_cpu for one configuration; ``layers`` > 1: the wavefront's."""
-    exe = tmp_path / f"run_on_cpu_{dtype}_{hidden}_{batch}_{units}_{layers}"
-    macros = [f"-DLSTM_BF16={int(dtype == 'bf16')}", f"-DLSTM_HIDDEN={hidden}",
-              f"-DLSTM_BATCH={batch}", f"-DLSTM_UNITS={units}",
-              f'-DLSTM_SOURCE="{cuda_lstm_kernel.SOURCE.resolve()}"']  # fmt: skip
+def _build(tmp_path: Path, dtype: str, hidden: int, batch: int, units: int, layers: int = 1,
+           group_batch: int | None = None,
+           defines: dict[str, int] | None = None) -> Path:  # fmt: skip
+    """run_on_cpu for one configuration, with the macros the library compiles it with
+    (``cuda_lstm_kernel.compile_options``); ``layers`` > 1: the wavefront's."""
+    exe = tmp_path / f"run_on_cpu_{dtype}_{hidden}_{batch}_{units}_{layers}_{group_batch}"
+    defines = dict(defines or {})
     if layers > 1:
-        macros.append(f"-DLSTM_LAYERS={layers}")
+        defines["LSTM_LAYERS"] = layers
+    options = cuda_lstm_kernel.compile_options(dtype, hidden, batch, units, "sm_90", defines,
+                                               group_batch)  # fmt: skip
+    macros = [o for o in options if o.startswith("-D")]
+    macros.append(f'-DLSTM_SOURCE="{cuda_lstm_kernel.SOURCE.resolve()}"')
     subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-Wall", "-Werror",
                     "-Wno-unknown-pragmas", *macros, f"-I{HERE}", str(HERE / "run_on_cpu.cpp"),
                     "-o", str(exe)], check=True, capture_output=True, text=True)  # fmt: skip
@@ -61,7 +65,47 @@ def _run(exe: Path, direction: str, T: int, inputs, outputs, tmp_path: Path):
     [(32, 3, 4, 3), (40, 17, 8, 2), (24, 2, 12, 1)],
 )
 def test_kernels_on_cpu_match_the_reference(tmp_path, dtype, hidden, batch, units, T):
-    exe = _build(tmp_path, dtype, hidden, batch, units)
+    _check_layer(_build(tmp_path, dtype, hidden, batch, units), tmp_path, dtype, hidden, batch,
+                 T)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize(
+    ("hidden", "batch", "group_batch", "units", "T", "defines"),
+    [
+        (32, 9, 4, 8, 3, {}),  # 3 groups: 4, 4 and 1 row (a partial tile each)
+        (40, 13, 8, 12, 2, {}),  # 2 groups: 8 and 5 rows; units past H, K padded in bf16
+        # 2 groups of 19 and 18 rows: 3 forward N tiles and 2 backward M tiles each, the
+        # forward one N tile at a time (the third's loads behind the first's MMAs) and its
+        # partial sums in dynamic shared memory
+        (24, 37, 19, 12, 2, {"LSTM_FORWARD_BY_N_TILE": 1, "LSTM_DYNAMIC_SUMS": 1}),
+    ],
+)
+def test_batch_groups_on_cpu_match_the_reference(tmp_path, dtype, hidden, batch, group_batch,
+                                                 units, T, defines):  # fmt: skip
+    """A grid of batch groups (blockIdx.y), each its rows of the [T, batch, ...] tensors
+    and its own barrier counter, forward and backward against the float64 reference."""
+    exe = _build(tmp_path, dtype, hidden, batch, units, group_batch=group_batch,
+                 defines=defines)  # fmt: skip
+    _check_layer(exe, tmp_path, dtype, hidden, batch, T)
+
+
+def test_the_chosen_batch_groups_on_cpu_match_the_reference(tmp_path):
+    """The LM's layout in miniature: ``batch_layout`` on 4 SMs splits batch 53 into 2
+    groups of 27 and 26 rows at 20 units a CTA, whose forward runs one N tile at a time
+    with its sums in dynamic shared memory by default (as bf16 H 656 B 128 on 132 SMs)."""
+    lay = cuda_lstm_kernel.batch_layout(40, 53, 4)
+    assert (lay.groups, lay.group_batch, lay.units, lay.ctas) == (2, 27, 20, 2)
+    options = cuda_lstm_kernel.compile_options("bf16", 40, 53, lay.units, "sm_90",
+                                               group_batch=lay.group_batch)  # fmt: skip
+    assert "-DLSTM_DYNAMIC_SUMS=1" in options and "-DLSTM_GROUP_BATCH=27" in options
+    exe = _build(tmp_path, "bf16", 40, 53, lay.units, group_batch=lay.group_batch)
+    _check_layer(exe, tmp_path, "bf16", 40, 53, 2)
+
+
+def _check_layer(exe: Path, tmp_path: Path, dtype: str, hidden: int, batch: int, T: int):
+    """The forward's outputs and stash, and the gradients from the backward's, of the
+    kernels ``exe`` runs against the float64 reference."""
     torch.manual_seed(0)
     lstm, x, h0, c0 = prototype._layer(hidden, batch, T, cuda_lstm_kernel.DTYPES[dtype], "cpu")
     weights = [w.detach() for w in prototype._weights(lstm)]

@@ -276,6 +276,7 @@ class _RecordingDriver:
         return handle
 
     def cuLaunchCooperativeKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params):
+        assert (gz, by, bz) == (1, 1, 1)
         names = _kernel_parameters(function)
         slots = (ctypes.c_void_p * len(names)).from_address(params)
         values = []
@@ -286,20 +287,25 @@ class _RecordingDriver:
             else:
                 values.append(ctypes.c_void_p.from_address(slot).value or 0)
         values.append(ctypes.c_int.from_address(slots[-1]).value)
-        self.launches.append((function, gx, bx, smem, values))
+        self.launches.append((function, (gx, gy), bx, smem, values))
         return (self.CUresult.CUDA_SUCCESS,)
 
 
-def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
-    # Each tensor is named as the kernel's parameter it must arrive as.
+@pytest.mark.parametrize(("batch", "forward_shared"), [(3, 0), (40, 81920)])
+def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch, batch, forward_shared):
+    """Each tensor is named as the kernel's parameter it must arrive as; the grid is a
+    group's CTAs by the batch groups (batch 40: 2 groups of 20 rows), the forward's
+    dynamic shared memory its own."""
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7}))
-    hidden, batch, T = 16, 3, 5
+    hidden, T = 16, 5
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = object.__new__(cuda_lstm_kernel.CudaLstmKernel)
     kernel.device_index = 0
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
-    kernel.layout = cuda_lstm_kernel.layout(hidden, 132)
-    kernel.grid, kernel.shared_bytes = kernel.layout.ctas, 0
+    kernel.layout = cuda_lstm_kernel.batch_layout(hidden, batch, 132)
+    kernel.grid = kernel.layout.grid
+    kernel.shared_bytes = {cuda_lstm_kernel.FORWARD_KERNEL: forward_shared,
+                           cuda_lstm_kernel.BACKWARD_KERNEL: 0}  # fmt: skip
     kernel.functions = {name: name for name in (cuda_lstm_kernel.FORWARD_KERNEL,
                                                 cuda_lstm_kernel.BACKWARD_KERNEL)}  # fmt: skip
     kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
@@ -320,7 +326,8 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch):
     assert [launch[0] for launch in launches] == [cuda_lstm_kernel.FORWARD_KERNEL] * 2 + [
         cuda_lstm_kernel.BACKWARD_KERNEL]  # fmt: skip
     for i, (function, ctas, threads, shared, values) in enumerate(launches):
-        assert (ctas, threads, shared) == (kernel.layout.ctas, cuda_lstm_kernel.THREADS, 0)
+        assert ctas == (kernel.layout.ctas, 1 if batch <= 32 else 2)
+        assert (threads, shared) == (cuda_lstm_kernel.THREADS, forward_shared if i < 2 else 0)
         names = _kernel_parameters(function)
         assert names[-1] == "T" and values[-1] == T
         want = [0 if (i, name) == (1, "stash") else tensors[name].data_ptr()
@@ -338,8 +345,9 @@ def test_the_wavefront_launch_passes_its_parameters_in_their_order(monkeypatch):
     kernel.device_index, kernel.layers = 0, L
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(2 * L), hidden, batch
     kernel.layout = cuda_lstm_kernel.wavefront_layout(hidden, L, 132)
-    kernel.grid = kernel.layout.ctas * L
-    kernel.shared_bytes = cuda_lstm_kernel.wavefront_shared_bytes("bf16", hidden, 4)
+    kernel.grid = (kernel.layout.ctas * L, 1)
+    kernel.shared_bytes = {cuda_lstm_kernel.WAVEFRONT_KERNEL:
+                           cuda_lstm_kernel.wavefront_shared_bytes("bf16", hidden, 4)}  # fmt: skip
     kernel.functions = {cuda_lstm_kernel.WAVEFRONT_KERNEL: cuda_lstm_kernel.WAVEFRONT_KERNEL}
     kernel.counter, kernel.status = (torch.zeros(1, dtype=torch.int32) for _ in range(2))
 
@@ -364,7 +372,7 @@ def test_the_wavefront_launch_passes_its_parameters_in_their_order(monkeypatch):
     tensors["weights"] = [0] + [t.data_ptr() for t in (*w_ih, *w_hh)]  # W_ih of layer 0: null
     for i, (function, ctas, threads, shared, values) in enumerate(kernel.driver.launches):
         assert (ctas, threads, shared) == (kernel.grid, cuda_lstm_kernel.THREADS,
-                                           kernel.shared_bytes)  # fmt: skip
+                                           kernel.shared_bytes[function])  # fmt: skip
         tensors["outputs"] = [t.data_ptr() for t in ys] + (
             [t.data_ptr() for t in stash] if i == 0 else [0] * L)  # fmt: skip
         names = _kernel_parameters(function)

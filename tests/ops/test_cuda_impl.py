@@ -58,11 +58,34 @@ def test_w_words_are_the_kernels_register_counts():
     assert cuda_lstm_kernel.w_words("bf16", 1024, 8) == 64
     assert cuda_lstm_kernel.w_words("fp32", 1024, 8) == 128
     assert cuda_lstm_kernel.w_words("bf16", 512, 4) == 32
+    # the word LM's 656 in 4 batch groups: 20 units a CTA; the backward's W^T is the larger
+    assert cuda_lstm_kernel.forward_w_words("bf16", 656, 20) == 120
+    assert cuda_lstm_kernel.w_words("bf16", 656, 20) == 126
+
+
+@pytest.mark.parametrize(("hidden", "batch", "sms", "want"), [
+    (656, 20, 132, (8, 82, 1, 20)),  # one group: the batch
+    (656, 32, 132, (8, 82, 1, 32)),
+    (656, 33, 132, (12, 55, 2, 17)),  # 66 SMs a group
+    (656, 128, 132, (20, 33, 4, 32)),  # the word LM at batch 128: 132 CTAs in all
+    (656, 97, 132, (20, 33, 4, 25)),  # 25, 25, 25 and 22 rows
+    (64, 4224, 132, (64, 1, 132, 32)),  # a CTA a group
+])  # fmt: skip
+def test_batch_layout_takes_the_fewest_groups_of_at_most_32_rows(hidden, batch, sms, want):
+    lay = cuda_lstm_kernel.batch_layout(hidden, batch, sms)
+    assert (lay.units, lay.ctas, lay.groups, lay.group_batch) == want
+    assert lay.grid == (lay.ctas, lay.groups) and lay.ctas * lay.groups <= sms
+    assert lay.group_batch * (lay.groups - 1) < batch <= lay.group_batch * lay.groups
+    assert lay.units * lay.ctas >= hidden
+    with pytest.raises(ValueError, match="more than the 132 SMs"):
+        cuda_lstm_kernel.batch_layout(hidden, 32 * 132 + 1, 132)
 
 
 @pytest.mark.parametrize(("dtype", "hidden", "batch", "sms"), [
     ("bf16", 1024, 20, 132), ("fp32", 1024, 32, 132), ("fp32", 96, 1, 132),
     ("bf16", 520, 3, 132), ("bf16", 1032, 1, 132), ("fp32", 8, 1, 4),
+    ("bf16", 656, 128, 132), ("bf16", 512, 33, 132), ("fp32", 512, 128, 132),
+    ("bf16", 1024, 32, 108),  # 12 units: the forward's sums past 48 KiB, so dynamic
 ])  # fmt: skip
 def test_layouts_the_kernels_take(dtype, hidden, batch, sms):
     assert cuda_lstm_kernel.unfit(dtype, hidden, batch, sms) is None
@@ -74,12 +97,27 @@ def test_layouts_the_kernels_take(dtype, hidden, batch, sms):
     ("fp32", 1024, 1, 114, "registers of W"),  # fewer SMs: 12 units a CTA
     ("bf16", 100, 1, 132, "multiple of 8"),
     ("bf16", 512, 0, 132, "batch 0"),
-    ("bf16", 512, 33, 132, "batch 33"),
     ("fp16", 512, 1, 132, "dtype"),
-    ("bf16", 1024, 32, 108, "partial sums"),  # 12 units: 48 KiB of sums and the barrier's flag
+    # 4 groups of 33 SMs: 20 units a CTA, past W's registers in fp32
+    ("fp32", 656, 128, 132, "hidden 656 in fp32 in 4 batch groups of 32 rows on 132 SMs (20 "
+                            "units a CTA) needs 246 registers of W a thread (at most 128)"),
+    ("bf16", 512, 32 * 132 + 1, 132, "133 batch groups, more than the 132 SMs"),
+    # 66 groups of 2 SMs: 64 units a CTA, 256 KiB of forward sums
+    ("bf16", 128, 66 * 32, 132, "the forward's partial sums and the barrier's flag past"),
+    # 44 groups of 3 SMs: 44 units a CTA, 172 KiB of forward sums but 48 KiB of backward's
+    ("bf16", 128, 44 * 32, 132, "the backward's partial sums past 49148 bytes"),
 ])  # fmt: skip
 def test_layouts_the_kernels_do_not_take_say_why(dtype, hidden, batch, sms, reason):
     assert reason in cuda_lstm_kernel.unfit(dtype, hidden, batch, sms)
+
+
+def test_the_forward_sums_pass_the_shared_memory_a_gpu_opts_in_to():
+    # bf16 656 at batch 128: 80 KiB of forward sums, past an sm_75's 64 KiB
+    assert cuda_lstm_kernel.forward_dynamic_bytes(20, 32) == 80 * 1024
+    assert cuda_lstm_kernel.unfit("bf16", 656, 128, 132, shared_optin=100 * 1024) is None
+    assert "forward's partial sums" in cuda_lstm_kernel.unfit("bf16", 656, 128, 132,
+                                                              shared_optin=64 * 1024)  # fmt: skip
+    assert cuda_lstm_kernel.forward_dynamic_bytes(8, 32) == 0  # 32 KiB: static
 
 
 @pytest.mark.parametrize(("hidden", "padded"), [(1, 8), (8, 8), (13, 16), (650, 656), (1024, 1024)])
@@ -88,11 +126,25 @@ def test_hidden_sizes_pad_to_the_next_multiple_of_8(hidden, padded):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("batch", [1, 20, 32])
+@pytest.mark.parametrize("batch", [1, 20, 32, 64, 128])
 def test_the_word_lm_hidden_size_runs_padded(h100, dtype, batch):
     reason = cuda_persistent.unsupported_reason("lstm", proj=False, dtype=dtype, device=CUDA,
                                                 hidden=650, batch=batch)  # fmt: skip
-    assert reason is None
+    if dtype == torch.float32 and batch > 32:  # 3 or 4 batch groups: W past the registers
+        assert reason.startswith("hidden 650 runs padded to 656, and hidden 656 in fp32 in ")
+        assert "registers of W" in reason
+    else:
+        assert reason is None
+
+
+def test_the_shared_memory_a_gpu_opts_in_to_decides(monkeypatch):
+    """unsupported_reason reads the device's opt-in shared memory a CTA: 64 KiB cannot
+    hold the forward's 80 KiB of sums at the word LM's batch 128."""
+    small = SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=64 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: small)
+    reason = cuda_persistent.unsupported_reason("lstm", proj=False, dtype=torch.bfloat16,
+                                                device=CUDA, hidden=650, batch=128)  # fmt: skip
+    assert "forward's partial sums" in reason
 
 
 def test_a_padded_size_the_layout_does_not_take_says_so(h100):
@@ -191,6 +243,8 @@ def test_dispatch_lists_cuda_and_asks_for_cuda_bindings(monkeypatch, h100):
     monkeypatch.setattr(cuda_lstm_kernel, "bindings", lambda: (None, None))
     assert ask("lstm", False, torch.bfloat16, CUDA, 512, 4)
     assert ask("lstm", False, torch.float32, CUDA, 650, 20)  # padded to 656
+    assert ask("lstm", False, torch.bfloat16, CUDA, 650, 128)  # in 4 batch groups
+    assert not ask("lstm", False, torch.float32, CUDA, 650, 128)
     assert not ask("lstm", False, torch.bfloat16, CUDA, 4096, 4)
     assert not ask("gru", False, torch.bfloat16, CUDA, 512, 4)
 
@@ -500,6 +554,29 @@ def test_the_largest_layers_taken_compile(sms, arch, dtype):
         for batch in batches:
             cubin, _ = cuda_lstm_kernel.compile_cubin(dtype, hidden, batch, units, arch)
             assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("batch", [33, 64, 96, 97, 128])
+def test_the_word_lm_in_batch_groups_compiles(dtype, batch):
+    """The word LM's hidden size (656 padded) past batch 32, in batch groups on 132 SMs:
+    where ``unfit`` takes it, it compiles, and at batch 33 and at whole groups of 32 rows
+    ptxas spills nothing in either kernel (bf16 B 128: the forward's 255 registers, one N
+    tile at a time). Rows a group checks at run time (batch 97: groups of 25 and 22)
+    spill a few words in the forward (16-36 bytes at batch 97-127)."""
+    import re
+
+    _nvrtc_or_skip()
+    if cuda_lstm_kernel.unfit(dtype, 656, batch, 132) is not None:
+        assert dtype == "fp32"  # W past the registers
+        return
+    lay = cuda_lstm_kernel.batch_layout(656, batch, 132)
+    cubin, log = cuda_lstm_kernel.compile_cubin(dtype, 656, batch, lay.units,
+                                                group_batch=lay.group_batch)  # fmt: skip
+    assert cubin[:4] == b"\x7fELF"
+    if batch != 97:
+        assert re.findall(r"(\d+) bytes spill stores", log) == ["0", "0"], log
 
 
 class _StandInWavefront(_StandInKernel):

@@ -34,10 +34,27 @@
 // CTA is resident and the spin barrier cannot wait on a CTA that never runs; it also
 // gives up after BARRIER_TIMEOUT_NS (status = 1) so that no mistake can hang the GPU.
 //
+// Batch groups. A batch past what one CTA's registers take (GROUP_BATCH rows) is split
+// into groups of rows, blockIdx.y the group: each group is the layout above for its rows
+// (its CTAs hold their own copy of their units' W), with its own barrier counter, since
+// batch rows never interact and the groups never wait on each other. The tensors keep
+// their [T, BATCH, ...] layout: a CTA moves their base pointers to its group's first row,
+// so row b of the group is row b everywhere below, steps BATCH rows apart. The last group
+// may have fewer rows (group_rows).
+//
 // Compile-time configuration (-D from cuda_lstm_kernel.py):
 //   LSTM_BF16    1: bf16 tensors; 0: fp32 tensors (TF32 products, fp32 accumulation)
 //   LSTM_HIDDEN  H (a multiple of 8)
-//   LSTM_BATCH   B
+//   LSTM_BATCH   BATCH, the layer's batch
+//   LSTM_GROUP_BATCH  B, the batch rows of a group (default BATCH: one group); the launch
+//                has ceil(BATCH / B) groups (gridDim.y)
+//   LSTM_DYNAMIC_SUMS  1: the forward's partial sums in dynamic shared memory (past the
+//                48 KiB a CTA's static shared memory may take), WARPS*ROWS*COLS floats;
+//                0 (default): static
+//   LSTM_FORWARD_BY_N_TILE  1: the forward's MMAs and sums one batch tile (n tile) at a
+//                time, so that its accumulators take M_TILES*4 registers, not
+//                M_TILES*N_TILES*4; default 1 where those would pass 64 (a batch group of
+//                20 units at 32 rows: W's 120 registers beside 80 accumulators spilled)
 //   LSTM_UNITS   hidden units per CTA (a multiple of 4, so 4*UNITS rows fill 16-row tiles)
 //   LSTM_LEAVE_OUT  timing variants (wrong results): 1 leaves out the grid barrier, 2 the
 //                recurrent product (the h_{t-1} or dgates_{t+1} reads and MMAs); 0
@@ -60,9 +77,23 @@
 #ifndef LSTM_BARRIER_FENCES
 #define LSTM_BARRIER_FENCES 1
 #endif
+#ifndef LSTM_GROUP_BATCH
+#define LSTM_GROUP_BATCH LSTM_BATCH
+#endif
+#ifndef LSTM_DYNAMIC_SUMS
+#define LSTM_DYNAMIC_SUMS 0
+#endif
+#ifndef LSTM_FORWARD_BY_N_TILE  // M_TILES * N_TILES * 4 > 64
+#define LSTM_FORWARD_BY_N_TILE (LSTM_UNITS / 4 * ((LSTM_GROUP_BATCH + 7) / 8) * 4 > 64)
+#endif
 
 constexpr int H = LSTM_HIDDEN;
-constexpr int B = LSTM_BATCH;
+constexpr int BATCH = LSTM_BATCH;     // rows of the tensors: a step is BATCH rows
+constexpr int B = LSTM_GROUP_BATCH;   // rows of a batch group: its MMA tiles and cells
+constexpr int GROUPS = (BATCH + B - 1) / B;
+// A group's barrier counter is a 128-byte line of its own: the groups' arrivals do not
+// contend for one line.
+constexpr int COUNTER_STRIDE = 32;
 constexpr int UNITS = LSTM_UNITS;
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
@@ -106,10 +137,16 @@ constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
 
 static_assert(H % 8 == 0, "H must be a multiple of 8 (aligned 32-bit fragment loads)");
 static_assert(UNITS % 4 == 0, "UNITS must be a multiple of 4");
+static_assert(1 <= B && B <= BATCH, "a batch group has 1 to BATCH rows");
 // A CTA's static shared memory: 48 KiB for the partial sums and the grid barrier's flag.
 constexpr int SHARED_FOR_SUMS = 48 * 1024 - static_cast<int>(sizeof(int));
+#if LSTM_DYNAMIC_SUMS
+static_assert(sizeof(float) * WARPS * ROWS * COLS + sizeof(int) <= 227 * 1024,
+              "partial sums exceed the shared memory a CTA may opt in to (sm_90)");
+#else
 static_assert(sizeof(float) * WARPS * ROWS * COLS <= SHARED_FOR_SUMS,
               "partial sums and the barrier's flag exceed 48 KiB");
+#endif
 static_assert(sizeof(float) * WARPS * BWD_M_TILES * 16 * BWD_N_TILES * 8 <= SHARED_FOR_SUMS,
               "backward partial sums and the barrier's flag exceed 48 KiB");
 
@@ -222,13 +259,26 @@ __device__ __forceinline__ bool backward_k_step(int warp, int kk) {
   return kk < BWD_K_PER_WARP && (BWD_K_STEPS % WARPS == 0 || warp + kk * WARPS < BWD_K_STEPS);
 }
 
+// The batch rows of this CTA's group: B, but for a last group BATCH does not fill.
+__device__ __forceinline__ int group_rows() {
+  if (BATCH % B == 0) return B;
+  const int left = BATCH - static_cast<int>(blockIdx.y) * B;
+  return left < B ? left : B;
+}
+
+// Where this CTA's group's rows start in a [..., BATCH, width] tensor (zero for one group).
+__device__ __forceinline__ long long group_offset(int width) {
+  return GROUPS == 1 ? 0 : static_cast<long long>(blockIdx.y) * B * width;
+}
+
 // The cells this thread updates: cell = threadIdx.x + i*THREADS is (unit, batch row)
-// (cell % UNITS, cell / UNITS); false where it is past the layer.
+// (cell % UNITS, cell / UNITS); false where it is past the layer or the group's rows.
 __device__ __forceinline__ bool my_cell(int i, int unit0, int& unit, int& b) {
   const int cell = threadIdx.x + i * THREADS;
   unit = unit0 + cell % UNITS;
   b = cell / UNITS;
-  return cell < CELLS && unit < H;
+  // (with full groups, cell < CELLS keeps b below B already)
+  return cell < CELLS && unit < H && (BATCH % B == 0 || b < group_rows());
 }
 
 // Step t's input side of this thread's cells: it does not depend on h_{t-1}, so it is
@@ -239,7 +289,7 @@ __device__ __forceinline__ void load_x_side(float (&x_side)[CELLS_PER_THREAD][4]
   for (int i = 0; i < CELLS_PER_THREAD; ++i) {
     int unit, b;
     const bool mine = my_cell(i, unit0, unit, b);
-    const elem_t* at = xw + (static_cast<long long>(t) * B + b) * 4 * H + unit;
+    const elem_t* at = xw + (static_cast<long long>(t) * BATCH + b) * 4 * H + unit;
 #pragma unroll
     for (int q = 0; q < 4; ++q) x_side[i][q] = mine ? to_float(at[q * H]) : 0.0f;
   }
@@ -295,7 +345,7 @@ __device__ __forceinline__ void zero(float (&acc)[M_TILES][N_TILES][4]) {
 // per k-step).
 __device__ __forceinline__ void load_step_fragments(unsigned (&frag)[K_PER_WARP][N_TILES][2],
                                                     const elem_t* src) {
-  const int warp = warp_index(), group = lane_group(), k_lane = lane_k();
+  const int warp = warp_index(), group = lane_group(), k_lane = lane_k(), rows = group_rows();
   const elem_t* lane_src = src + group * H + warp * K_STEP + k_lane;
 #pragma unroll
   for (int kk = 0; kk < K_PER_WARP; ++kk) {
@@ -304,10 +354,24 @@ __device__ __forceinline__ void load_step_fragments(unsigned (&frag)[K_PER_WARP]
     for (int nt = 0; nt < N_TILES; ++nt) {
       // a lane's pair lies all inside H or all past it (H is a multiple of 8)
       const bool inside =
-          forward_k_step(warp, kk) && nt * 8 + group < B && (H % K_STEP == 0 || ka < H);
+          forward_k_step(warp, kk) && nt * 8 + group < rows && (H % K_STEP == 0 || ka < H);
       fresh_pair(lane_src + nt * 8 * H + kk * WARPS * K_STEP, inside, frag[kk][nt][0],
                  frag[kk][nt][1]);
     }
+  }
+}
+
+// load_step_fragments' n tile nt alone: frag[kk] for k-step kk of the warp.
+__device__ __forceinline__ void load_tile_fragments(unsigned (&frag)[K_PER_WARP][2],
+                                                    const elem_t* src, int nt) {
+  const int warp = warp_index(), group = lane_group(), k_lane = lane_k();
+  const elem_t* lane_src = src + group * H + warp * K_STEP + k_lane;
+#pragma unroll
+  for (int kk = 0; kk < K_PER_WARP; ++kk) {
+    const int ka = (warp + kk * WARPS) * K_STEP + k_lane;
+    const bool inside = forward_k_step(warp, kk) && nt * 8 + group < group_rows() &&
+                        (H % K_STEP == 0 || ka < H);
+    fresh_pair(lane_src + nt * 8 * H + kk * WARPS * K_STEP, inside, frag[kk][0], frag[kk][1]);
   }
 }
 
@@ -341,6 +405,44 @@ __device__ __forceinline__ void store_partial_sums(float (&partial)[WARPS][ROWS]
         partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = acc[mt][nt][j];
 }
 
+// LSTM_FORWARD_BY_N_TILE's step product: for each n tile in turn, acc = the CTA's rows
+// of W times the tile of the step's input (src), stored to the warp's partial sums (as
+// store_partial_sums). Two tiles' fragments are in flight: tile nt + 2's loads are issued
+// behind tile nt's MMAs, so they arrive while tile nt + 1's run.
+__device__ __forceinline__ void mma_by_n_tile(float (&partial)[WARPS][ROWS][COLS],
+                                              const unsigned (&w_frag)[M_TILES][K_PER_WARP][4],
+                                              const elem_t* src) {
+  const int warp = warp_index(), group = lane_group(), quad = threadIdx.x % 4;
+  unsigned frag[2][K_PER_WARP][2];
+#pragma unroll
+  for (int nt = 0; nt < 2 && nt < N_TILES; ++nt)
+    if (LSTM_LEAVE_OUT != 2) load_tile_fragments(frag[nt], src, nt);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+    float acc[M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][j] = 0.0f;
+    if (LSTM_LEAVE_OUT != 2) {
+#pragma unroll
+      for (int kk = 0; kk < K_PER_WARP; ++kk) {
+        if (forward_k_step(warp, kk)) {
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt)
+            mma(acc[mt], w_frag[mt][kk], frag[nt % 2][kk][0], frag[nt % 2][kk][1]);
+        }
+      }
+      if (nt + 2 < N_TILES) load_tile_fragments(frag[nt % 2], src, nt + 2);
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        partial[warp][mt * 16 + group + 8 * (j / 2)][nt * 8 + 2 * quad + j % 2] = acc[mt][j];
+  }
+}
+
 // The cell of (local unit u, batch row b): its activated gates from the warps' partial
 // sums, the input side and the bias; updates c (fp32) and returns h.
 __device__ __forceinline__ float cell_forward(const float (&partial)[WARPS][ROWS][COLS],
@@ -366,9 +468,9 @@ __device__ __forceinline__ float cell_forward(const float (&partial)[WARPS][ROWS
 // backward reads: the activated gates and c_t.
 __device__ __forceinline__ void write_step(elem_t* y, float* stash, int t, int b, int unit,
                                            float h, const float (&gate)[4], float c) {
-  store(y + (static_cast<long long>(t) * B + b) * H + unit, h);
+  store(y + (static_cast<long long>(t) * BATCH + b) * H + unit, h);
   if (stash != nullptr) {
-    float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
+    float* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
 #pragma unroll
     for (int q = 0; q < 4; ++q) row[q * H] = gate[q];
     row[4 * H] = c;
@@ -405,21 +507,43 @@ __device__ __forceinline__ bool grid_barrier(unsigned* counter, unsigned target,
 }
 
 #ifndef LSTM_LAYERS  // the single layer's kernels (the wavefront's: below)
+#if LSTM_DYNAMIC_SUMS
+#ifndef LSTM_PTX_ON_CPU
+extern __shared__ float dynamic_sums[];  // WARPS * ROWS * COLS of them
+#else
+#define dynamic_sums static_cast<float*>(dynamic_shared_memory)
+#endif
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^T + b_ih
+lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, BATCH, 4H]: x W_ih^T + b_ih
                         const elem_t* __restrict__ w_hh,  // [4H, H]
                         const float* __restrict__ b_hh,   // [4H], fp32
-                        const elem_t* __restrict__ h0,    // [B, H]
-                        const elem_t* __restrict__ c0,    // [B, H]
-                        elem_t* y,                        // [T, B, H]: h_t of every step
-                        elem_t* __restrict__ h_n,         // [B, H]
-                        elem_t* __restrict__ c_n,         // [B, H]
-                        float* __restrict__ stash,        // [T, B, 5H] for the backward, or null
-                        unsigned* counter,                // barrier arrivals, zero at launch
+                        const elem_t* __restrict__ h0,    // [BATCH, H]
+                        const elem_t* __restrict__ c0,    // [BATCH, H]
+                        elem_t* y,                        // [T, BATCH, H]: h_t of every step
+                        elem_t* __restrict__ h_n,         // [BATCH, H]
+                        elem_t* __restrict__ c_n,         // [BATCH, H]
+                        float* __restrict__ stash,        // [T, BATCH, 5H] for the backward; or null
+                        unsigned* counter,                // group g's barrier arrivals at [32 g], zero
                         int* status,                      // set to 1 where a barrier timed out
                         int T) {
+#if LSTM_DYNAMIC_SUMS
+  auto& partial = *reinterpret_cast<float (*)[WARPS][ROWS][COLS]>(dynamic_sums);
+#else
   __shared__ float partial[WARPS][ROWS][COLS];  // each warp's sums over its k-steps
+#endif
   const int unit0 = blockIdx.x * UNITS;
+  if (GROUPS > 1) {  // the group's rows and barrier (the head comment's batch groups)
+    xw += group_offset(4 * H);
+    h0 += group_offset(H);
+    c0 += group_offset(H);
+    y += group_offset(H);
+    h_n += group_offset(H);
+    c_n += group_offset(H);
+    if (stash != nullptr) stash += group_offset(STASH);
+    counter += blockIdx.y * COUNTER_STRIDE;
+  }
 
   // This warp's slice of W_hh: in registers for all T steps.
   unsigned w_frag[M_TILES][K_PER_WARP][4];
@@ -438,7 +562,10 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
   load_x_side(x_side, xw, 0, unit0);
 
   for (int t = 0; t < T; ++t) {
-    const elem_t* h_prev = t == 0 ? h0 : y + static_cast<long long>(t - 1) * B * H;
+    const elem_t* h_prev = t == 0 ? h0 : y + static_cast<long long>(t - 1) * BATCH * H;
+#if LSTM_FORWARD_BY_N_TILE
+    mma_by_n_tile(partial, w_frag, h_prev);
+#else
     float acc[M_TILES][N_TILES][4];
     zero(acc);
     unsigned h_frag[K_PER_WARP][N_TILES][2];
@@ -447,6 +574,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: x W_ih^
       mma_registers(acc, w_frag, h_frag);
     }
     store_partial_sums(partial, acc);
+#endif
     __syncthreads();
 
 #pragma unroll
@@ -486,26 +614,26 @@ __device__ __forceinline__ void load_cell_side(float (&side)[CELLS_PER_THREAD][S
     int unit, b;
     const bool mine = my_cell(i, unit0, unit, b) && t >= 0;
     const long long at = static_cast<long long>(b) * H + unit;
-    const float* row = stash + (static_cast<long long>(t) * B + b) * STASH + unit;
-    side[i][0] = mine ? to_float(dy[static_cast<long long>(t) * B * H + at]) : 0.0f;
+    const float* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
+    side[i][0] = mine ? to_float(dy[static_cast<long long>(t) * BATCH * H + at]) : 0.0f;
     if (mine && t == T - 1) side[i][0] += to_float(dh_n[at]);
 #pragma unroll
     for (int q = 0; q < 5; ++q) side[i][1 + q] = mine ? row[q * H] : 0.0f;
-    side[i][6] = !mine ? 0.0f : t == 0 ? to_float(c0[at]) : row[4 * H - B * STASH];
+    side[i][6] = !mine ? 0.0f : t == 0 ? to_float(c0[at]) : row[4 * H - BATCH * STASH];
   }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
-                         const float* __restrict__ stash,  // [T, B, 5H]: the forward's
-                         const elem_t* __restrict__ c0,    // [B, H]
-                         const elem_t* __restrict__ dy,    // [T, B, H]: gradient of y
-                         const elem_t* __restrict__ dh_n,  // [B, H]
-                         const elem_t* __restrict__ dc_n,  // [B, H]
-                         elem_t* dgates,                   // [T, B, 4H]: gradient of the gates
-                         elem_t* __restrict__ dh0,         // [B, H]
-                         elem_t* __restrict__ dc0,         // [B, H]
-                         unsigned* counter,                // barrier arrivals, zero at launch
+                         const float* __restrict__ stash,  // [T, BATCH, 5H]: the forward's
+                         const elem_t* __restrict__ c0,    // [BATCH, H]
+                         const elem_t* __restrict__ dy,    // [T, BATCH, H]: gradient of y
+                         const elem_t* __restrict__ dh_n,  // [BATCH, H]
+                         const elem_t* __restrict__ dc_n,  // [BATCH, H]
+                         elem_t* dgates,                   // [T, BATCH, 4H]: gradient of the gates
+                         elem_t* __restrict__ dh0,         // [BATCH, H]
+                         elem_t* __restrict__ dc0,         // [BATCH, H]
+                         unsigned* counter,                // group g's barrier arrivals at [32 g], zero
                          int* status,                      // set to 1 where a barrier timed out
                          int T) {
   __shared__ float partial[WARPS][BWD_M_TILES * 16][BWD_N_TILES * 8];
@@ -516,6 +644,18 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
   const int quad = lane % 4;   // and position along K
   const int k_lane = 2 * PER_WORD * quad;  // the lane's first k in a k-step (PER_WORD)
   const int unit0 = blockIdx.x * UNITS;
+  const int rows_here = group_rows();
+  if (GROUPS > 1) {  // the group's rows and barrier (the head comment's batch groups)
+    stash += group_offset(STASH);
+    c0 += group_offset(H);
+    dy += group_offset(H);
+    dh_n += group_offset(H);
+    dc_n += group_offset(H);
+    dgates += group_offset(G);
+    dh0 += group_offset(H);
+    dc0 += group_offset(H);
+    counter += blockIdx.y * COUNTER_STRIDE;
+  }
 
   // This warp's slice of W_hh^T as B fragments: column (unit) nt*8 + group, k-step
   // warp + kk*WARPS, words at kb (b0) and kb + PER_WORD (b1); zero past the CTA's units.
@@ -559,7 +699,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
       // dgates_{t+1} as A fragments: rows m, m + 8 at word ka (a0, a1) and ka + PER_WORD
       // (a2, a3), m = mt*16 + group; all of the step's loads before its MMAs, as the
       // forward.
-      const elem_t* dg_lane = dgates + (static_cast<long long>(t + 1) * B + group) * G +
+      const elem_t* dg_lane = dgates + (static_cast<long long>(t + 1) * BATCH + group) * G +
                               warp * K_STEP + k_lane;
       unsigned dg_frag[BWD_K_PER_WARP][BWD_M_TILES][4];
 #pragma unroll
@@ -569,7 +709,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
 #pragma unroll
           for (int half = 0; half < 2; ++half) {  // rows m, m + 8
             const int rows = mt * 16 + 8 * half;  // past the lane's row group
-            const bool inside = backward_k_step(warp, kk) && rows + group < B;
+            const bool inside = backward_k_step(warp, kk) && rows + group < rows_here;
             fresh_pair(dg_lane + rows * G + kk * WARPS * K_STEP, inside, dg_frag[kk][mt][half],
                        dg_frag[kk][mt][2 + half]);
           }
@@ -612,7 +752,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
           const float gi = side[i][1], gf = side[i][2], gg = side[i][3], go = side[i][4];
           const float tanh_c = tanhf(side[i][5]);
           const float dc_t = dc[i] + dh * go * (1.0f - tanh_c * tanh_c);
-          elem_t* row = dgates + (static_cast<long long>(t) * B + b) * G + unit;
+          elem_t* row = dgates + (static_cast<long long>(t) * BATCH + b) * G + unit;
           store(row, dc_t * gg * gi * (1.0f - gi));
           store(row + H, dc_t * side[i][6] * gf * (1.0f - gf));
           store(row + 2 * H, dc_t * gi * (1.0f - gg * gg));
@@ -651,6 +791,8 @@ constexpr int LAYERS = LSTM_LAYERS;
 constexpr int CTAS_PER_LAYER = (H + UNITS - 1) / UNITS;
 constexpr int W_IH_TILES = M_TILES * K_PER_WARP;  // a thread's A fragments of W_ih
 static_assert(LAYERS >= 2, "a wavefront needs two layers or more");
+static_assert(GROUPS == 1 && !LSTM_DYNAMIC_SUMS,
+              "a wavefront runs one batch group, its partial sums in static shared memory");
 
 // Each layer's weights and outputs apart (passed by value): the parameters as they are,
 // and outputs the op keeps as tensors of their own.

@@ -42,14 +42,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # fragments: 128 is fp32 at H = 1024 on 132 SMs, the largest layer measured without
 # spilling W (ptxas, sm_90). Larger slices would need W in shared memory: not built.
 MAX_W_WORDS = 128
-# The largest batch taken: each batch tile of 8 rows adds a step's h fragments to the
-# forward's registers. At 32, fp32 H = 1024 uses 246 (forward) and 250 (backward) of
-# 255 registers without spills (NVRTC 13.5, sm_90).
+# The most batch rows one CTA takes (a batch group's): each batch tile of 8 rows adds a
+# step's h fragments to the forward's registers. At 32, fp32 H = 1024 uses 246 (forward)
+# and 250 (backward) of 255 registers without spills (NVRTC 13.5, sm_90). A larger batch
+# runs in batch groups of at most this many rows (``batch_layout``).
 MAX_BATCH = 32
 # Static shared memory a CTA may declare: 48 KiB, less the grid barrier's flag (an int,
 # beside the partial sums: ptxas refused 49,152 bytes of sums at bf16 H = 1024, batch 32,
-# 12 units a CTA on 108 SMs).
+# 12 units a CTA on 108 SMs). The forward's sums past it go to dynamic shared memory
+# (LSTM_DYNAMIC_SUMS); the backward's stay static.
 SHARED_BYTES = 48 * 1024 - 4
+# cuda_lstm.cu's COUNTER_STRIDE: a batch group's barrier counter every 32 words.
+COUNTER_STRIDE = 32
 # The wavefront's registers, in 32-bit words a thread: W_hh's fragments counted twice
 # plus a step's two inputs' fragments (h_{t-1} and the layer's input, K_PER_WARP x
 # N_TILES x 2 each). Fit to ptxas (NVRTC 13.5, sm_90) over H 256-1024, batch 8-32, 2 and
@@ -74,6 +78,21 @@ class Layout:
     ctas: int
 
 
+@dataclass(frozen=True)
+class BatchLayout(Layout):
+    """A layer at one batch: ``groups`` batch groups (blockIdx.y) of ``group_batch`` rows
+    (the last one may have fewer), each ``ctas`` CTAs of ``units`` units; one group is
+    the whole batch."""
+
+    groups: int
+    group_batch: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The launch's (x, y) grid: a group's CTAs by the groups."""
+        return self.ctas, self.groups
+
+
 def layout(hidden: int, sms: int) -> Layout:
     """The fewest units per CTA that a grid of at most ``sms`` CTAs covers ``hidden``
     with; ValueError where the kernel does not take ``hidden``."""
@@ -81,6 +100,22 @@ def layout(hidden: int, sms: int) -> Layout:
         raise ValueError(f"hidden must be a positive multiple of 8, got {hidden}")
     units = 4 * math.ceil(math.ceil(hidden / sms) / 4)
     return Layout(units=units, ctas=math.ceil(hidden / units))
+
+
+def batch_layout(hidden: int, batch: int, sms: int) -> BatchLayout:
+    """The fewest batch groups of at most MAX_BATCH rows (the rows split evenly: every
+    group but the last has ``ceil(batch / groups)``), each group ``layout`` on the SMs it
+    gets (``sms // groups``), so that all groups' CTAs are resident at once. More groups
+    would only take more units a CTA (W's registers) for fewer rows. ValueError where
+    the kernel does not take ``hidden`` or the groups outnumber the SMs."""
+    if batch < 1:
+        raise ValueError(f"batch {batch} (the kernels take 1 or more)")
+    group_batch = math.ceil(batch / math.ceil(batch / MAX_BATCH))
+    groups = math.ceil(batch / group_batch)
+    if groups > sms:
+        raise ValueError(f"batch {batch} needs {groups} batch groups, more than the {sms} SMs")
+    one = layout(hidden, sms // groups)
+    return BatchLayout(units=one.units, ctas=one.ctas, groups=groups, group_batch=group_batch)
 
 
 def wavefront_layout(hidden: int, layers: int, sms: int) -> Layout:
@@ -100,8 +135,20 @@ def forward_w_words(dtype: str, hidden: int, units: int) -> int:
 
 
 def _partial_sums_bytes(units: int, batch: int) -> int:
-    """The forward's static shared memory for its warps' partial sums."""
+    """The forward's shared memory for its warps' partial sums (``batch``: a group's)."""
     return 4 * WARPS * 4 * units * 8 * math.ceil(batch / 8)
+
+
+def _backward_sums_bytes(units: int, batch: int) -> int:
+    """The backward's static shared memory for its warps' partial sums."""
+    return 4 * WARPS * 16 * math.ceil(batch / 16) * 8 * math.ceil(units / 8)
+
+
+def forward_dynamic_bytes(units: int, group_batch: int) -> int:
+    """The forward's dynamic shared memory: its partial sums where they pass SHARED_BYTES
+    (static shared memory), else none."""
+    sums = _partial_sums_bytes(units, group_batch)
+    return sums if sums > SHARED_BYTES else 0
 
 
 def wavefront_shared_bytes(dtype: str, hidden: int, units: int) -> int:
@@ -123,7 +170,7 @@ def wavefront_unfit(dtype: str, hidden: int, batch: int, layers: int, sms: int,
     except ValueError as e:
         return str(e)
     if not 1 <= batch <= MAX_BATCH:
-        return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
+        return f"batch {batch} (the wavefront takes 1 to {MAX_BATCH}: one batch group)"
     k_step = 16 if dtype == "bf16" else 8
     inputs = 2 * math.ceil(math.ceil(hidden / k_step) / WARPS) * math.ceil(batch / 8) * 2
     words = 2 * forward_w_words(dtype, hidden, units) + inputs
@@ -150,34 +197,49 @@ def w_words(dtype: str, hidden: int, units: int) -> int:
     return max(forward, backward)
 
 
-def unfit(dtype: str, hidden: int, batch: int, sms: int) -> str | None:
+def unfit(dtype: str, hidden: int, batch: int, sms: int,
+          shared_optin: int = SHARED_OPTIN_BYTES) -> str | None:  # fmt: skip
     """Why the kernels do not take this layer on a GPU of ``sms`` SMs, or None where they
-    do: H a multiple of 8, W's slice within MAX_W_WORDS registers a thread, batch 1 to
-    MAX_BATCH, the warps' partial sums within 48 KiB of shared memory."""
+    do: H a multiple of 8, batch 1 or more in batch groups no more than the SMs
+    (``batch_layout``), W's slice within MAX_W_WORDS registers a thread, the backward's
+    partial sums within static shared memory (SHARED_BYTES) and the forward's within what
+    a CTA may opt in to (``shared_optin``: past SHARED_BYTES they are dynamic)."""
     if dtype not in DTYPES:
         return f"dtype {dtype!r} (the kernels take {sorted(DTYPES)})"
     try:
-        units = layout(hidden, sms).units
+        lay = batch_layout(hidden, batch, sms)
     except ValueError as e:
         return str(e)
-    if (words := w_words(dtype, hidden, units)) > MAX_W_WORDS:
-        return (f"hidden {hidden} in {dtype} on {sms} SMs needs {words} registers of W a "
-                f"thread (at most {MAX_W_WORDS})")  # fmt: skip
-    if not 1 <= batch <= MAX_BATCH:
-        return f"batch {batch} (the kernels take 1 to {MAX_BATCH})"
-    forward = _partial_sums_bytes(units, batch)
-    backward = 4 * WARPS * 16 * math.ceil(batch / 16) * 8 * math.ceil(units / 8)
-    if max(forward, backward) > SHARED_BYTES:
-        return f"batch {batch} at hidden {hidden}: partial sums past {SHARED_BYTES} bytes"
+    where = f"on {sms} SMs"
+    if lay.groups > 1:
+        where = (f"in {lay.groups} batch groups of {lay.group_batch} rows on {sms} SMs "
+                 f"({lay.units} units a CTA)")  # fmt: skip
+    if (words := w_words(dtype, hidden, lay.units)) > MAX_W_WORDS:
+        return (f"hidden {hidden} in {dtype} {where} needs {words} registers of W a thread "
+                f"(at most {MAX_W_WORDS})")  # fmt: skip
+    if _partial_sums_bytes(lay.units, lay.group_batch) + 4 > shared_optin:
+        return (f"batch {batch} at hidden {hidden} {where}: the forward's partial sums and "
+                f"the barrier's flag past {shared_optin} bytes of shared memory")  # fmt: skip
+    if _backward_sums_bytes(lay.units, lay.group_batch) > SHARED_BYTES:
+        return (f"batch {batch} at hidden {hidden} {where}: the backward's partial sums past "
+                f"{SHARED_BYTES} bytes")  # fmt: skip
     return None
 
 
 def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
-                    defines: dict[str, int] | None = None) -> list[str]:  # fmt: skip
-    """NVRTC options for one configuration of ``cuda_lstm.cu``; ``defines``: more of its
-    macros (benchmarks' timing variants)."""
+                    defines: dict[str, int] | None = None,
+                    group_batch: int | None = None) -> list[str]:  # fmt: skip
+    """NVRTC options for one configuration of ``cuda_lstm.cu``: ``group_batch`` the rows
+    of a batch group (None: the whole batch; with its forward's partial sums in dynamic
+    shared memory where they pass SHARED_BYTES); ``defines``: more of its macros
+    (benchmarks' timing variants)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    defines = dict(defines or {})
+    if group_batch is not None and group_batch != batch:
+        defines["LSTM_GROUP_BATCH"] = group_batch
+    if forward_dynamic_bytes(units, batch if group_batch is None else group_batch):
+        defines["LSTM_DYNAMIC_SUMS"] = 1
     return [
         f"--gpu-architecture={arch}",
         "-std=c++17",
@@ -186,7 +248,7 @@ def compile_options(dtype: str, hidden: int, batch: int, units: int, arch: str,
         f"-DLSTM_HIDDEN={hidden}",
         f"-DLSTM_BATCH={batch}",
         f"-DLSTM_UNITS={units}",
-        *(f"-D{macro}={value}" for macro, value in (defines or {}).items()),
+        *(f"-D{macro}={value}" for macro, value in defines.items()),
     ]
 
 
@@ -222,11 +284,13 @@ def _nvrtc_check(nvrtc, result):
 
 
 def compile_cubin(dtype: str, hidden: int, batch: int, units: int, arch: str = "sm_90",
-                  defines: dict[str, int] | None = None) -> tuple[bytes, str]:  # fmt: skip
-    """(cubin, NVRTC's log) of ``cuda_lstm.cu`` for one configuration; CompileError
-    with the log where it does not compile."""
+                  defines: dict[str, int] | None = None,
+                  group_batch: int | None = None) -> tuple[bytes, str]:  # fmt: skip
+    """(cubin, NVRTC's log) of ``cuda_lstm.cu`` for one configuration (``compile_options``);
+    CompileError with the log where it does not compile."""
     nvrtc, _ = bindings()
-    options = [o.encode() for o in compile_options(dtype, hidden, batch, units, arch, defines)]
+    options = [o.encode() for o in compile_options(dtype, hidden, batch, units, arch, defines,
+                                                   group_batch)]  # fmt: skip
     program = _nvrtc_check(
         nvrtc, nvrtc.nvrtcCreateProgram(SOURCE.read_bytes(), SOURCE.name.encode(), 0, [], [])
     )
@@ -298,12 +362,21 @@ class CudaLstmKernel:
             raise RuntimeError(f"needs sm_80 or later (bf16 mma.sync), got {arch}")
         sms = props.multi_processor_count
         wavefront = self.layers > 1
+        # Each kernel's dynamic shared memory: W_ih's fragments (the wavefront), the
+        # forward's partial sums where they pass static shared memory.
         if wavefront:
             self.layout = wavefront_layout(hidden, self.layers, sms)
-            self.shared_bytes = wavefront_shared_bytes(dtype, hidden, self.layout.units)
+            self.grid = (self.layout.ctas * self.layers, 1)
+            group_batch = None
+            units = self.layout.units
+            self.shared_bytes = {WAVEFRONT_KERNEL: wavefront_shared_bytes(dtype, hidden, units)}
         else:
-            self.layout, self.shared_bytes = layout(hidden, sms), 0
-        self.grid = self.layout.ctas * self.layers
+            self.layout = batch_layout(hidden, batch, sms)
+            self.grid, group_batch = self.layout.grid, self.layout.group_batch
+            self.shared_bytes = {
+                FORWARD_KERNEL: forward_dynamic_bytes(self.layout.units, group_batch),
+                BACKWARD_KERNEL: 0}  # fmt: skip
+        ctas = self.grid[0] * self.grid[1]
         torch.zeros(1, device=device)  # torch makes its (primary) context current
         call(driver.cuInit, 0)
         dev = call(driver.cuDeviceGet, device.index)
@@ -314,29 +387,31 @@ class CudaLstmKernel:
             raise RuntimeError("the device has no cooperative launch")
         start = time.perf_counter()
         cubin, self.log = compile_cubin(dtype, hidden, batch, self.layout.units, arch,
-                                        dict(defines))  # fmt: skip
+                                        dict(defines), group_batch)  # fmt: skip
         self.compile_s = time.perf_counter() - start
         self.module = call(driver.cuModuleLoadData, cubin)
         attribute = driver.CUfunction_attribute
         self.functions, self.registers, self.spill_bytes = {}, {}, {}
-        for name in (WAVEFRONT_KERNEL,) if wavefront else (FORWARD_KERNEL, BACKWARD_KERNEL):
+        for name, shared in self.shared_bytes.items():
             function = call(driver.cuModuleGetFunction, self.module, name.encode())
             self.functions[name] = function
-            if self.shared_bytes:  # past 48 KiB a CTA's dynamic shared memory is opt-in
+            if shared:  # past 48 KiB a CTA's dynamic shared memory is opt-in
                 call(driver.cuFuncSetAttribute, function,
                      attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                     self.shared_bytes)  # fmt: skip
+                     shared)  # fmt: skip
             self.registers[name] = call(driver.cuFuncGetAttribute,
                                         attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, function)  # fmt: skip
             self.spill_bytes[name] = call(driver.cuFuncGetAttribute,
                                           attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
                                           function)  # fmt: skip
             per_sm = call(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor, function,
-                          THREADS, self.shared_bytes)  # fmt: skip
-            if self.grid > per_sm * sms:
-                raise RuntimeError(f"{name}: {self.grid} CTAs cannot all be resident "
+                          THREADS, shared)  # fmt: skip
+            if ctas > per_sm * sms:
+                raise RuntimeError(f"{name}: {ctas} CTAs cannot all be resident "
                                    f"({per_sm} per SM x {sms} SMs)")  # fmt: skip
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        # one barrier counter a batch group, COUNTER_STRIDE words apart
+        self.counter = torch.zeros(self.grid[1] * COUNTER_STRIDE, dtype=torch.int32,
+                                   device=device)  # fmt: skip
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
         # The status as the host last saw it (``note_status``): read without a sync.
         self.status_seen = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -364,7 +439,7 @@ class CudaLstmKernel:
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         stream = self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
         _driver_check(self.driver, self.driver.cuLaunchCooperativeKernel(
-            self.functions[name], self.grid, 1, 1, THREADS, 1, 1, self.shared_bytes, stream,
+            self.functions[name], *self.grid, 1, THREADS, 1, 1, self.shared_bytes[name], stream,
             ctypes.addressof(params)))  # fmt: skip
 
     def _check_steps(self, steps: Tensor, width: int, what: str) -> int:

@@ -14,8 +14,10 @@ dropout masks are the Triton kernels' (kernels.py), whose seed stays on the GPU.
 What it runs: mode "lstm", fp32 (the recurrent products in TF32, as cuDNN's default) or
 bf16, no projection, no sequence lengths, no state clip, on CUDA, at hidden sizes and
 batches the kernel's layout fits (``cuda_lstm_kernel.unfit``: up to 1024 in fp32 on an
-H100's 132 SMs, batch up to 32). ``unsupported_reason`` says why not; ``impl="cuda"``
-raises it, ``impl="auto"`` leaves the candidate out.
+H100's 132 SMs at batch up to 32; a larger batch runs in batch groups of at most 32 rows,
+each on its share of the SMs, so W's slice a CTA grows with the groups: bf16 656 at batch
+128 fits, fp32 656 does not). ``unsupported_reason`` says why not; ``impl="cuda"`` raises
+it, ``impl="auto"`` leaves the candidate out.
 
 PADDED HIDDEN SIZES: the kernel's layout takes H a multiple of 8, so a layer of another
 H runs padded to Hp = ``padded_hidden(H)``: each gate block (i, f, g, o) of x W_ih^T +
@@ -142,9 +144,11 @@ def unsupported_reason(mode: str, *, proj: bool, dtype: torch.dtype, device: tor
         return "it has no state_clip"
     if dtype not in _DTYPE_NAMES:
         return f"it runs float32 and bfloat16, got {dtype}"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", cuda_lstm_kernel.SHARED_OPTIN_BYTES)
     padded = padded_hidden(hidden)
-    reason = cuda_lstm_kernel.unfit(_DTYPE_NAMES[dtype], padded, batch, sms)
+    reason = cuda_lstm_kernel.unfit(_DTYPE_NAMES[dtype], padded, batch,
+                                    props.multi_processor_count, optin)  # fmt: skip
     if reason is not None and padded != hidden:
         return f"hidden {hidden} runs padded to {padded}, and {reason}"
     return reason
