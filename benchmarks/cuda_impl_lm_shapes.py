@@ -7,7 +7,11 @@ row says why and runs layer by layer) and layer by layer (``cuda``), ``impl="per
 default).
 
     PYTHONPATH=src python benchmarks/cuda_impl_lm_shapes.py [--dtypes bf16,fp32]
-        [--batch 20] [--T 35] [--out results.json]
+        [--batch 20] [--T 35] [--methods cuda-wavefront,cuda,persistent,cudnn]
+        [--out results.json]
+
+Past batch 32 ``impl="cuda"`` runs each layer in batch groups (the wavefront takes one
+group: its row runs layer by layer and says so).
 
 First each module's outputs and gradients (eval mode: no dropout) against
 ``torch.nn.LSTM`` in float64 on the CPU with the same rounded weights: the largest
@@ -141,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument("--batch", type=int, default=20)
     parser.add_argument("--T", type=int, default=35)
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated, of " + ", ".join(METHODS))  # fmt: skip
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    if unknown := set(methods) - set(METHODS):
+        parser.error(f"unknown methods {sorted(unknown)}")
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = True
     rows = []
     for dtype_name in args.dtypes.split(","):
-        for method in METHODS:
+        for method in methods:
             row = {"dtype": dtype_name, "method": method}
             try:
                 row |= measure(method, DTYPES[dtype_name], args.T, args.batch)
@@ -168,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             print(f"| {row['dtype']} | {row['method']} | failed: {row['error']} | | | | |")
             continue
-        cudnn = next(r for r in rows if r["dtype"] == row["dtype"] and r["method"] == "cudnn")
+        cudnn = next((r for r in rows if r["dtype"] == row["dtype"] and r["method"] == "cudnn"),
+                     {})  # fmt: skip
         ratio = cudnn.get("forward_backward_ms", float("nan")) / row["forward_backward_ms"]
         method = row["method"] + (" (layer by layer)" if "layer_by_layer" in row else "")
         print(f"| {row['dtype']} | {method} | {row['forward_ms']:.3f} | "

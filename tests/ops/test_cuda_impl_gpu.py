@@ -1,7 +1,9 @@
 """``mirrorgrad.nn.LSTM(impl="cuda")`` on a GPU: outputs and every gradient against
 torch.nn.LSTM in float64 on the CPU (odd hidden sizes, batch 1 and 3, T 1 and 35, fp32
 with TF32 products and bf16, the prototype's tolerances), hidden sizes off the multiple
-of 8 (run zero-padded: 13, and the word LM's 650 at batch 20), two layers with dropout (the
+of 8 (run zero-padded: 13, and the word LM's 650 at batch 20), batches past 32 in batch
+groups (the word LM's 650 at batch 128 in bf16, a partial last group), two layers with
+dropout (the
 masks of impl="triton", which shares them), bidirectional, a CUDA Graph capture and its
 replays, the op's opcheck, unidirectional stacks as one wavefront launch (2x650 and
 3x256, with and without dropout, captured), the op's temporaries against its memory
@@ -119,6 +121,36 @@ def test_padded_hidden_sizes_match_float64(dtype, hidden, batch):
     _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(("dtype", "hidden", "batch", "T"), [
+    (torch.bfloat16, 650, 128, 35),  # the word LM's layer: 4 groups of 32 rows, 33 CTAs each
+    (torch.bfloat16, 96, 33, 35),  # 2 groups: 17 and 16 rows
+    (torch.float32, 96, 64, 35),
+    (torch.bfloat16, 520, 97, 9),  # 4 groups: 25, 25, 25 and 22 rows
+])  # fmt: skip
+def test_batch_groups_match_float64(dtype, hidden, batch, T):
+    """Past 32 rows the batch runs in groups, each its rows of every tensor and its own
+    grid barrier; at the word LM's shape without a register spilled."""
+    torch.manual_seed(0)
+    ours, ref = _pair(40, hidden, dtype=dtype)
+    inputs, grads = _inputs(T, batch, 40, hidden, dtype)
+    _check_against_float64(ours, ref, inputs, grads, TOLERANCE[dtype])
+    padded = -(-hidden // 8) * 8
+    kernel = cuda_lstm_kernel.compiled({torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype],
+                                       padded, batch, torch.device(DEVICE, 0))  # fmt: skip
+    assert kernel.layout.groups == -(-batch // 32) and kernel.grid[1] == kernel.layout.groups
+    if batch == 128:
+        assert set(kernel.spill_bytes.values()) == {0}, kernel.spill_bytes
+
+
+def test_a_batch_group_barrier_that_gives_up_gives_nan_then_raises():
+    ours = mirrorgrad.nn.LSTM(40, 96, impl="cuda").to(DEVICE)
+    x = torch.randn(35, 64, 40, device=DEVICE)
+    ours(x)
+    kernel = cuda_lstm_kernel.compiled("fp32", 96, 64, torch.device(DEVICE, 0))
+    assert kernel.layout.groups == 2
+    _gives_nan_then_raises(ours, x, kernel)
+
+
 @pytest.mark.parametrize("hidden", [96, 13])
 def test_bidirectional_two_layers_match_float64(hidden):
     torch.manual_seed(0)
@@ -148,13 +180,13 @@ def test_dropout_between_layers_uses_the_triton_masks():
     assert relative_error(first[0], _run(no_dropout, inputs, grads)[0].double().cpu()) > 1e-2
 
 
-@pytest.mark.parametrize("hidden", [520, 650])
-def test_captured_step_replays_with_new_inputs(hidden):
+@pytest.mark.parametrize(("hidden", "batch"), [(520, 3), (650, 3), (650, 128)])
+def test_captured_step_replays_with_new_inputs(hidden, batch):
     """650: the padded copies are made inside the capture, and replays see new weights
-    (nothing cached from the captured ones' values)."""
+    (nothing cached from the captured ones' values); batch 128 in 4 batch groups."""
     torch.manual_seed(0)
     ours, ref = _pair(40, hidden, dtype=torch.bfloat16)
-    inputs, grads = _inputs(35, 3, 40, hidden, torch.bfloat16)
+    inputs, grads = _inputs(35, batch, 40, hidden, torch.bfloat16)
     static = [t.clone() for t in (*inputs, *grads)]
     graph, outputs = capture(lambda: _run(ours, static[:3], static[3:]))
     for seed in (1, 2):
@@ -162,7 +194,7 @@ def test_captured_step_replays_with_new_inputs(hidden):
             for weight in ours.parameters():
                 weight.mul_(1.01)
         ref.load_state_dict({k: v.double().cpu() for k, v in ours.state_dict().items()})
-        new_inputs, new_grads = _inputs(35, 3, 40, hidden, torch.bfloat16, seed=seed)
+        new_inputs, new_grads = _inputs(35, batch, 40, hidden, torch.bfloat16, seed=seed)
         for slot, value in zip(static, (*new_inputs, *new_grads)):
             slot.copy_(value)
         graph.replay()
@@ -220,18 +252,19 @@ def test_a_barrier_that_gives_up_gives_nan_then_raises():
 
 
 @pytest.mark.parametrize("captured", [False, True], ids=["called", "captured"])
-def test_auto_times_cuda_beside_the_others(captured):
+@pytest.mark.parametrize("batch", [4, 128])
+def test_auto_times_cuda_beside_the_others(captured, batch):
     """Called, and inside dispatch_as_captured() (each candidate timed captured in a CUDA
-    Graph, as `mirrorgrad train lm` with CUDA Graphs chooses)."""
+    Graph, as `mirrorgrad train lm` with CUDA Graphs chooses); batch 128 in batch groups."""
     import contextlib
 
     dispatch._AUTO_CHOICE.clear()
     ours = mirrorgrad.nn.LSTM(64, 512, impl="auto").to(DEVICE, torch.bfloat16)
-    x = torch.randn(50, 4, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(50, batch, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     with dispatch.dispatch_as_captured() if captured else contextlib.nullcontext():
         y, _ = ours(x)
     y.float().sum().backward()
-    (row,) = [r for r in dispatch.auto_choices() if r["state"] == 512 and r["B"] == 4]
+    (row,) = [r for r in dispatch.auto_choices() if r["state"] == 512 and r["B"] == batch]
     assert row["captured"] == captured
     assert "cuda" in row["times"] and row["choice"] in row["times"], row
     assert {"triton", "cudnn"} <= set(row["times"]), row
