@@ -222,7 +222,8 @@ class LSTM(_FusedRNN, torch.nn.LSTM):
             once per shape and keep the fastest), ``"triton"``, ``"persistent"``
             (Triton), ``"cuda"`` (the CUDA C++ persistent kernel: bf16, or fp32 with
             TF32 recurrent products as cuDNN's default; no projection, lengths or state
-            clip; hidden up to about 1024 (padded to a multiple of 8), batch up to 32; needs
+            clip; hidden up to about 1024 (padded to a multiple of 8) at batch up to 32,
+            larger batches in groups of 32 rows where W still fits (bf16 650 at 128); needs
             ``pip install mirrorgrad[cuda]``), ``"cudnn"`` or
             ``"reference"`` (plain PyTorch; what runs on the CPU).
         state_clip: keyword-only ``(lo, hi)`` or None. Clamps the cell state every
