@@ -696,6 +696,7 @@ def test_wavefront_layouts_that_fit_on_132_sms(dtype, hidden, batch, layers):
     ("bf16", 1024, 20, 2, "registers of W"),
     ("bf16", 656, 20, 1, "2 to 132 layers"),
     ("bf16", 512, 20, 4, "partial sums"),  # 16 units a CTA
+    ("bf16", 656, 128, 2, "the wavefront takes 1 to 32: one batch group"),  # layer by layer
 ])  # fmt: skip
 def test_wavefront_layouts_that_do_not_fit_say_why(dtype, hidden, batch, layers, reason):
     assert reason in cuda_lstm_kernel.wavefront_unfit(dtype, hidden, batch, layers, 132)
