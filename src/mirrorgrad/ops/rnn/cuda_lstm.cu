@@ -524,8 +524,8 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, BATCH, 4H]: x W
                         elem_t* y,                        // [T, BATCH, H]: h_t of every step
                         elem_t* __restrict__ h_n,         // [BATCH, H]
                         elem_t* __restrict__ c_n,         // [BATCH, H]
-                        float* __restrict__ stash,        // [T, BATCH, 5H] for the backward; or null
-                        unsigned* counter,                // group g's barrier arrivals at [32 g], zero
+                        float* __restrict__ stash,        // [T, BATCH, 5H], the backward's, or null
+                        unsigned* counter,                // barrier arrivals: group g's at [32 g]
                         int* status,                      // set to 1 where a barrier timed out
                         int T) {
 #if LSTM_DYNAMIC_SUMS
@@ -633,7 +633,7 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
                          elem_t* dgates,                   // [T, BATCH, 4H]: gradient of the gates
                          elem_t* __restrict__ dh0,         // [BATCH, H]
                          elem_t* __restrict__ dc0,         // [BATCH, H]
-                         unsigned* counter,                // group g's barrier arrivals at [32 g], zero
+                         unsigned* counter,                // barrier arrivals: group g's at [32 g]
                          int* status,                      // set to 1 where a barrier timed out
                          int T) {
   __shared__ float partial[WARPS][BWD_M_TILES * 16][BWD_N_TILES * 8];
