@@ -63,6 +63,16 @@ def test_w_words_are_the_kernels_register_counts():
     assert cuda_lstm_kernel.w_words("bf16", 656, 20) == 126
 
 
+def test_the_counter_stride_is_the_kernels():
+    """The host allocates a barrier counter a batch group, COUNTER_STRIDE words apart, as
+    cuda_lstm.cu indexes them."""
+    import re
+
+    source = cuda_lstm_kernel.SOURCE.read_text()
+    (stride,) = re.findall(r"constexpr int COUNTER_STRIDE = (\d+);", source)
+    assert int(stride) == cuda_lstm_kernel.COUNTER_STRIDE
+
+
 @pytest.mark.parametrize(("hidden", "batch", "sms", "want"), [
     (656, 20, 132, (8, 82, 1, 20)),  # one group: the batch
     (656, 32, 132, (8, 82, 1, 32)),
