@@ -70,11 +70,12 @@ def _run(module, inputs, grads):
     return [y, h_n, c_n, *grad]
 
 
-def _check_against_float64(ours, ref, inputs, grads, tolerance):
+def _check_against_float64(ours, ref, inputs, grads, tolerance, got=None):
     """Every output and gradient within ``tolerance`` of float64, or (bf16) within
     cuDNN's own error on it: bf16 weight gradients sum T x B rounded products, and
-    cuDNN's miss 3e-2 at these shapes too."""
-    got = _run(ours, inputs, grads)
+    cuDNN's miss 3e-2 at these shapes too. ``got``: ours' results (default: ``ours``
+    run now)."""
+    got = _run(ours, inputs, grads) if got is None else got
     want = _run(ref, [t.double().cpu() for t in inputs], [t.double().cpu() for t in grads])
     names = ["y", "h_n", "c_n", "dx", "dh0", "dc0", *(n for n, _ in ours.named_parameters())]
     errors = {n: relative_error(a, b) for n, a, b in zip(names, got, want)}
@@ -202,8 +203,9 @@ def test_captured_step_replays_with_new_inputs(hidden, batch):
         # the same kernels on the same inputs (cuBLAS may pick other GEMM algorithms)
         for a, b in zip(outputs, eager):
             assert relative_error(a, b.double().cpu()) <= 1e-2 * TOLERANCE[torch.bfloat16]
-    want = _run(ref, [t.double().cpu() for t in new_inputs], [t.double().cpu() for t in new_grads])
-    assert max(relative_error(a, b) for a, b in zip(outputs, want)) <= TOLERANCE[torch.bfloat16]
+    # At batch 128 cuDNN's own bf16 error passes 3e-2: the bar is the larger of the two.
+    _check_against_float64(ours, ref, new_inputs, new_grads, TOLERANCE[torch.bfloat16],
+                           got=outputs)  # fmt: skip
 
 
 @pytest.mark.parametrize("H", [16, 13])
