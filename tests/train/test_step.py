@@ -156,23 +156,3 @@ def test_whole_step_graph_replays_the_eager_step(precision):
     torch.testing.assert_close(norm1, norm0, rtol=1e-3, atol=1e-4)
     for p, q in zip(w1, w0):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
-
-
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_gpu_step_compiles_without_pointwise_autotuning(monkeypatch, cuda_graphs):
-    """On a GPU the step is compiled with one config per pointwise kernel (autotuning's
-    first call allocated 85 MiB above the step's peak); on the CPU no Inductor options."""
-    seen = {}
-
-    def fake_compile(model, **kwargs):
-        seen.update(kwargs)
-        return model
-
-    monkeypatch.setattr(step.mirrorgrad, "compile", fake_compile)
-    model = torch.nn.Linear(2, 2)
-    step.compile_for_training(model, MirrorOptions(), torch.device("cuda"), cuda_graphs=cuda_graphs)
-    assert seen["options"]["triton.autotune_pointwise"] is False
-    assert seen["options"].get("triton.cudagraphs", False) is cuda_graphs
-    seen.clear()
-    step.compile_for_training(model, MirrorOptions(), torch.device("cpu"))
-    assert "options" not in seen

@@ -46,17 +46,7 @@ def compile_for_training(
     """
     if cuda_graphs is None:
         cuda_graphs = device.type == "cuda"
-    inductor = {}
-    if device.type == "cuda":
-        # One config per pointwise kernel: Inductor benchmarks a kernel's configs on its
-        # first call, with an L2-sized flush buffer and a clone of each buffer it writes.
-        # The embedding gradient's kernel added 85 MiB (60 + 25) on top of the backward's
-        # peak: the medium LM's run peaked at 191 MiB against 177 held by its steps (B20,
-        # fp32, H200).
-        inductor["triton.autotune_pointwise"] = False
-    if cuda_graphs:
-        inductor["triton.cudagraphs"] = True
-    options = {"options": inductor} if inductor else {}
+    options = {"options": {"triton.cudagraphs": True}} if cuda_graphs else {}
     # A frame of its own: runs of `train` in one process would otherwise pile compiled
     # entries onto LanguageModel.forward until Dynamo's recompile limit ran the step
     # eagerly. A DDP module is compiled itself, as before: its graph splitting at the
