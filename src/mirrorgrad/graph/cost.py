@@ -28,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from mirrorgrad import _compat
 from mirrorgrad.formulas import bytes_formula, time_formula
-from mirrorgrad.graph.fusion import inlined
+from mirrorgrad.graph.fusion import REALIZE_ACC_READS, inlined
 from mirrorgrad.graph.joint import (
     JointGraph,
     fake_args,
@@ -233,14 +233,22 @@ class StepCost:
     other op reads the materialised values its inputs come from (seeing through
     inlined inputs) and writes its output. Whether a value is inlined is decided
     once from all its readers, forward and backward, so an op costs the same when
-    it is recomputed as when it first runs.
+    it is recomputed as when it first runs, but for what it reads through inlined
+    inputs: the planner cuts recomputed chains at ``MAX_CHAIN_READS`` stored values
+    (candidates.py), so a recomputed op reads at most that many through one input.
+    Priced through the whole forward chain, a LayerNorm of a Transformer's last block
+    read the residual stream's every earlier value (GPT-2: 3x block 0's price in block
+    11), so balance recomputed the LayerNorms of the first blocks only, and each half
+    of the blocks compiled kernels of its own.
     """
 
     def __init__(self, joint: JointGraph, rates: DeviceRates = H100, *, fusion: bool) -> None:
         self.joint, self.rates, self.fusion = joint, rates, fusion
         self.inlined: frozenset[Node] = frozenset(_inlined_values(joint) if fusion else ())
-        self._sources: dict[Node, frozenset[Node]] = {}
+        # Per bound on the sources of an inlined value (None: unbounded).
+        self._sources: dict[int | None, dict[Node, frozenset[Node]]] = {None: {}}
         self._cost: dict[Node, OpCost] = {}
+        self._recomputed: dict[Node, OpCost] = {}
         compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
         self.step_seconds = sum(self.run(n).seconds for n in compute)
 
@@ -248,7 +256,7 @@ class StepCost:
         """Cost of running ``node`` once, forward or recomputed in backward."""
         cost = self._cost.get(node)
         if cost is None:
-            cost = self._cost[node] = self._run(node)
+            cost = self._cost[node] = self._run(node, None)
         return cost
 
     def recomputed(self, node: Node) -> OpCost:
@@ -256,13 +264,20 @@ class StepCost:
         kernel launch where it is written to memory (not computed inside its readers'
         kernels). The step's own estimate keeps ``run``: torch.compile's plan pays its
         launches too, and on a GPU-bound step they hide behind its kernels."""
-        cost = self.run(node)
+        known = self._recomputed.get(node)
+        if known is not None:
+            return known
+        cost = self._recomputed[node] = self._recomputed_cost(node)
+        return cost
+
+    def _recomputed_cost(self, node: Node) -> OpCost:
+        cost = self._run(node, REALIZE_ACC_READS)
         written = node not in self.inlined and not is_getitem(node) and not is_view(node)
         if written and 0 < cost.seconds < self.rates.launch_s:
             return OpCost(flops=cost.flops, bytes=cost.bytes, seconds=self.rates.launch_s)
         return cost
 
-    def _run(self, node: Node) -> OpCost:
+    def _run(self, node: Node, bound: int | None) -> OpCost:
         if not self.fusion:
             return op_cost(node, self.rates)
         if node.op != "call_function" or is_getitem(node) or is_view(node):
@@ -272,23 +287,27 @@ class StepCost:
             return OpCost(flops=flops, bytes=0, seconds=flops / rate)
         moved = registered_bytes(node)
         if moved is None:
-            reads = set().union(*(self._read(a) for a in node.all_input_nodes))
+            reads = set().union(*(self._read(a, bound) for a in node.all_input_nodes))
             moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
         seconds = registered_seconds(node)
         if seconds is None:
             seconds = max(flops / rate, moved / self.rates.bytes_per_s)
         return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
-    def _read(self, value: Node) -> frozenset[Node]:
+    def _read(self, value: Node, bound: int | None) -> frozenset[Node]:
         """Storages a kernel reading ``value`` reads: its own, or, if it is
-        inlined, those it is computed from."""
+        inlined, those it is computed from (its own where they are more than
+        ``bound``: a chain written out there)."""
         storage = self.joint.storage(value)
         if storage not in self.inlined:
             return frozenset((storage,))
-        sources = self._sources.get(storage)
+        known = self._sources.setdefault(bound, {})
+        sources = known.get(storage)
         if sources is None:
-            sources = frozenset().union(*(self._read(a) for a in storage.all_input_nodes))
-            self._sources[storage] = sources
+            sources = frozenset().union(*(self._read(a, bound) for a in storage.all_input_nodes))
+            if bound is not None and len(sources) > bound:
+                sources = frozenset((storage,))
+            known[storage] = sources
         return sources
 
 

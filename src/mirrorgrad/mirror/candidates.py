@@ -237,7 +237,7 @@ class Planner:
         self.step_time_s = costs.step_seconds
         self.inlined = costs.inlined  # values computed in their readers' kernels
         self.recompute = {n: costs.recomputed(n) for n in joint.forward}
-        self._evaluated: dict[tuple[frozenset[Node], bool], Candidate] = {}
+        self._evaluated: dict[frozenset[Node], Candidate] = {}
         self._chain_cache: dict[Node, tuple[str, list, int, frozenset]] = {}
 
     def evaluated(self) -> list[Candidate]:
@@ -247,20 +247,18 @@ class Planner:
     def added_time_s(self, partition: Partition) -> float:
         return sum(self.recompute[n].seconds for n in partition.mirrored)
 
-    def evaluate(self, units: set[Node], *, uniform: bool = False) -> Candidate:
+    def evaluate(self, units: set[Node]) -> Candidate:
         """The plan that mirrors ``units`` once its long recompute chains are cut
-        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set.
-        ``uniform``: a unit stashed to cut a chain is stashed in every copy of its
-        repeated block too (``repeated_classes``)."""
-        key = (frozenset(units), uniform)
+        (``MAX_CHAIN_READS``: its ``units`` may be fewer), simulated once per set."""
+        key = frozenset(units)
         known = self._evaluated.get(key)
         if known is None:
-            partition = partition_for(self.joint, self.graph, set(key[0]))
-            cut = self._cut_long_chains(key[0], partition.mirrored, uniform=uniform)
-            known = self._evaluated.get((cut, uniform))
+            partition = partition_for(self.joint, self.graph, set(key))
+            cut = self._cut_long_chains(key, partition.mirrored)
+            known = self._evaluated.get(cut)
             if known is None:
-                known = self._evaluate(cut, partition if cut == key[0] else None)
-                self._evaluated[(cut, uniform)] = known
+                known = self._evaluate(cut, partition if cut == key else None)
+                self._evaluated[cut] = known
             self._evaluated[key] = known
         return known
 
@@ -276,16 +274,23 @@ class Planner:
     def uniform(self, chosen: Candidate, keeps_promise) -> Candidate:
         """``chosen`` with the same decisions in every copy of each repeated block,
         where one such plan ``keeps_promise`` (the least time of those that do), else
-        ``chosen``. Each class decided both ways is all stashed or all mirrored: every
-        combination for a few classes, else all stashed, all mirrored, each as most
-        of its copies are, and then one class flipped at a time from the best of
-        those. Chains are cut the same way in every copy."""
+        ``chosen``. Classes decided both ways are grouped by the copies that recompute
+        them (a LayerNorm's ops recomputed in the first six blocks: one group), and
+        each group is all stashed or all mirrored: every combination for a few groups,
+        else all stashed, all mirrored, each as most of its copies are, and then one
+        group flipped at a time from the best of those."""
         units = set(chosen.units)
         mixed = self._mixed(chosen)
         if not mixed:
             return chosen
         g = self.graph
-        allowed = [frozenset(u for u in c if g.mirrorable[u] or u in g.last_resort) for c in mixed]
+        recomputed = set(chosen.partition.mirrored)
+        by_copies: dict[tuple[bool, ...], set[Node]] = {}
+        for c in mixed:
+            copies = tuple(u in recomputed for u in self.joint.sorted(c))
+            by_copies.setdefault(copies, set()).update(c)
+        groups = list(by_copies.values())
+        allowed = [frozenset(u for u in c if g.mirrorable[u] or u in g.last_resort) for c in groups]
         down = frozenset(units.difference(*mixed))
 
         def trial(up: tuple[bool, ...]) -> Candidate:
@@ -295,11 +300,11 @@ class Planner:
             kept = keeps_promise(c) and self._is_uniform(c)
             return (not kept, c.added_time_s if kept else c.peak, c.peak)
 
-        k = len(mixed)
+        k = len(groups)
         if k <= UNIFORM_EXHAUSTIVE:
             ways = [tuple(bool(bits >> i & 1) for i in range(k)) for bits in range(2**k)]
         else:
-            most = tuple(2 * len(units & c) >= len(c) for c in mixed)
+            most = tuple(2 * len(recomputed & c) >= len(c) for c in groups)
             ways = [(False,) * k, most, (True,) * k]
         best_way = min(ways, key=lambda w: score(trial(w)))
         if k > UNIFORM_EXHAUSTIVE:
@@ -311,11 +316,11 @@ class Planner:
         return best if not score(best)[0] else chosen
 
     def _settled(self, units: frozenset[Node]) -> Candidate:
-        """The plan of ``units`` with chains cut alike in every copy, and then the
+        """The plan of ``units``, and then the
         classes still recomputed in some copies only (the backward reaches a unit
         through readers decided elsewhere) stashed in all, until none is left."""
         for _ in range(UNIFORM_SETTLE_ROUNDS):
-            candidate = self.evaluate(units, uniform=True)
+            candidate = self.evaluate(units)
             mixed = self._mixed(candidate)
             if not mixed:
                 break
@@ -331,17 +336,18 @@ class Planner:
     def _is_uniform(self, candidate: Candidate) -> bool:
         return not self._mixed(candidate)
 
-    def _cut_long_chains(
-        self, units: frozenset[Node], recomputed: list[Node], *, uniform: bool = False
-    ) -> frozenset[Node]:
+    def _cut_long_chains(self, units: frozenset[Node], recomputed: list[Node]) -> frozenset[Node]:
         """``units`` less those whose stashing keeps every chain of recomputed
         elementwise ops computed in registers (``StepCost.inlined``: a value an extern
         kernel reads is written out and ends the chain, as a ResNet block's output
         does) within ``MAX_CHAIN_READS`` stored values of at least a quarter of the
         reading op's output (per-channel statistics and weights do not count): walking
         the recomputed nodes in order, where a chain would read more, its recomputed
-        input reading the most is stashed. Stashing only shortens chains: one walk
-        suffices."""
+        input reading the most is stashed, in every copy of its repeated block
+        (``repeated_classes``): a chain through the residual stream of a Transformer
+        is then cut at the same place in every block, not every few blocks wherever
+        the reads ran out (one kernel variant per cut position). Stashing only
+        shortens chains: one walk suffices."""
         stashed: set[Node] = set()
         # Value -> what its chain reads; set in graph order, so a recomputed input's
         # entry is there before its readers' (only recomputed values have one).
@@ -372,7 +378,7 @@ class Planner:
                 if len(read) <= MAX_CHAIN_READS or not links:
                     break
                 unit = max(links, key=lambda link: len(reads[link[0]]))[1]
-                stashed |= self._class_of.get(unit, {unit}) if uniform else {unit}
+                stashed |= self._class_of.get(unit, {unit})
             # an op not inlined is written to memory: its readers read it alone
             reads[n] = frozenset(read) if role != "written" else empty
         return units - stashed if stashed else units
