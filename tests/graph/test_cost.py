@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import fx, nn
 
+from mirrorgrad.bench import models
 from mirrorgrad.graph.cost import H100, H200, DeviceRates, OpCost, StepCost, op_cost, rates_for
 from mirrorgrad.graph.joint import op_name
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "mirror"))
-from joint_graphs import joint_of
+from joint_graphs import joint_of, joint_of_compiled
 
 aten = torch.ops.aten
 RATES = DeviceRates(matmul_flops_per_s=1e12, vector_flops_per_s=1e11, bytes_per_s=1e11)
@@ -217,3 +218,27 @@ def test_a_recomputed_op_written_to_memory_costs_at_least_a_launch():
     assert floored and inline  # tiny ops: both kinds occur
     on_cpu = StepCost(joint, rates_for(torch.device("cpu")), fusion=True)
     assert all(on_cpu.recomputed(n) == on_cpu.run(n) for n in joint.forward)
+
+
+def test_a_recomputed_layer_norm_reads_a_written_out_chain_in_every_block():
+    # The residual stream is inlined add after add; priced through the whole chain, the
+    # last block's LayerNorm read every earlier block's values when recomputed, and
+    # balance recomputed the first blocks' LayerNorms only (a kernel variant per half).
+    torch.manual_seed(0)
+    blocks = 6
+    model = models.TransformerLM(vocab=64, width=32, heads=2, layers=blocks, length=16, dropout=0)
+    tokens = torch.randint(0, 64, (2, 17))
+    joint = joint_of_compiled(model, tokens[:, :-1], tokens[:, 1:], decompose=True)
+    cost = StepCost(joint, RATES, fusion=True)  # no launch floor: bytes set the price
+    outputs = {}  # block -> its first LayerNorm's output, the last node of ln1
+    for n in joint.forward:
+        path = str(list((n.meta.get("nn_module_stack") or {None: ("",)}).values())[-1][0])
+        if path.endswith(".ln1") and n.op == "call_function":
+            outputs[int(path.split(".")[-2])] = n
+    assert sorted(outputs) == list(range(blocks))
+    assert all(n not in cost.inlined for n in outputs.values())  # the qkv matmul reads it
+    seconds = [cost.recomputed(outputs[b]).seconds for b in range(blocks)]
+    # The first blocks are within reach of the graph's start: fewer values to read.
+    assert seconds[3:] == pytest.approx([seconds[3]] * (blocks - 3), rel=1e-9)
+    # In the forward the chain is priced as it runs there.
+    assert cost.run(outputs[blocks - 1]).seconds > cost.run(outputs[0]).seconds

@@ -20,6 +20,8 @@ ReLU output); one that a pointwise backward op reads is free but for arithmetic.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -234,21 +236,28 @@ class StepCost:
     inlined inputs) and writes its output. Whether a value is inlined is decided
     once from all its readers, forward and backward, so an op costs the same when
     it is recomputed as when it first runs, but for what it reads through inlined
-    inputs: the planner cuts recomputed chains at ``MAX_CHAIN_READS`` stored values
-    (candidates.py), so a recomputed op reads at most that many through one input.
-    Priced through the whole forward chain, a LayerNorm of a Transformer's last block
-    read the residual stream's every earlier value (GPT-2: 3x block 0's price in block
-    11), so balance recomputed the LayerNorms of the first blocks only, and each half
-    of the blocks compiled kernels of its own.
+    inputs (``_nearest_reads``): in the forward an inlined chain may run back through
+    every block of a Transformer (its residual stream), but the backward recomputes
+    from stored values. Priced through the whole forward chain, the last block's
+    LayerNorm read every earlier block's values (3x block 0's price on the suite's
+    transformer), so balance recomputed the first blocks' LayerNorms only, and each
+    half of the blocks compiled kernels of its own.
     """
 
     def __init__(self, joint: JointGraph, rates: DeviceRates = H100, *, fusion: bool) -> None:
         self.joint, self.rates, self.fusion = joint, rates, fusion
         self.inlined: frozenset[Node] = frozenset(_inlined_values(joint) if fusion else ())
-        # Per bound on the sources of an inlined value (None: unbounded).
-        self._sources: dict[int | None, dict[Node, frozenset[Node]]] = {None: {}}
+        self._sources: dict[Node, frozenset[Node]] = {}
         self._cost: dict[Node, OpCost] = {}
         self._recomputed: dict[Node, OpCost] = {}
+        # Inlined values several forward kernels read (a residual stream's): a
+        # recomputed reader reads them stored, as the plan saves or writes them.
+        backward = set(joint.backward)
+        self._shared = {
+            v
+            for v in self.inlined
+            if sum(1 for r in v.users if r not in backward and not is_view(r)) > 1
+        }
         compute = [n for n in joint.gm.graph.nodes if n.op == "call_function"]
         self.step_seconds = sum(self.run(n).seconds for n in compute)
 
@@ -256,7 +265,7 @@ class StepCost:
         """Cost of running ``node`` once, forward or recomputed in backward."""
         cost = self._cost.get(node)
         if cost is None:
-            cost = self._cost[node] = self._run(node, None)
+            cost = self._cost[node] = self._run(node)
         return cost
 
     def recomputed(self, node: Node) -> OpCost:
@@ -265,19 +274,20 @@ class StepCost:
         kernels). The step's own estimate keeps ``run``: torch.compile's plan pays its
         launches too, and on a GPU-bound step they hide behind its kernels."""
         known = self._recomputed.get(node)
-        if known is not None:
-            return known
-        cost = self._recomputed[node] = self._recomputed_cost(node)
-        return cost
+        if known is None:
+            known = self._recomputed[node] = self._recomputed_cost(node)
+        return known
 
     def _recomputed_cost(self, node: Node) -> OpCost:
-        cost = self._run(node, REALIZE_ACC_READS)
+        cost = self._run(node, self._nearest_reads)
         written = node not in self.inlined and not is_getitem(node) and not is_view(node)
         if written and 0 < cost.seconds < self.rates.launch_s:
             return OpCost(flops=cost.flops, bytes=cost.bytes, seconds=self.rates.launch_s)
         return cost
 
-    def _run(self, node: Node, bound: int | None) -> OpCost:
+    def _run(self, node: Node, reads_of: Callable[[Node], set[Node]] | None = None) -> OpCost:
+        """``reads_of(node)``: the storages its kernel reads (by default ``_read`` of
+        each input)."""
         if not self.fusion:
             return op_cost(node, self.rates)
         if node.op != "call_function" or is_getitem(node) or is_view(node):
@@ -287,28 +297,48 @@ class StepCost:
             return OpCost(flops=flops, bytes=0, seconds=flops / rate)
         moved = registered_bytes(node)
         if moved is None:
-            reads = set().union(*(self._read(a, bound) for a in node.all_input_nodes))
+            if reads_of is None:
+                reads = set().union(*(self._read(a) for a in node.all_input_nodes))
+            else:
+                reads = reads_of(node)
             moved = sum(self.joint.nbytes(s) for s in reads) + value_nbytes(node.meta.get("val"))
         seconds = registered_seconds(node)
         if seconds is None:
             seconds = max(flops / rate, moved / self.rates.bytes_per_s)
         return OpCost(flops=flops, bytes=moved, seconds=seconds)
 
-    def _read(self, value: Node, bound: int | None) -> frozenset[Node]:
+    def _read(self, value: Node) -> frozenset[Node]:
         """Storages a kernel reading ``value`` reads: its own, or, if it is
-        inlined, those it is computed from (its own where they are more than
-        ``bound``: a chain written out there)."""
+        inlined, those it is computed from."""
         storage = self.joint.storage(value)
         if storage not in self.inlined:
             return frozenset((storage,))
-        known = self._sources.setdefault(bound, {})
-        sources = known.get(storage)
+        sources = self._sources.get(storage)
         if sources is None:
-            sources = frozenset().union(*(self._read(a, bound) for a in storage.all_input_nodes))
-            if bound is not None and len(sources) > bound:
-                sources = frozenset((storage,))
-            known[storage] = sources
+            sources = frozenset().union(*(self._read(a) for a in storage.all_input_nodes))
+            self._sources[storage] = sources
         return sources
+
+    def _nearest_reads(self, node: Node) -> set[Node]:
+        """Storages ``node``'s kernel reads when recomputed: through its inlined inputs,
+        nearest first, until ``REALIZE_ACC_READS`` are found (the planner cuts longer
+        recomputed chains: candidates.py); an inlined value that several forward
+        kernels read, or one reached after that, counts as stored. So an op costs the
+        same in every copy of a repeated block but the first few."""
+        reads: set[Node] = set()
+        seen: set[Node] = set()
+        queue = deque(node.all_input_nodes)
+        while queue:
+            storage = self.joint.storage(queue.popleft())
+            if storage in seen:
+                continue
+            seen.add(storage)
+            stored = storage not in self.inlined or storage in self._shared
+            if not stored and len(reads) < REALIZE_ACC_READS:
+                queue.extend(storage.all_input_nodes)
+            else:
+                reads.add(storage)
+        return reads
 
 
 def _inlined_values(joint: JointGraph) -> set[Node]:
