@@ -274,23 +274,16 @@ class Planner:
     def uniform(self, chosen: Candidate, keeps_promise) -> Candidate:
         """``chosen`` with the same decisions in every copy of each repeated block,
         where one such plan ``keeps_promise`` (the least time of those that do), else
-        ``chosen``. Classes decided both ways are grouped by the copies that recompute
-        them (a LayerNorm's ops recomputed in the first six blocks: one group), and
-        each group is all stashed or all mirrored: every combination for a few groups,
-        else all stashed, all mirrored, each as most of its copies are, and then one
-        group flipped at a time from the best of those."""
+        ``chosen``. Each class decided both ways is all stashed or all mirrored: every
+        combination for a few classes, else all stashed, all mirrored, each as most
+        of its copies are, and then one class flipped at a time from the best of
+        those."""
         units = set(chosen.units)
         mixed = self._mixed(chosen)
         if not mixed:
             return chosen
         g = self.graph
-        recomputed = set(chosen.partition.mirrored)
-        by_copies: dict[tuple[bool, ...], set[Node]] = {}
-        for c in mixed:
-            copies = tuple(u in recomputed for u in self.joint.sorted(c))
-            by_copies.setdefault(copies, set()).update(c)
-        groups = list(by_copies.values())
-        allowed = [frozenset(u for u in c if g.mirrorable[u] or u in g.last_resort) for c in groups]
+        allowed = [frozenset(u for u in c if g.mirrorable[u] or u in g.last_resort) for c in mixed]
         down = frozenset(units.difference(*mixed))
 
         def trial(up: tuple[bool, ...]) -> Candidate:
@@ -300,11 +293,11 @@ class Planner:
             kept = keeps_promise(c) and self._is_uniform(c)
             return (not kept, c.added_time_s if kept else c.peak, c.peak)
 
-        k = len(groups)
+        k = len(mixed)
         if k <= UNIFORM_EXHAUSTIVE:
             ways = [tuple(bool(bits >> i & 1) for i in range(k)) for bits in range(2**k)]
         else:
-            most = tuple(2 * len(recomputed & c) >= len(c) for c in groups)
+            most = tuple(2 * len(units & c) >= len(c) for c in mixed)
             ways = [(False,) * k, most, (True,) * k]
         best_way = min(ways, key=lambda w: score(trial(w)))
         if k > UNIFORM_EXHAUSTIVE:
@@ -316,9 +309,9 @@ class Planner:
         return best if not score(best)[0] else chosen
 
     def _settled(self, units: frozenset[Node]) -> Candidate:
-        """The plan of ``units``, and then the
-        classes still recomputed in some copies only (the backward reaches a unit
-        through readers decided elsewhere) stashed in all, until none is left."""
+        """The plan of ``units``, and then the classes still recomputed in some copies
+        only (the backward reaches a unit through readers decided elsewhere) stashed in
+        all, until none is left."""
         for _ in range(UNIFORM_SETTLE_ROUNDS):
             candidate = self.evaluate(units)
             mixed = self._mixed(candidate)
