@@ -1,9 +1,10 @@
 """cuda_lstm.cu's kernels themselves, run on the CPU (run_on_cpu.cpp, built with g++):
 their source as NVRTC compiles it, with ptx_on_cpu.h standing in for CUDA's built-ins
 and the few PTX instructions (bf16 and TF32 rounding, the MMAs by PTX's fragment
-layouts, the barrier's atomics). The forward's outputs and the backward's gradients
-(the kernel's dgates, dh0 and dc0, then the harness's GEMMs) against the float64
-reference, within the tolerances the GPU check uses. Skipped without g++."""
+layouts, the barrier's atomics). The forward's outputs and stash (in the layer's dtype)
+and the backward's gradients (the kernel's dgates, dh0 and dc0, then the harness's
+GEMMs) against the float64 reference, within the tolerances the GPU check uses. Skipped
+without g++."""
 
 import shutil
 import subprocess
@@ -116,7 +117,7 @@ def _check_layer(exe: Path, tmp_path: Path, dtype: str, hidden: int, batch: int,
     xw = torch.nn.functional.linear(x, w_ih, b_ih)
     y, h_n, c_n, stash = _run(exe, "forward", T, [xw, w_hh, b_hh.float(), h0, c0],
                               [((T, batch, H), dt), ((batch, H), dt), ((batch, H), dt),
-                               ((T, batch, 5 * H), torch.float32)], tmp_path)  # fmt: skip
+                               ((T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
     dgates, dh0, dc0 = _run(exe, "backward", T, [w_hh, stash, c0, dy, dh_n, dc_n],
                             [((T, batch, G), dt), ((batch, H), dt), ((batch, H), dt)],
                             tmp_path)  # fmt: skip
@@ -124,19 +125,19 @@ def _check_layer(exe: Path, tmp_path: Path, dtype: str, hidden: int, batch: int,
 
     exact = [t.double() for t in (x, h0, c0, *weights)]
     tolerance = prototype.TOLERANCE[dtype]
-    with torch.no_grad():
-        want = prototype.reference_forward(*exact)
-    assert prototype.relative_error((y, h_n, c_n), want) < tolerance
+    (want,) = _stack_reference(exact[0], exact[1][None], exact[2][None], [exact[3:]], None)
+    assert prototype.relative_error((y, h_n, c_n, stash), want) < tolerance
     want_grads = prototype.reference_backward(*exact, dy.double(), dh_n.double(), dc_n.double())
     errors = prototype.gradient_errors((dx, dh0, dc0, dw_ih, dw_hh, db, db), want_grads)
     assert max(errors.values()) < tolerance, errors
-    # the stash is what the backward reads: the activated gates and c_t
-    assert torch.allclose(stash[-1, :, 4 * H :].to(dt), c_n)
+    # the stash's c_t is the c the forward carries: the last step's is c_n, as rounded
+    assert torch.equal(stash[-1, :, 4 * H :], c_n)
 
 
 def _stack_reference(x, h0, c0, weights, masks):
-    """Per layer (float64): y, h_n, c_n and the stash the backward reads (the activated
-    gates and c_t of every step), layer l > 0 reading layer l-1's y times masks[l-1]."""
+    """Per layer (float64): y, h_n, c_n and the stash the backward reads (the gates'
+    pre-activations and c_t of every step), layer l > 0 reading layer l-1's y times
+    masks[l-1]."""
     layer_in, out = x, []
     for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
         if layer > 0:
@@ -149,7 +150,7 @@ def _stack_reference(x, h0, c0, weights, masks):
         c = torch.cat([c0[layer][None], torch.zeros_like(y)])
         for t in range(y.shape[0]):
             c[t + 1] = f[t].sigmoid() * c[t] + i[t].sigmoid() * g[t].tanh()
-        stash = torch.cat([i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid(), c[1:]], -1)
+        stash = torch.cat([i, f, g, o, c[1:]], -1)
         out.append((y, h_n, c_n, stash))
     return out
 
@@ -186,7 +187,7 @@ def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, 
     given_mask = masks if dropout else torch.zeros_like(masks)  # all zero: none
     y, h_n, c_n, stash = _run(exe, "wavefront", T, [xw, w_ih, w_hh, bias, h0, c0, given_mask],
                               [((L, T, batch, H), dt), ((L, batch, H), dt), ((L, batch, H), dt),
-                               ((L, T, batch, 5 * H), torch.float32)], tmp_path)  # fmt: skip
+                               ((L, T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
 
     exact = [[t.double() for t in w] for w in weights]
     want = _stack_reference(x.double(), h0.double(), c0.double(), exact, masks.double())
