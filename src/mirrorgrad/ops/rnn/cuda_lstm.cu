@@ -10,8 +10,8 @@
 // backward reads: the gates' pre-activations and c_t of every step, in the layer's dtype.
 // Pre-activations, not the activated gates: in bf16 a saturated gate (f = 0.998) rounds
 // to 1 and its derivative f(1-f) to 0: that doubled the bf16 weight gradients' error
-// against float64 (docs/rnn-op.md). The backward applies the activations again (in fp32
-// layers to the very values the forward activated, so its gates are the forward's).
+// against float64 (docs/rnn-op.md). The backward applies the activations again: the
+// forward's functions, in fp32 layers on the very values the forward activated.
 //
 // Backward. From the stash (its gates activated), dy (the gradient of each y[t]) and
 // dh_n, dc_n it computes, for t = T-1..0, with dh_t = dy_t + dgates_{t+1} W_hh (+ dh_n
