@@ -196,3 +196,37 @@ def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, 
         got = (y[layer], h_n[layer], c_n[layer], stash[layer])
         error = prototype.relative_error(got, (want_y, want_h, want_c, want_stash))
         assert error < tolerance, (layer, error)
+
+
+def test_saturated_gates_keep_their_gradients_in_bf16(tmp_path):
+    """Forget gates near 1 (pre-activations 4-8: f = 0.986-0.9997) in a bf16 layer: their
+    gradients dc c_{t-1} f(1-f), the kernel's dgates of one step, stay within 2% of
+    float64's: the stash keeps the pre-activations. (Activated gates in bf16 are 2^-8
+    apart near 1, so f rounds to 0.9961 or 1 and f(1-f) is off by up to all of it.)"""
+    H, batch, T = 32, 3, 1
+    exe = _build(tmp_path, "bf16", H, batch, 8)
+    lstm, x, h0, c0 = prototype._layer(H, batch, T, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        lstm.bias_hh_l0[H : 2 * H] += 6
+    w_ih, w_hh, b_ih, b_hh = (w.detach() for w in prototype._weights(lstm))
+    dy, dh_n, dc_n = prototype._output_gradients(x, H)
+    xw = torch.nn.functional.linear(x, w_ih, b_ih)
+    dt = x.dtype
+    *_, stash = _run(exe, "forward", T, [xw, w_hh, b_hh.float(), h0, c0],
+                     [((T, batch, H), dt), ((batch, H), dt), ((batch, H), dt),
+                      ((T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
+    dgates, _, _ = _run(exe, "backward", T, [w_hh, stash, c0, dy, dh_n, dc_n],
+                        [((T, batch, 4 * H), dt), ((batch, H), dt), ((batch, H), dt)],
+                        tmp_path)  # fmt: skip
+
+    exact = [t.double() for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh, dy, dh_n, dc_n)]
+    x, h0, c0, w_ih, w_hh, b_ih, b_hh, dy, dh_n, dc_n = exact
+    pre = (x[0] @ w_ih.t() + b_ih + h0 @ w_hh.t() + b_hh).requires_grad_()
+    i, f, g, o = pre.chunk(4, -1)
+    c = f.sigmoid() * c0 + i.sigmoid() * g.tanh()
+    h = o.sigmoid() * c.tanh()
+    (want,) = torch.autograd.grad((h * (dy[0] + dh_n)).sum() + (c * dc_n).sum(), pre)
+    assert f.detach().sigmoid().min() > 0.98  # saturated
+    got_f, want_f = dgates[0, :, H : 2 * H].double(), want[:, H : 2 * H]
+    # 0.0096 (an activated-gate stash in bf16: 0.29)
+    assert (got_f - want_f).norm() / want_f.norm() < 0.02
