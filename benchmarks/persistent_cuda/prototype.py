@@ -349,7 +349,7 @@ def time_case(dtype: str, hidden: int, batch: int, T: int, device) -> dict:
     xw = F.linear(x, weights[0], weights[2])
     h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
     y = torch.empty(T, batch, hidden, device=device, dtype=x.dtype)
-    stash = torch.empty(T, batch, 5 * hidden, device=device)
+    stash = torch.empty(T, batch, 5 * hidden, device=device, dtype=x.dtype)
     b_hh = weights[3].float()
     state = (h0[None], c0[None])
     recurrence_args = (xw, weights[1], b_hh, h0, c0, y, h_n, c_n)

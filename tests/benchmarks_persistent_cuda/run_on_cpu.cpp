@@ -6,14 +6,14 @@
 //
 //   run_on_cpu forward|backward T IN OUT   (B: the layer's batch, BATCH)
 //     forward   IN: xw [T,B,4H], w_hh [4H,H], b_hh [4H] (fp32), h0 [B,H], c0 [B,H]
-//              OUT: y [T,B,H], h_n [B,H], c_n [B,H], stash [T,B,5H] (fp32)
-//     backward  IN: w_hh [4H,H], stash [T,B,5H] (fp32), c0 [B,H], dy [T,B,H], dh_n [B,H],
+//              OUT: y [T,B,H], h_n [B,H], c_n [B,H], stash [T,B,5H]
+//     backward  IN: w_hh [4H,H], stash [T,B,5H], c0 [B,H], dy [T,B,H], dh_n [B,H],
 //                   dc_n [B,H]
 //              OUT: dgates [T,B,4H], dh0 [B,H], dc0 [B,H]
 //   run_on_cpu wavefront T IN OUT   (built with -DLSTM_LAYERS=L; mask: all zero = none)
 //     IN: xw [T,B,4H], w_ih [L-1,4H,H], w_hh [L,4H,H], bias [L,4H] (fp32), h0 [L,B,H],
 //         c0 [L,B,H], mask [L-1,T,B,H]
-//    OUT: y [L,T,B,H], h_n [L,B,H], c_n [L,B,H], stash [L,T,B,5H] (fp32)
+//    OUT: y [L,T,B,H], h_n [L,B,H], c_n [L,B,H], stash [L,T,B,5H]
 // Files hold the tensors back to back, raw, in the layer's dtype (bf16 bits or fp32)
 // unless marked fp32. Compile with cuda_lstm.cu's -D macros and
 // -DLSTM_SOURCE='"path/to/cuda_lstm.cu"'.
@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
                                L * G * f,         L * B * H * e,       L * B * H * e,
                                (L - 1) * t * B * H * e};
   const std::vector<size_t> out{L * t * B * H * e, L * B * H * e, L * B * H * e,
-                                L * t * B * STASH * f, (L - 1) * t * B * H * e};
+                                L * t * B * STASH * e, (L - 1) * t * B * H * e};
   Memory memory;
   if (!memory.make(in, out)) return fail("mmap failed");
   if (!memory.read(argv[3], in)) return fail("IN is not its tensors' size");
@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
     weights.w_ih[l] = l == 0 ? nullptr : el(1) + (l - 1) * G * H;
     weights.w_hh[l] = el(2) + l * G * H;
     outputs.y[l] = el(7) + l * t * B * H;
-    outputs.stash[l] = fp(10) + l * t * B * STASH;
+    outputs.stash[l] = el(10) + l * t * B * STASH;
   }
   const bool ran = run_grid(
       LAYERS * CTAS_PER_LAYER,
@@ -169,10 +169,10 @@ int main(int argc, char** argv) {
   constexpr size_t B = BATCH;  // the tensors' rows (a group's: cuda_lstm.cu's B)
   const std::vector<size_t> in = forward
       ? std::vector<size_t>{t * B * G * e, G * H * e, G * f, B * H * e, B * H * e}
-      : std::vector<size_t>{G * H * e, t * B * STASH * f, B * H * e, t * B * H * e, B * H * e,
+      : std::vector<size_t>{G * H * e, t * B * STASH * e, B * H * e, t * B * H * e, B * H * e,
                             B * H * e};
   const std::vector<size_t> out = forward
-      ? std::vector<size_t>{t * B * H * e, B * H * e, B * H * e, t * B * STASH * f}
+      ? std::vector<size_t>{t * B * H * e, B * H * e, B * H * e, t * B * STASH * e}
       : std::vector<size_t>{t * B * G * e, B * H * e, B * H * e};
 
   Memory memory;
@@ -189,13 +189,13 @@ int main(int argc, char** argv) {
             ctas,
             [&] {
               lstm_persistent_forward(el(0), el(1), fp(2), el(3), el(4), el(5), el(6), el(7),
-                                      fp(8), counter, status, T);
+                                      el(8), counter, status, T);
             },
             sums, GROUPS)
       : run_grid(
             ctas,
             [&] {
-              lstm_persistent_backward(el(0), fp(1), el(2), el(3), el(4), el(5), el(6), el(7),
+              lstm_persistent_backward(el(0), el(1), el(2), el(3), el(4), el(5), el(6), el(7),
                                        el(8), counter, status, T);
             },
             0, GROUPS);

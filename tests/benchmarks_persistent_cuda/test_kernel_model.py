@@ -59,7 +59,7 @@ def _mma(a_regs, b_regs, per_word: int, k_step: int) -> torch.Tensor:
 
 def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
     """(y, h_n, c_n, stash) as cuda_lstm.cu's forward computes them, one CTA of ``units``
-    units at a time; stash [T,B,5H]: the activated gates i, f, g, o and c_t."""
+    units at a time; stash [T,B,5H]: the gates' pre-activations i, f, g, o and c_t."""
     T, B, _ = xw.shape
     H = w_hh.shape[1]
     per_word, k_step = (2, 16) if bf16 else (1, 8)
@@ -109,7 +109,7 @@ def kernel_model(xw, w_hh, b_hh, h0, c0, *, units: int, bf16: bool):
                         torch.sigmoid(pre[3])]  # fmt: skip
                 c[b, unit] = gate[1] * c[b, unit] + gate[0] * gate[2]
                 h_next[b, unit] = gate[3] * torch.tanh(c[b, unit])
-                stash[t, b, unit::H] = torch.stack([*gate, c[b, unit]])
+                stash[t, b, unit::H] = torch.stack([*pre, c[b, unit]])
         y[t] = h_next
     return y, y[-1], c, stash
 
@@ -159,7 +159,8 @@ def backward_kernel_model(w_hh, stash, c0, dy, dh_n, dc_n, *, units: int, bf16: 
                     dh0[b, unit] = dh
                     continue
                 dh = dh + dy[t, b, unit] + (dh_n[b, unit] if t == T - 1 else 0)
-                gi, gf, gg, go, c_t = stash[t, b, unit::H]
+                pi, pf, pg, po, c_t = stash[t, b, unit::H]
+                gi, gf, gg, go = pi.sigmoid(), pf.sigmoid(), pg.tanh(), po.sigmoid()
                 c_prev = c0[b, unit] if t == 0 else stash[t - 1, b, 4 * H + unit]
                 tanh_c = torch.tanh(c_t)
                 dc_t = dc[b, unit] + dh * go * (1 - tanh_c**2)

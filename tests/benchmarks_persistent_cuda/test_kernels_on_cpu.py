@@ -1,9 +1,10 @@
 """cuda_lstm.cu's kernels themselves, run on the CPU (run_on_cpu.cpp, built with g++):
 their source as NVRTC compiles it, with ptx_on_cpu.h standing in for CUDA's built-ins
 and the few PTX instructions (bf16 and TF32 rounding, the MMAs by PTX's fragment
-layouts, the barrier's atomics). The forward's outputs and the backward's gradients
-(the kernel's dgates, dh0 and dc0, then the harness's GEMMs) against the float64
-reference, within the tolerances the GPU check uses. Skipped without g++."""
+layouts, the barrier's atomics). The forward's outputs and stash (in the layer's dtype)
+and the backward's gradients (the kernel's dgates, dh0 and dc0, then the harness's
+GEMMs) against the float64 reference, within the tolerances the GPU check uses. Skipped
+without g++."""
 
 import shutil
 import subprocess
@@ -116,7 +117,7 @@ def _check_layer(exe: Path, tmp_path: Path, dtype: str, hidden: int, batch: int,
     xw = torch.nn.functional.linear(x, w_ih, b_ih)
     y, h_n, c_n, stash = _run(exe, "forward", T, [xw, w_hh, b_hh.float(), h0, c0],
                               [((T, batch, H), dt), ((batch, H), dt), ((batch, H), dt),
-                               ((T, batch, 5 * H), torch.float32)], tmp_path)  # fmt: skip
+                               ((T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
     dgates, dh0, dc0 = _run(exe, "backward", T, [w_hh, stash, c0, dy, dh_n, dc_n],
                             [((T, batch, G), dt), ((batch, H), dt), ((batch, H), dt)],
                             tmp_path)  # fmt: skip
@@ -124,19 +125,19 @@ def _check_layer(exe: Path, tmp_path: Path, dtype: str, hidden: int, batch: int,
 
     exact = [t.double() for t in (x, h0, c0, *weights)]
     tolerance = prototype.TOLERANCE[dtype]
-    with torch.no_grad():
-        want = prototype.reference_forward(*exact)
-    assert prototype.relative_error((y, h_n, c_n), want) < tolerance
+    (want,) = _stack_reference(exact[0], exact[1][None], exact[2][None], [exact[3:]], None)
+    assert prototype.relative_error((y, h_n, c_n, stash), want) < tolerance
     want_grads = prototype.reference_backward(*exact, dy.double(), dh_n.double(), dc_n.double())
     errors = prototype.gradient_errors((dx, dh0, dc0, dw_ih, dw_hh, db, db), want_grads)
     assert max(errors.values()) < tolerance, errors
-    # the stash is what the backward reads: the activated gates and c_t
-    assert torch.allclose(stash[-1, :, 4 * H :].to(dt), c_n)
+    # the stash's c_t is the c the forward carries: the last step's is c_n, as rounded
+    assert torch.equal(stash[-1, :, 4 * H :], c_n)
 
 
 def _stack_reference(x, h0, c0, weights, masks):
-    """Per layer (float64): y, h_n, c_n and the stash the backward reads (the activated
-    gates and c_t of every step), layer l > 0 reading layer l-1's y times masks[l-1]."""
+    """Per layer (float64): y, h_n, c_n and the stash the backward reads (the gates'
+    pre-activations and c_t of every step), layer l > 0 reading layer l-1's y times
+    masks[l-1]."""
     layer_in, out = x, []
     for layer, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
         if layer > 0:
@@ -149,7 +150,7 @@ def _stack_reference(x, h0, c0, weights, masks):
         c = torch.cat([c0[layer][None], torch.zeros_like(y)])
         for t in range(y.shape[0]):
             c[t + 1] = f[t].sigmoid() * c[t] + i[t].sigmoid() * g[t].tanh()
-        stash = torch.cat([i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid(), c[1:]], -1)
+        stash = torch.cat([i, f, g, o, c[1:]], -1)
         out.append((y, h_n, c_n, stash))
     return out
 
@@ -186,7 +187,7 @@ def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, 
     given_mask = masks if dropout else torch.zeros_like(masks)  # all zero: none
     y, h_n, c_n, stash = _run(exe, "wavefront", T, [xw, w_ih, w_hh, bias, h0, c0, given_mask],
                               [((L, T, batch, H), dt), ((L, batch, H), dt), ((L, batch, H), dt),
-                               ((L, T, batch, 5 * H), torch.float32)], tmp_path)  # fmt: skip
+                               ((L, T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
 
     exact = [[t.double() for t in w] for w in weights]
     want = _stack_reference(x.double(), h0.double(), c0.double(), exact, masks.double())
@@ -195,3 +196,37 @@ def test_wavefront_on_cpu_matches_the_reference(tmp_path, dtype, hidden, batch, 
         got = (y[layer], h_n[layer], c_n[layer], stash[layer])
         error = prototype.relative_error(got, (want_y, want_h, want_c, want_stash))
         assert error < tolerance, (layer, error)
+
+
+def test_saturated_gates_keep_their_gradients_in_bf16(tmp_path):
+    """Forget gates near 1 (pre-activations 4-8: f = 0.986-0.9997) in a bf16 layer: their
+    gradients dc c_{t-1} f(1-f), the kernel's dgates of one step, stay within 2% of
+    float64's: the stash keeps the pre-activations. (Activated gates in bf16 are 2^-8
+    apart near 1, so f rounds to 0.9961 or 1 and f(1-f) is off by up to all of it.)"""
+    H, batch, T = 32, 3, 1
+    exe = _build(tmp_path, "bf16", H, batch, 8)
+    lstm, x, h0, c0 = prototype._layer(H, batch, T, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        lstm.bias_hh_l0[H : 2 * H] += 6
+    w_ih, w_hh, b_ih, b_hh = (w.detach() for w in prototype._weights(lstm))
+    dy, dh_n, dc_n = prototype._output_gradients(x, H)
+    xw = torch.nn.functional.linear(x, w_ih, b_ih)
+    dt = x.dtype
+    *_, stash = _run(exe, "forward", T, [xw, w_hh, b_hh.float(), h0, c0],
+                     [((T, batch, H), dt), ((batch, H), dt), ((batch, H), dt),
+                      ((T, batch, 5 * H), dt)], tmp_path)  # fmt: skip
+    dgates, _, _ = _run(exe, "backward", T, [w_hh, stash, c0, dy, dh_n, dc_n],
+                        [((T, batch, 4 * H), dt), ((batch, H), dt), ((batch, H), dt)],
+                        tmp_path)  # fmt: skip
+
+    exact = [t.double() for t in (x, h0, c0, w_ih, w_hh, b_ih, b_hh, dy, dh_n, dc_n)]
+    x, h0, c0, w_ih, w_hh, b_ih, b_hh, dy, dh_n, dc_n = exact
+    pre = (x[0] @ w_ih.t() + b_ih + h0 @ w_hh.t() + b_hh).requires_grad_()
+    i, f, g, o = pre.chunk(4, -1)
+    c = f.sigmoid() * c0 + i.sigmoid() * g.tanh()
+    h = o.sigmoid() * c.tanh()
+    (want,) = torch.autograd.grad((h * (dy[0] + dh_n)).sum() + (c * dc_n).sum(), pre)
+    assert f.detach().sigmoid().min() > 0.98  # saturated
+    got_f, want_f = dgates[0, :, H : 2 * H].double(), want[:, H : 2 * H]
+    # 0.0096 (an activated-gate stash in bf16: 0.29)
+    assert (got_f - want_f).norm() / want_f.norm() < 0.02

@@ -302,6 +302,7 @@ def test_launches_pass_the_kernels_parameters_in_their_order(monkeypatch, batch,
     kernel = object.__new__(cuda_lstm_kernel.CudaLstmKernel)
     kernel.device_index = 0
     kernel.driver, kernel.hidden, kernel.batch = _RecordingDriver(), hidden, batch
+    kernel.dtype = "fp32"  # the tensors' (the stash's too)
     kernel.layout = cuda_lstm_kernel.batch_layout(hidden, batch, 132)
     kernel.grid = kernel.layout.grid
     kernel.shared_bytes = {cuda_lstm_kernel.FORWARD_KERNEL: forward_shared,

@@ -179,31 +179,31 @@ def test_unsupported_reason_names_what_the_kernel_lacks(h100):
 
 
 @pytest.mark.parametrize("memory", ["stash", "recompute"])
-def test_saved_layout_is_the_float32_stash_in_both_memory_modes(memory):
-    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 16, torch.bfloat16) == [
-        ((7, 3, 80), torch.float32)]  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_saved_layout_is_the_stash_in_the_layers_dtype_in_both_memory_modes(memory, dtype):
+    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 16, dtype) == [((7, 3, 80), dtype)]
     assert op._saved_per_layer("cuda", "lstm", memory) == 1
-    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 16, torch.bfloat16) == 7 * 3 * 80 * 4
+    size = dtype.itemsize
+    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 16, dtype) == 7 * 3 * 80 * size
     # hidden 13 runs padded to 16: the stash the kernel writes, as the planner must see it
-    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 13, torch.bfloat16) == [
-        ((7, 3, 80), torch.float32)]  # fmt: skip
-    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 13, torch.bfloat16) == 7 * 3 * 80 * 4
+    assert cuda_persistent.saved_layout("lstm", memory, 7, 3, 13, dtype) == [((7, 3, 80), dtype)]
+    assert op.layer_saved_bytes("cuda", "lstm", memory, 7, 3, 13, dtype) == 7 * 3 * 80 * size
 
 
 @pytest.mark.parametrize(("H", "Hp"), [(16, 16), (13, 16)])
 def test_fake_kernel_saves_one_stash_per_layer_direction(H, Hp):
     from mirrorgrad import _compat
 
-    T, B, layers = 5, 3, 2
+    T, B, layers, dt = 5, 3, 2, torch.bfloat16
     with _compat.fake_tensors():
-        x = torch.empty(T, B, 8)
+        x = torch.empty(T, B, 8, dtype=dt)
         weights = []
         for layer in range(layers):
             for _ in range(2):
                 n_in = 8 if layer == 0 else 2 * H
-                weights += [torch.empty(4 * H, n_in), torch.empty(4 * H, H),
-                            torch.empty(4 * H), torch.empty(4 * H)]  # fmt: skip
-        hx = torch.empty(2 * layers, B, H)
+                weights += [torch.empty(4 * H, n_in, dtype=dt), torch.empty(4 * H, H, dtype=dt),
+                            torch.empty(4 * H, dtype=dt), torch.empty(4 * H, dtype=dt)]  # fmt: skip
+        hx = torch.empty(2 * layers, B, H, dtype=dt)
         _, _, _, saved = op.rnn_forward_fake(
             x, weights, hx, hx, None, torch.empty((), dtype=torch.int64), "lstm", layers, True,
             True, 0, 0.0, "recompute", None, "cuda", True,
@@ -211,7 +211,7 @@ def test_fake_kernel_saves_one_stash_per_layer_direction(H, Hp):
     # per layer: two stashes, then (but after the last) the layer's output
     assert [tuple(s.shape) for s in saved] == [(T, B, 5 * Hp)] * 2 + [(T, B, 2 * H)] + [
         (T, B, 5 * Hp)] * 2  # fmt: skip
-    assert all(s.dtype == torch.float32 for s in saved[:2])
+    assert all(s.dtype == dt for s in saved)
 
 
 def test_impl_cuda_refuses_gru_and_rnn_modules():
@@ -304,10 +304,16 @@ def test_auto_asks_for_cuda_only_without_lengths_state_clip_or_recompute(monkeyp
     assert seen == [True, False, False, False, True]
 
 
+def _activated(pre, H):
+    """The gates i, f, g, o from their pre-activations [B, 4H]."""
+    i, f, g, o = pre.split(H, 1)
+    return i.sigmoid(), f.sigmoid(), g.tanh(), o.sigmoid()
+
+
 class _StandInKernel:
-    """cuda_lstm.cu's two kernels in plain PyTorch (same arguments, same stash), so that
-    the layer around them (the input GEMM, the gradient GEMMs, the biases, the stack)
-    runs on the CPU."""
+    """cuda_lstm.cu's two kernels in plain PyTorch (same arguments, same stash: the gates'
+    pre-activations and c_t), so that the layer around them (the input GEMM, the gradient
+    GEMMs, the biases, the stack) runs on the CPU."""
 
     def __init__(self, hidden: int):
         self.hidden = hidden
@@ -322,19 +328,19 @@ class _StandInKernel:
         for name, t in states.items():
             shape = (T, B, steps[name]) if name in steps else (B, H)
             assert t.shape == shape and t.is_contiguous(), (name, tuple(t.shape), shape)
+            assert t.dtype == w_hh.dtype, (name, t.dtype)  # the layer's, the stash's too
 
     def recurrence(self, xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash):
-        T, B = xw.shape[:2]
+        T, B, H = *xw.shape[:2], self.hidden
         self._check(T, B, w_hh, b_hh, xw=xw, h0=h0, c0=c0, y=y, h_n=h_n, c_n=c_n, stash=stash)
         h, c = h0, c0
         for t in range(xw.shape[0]):
             pre = xw[t] + h @ w_hh.t() + b_hh
-            i, f, g, o = pre.sigmoid().chunk(4, 1)
-            g = pre.chunk(4, 1)[2].tanh()
+            i, f, g, o = _activated(pre, H)
             c = f * c + i * g
             h = o * c.tanh()
             y[t] = h
-            stash[t] = torch.cat([i, f, g, o, c], 1)
+            stash[t] = torch.cat([pre, c], 1)
         h_n.copy_(h)
         c_n.copy_(c)
         self.launches += 1
@@ -347,7 +353,8 @@ class _StandInKernel:
         dc = dc_n
         for t in reversed(range(T)):
             dh = dy[t] + (dh_next if t == T - 1 else dgates[t + 1] @ w_hh)
-            i, f, g, o, c = stash[t].split(H, 1)
+            i, f, g, o = _activated(stash[t][:, : 4 * H], H)
+            c = stash[t][:, 4 * H :]
             c_prev = c0 if t == 0 else stash[t - 1][:, 4 * H :]
             dc = dc + dh * o * (1 - c.tanh() ** 2)
             parts = (dc * g * i * (1 - i), dc * c_prev * f * (1 - f), dc * i * (1 - g * g),

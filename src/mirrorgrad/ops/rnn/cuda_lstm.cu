@@ -7,10 +7,15 @@
 //     gates_t = xW_t + h_{t-1} W_hh^T + b_hh          (gate order i, f, g, o: torch.nn.LSTM)
 //     c_t = sigmoid(f) c_{t-1} + sigmoid(i) tanh(g),   h_t = sigmoid(o) tanh(c_t)
 // and writes y[t] = h_t, h_n = h_{T-1}, c_n = c_{T-1}, and where asked the stash the
-// backward reads: the activated gates and c_t of every step.
+// backward reads: the gates' pre-activations and c_t of every step, in the layer's dtype.
+// Pre-activations, not the activated gates: in bf16 a saturated gate (f = 0.998) rounds
+// to 1 and its derivative f(1-f) to 0: that doubled the bf16 weight gradients' error
+// against float64 (docs/rnn-op.md). The backward applies the activations again: the
+// forward's functions, in fp32 layers on the very values the forward activated.
 //
-// Backward. From the stash, dy (the gradient of each y[t]) and dh_n, dc_n it computes,
-// for t = T-1..0, with dh_t = dy_t + dgates_{t+1} W_hh (+ dh_n at t = T-1):
+// Backward. From the stash (its gates activated), dy (the gradient of each y[t]) and
+// dh_n, dc_n it computes, for t = T-1..0, with dh_t = dy_t + dgates_{t+1} W_hh (+ dh_n
+// at t = T-1):
 //     dc = dc_t + dh_t o (1 - tanh^2 c_t)
 //     dgates_t = (dc g i(1-i), dc c_{t-1} f(1-f), dc i (1-g^2), dh_t tanh(c_t) o(1-o))
 //     dc_{t-1} = dc f
@@ -132,7 +137,8 @@ constexpr int BWD_K_PER_WARP = (BWD_K_STEPS + WARPS - 1) / WARPS;
 // H = 1024 with 2 a tile).
 constexpr int BWD_CHAINS_WANTED = BWD_M_TILES * BWD_N_TILES == 1 ? 4 : 1;
 constexpr int BWD_CHAINS = BWD_K_PER_WARP < BWD_CHAINS_WANTED ? BWD_K_PER_WARP : BWD_CHAINS_WANTED;
-constexpr int STASH = 5 * H;  // stash row of a (step, batch row): i, f, g, o, then c_t
+// A stash row of a (step, batch row): the pre-activations of i, f, g, o, then c_t.
+constexpr int STASH = 5 * H;
 constexpr unsigned long long BARRIER_TIMEOUT_NS = 1000000000ull;
 
 static_assert(H % 8 == 0, "H must be a multiple of 8 (aligned 32-bit fragment loads)");
@@ -443,37 +449,42 @@ __device__ __forceinline__ void mma_by_n_tile(float (&partial)[WARPS][ROWS][COLS
   }
 }
 
-// The cell of (local unit u, batch row b): its activated gates from the warps' partial
-// sums, the input side and the bias; updates c (fp32) and returns h.
+// The gates i, f, g, o from their pre-activations (in place).
+__device__ __forceinline__ void activate(float* gate) {
+  gate[0] = sigmoid(gate[0]);
+  gate[1] = sigmoid(gate[1]);
+  gate[2] = tanhf(gate[2]);
+  gate[3] = sigmoid(gate[3]);
+}
+
+// The cell of (local unit u, batch row b): its gates' pre-activations (pre) from the
+// warps' partial sums, the input side and the bias; updates c (fp32) and returns h.
 __device__ __forceinline__ float cell_forward(const float (&partial)[WARPS][ROWS][COLS],
                                               const float (&x_side)[4], const float (&bias)[4],
-                                              int u, int b, float& c, float (&gate)[4]) {
-  float pre[4];
+                                              int u, int b, float& c, float (&pre)[4]) {
+  float gate[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     float sum = x_side[q] + bias[q];
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) sum += partial[w][q * UNITS + u][b];
-    pre[q] = sum;
+    pre[q] = gate[q] = sum;
   }
-  gate[0] = sigmoid(pre[0]);
-  gate[1] = sigmoid(pre[1]);
-  gate[2] = tanhf(pre[2]);
-  gate[3] = sigmoid(pre[3]);
+  activate(gate);
   c = gate[1] * c + gate[0] * gate[2];
   return gate[3] * tanhf(c);
 }
 
 // y[t] = h at (batch row b, unit), and where asked (stash not null) the stash row the
-// backward reads: the activated gates and c_t.
-__device__ __forceinline__ void write_step(elem_t* y, float* stash, int t, int b, int unit,
-                                           float h, const float (&gate)[4], float c) {
+// backward reads: the gates' pre-activations and c_t.
+__device__ __forceinline__ void write_step(elem_t* y, elem_t* stash, int t, int b, int unit,
+                                           float h, const float (&pre)[4], float c) {
   store(y + (static_cast<long long>(t) * BATCH + b) * H + unit, h);
   if (stash != nullptr) {
-    float* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
+    elem_t* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) row[q * H] = gate[q];
-    row[4 * H] = c;
+    for (int q = 0; q < 4; ++q) store(row + q * H, pre[q]);
+    store(row + 4 * H, c);
   }
 }
 
@@ -524,7 +535,7 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, BATCH, 4H]: x W
                         elem_t* y,                        // [T, BATCH, H]: h_t of every step
                         elem_t* __restrict__ h_n,         // [BATCH, H]
                         elem_t* __restrict__ c_n,         // [BATCH, H]
-                        float* __restrict__ stash,        // [T, BATCH, 5H], the backward's, or null
+                        elem_t* __restrict__ stash,       // [T, BATCH, 5H], the backward's, or null
                         unsigned* counter,                // barrier arrivals: group g's at [32 g]
                         int* status,                      // set to 1 where a barrier timed out
                         int T) {
@@ -581,9 +592,9 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, BATCH, 4H]: x W
     for (int i = 0; i < CELLS_PER_THREAD; ++i) {
       int unit, b;
       if (my_cell(i, unit0, unit, b)) {
-        float gate[4];
-        const float h = cell_forward(partial, x_side[i], bias[i], unit - unit0, b, c[i], gate);
-        write_step(y, stash, t, b, unit, h, gate, c[i]);
+        float pre[4];
+        const float h = cell_forward(partial, x_side[i], bias[i], unit - unit0, b, c[i], pre);
+        write_step(y, stash, t, b, unit, h, pre, c[i]);
         if (t == T - 1) {
           const long long at = static_cast<long long>(b) * H + unit;
           store(h_n + at, h);
@@ -603,10 +614,11 @@ lstm_persistent_forward(const elem_t* __restrict__ xw,    // [T, BATCH, 4H]: x W
 
 // What step t's cell backward reads besides dh_t's product: it does not depend on the
 // recurrence, so it is loaded a step ahead, before the barrier wait. side[i] holds
-// dy_t (plus dh_n at t = T-1; zero at t = -1), the gates i, f, g, o, c_t and c_{t-1}.
+// dy_t (plus dh_n at t = T-1; zero at t = -1), the gates' pre-activations i, f, g, o
+// (activated at the step's start: ``activate``), c_t and c_{t-1}.
 constexpr int SIDE = 7;
 __device__ __forceinline__ void load_cell_side(float (&side)[CELLS_PER_THREAD][SIDE],
-                                               const float* stash, const elem_t* c0,
+                                               const elem_t* stash, const elem_t* c0,
                                                const elem_t* dy, const elem_t* dh_n, int t,
                                                int T, int unit0) {
 #pragma unroll
@@ -614,18 +626,18 @@ __device__ __forceinline__ void load_cell_side(float (&side)[CELLS_PER_THREAD][S
     int unit, b;
     const bool mine = my_cell(i, unit0, unit, b) && t >= 0;
     const long long at = static_cast<long long>(b) * H + unit;
-    const float* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
+    const elem_t* row = stash + (static_cast<long long>(t) * BATCH + b) * STASH + unit;
     side[i][0] = mine ? to_float(dy[static_cast<long long>(t) * BATCH * H + at]) : 0.0f;
     if (mine && t == T - 1) side[i][0] += to_float(dh_n[at]);
 #pragma unroll
-    for (int q = 0; q < 5; ++q) side[i][1 + q] = mine ? row[q * H] : 0.0f;
-    side[i][6] = !mine ? 0.0f : t == 0 ? to_float(c0[at]) : row[4 * H - BATCH * STASH];
+    for (int q = 0; q < 5; ++q) side[i][1 + q] = mine ? to_float(row[q * H]) : 0.0f;
+    side[i][6] = !mine ? 0.0f : t == 0 ? to_float(c0[at]) : to_float(row[4 * H - BATCH * STASH]);
   }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
-                         const float* __restrict__ stash,  // [T, BATCH, 5H]: the forward's
+                         const elem_t* __restrict__ stash, // [T, BATCH, 5H]: the forward's
                          const elem_t* __restrict__ c0,    // [BATCH, H]
                          const elem_t* __restrict__ dy,    // [T, BATCH, H]: gradient of y
                          const elem_t* __restrict__ dh_n,  // [BATCH, H]
@@ -685,6 +697,12 @@ lstm_persistent_backward(const elem_t* __restrict__ w_hh,  // [4H, H]
 
   // Step t = -1 only runs the product: dh0 = dgates_0 W_hh.
   for (int t = T - 1; t >= -1; --t) {
+    // The gates of step t, loaded before the barrier, activated here: the work overlaps
+    // the step's dgates loads, and the loads' latency stays behind the barrier's wait.
+    if (t >= 0) {
+#pragma unroll
+      for (int i = 0; i < CELLS_PER_THREAD; ++i) activate(&side[i][1]);
+    }
     float acc[BWD_CHAINS][BWD_M_TILES][BWD_N_TILES][4];
 #pragma unroll
     for (int ch = 0; ch < BWD_CHAINS; ++ch)
@@ -802,7 +820,7 @@ struct LayerWeights {
 };
 struct LayerOutputs {
   elem_t* y[LAYERS];     // [T, B, H]: h_t of every step
-  float* stash[LAYERS];  // [T, B, 5H] for the backward, or null
+  elem_t* stash[LAYERS];  // [T, B, 5H] for the backward, or null
 };
 
 // A thread's W_ih fragment (mt, kk) in the dynamic shared memory: the 4 words of thread
@@ -859,7 +877,7 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
   const int unit0 = (blockIdx.x % CTAS_PER_LAYER) * UNITS;
   const long long steps = static_cast<long long>(T) * B * H;  // one layer's y
   elem_t* my_y = outputs.y[layer];
-  float* my_stash = outputs.stash[layer];
+  elem_t* my_stash = outputs.stash[layer];
   // Layer l > 0 reads layer l-1's output, dropped where a mask is given.
   const elem_t* input = layer == 0 ? nullptr
                         : mask == nullptr ? outputs.y[layer - 1]
@@ -925,10 +943,10 @@ lstm_wavefront_forward(const elem_t* __restrict__ xw,    // [T, B, 4H]: layer 0'
       for (int i = 0; i < CELLS_PER_THREAD; ++i) {
         int unit, b;
         if (my_cell(i, unit0, unit, b)) {
-          float gate[4];
+          float pre[4];
           const float h = cell_forward(partial, x_side[i], cell_bias[i], unit - unit0, b, c[i],
-                                       gate);  // fmt: skip
-          write_step(my_y, my_stash, t, b, unit, h, gate, c[i]);
+                                       pre);  // fmt: skip
+          write_step(my_y, my_stash, t, b, unit, h, pre, c[i]);
           const long long at = (static_cast<long long>(t) * B + b) * H + unit;
           if (my_mask != nullptr)  // as torch's y * mask: y rounded to its dtype first
             store(my_dropped + at, to_float(my_y[at]) * to_float(my_mask[at]));

@@ -453,8 +453,9 @@ class CudaLstmKernel:
                    y: Tensor, h_n: Tensor, c_n: Tensor,
                    stash: Tensor | None = None) -> None:  # fmt: skip
         """Launch the forward kernel on torch's current stream: y, h_n, c_n (and the
-        backward's stash [T,B,5H] fp32 where given) from xw = x W_ih^T + b_ih [T,B,4H],
-        W_hh [4H,H], b_hh (fp32) [4H], h0 and c0 [B,H]."""
+        backward's stash [T,B,5H] in the layer's dtype where given: the gates'
+        pre-activations and c_t) from xw = x W_ih^T + b_ih [T,B,4H], W_hh [4H,H], b_hh
+        (fp32) [4H], h0 and c0 [B,H]."""
         T = self._check_steps(xw, 4 * self.hidden, "xw")
         self._launch(FORWARD_KERNEL, [xw, w_hh, b_hh, h0, c0, y, h_n, c_n, stash], T)
 
@@ -462,11 +463,12 @@ class CudaLstmKernel:
                             dh_n: Tensor, dc_n: Tensor, dgates: Tensor, dh0: Tensor,
                             dc0: Tensor) -> None:  # fmt: skip
         """Launch the backward kernel on torch's current stream: dgates [T,B,4H] and dh0,
-        dc0 [B,H] from W_hh, the forward's stash [T,B,5H] (fp32), c0, dy [T,B,H], and
-        dh_n, dc_n [B,H]."""
+        dc0 [B,H] from W_hh, the forward's stash [T,B,5H] (the layer's dtype), c0, dy
+        [T,B,H], and dh_n, dc_n [B,H]."""
         T = self._check_steps(dy, self.hidden, "dy")
-        if stash.shape != (T, self.batch, 5 * self.hidden) or stash.dtype != torch.float32:
-            raise ValueError(f"stash must be float32 {(T, self.batch, 5 * self.hidden)}, "
+        shape, dtype = (T, self.batch, 5 * self.hidden), DTYPES[self.dtype]
+        if stash.shape != shape or stash.dtype != dtype:
+            raise ValueError(f"stash must be {dtype} {shape}, "
                              f"got {stash.dtype} {tuple(stash.shape)}")  # fmt: skip
         self._launch(BACKWARD_KERNEL, [w_hh, stash, c0, dy, dh_n, dc_n, dgates, dh0, dc0], T)
 
@@ -475,11 +477,11 @@ class CudaLstmKernel:
                   y: list[Tensor], h_n: Tensor, c_n: Tensor,
                   stash: list[Tensor] | None) -> None:  # fmt: skip
         """Launch the wavefront on torch's current stream: each layer's y [T,B,H] (and the
-        backward's stash [T,B,5H] fp32 where given), h_n and c_n [L,B,H] from layer 0's
-        xw = x W_ih^T + b_ih [T,B,4H], W_ih of layers 1.. and W_hh of every layer [4H,H]
-        each, the biases (fp32) [L,4H] (b_hh, plus b_ih past layer 0), h0 and c0 [L,B,H],
-        and where dropout runs between the layers its mask (0 or 1/(1-p)) [L-1,T,B,H] and
-        scratch ``dropped`` of that shape."""
+        backward's stash [T,B,5H] in the layer's dtype where given), h_n and c_n [L,B,H]
+        from layer 0's xw = x W_ih^T + b_ih [T,B,4H], W_ih of layers 1.. and W_hh of every
+        layer [4H,H] each, the biases (fp32) [L,4H] (b_hh, plus b_ih past layer 0), h0 and
+        c0 [L,B,H], and where dropout runs between the layers its mask (0 or 1/(1-p))
+        [L-1,T,B,H] and scratch ``dropped`` of that shape."""
         T = self._check_steps(xw, 4 * self.hidden, "xw")
         L, H = self.layers, self.hidden
         if (len(w_ih), len(w_hh), len(y), len(stash or y)) != (L - 1, L, L, L) or (
@@ -509,7 +511,7 @@ class CudaLstmKernel:
         h_n, c_n = torch.empty_like(h0), torch.empty_like(c0)
         saved = None
         if stash:
-            saved = torch.empty(x.shape[0], x.shape[1], 5 * self.hidden, device=x.device)
+            saved = x.new_empty(x.shape[0], x.shape[1], 5 * self.hidden)
         self.recurrence(xw, w_hh, b_hh.float(), h0, c0, y, h_n, c_n, saved)
         return (y, h_n, c_n, saved) if stash else (y, h_n, c_n)
 

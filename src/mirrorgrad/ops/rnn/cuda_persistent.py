@@ -29,11 +29,13 @@ stay zero, and so its gate gradients. Outputs and gradients are sliced back to H
 padded copies are made per call (nothing cached goes stale when the optimizer updates W
 in place) and counted as workspace.
 
-SAVED LAYOUT (both memory modes): the stash [T,B,5Hp] float32, the activated gates i,
-f, g, o and c_t of every step, as the backward kernel reads it (Hp = H where H is a
-multiple of 8). memory="recompute" runs as "stash" (the kernel has no recomputing
-backward): its saved bytes are the stash's, and ``saved_layout`` says so to the op's
-memory formulas and the planner.
+SAVED LAYOUT (both memory modes): the stash [T,B,5Hp] in the layer's dtype, the gates'
+pre-activations i, f, g, o (both biases added) and c_t of every step, as the backward
+kernel reads it (Hp = H where H is a multiple of 8; the backward activates the gates
+again: in bf16 the activated gates would lose their derivatives where they saturate).
+memory="recompute" runs as "stash" (the kernel has no recomputing backward): its saved
+bytes are the stash's, and ``saved_layout`` says so to the op's memory formulas and the
+planner.
 
 STACKS AS ONE LAUNCH: op.py asks ``stack_forward`` first; a unidirectional stack of 2
 layers or more whose layout fits (``wavefront_reason``) runs its forward as one
@@ -73,8 +75,9 @@ def padded_hidden(hidden: int) -> int:
 def saved_layout(
     mode: str, memory: str, T: int, B: int, H: int, dtype: torch.dtype
 ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The stash [T,B,5Hp] float32 in either memory mode (the module's docstring)."""
-    return [((T, B, 5 * padded_hidden(H)), torch.float32)]
+    """The stash [T,B,5Hp] in the layer's dtype, in either memory mode (the module's
+    docstring)."""
+    return [((T, B, 5 * padded_hidden(H)), dtype)]
 
 
 def workspace_bytes(
@@ -247,7 +250,7 @@ def layer_forward(call: LayerCall) -> tuple[Tensor, Tensor, Tensor, tuple[Tensor
         b_hh = _pad(b_hh.float(), H, Hp, gates=4)
     # y, h_n and c_n in one block: one NaN fill covers them where a barrier gave up.
     out = torch.empty(T + 2, B, Hp, dtype=x.dtype, device=x.device)
-    stash = torch.empty(T, B, 5 * Hp, dtype=torch.float32, device=x.device)
+    stash = x.new_empty(T, B, 5 * Hp)
     kernel.recurrence(xw, _pad_w_hh(w_hh, H, Hp), b_hh, _pad(call.h0, H, Hp),
                       _pad(call.c0, H, Hp), out[:T], out[T], out[T + 1], stash)  # fmt: skip
     kernel.poison(out)
@@ -446,7 +449,7 @@ def stack_forward(x, weights, hx, cx, lengths, seed, mode, num_layers, bidirecti
     h_n, c_n = x.new_empty(L, B, Hp), x.new_empty(L, B, Hp)
     stash = None
     if need_saved:
-        stash = [x.new_empty(T, B, 5 * Hp, dtype=torch.float32) for _ in range(L)]
+        stash = [x.new_empty(T, B, 5 * Hp) for _ in range(L)]
     kernel.wavefront(xw, [_pad_w_hh(w[layer][0], H, Hp) for layer in range(1, L)],
                      [_pad_w_hh(w[layer][1], H, Hp) for layer in range(L)], bias.view(L, 4 * Hp),
                      _pad(hx, H, Hp), _pad(cx, H, Hp), mask, dropped, ys, h_n, c_n,
