@@ -47,7 +47,7 @@ from mirrorgrad._timing import Timing, synchronize, time_calls
 from mirrorgrad._units import format_bytes
 from mirrorgrad.bench.provenance import git_commit
 from mirrorgrad.bench.rnn_modules import CONFIGS, QUICK, SUITE_MODES, TORCH_MODULES, Config
-from mirrorgrad.bench.runner import DTYPES
+from mirrorgrad.bench.runner import DTYPES, SavedStorageBytes
 
 MODE_NAMES = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN-tanh"}
 MEMORY_MODES = ("stash", "recompute")
@@ -124,25 +124,6 @@ def relative_error(grads: tuple[Tensor, ...], reference: tuple[Tensor, ...]) -> 
     )
 
 
-class _SavedStorages:
-    """Bytes of the distinct storages autograd saves that did not exist before (the CPU's
-    stash: there is no allocator to ask)."""
-
-    def __init__(self, existing: list[Tensor]) -> None:
-        self._existing = {t.untyped_storage().data_ptr() for t in existing}
-        self._saved: dict[int, int] = {}
-
-    def pack(self, t: Tensor) -> Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self._existing:
-            self._saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self._saved.values())
-
-
 def memory(case: Case, module: nn.RNNBase) -> dict[str, int | None]:
     """The module's stash and backward extra (bytes); on a GPU after a warm-up step (the
     op's step loops captured at the addresses this step's tensors get)."""
@@ -150,7 +131,7 @@ def memory(case: Case, module: nn.RNNBase) -> dict[str, int | None]:
     device = case.x.device
     if device.type != "cuda":
         hx = list(case.hx) if case.mode == "lstm" else [case.hx]
-        saved = _SavedStorages([case.x, *hx, *module.parameters()])
+        saved = SavedStorageBytes([case.x, *hx, *module.parameters()])
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             y = forward()
         backward(y)

@@ -54,7 +54,7 @@ def test_t_table_in_mib_with_dashes_for_what_was_not_measured():
 
 def test_cpu_stash_counts_saved_storages_the_forward_allocated():
     x, w = torch.randn(4, 8), torch.randn(8, requires_grad=True)
-    saved = rmm._SavedStorages([x, w])
+    saved = rmm.SavedStorageBytes([x, w])
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         y = (x.exp() * w).sum()  # mul saves exp's output (new) and w (existing)
     assert saved.total == x.numel() * x.element_size()

@@ -25,7 +25,7 @@ import platform
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,17 +177,19 @@ def _fresh_allocator(device: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-class _SavedBytes:
-    """Bytes of distinct storages saved for backward, parameters excluded (CPU peak)."""
+class SavedStorageBytes:
+    """Bytes of the distinct storages autograd saves for backward, those of ``existing``
+    (parameters, inputs) excluded: a stash measured on the CPU, which has no allocator to
+    ask. ``pack`` is the saved-tensors hook."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def __init__(self, existing: Iterable[torch.Tensor]) -> None:
+        self._existing = {t.untyped_storage().data_ptr() for t in existing}
         self._seen: dict[int, int] = {}
 
     @torch.compiler.disable  # a Python hook, not part of the model's graph
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._params:
+        if storage.data_ptr() not in self._existing:
             self._seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -249,7 +251,7 @@ def _auto_picks(*, captured: bool) -> list[str]:
 
 
 def _cpu_peak(step: Any, model: torch.nn.Module) -> int:
-    saved = _SavedBytes(model)
+    saved = SavedStorageBytes(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
